@@ -1,0 +1,27 @@
+"""Shared test helpers: one relative-error comparison used by every numeric test."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rel_rms_error(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """||got - ref||_2 / ||ref||_2 in float64 (0 when both are zero)."""
+    ref64, got64 = ref.detach().double(), got.detach().double()
+    den = ref64.pow(2).mean().sqrt().item()
+    num = (got64 - ref64).pow(2).mean().sqrt().item()
+    return num / den if den > 0 else num
+
+
+def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, ratio: float) -> float:
+    """Assert the relative RMS error of ``got`` vs ``ref`` is at most ``ratio``; print the max abs diff.
+
+    :returns: the measured relative error (so tests can report it).
+    """
+    assert ref.shape == got.shape, f"{name}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}"
+    assert torch.isfinite(got).all(), f"{name}: non-finite values in result"
+    err = rel_rms_error(ref, got)
+    max_abs = (got.detach().double() - ref.detach().double()).abs().max().item() if ref.numel() else 0.0
+    print(f"{name}: rel_rms={err:.3e} max_abs={max_abs:.3e} (tol {ratio:.1e})")
+    assert err <= ratio, f"{name}: relative RMS error {err:.3e} > {ratio:.1e} (max abs diff {max_abs:.3e})"
+    return err
