@@ -1,0 +1,256 @@
+"""Write BF16 masters of an INT4 / MXFP4 checkpoint (``kimi-rl dequantize``).
+
+Shard by shard, with bounded memory: each input shard is read lazily (memory-mapped), its
+packed experts are dequantized exactly to bf16 (``<m>.weight``), other tensors are copied, and
+the result is written as one or more output parts of at most ``part_bytes`` each (so the
+in-memory buffer never exceeds that), each part atomically. A per-shard manifest written last
+marks the shard finished, which makes the tool resumable: finished shards are skipped and
+reported as not re-verified. The index and ``config.json`` (``quantization_config`` removed)
+are written at the end.
+
+Verification re-quantizes every dequantized tensor with the requested convention and compares
+bytes (``kimi_core.quant.verify``). Any mismatch means the checkpoint is not its own fixed point
+under that convention (an RTN checkpoint, amax/7.5, is not): the shard's parts are removed, the
+tensors are named, and :class:`VerificationError` is raised (the CLI exits with code 2).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from kimi_core.checkpoint.reader import INDEX_NAME, CheckpointReader
+from kimi_core.checkpoint.writer import atomic_write_text, save_shard
+from kimi_core.quant import FormatError, get_format
+from kimi_core.quant.verify import check_int4, check_mxfp4
+
+log = logging.getLogger(__name__)
+
+RTN_HINT = ("an RTN checkpoint (scale = amax/7.5, q in [-8, 7]) is not its own fixed point: its dequantized weights "
+            "do not re-quantize to the served bytes. Train on the original BF16 weights as masters "
+            "(SkyRL: fake_int4_qat.bf16_base_path) with --scale-divisor 7.5 --q-min -8 fake-quant, "
+            "or pass --no-verify if you only need plain BF16 weights.")
+
+
+class VerificationError(RuntimeError):
+    """Re-quantizing dequantized tensors did not give back the checkpoint's bytes."""
+
+    def __init__(self, bad: dict[str, tuple[int, int]]):
+        self.bad = bad
+        names = ", ".join(f"{k} (scales {s}, codes {c})" for k, (s, c) in list(bad.items())[:8])
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        super().__init__(f"{len(bad)} tensors are not fixed points: {names}{more}. Hint: {RTN_HINT}")
+
+
+@dataclass
+class DequantizeReport:
+    written_shards: list[str] = field(default_factory=list)
+    skipped_shards: list[str] = field(default_factory=list)  # finished earlier, not re-verified
+    dequantized: int = 0
+    copied: int = 0
+    bad: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def _manifest(out_dir: str, shard: str) -> str:
+    return os.path.join(out_dir, f".{shard}.dequantized.json")
+
+
+def _part_name(shard: str, j: int) -> str:
+    stem = shard[: -len(".safetensors")]
+    return f"{stem}-bf16-{j:03d}.safetensors"
+
+
+_ROW_CHUNK_BYTES = 1 << 20  # bf16 output bytes dequantized (and verified) per step
+
+
+def _dequantize_rows(fmt, packed, scale, verify, scale_divisor, q_min):
+    """Dequantize (and verify) a 2-D/3-D packed tensor a few rows at a time to bound transient memory."""
+    fmod = get_format(fmt)
+    lead, n_in = packed.shape[:-1], scale.shape[-1] * 32
+    flat_p, flat_s = packed.reshape(-1, packed.shape[-1]), scale.reshape(-1, scale.shape[-1])
+    out = torch.empty(flat_p.shape[0], n_in, dtype=torch.bfloat16)
+    rows = max(1, _ROW_CHUNK_BYTES // (2 * n_in))
+    total = None
+    for r in range(0, flat_p.shape[0], rows):
+        p, s = flat_p[r:r + rows], flat_s[r:r + rows]
+        out[r:r + rows] = fmod.dequantize(p, s, torch.bfloat16)
+        if verify:
+            rep = check_int4(p, s, scale_divisor, q_min) if fmt == "pack-quantized" else check_mxfp4(p, s)
+            if total is None:
+                total = rep
+            else:
+                total.bad_scales += rep.bad_scales
+                total.bad_codes += rep.bad_codes
+                total.total_groups += rep.total_groups
+    return out.reshape(*lead, n_in), total
+
+
+def _bound_allocator() -> None:
+    """Pin glibc's mmap threshold so freed multi-MB buffers go back to the OS.
+
+    glibc raises its threshold dynamically after freeing a large block, after which every
+    expert-sized temporary lives in the heap and is never returned: RSS then grows with the
+    number of tensors instead of staying at one buffer. No-op where mallopt is unavailable.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def _dequantize_shard(in_dir: str, out_dir: str, shard: str, fmt: str | None, scale_divisor: float,
+                      q_min: int, verify: bool, part_bytes: int) -> tuple[dict[str, str], int, int, dict]:
+    """Process one input shard; returns (name -> part file, n_dequantized, n_copied, bad)."""
+    path = os.path.join(in_dir, shard)
+    weight_map: dict[str, str] = {}
+    bad: dict[str, tuple[int, int]] = {}
+    parts: list[str] = []
+    buf: dict[str, torch.Tensor] = {}
+    buf_bytes = 0
+    n_deq = n_copy = 0
+
+    def flush():
+        nonlocal buf, buf_bytes
+        if not buf:
+            return
+        name = _part_name(shard, len(parts))
+        save_shard(buf, os.path.join(out_dir, name))
+        parts.append(name)
+        for k in buf:
+            weight_map[k] = name
+        buf, buf_bytes = {}, 0
+
+    def add(name, t):
+        nonlocal buf_bytes
+        nb = t.numel() * t.element_size()
+        if buf and buf_bytes + nb > part_bytes:
+            flush()
+        buf[name] = t
+        buf_bytes += nb
+
+    with safe_open(path, framework="pt") as f:
+        keys = list(f.keys())
+        keyset = set(keys)
+        for k in keys:
+            if k.endswith((".weight_scale", ".weight_shape")) and k.rsplit(".", 1)[0] + ".weight_packed" in keyset:
+                continue  # consumed with its weight_packed
+            if not k.endswith(".weight_packed"):
+                add(k, f.get_tensor(k))
+                n_copy += 1
+                continue
+            mod = k[: -len(".weight_packed")]
+            if fmt is None:
+                raise FormatError(f"{path}: {k} is packed but config.json has no quantization_config")
+            if f"{mod}.weight_scale" not in keyset:
+                raise FormatError(f"{path}: {k} has no {mod}.weight_scale in the same shard")
+            packed, scale = f.get_tensor(k), f.get_tensor(f"{mod}.weight_scale")
+            if fmt == "pack-quantized":
+                if f"{mod}.weight_shape" not in keyset:
+                    raise FormatError(f"{path}: {k} has no {mod}.weight_shape in the same shard")
+                if scale.dtype != torch.bfloat16:
+                    raise FormatError(f"{path}: {mod}.weight_scale is {scale.dtype}; INT4 scales must be bfloat16")
+            w, rep = _dequantize_rows(fmt, packed, scale, verify, scale_divisor, q_min)
+            if fmt == "pack-quantized":
+                shp = tuple(int(v) for v in f.get_tensor(f"{mod}.weight_shape").tolist())
+                if shp != tuple(w.shape):
+                    raise FormatError(f"{path}: {mod}.weight_shape {shp} does not match packed data {tuple(w.shape)}")
+            if rep is not None and not rep.ok:
+                bad[mod] = (rep.bad_scales, rep.bad_codes)
+            add(f"{mod}.weight", w)
+            n_deq += 1
+            del packed, scale
+    flush()
+    if bad:  # not valid masters: leave nothing behind for this shard
+        for p in parts:
+            os.remove(os.path.join(out_dir, p))
+        return {}, n_deq, n_copy, bad
+    atomic_write_text(_manifest(out_dir, shard), json.dumps(weight_map))
+    return weight_map, n_deq, n_copy, bad
+
+
+def dequantize_checkpoint(input_dir: str, output_dir: str, scale_divisor: float = 7.0, q_min: int = -7,
+                          verify: bool = True, workers: int = 1, part_bytes: int | None = None,
+                          progress: bool = True) -> DequantizeReport:
+    """Dequantize ``input_dir`` into BF16 masters in ``output_dir``; see the module docstring.
+
+    :param part_bytes: cap on one output part (the in-memory buffer); default an eighth of the largest input shard.
+    :raises VerificationError: if ``verify`` and any tensor is not a fixed point (after all shards are checked).
+    """
+    _bound_allocator()
+    reader = CheckpointReader(input_dir)
+    cfg_path = os.path.join(input_dir, "config.json")
+    with open(cfg_path) as fh:
+        cfg = json.load(fh)
+    qc = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+    fmt = qc.get("format") if qc else None
+    if fmt is not None:
+        get_format(fmt)
+    shards = reader.shards()
+    largest = max(os.path.getsize(os.path.join(input_dir, s)) for s in shards)
+    part_bytes = part_bytes or max(largest // 8, 1 << 20)
+    os.makedirs(output_dir, exist_ok=True)
+    report = DequantizeReport()
+    todo = []
+    weight_map: dict[str, str] = {}
+    for s in shards:
+        m = _manifest(output_dir, s)
+        if os.path.exists(m):
+            with open(m) as fh:
+                weight_map.update(json.load(fh))
+            report.skipped_shards.append(s)
+        else:
+            todo.append(s)
+    if report.skipped_shards:
+        log.warning("%d shard(s) finished earlier were skipped and NOT re-verified: %s",
+                    len(report.skipped_shards), ", ".join(report.skipped_shards))
+    args = [(input_dir, output_dir, s, fmt, scale_divisor, q_min, verify, part_bytes) for s in todo]
+    bar = tqdm(total=len(todo), desc="dequantize", unit="shard", disable=not progress)
+    if workers > 1 and len(todo) > 1:
+        with ProcessPoolExecutor(max_workers=workers) as ex:
+            results = zip(todo, ex.map(_dequantize_shard, *zip(*args)))
+            for s, res in results:
+                _collect(report, weight_map, s, res)
+                bar.update()
+    else:
+        for s, a in zip(todo, args):
+            _collect(report, weight_map, s, _dequantize_shard(*a))
+            bar.update()
+    bar.close()
+    if report.bad:
+        raise VerificationError(report.bad)
+    index = {"metadata": {"total_size": _total_size(output_dir, set(weight_map.values()))},
+             "weight_map": dict(sorted(weight_map.items()))}
+    atomic_write_text(os.path.join(output_dir, INDEX_NAME), json.dumps(index, indent=2))
+    cfg.pop("quantization_config", None)
+    if isinstance(cfg.get("text_config"), dict):
+        cfg["text_config"].pop("quantization_config", None)
+    atomic_write_text(os.path.join(output_dir, "config.json"), json.dumps(cfg, indent=2))
+    for extra in os.listdir(input_dir):  # tokenizer files, generation config, ...
+        if not extra.endswith(".safetensors") and extra not in ("config.json", INDEX_NAME) and \
+                os.path.isfile(os.path.join(input_dir, extra)):
+            shutil.copy2(os.path.join(input_dir, extra), os.path.join(output_dir, extra))
+    return report
+
+
+def _collect(report: DequantizeReport, weight_map: dict, shard: str, res) -> None:
+    wm, n_deq, n_copy, bad = res
+    report.dequantized += n_deq
+    report.copied += n_copy
+    report.bad.update(bad)
+    if not bad:
+        weight_map.update(wm)
+        report.written_shards.append(shard)
+
+
+def _total_size(out_dir: str, parts: set[str]) -> int:
+    return sum(os.path.getsize(os.path.join(out_dir, p)) for p in parts)

@@ -1,0 +1,94 @@
+"""``kimi-rl``: the command-line entry point (console script of kimi-rl-plugins)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _make_tiny(a) -> int:
+    from kimi_core.checkpoint.tiny import make_tiny
+
+    path = make_tiny(a.model, a.out, quant=a.quant, convention=a.convention, seed=a.seed, layers=a.layers)
+    print(f"wrote tiny {a.model} checkpoint to {path}")
+    return 0
+
+
+def _dequantize(a) -> int:
+    from kimi_core.checkpoint.dequantize import VerificationError, dequantize_checkpoint
+
+    try:
+        rep = dequantize_checkpoint(a.input, a.output, scale_divisor=a.scale_divisor, q_min=a.q_min,
+                                    verify=not a.no_verify, workers=a.workers)
+    except VerificationError as e:
+        print(f"error: verification failed for {a.input}: {e}", file=sys.stderr)
+        return 2
+    print(f"dequantized {rep.dequantized} tensors, copied {rep.copied}, wrote {len(rep.written_shards)} shard(s) "
+          f"to {a.output}" + ("" if a.no_verify or not rep.written_shards else " (all verified as fixed points)"))
+    if rep.skipped_shards:
+        print(f"skipped {len(rep.skipped_shards)} shard(s) finished earlier; they were NOT re-verified: "
+              + ", ".join(rep.skipped_shards))
+    return 0
+
+
+def _doctor(a) -> int:
+    from kimi_rl_glue.doctor import main
+
+    return main(a)
+
+
+def _demo(a) -> int:
+    from kimi_rl_glue.demo import main
+
+    return main(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kimi-rl", description="Kimi K2.x / K3 / K3.1 LoRA RL plugins")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("make-tiny", help="write a tiny random checkpoint in the real on-disk format")
+    t.add_argument("--model", required=True, choices=["k2", "k25", "k3", "k31"])
+    t.add_argument("--out", required=True)
+    t.add_argument("--quant", choices=["int4", "mxfp4", "none"], default=None,
+                   help="expert format (default: the release's: int4 for K2.x, mxfp4 for K3/K3.1)")
+    t.add_argument("--convention", choices=["kimi", "rtn"], default="kimi",
+                   help="INT4 scale convention: kimi = amax/7, q in [-7,7]; rtn = amax/7.5, q in [-8,7]")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--layers", type=int, default=None)
+    t.set_defaults(fn=_make_tiny)
+
+    d = sub.add_parser("dequantize", help="write BF16 masters of an INT4/MXFP4 checkpoint, verified")
+    d.add_argument("--input", required=True)
+    d.add_argument("--output", required=True)
+    d.add_argument("--scale-divisor", type=float, default=7.0)
+    d.add_argument("--q-min", type=int, default=-7)
+    d.add_argument("--no-verify", action="store_true")
+    d.add_argument("--workers", type=int, default=1)
+    d.set_defaults(fn=_dequantize)
+
+    doc = sub.add_parser("doctor", help="report Python, torch, installed hosts and our entry points")
+    doc.set_defaults(fn=_doctor)
+
+    demo = sub.add_parser("demo", help="the main job: LoRA RL on a tiny Kimi model on this CPU")
+    demo.add_argument("--out", default="runs/demo")
+    demo.add_argument("--steps", type=int, default=None)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(fn=_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.fn(args) or 0)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
