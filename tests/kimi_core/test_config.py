@@ -8,34 +8,7 @@ import pytest
 
 from kimi_core.checkpoint.tiny import tiny_config
 from kimi_core.config import ConfigError, KimiConfig
-
-
-def k3_release_config() -> dict:
-    """The published Kimi K3 config fields (shared/reference/kimi_arch.md section 0), without vision details."""
-    L = 93
-    full = [i for i in range(1, L + 1) if i % 4 == 0] + [93]
-    return {
-        "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
-        "text_config": {
-            "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 7168, "num_hidden_layers": L,
-            "rms_norm_eps": 1e-5, "hidden_act": "situ", "activation_situ_beta": 4.0,
-            "activation_situ_linear_beta": 25.0, "intermediate_size": 33792, "first_k_dense_replace": 1,
-            "moe_layer_freq": 1, "num_experts": 896, "num_experts_per_token": 16, "num_shared_experts": 2,
-            "moe_intermediate_size": 3072, "routed_expert_hidden_size": 3584, "latent_moe_use_norm": True,
-            "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "topk_method": "noaux_tc",
-            "routed_scaling_factor": 1.0, "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
-            "num_attention_heads": 96, "num_key_value_heads": 96, "q_lora_rank": 1536, "kv_lora_rank": 512,
-            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
-            "mla_use_output_gate": True, "attn_res_block_size": 12,
-            "linear_attn_config": {"num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4,
-                                   "gate_lower_bound": -5.0, "use_full_rank_gate": True, "full_attn_layers": full,
-                                   "kda_layers": [i for i in range(1, L + 1) if i not in full]},
-        },
-        "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-                                "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float",
-                                                  "strategy": "group", "group_size": 32, "symmetric": True}}},
-                                "ignore": ["re:.*shared_experts.*"]},
-    }
+from kimi_core.release_configs import k3_release_config
 
 
 def test_k3_release_schedule():
