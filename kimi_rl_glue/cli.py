@@ -38,6 +38,17 @@ def _doctor(a) -> int:
     return main(a)
 
 
+def _check_numerics(a) -> int:
+    from kimi_rl_glue.numerics import compare
+
+    rep = compare(a.model, adapter=a.adapter, engines=[e for e in a.engines.split(",") if e], tokens=a.tokens,
+                  seed=a.seed, dtype=a.dtype, out=a.out, batch=a.batch)
+    print(rep.table())
+    if a.out:
+        print(f"report: {a.out}/report.json, plot: {a.out}/logprob_diff.png")
+    return 3 if any(p.flagged for p in rep.pairs) else 0
+
+
 def _demo(a) -> int:
     from kimi_rl_glue.demo import main
 
@@ -71,6 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     doc = sub.add_parser("doctor", help="report Python, torch, installed hosts and our entry points")
     doc.set_defaults(fn=_doctor)
+
+    n = sub.add_parser("check-numerics", help="train/rollout logprob consistency across reference, trainer, engines")
+    n.add_argument("--model", required=True, help="checkpoint directory")
+    n.add_argument("--adapter", default=None, help="PEFT adapter directory")
+    n.add_argument("--engines", default="reference,megatron,vllm,sglang",
+                   help="comma list; 'name@DIR' runs an engine on another checkpoint")
+    n.add_argument("--tokens", type=int, default=32, help="sampled tokens per sequence")
+    n.add_argument("--batch", type=int, default=2)
+    n.add_argument("--seed", type=int, default=0)
+    n.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    n.add_argument("--out", default=None, help="directory for report.json and logprob_diff.png")
+    n.set_defaults(fn=_check_numerics)
 
     demo = sub.add_parser("demo", help="the main job: LoRA RL on a tiny Kimi model on this CPU")
     demo.add_argument("--out", default="runs/demo")

@@ -1,0 +1,78 @@
+"""Pairwise train/rollout consistency statistics over the same token sequences.
+
+For a pair (``a`` = the trainer side, ``b`` = the rollout side) over sampled tokens:
+
+* ``max_abs`` / ``mean_abs`` of ``logp_a - logp_b`` (miles' ``train_rollout_logprob_abs_diff`` is the mean);
+* ``kl``: KL(a || b) estimated on tokens sampled from the rollout side with the low-variance
+  ``k3`` estimator ``exp(r) - 1 - r``, ``r = logp_a - logp_b`` (what miles and verl report as
+  ``low_var_kl``; 0 when the two agree);
+* ``top1_agree``: fraction of positions where both pick the same next token;
+* ``first_diverging_layer``: where both expose hidden states, the first layer whose relative RMS
+  difference exceeds ``layer_tol`` (``None`` when none does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class PairStats:
+    a: str
+    b: str
+    max_abs: float
+    mean_abs: float
+    kl: float
+    top1_agree: float
+    first_diverging_layer: int | None
+    layer_errors: list[float] | None
+    flagged: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def k3_kl(logp_a: torch.Tensor, logp_b: torch.Tensor) -> torch.Tensor:
+    """Per-token ``exp(r) - 1 - r`` with ``r = logp_b - logp_a`` (tokens sampled from b), in float64."""
+    r = logp_b.double() - logp_a.double()
+    return torch.expm1(r) - r
+
+
+def layer_errors(ha: list[torch.Tensor], hb: list[torch.Tensor]) -> list[float]:
+    """Relative RMS difference of each layer's hidden state (float64)."""
+    out = []
+    for x, y in zip(ha, hb):
+        x, y = x.double(), y.double()
+        out.append(((x - y).pow(2).mean().sqrt() / x.pow(2).mean().sqrt().clamp_min(1e-30)).item())
+    return out
+
+
+def compare_pair(a: str, ra, b: str, rb, mask: torch.Tensor, tol_abs: float, layer_tol: float) -> PairStats:
+    """Statistics of engine results ``ra`` vs ``rb`` over positions where ``mask`` [B, T-1] is true."""
+    d = (ra.logprobs.double() - rb.logprobs.double())[mask].abs()
+    kl = k3_kl(ra.logprobs, rb.logprobs)[mask].mean().item()
+    agree = (ra.top1 == rb.top1)[mask].double().mean().item()
+    errs, first = None, None
+    if ra.hidden is not None and rb.hidden is not None and len(ra.hidden) == len(rb.hidden):
+        errs = layer_errors(ra.hidden, rb.hidden)
+        first = next((i for i, e in enumerate(errs) if e > layer_tol), None)
+    max_abs = d.max().item()
+    return PairStats(a, b, max_abs, d.mean().item(), kl, agree, first, errs,
+                     flagged=max_abs > tol_abs or first is not None)
+
+
+def format_table(pairs: list[PairStats], skipped: dict[str, str]) -> str:
+    """A fixed-width table of the pairs, then the skipped engines with their reasons."""
+    w = max([28] + [len(p.a) + len(p.b) + 5 for p in pairs])
+    head = f"{'pair':{w}s} {'max|dlogp|':>11s} {'mean|dlogp|':>12s} {'KL(k3)':>10s} {'top1':>6s} {'first bad layer':>16s}"
+    lines = [head, "-" * len(head)]
+    for p in pairs:
+        layer = "-" if p.first_diverging_layer is None else (
+            "embeddings" if p.first_diverging_layer == 0 else f"layer {p.first_diverging_layer - 1}")
+        lines.append(f"{p.a + ' vs ' + p.b:{w}s} {p.max_abs:11.3e} {p.mean_abs:12.3e} {p.kl:10.2e} "
+                     f"{p.top1_agree:6.3f} {layer:>16s}{'   <-- FLAGGED' if p.flagged else ''}")
+    for name, why in skipped.items():
+        lines.append(f"{name:{w}s} skipped: {why}")
+    return "\n".join(lines)

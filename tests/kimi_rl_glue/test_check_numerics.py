@@ -1,0 +1,74 @@
+"""`kimi-rl check-numerics`: pair statistics against float64 recomputation, and broken models are caught."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kimi_rl_glue.numerics import compare
+from kimi_rl_glue.numerics.report import k3_kl
+
+
+def test_k3_kl_matches_float64_formula():
+    """The k3 KL estimate equals exp(r) - 1 - r with r = logp_b - logp_a, and is 0 for equal inputs."""
+    a = torch.tensor([-1.0, -2.0, -0.5])
+    b = torch.tensor([-1.1, -1.9, -0.5])
+    r = b.double() - a.double()
+    assert torch.allclose(k3_kl(a, b), r.exp() - 1 - r)
+    assert torch.equal(k3_kl(a, a), torch.zeros(3, dtype=torch.float64))
+
+
+def _perturbed_copy(src: str, dst: str, layer: int, factor: float) -> None:
+    """Copy a tiny INT4 checkpoint, scaling every routed expert's down_proj scale of ``layer`` by ``factor``."""
+    shutil.copytree(src, dst)
+    for f in os.listdir(dst):
+        if not f.endswith(".safetensors"):
+            continue
+        sd = load_file(os.path.join(dst, f))
+        hit = False
+        for k in list(sd):
+            if f"layers.{layer}.mlp.experts." in k and k.endswith("down_proj.weight_scale"):
+                sd[k] = (sd[k].float() * factor).to(sd[k].dtype)
+                hit = True
+        if hit:
+            save_file(sd, os.path.join(dst, f), metadata={"format": "pt"})
+
+
+def test_identical_checkpoints_agree_exactly(tiny_ckpt, tmp_path):
+    """The fp32 reference against itself on a copied checkpoint gives zero difference and full top-1 agreement."""
+    d = str(tmp_path / "copy")
+    shutil.copytree(tiny_ckpt("k2"), d)
+    rep = compare(tiny_ckpt("k2"), engines=["reference", f"reference@{d}"], tokens=8, dtype="fp32", batch=1,
+                  prompt_len=8, out=str(tmp_path / "out"))
+    (p,) = rep.pairs
+    assert p.max_abs == 0.0 and p.kl == 0.0 and p.top1_agree == 1.0 and not p.flagged
+    data = json.load(open(tmp_path / "out" / "report.json"))
+    assert data["pairs"][0]["max_abs"] == 0.0
+    assert os.path.getsize(tmp_path / "out" / "logprob_diff.png") > 1000
+
+
+def test_perturbed_expert_scale_is_flagged_at_its_layer(tiny_ckpt, tmp_path):
+    """Scaling layer 2's expert scales is flagged, and the first diverging layer named is layer 2."""
+    d = str(tmp_path / "bad")
+    _perturbed_copy(tiny_ckpt("k2"), d, layer=2, factor=1.5)
+    rep = compare(tiny_ckpt("k2"), engines=["reference", f"reference@{d}"], tokens=8, dtype="fp32", batch=1,
+                  prompt_len=8)
+    (p,) = rep.pairs
+    assert p.flagged
+    assert p.first_diverging_layer == 3  # hidden[0] = embeddings, hidden[3] = after layer 2
+    assert all(e == 0.0 for e in p.layer_errors[:3])
+    assert "layer 2" in rep.table() and "FLAGGED" in rep.table()
+
+
+def test_missing_engines_are_listed_with_install_hint(tiny_ckpt):
+    """An engine whose host is not installed is reported as skipped with how to install it."""
+    rep = compare(tiny_ckpt("k2"), engines=["reference", "sglang"], tokens=4, dtype="fp32", batch=1, prompt_len=4)
+    if "sglang" in rep.skipped:
+        assert "pip install" in rep.skipped["sglang"]
+    with pytest.raises(ValueError, match="unknown engine"):
+        compare(tiny_ckpt("k2"), engines=["nonsense"], tokens=2, batch=1, prompt_len=2)
