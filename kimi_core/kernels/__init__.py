@@ -1,0 +1,179 @@
+"""W4A16 grouped GEMM over 4-bit experts (MXFP4 / INT4) and GPU fake quantization.
+
+Public ops (validated here, once):
+
+* :func:`w4a16_grouped_gemm` ``(x [T, K] bf16, w_packed, w_scale, fmt, m_splits) -> y [T, N] bf16``
+* :func:`w4a16_grouped_gemm_dgrad` ``(dy [T, N] bf16, w_packed, w_scale, fmt, m_splits) -> dx [T, K] bf16``
+* :class:`W4A16GroupedGemm` / :func:`w4a16_grouped_linear`: autograd tying the two (the 4-bit base
+  is frozen: gradients flow to ``x`` only).
+* :func:`fake_quant_gpu`, :func:`fake_int4_gpu`, :func:`fake_mxfp4_gpu`: straight-through fake
+  quantization, bit-exact with :mod:`kimi_core.quant`.
+
+CUDA tensors run the Triton kernels of :mod:`kimi_core.kernels.triton_w4a16`; anything else runs
+the pure-torch twin :mod:`kimi_core.kernels.reference`. Triton is imported only on first GPU use,
+so this package imports on machines without a GPU or without Triton.
+
+Example::
+
+    from kimi_core.kernels import w4a16_grouped_linear
+    y = w4a16_grouped_linear(x, layer.weight_packed, layer.weight_scale, "mxfp4-pack-quantized", [5, 0, 11])
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kimi_core.kernels import reference
+
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+INT4_FORMAT = "pack-quantized"
+_WHERE = "kimi_core/kernels"
+
+
+def _check(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{_WHERE}: {name} must be a tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{_WHERE}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{_WHERE}: {name} must be {dtype}, got {t.dtype}")
+
+
+def _validate(a: torch.Tensor, a_name: str, w_packed, w_scale, fmt: str, m_splits, a_cols: str) -> tuple[int, int, int]:
+    """Check shapes and dtypes; returns ``(E, N, K)``."""
+    if fmt == MXFP4_FORMAT:
+        _check("w_packed", w_packed, 3, torch.uint8)
+        _check("w_scale", w_scale, 3, torch.uint8)
+        per = 2
+    elif fmt == INT4_FORMAT:
+        _check("w_packed", w_packed, 3, torch.int32)
+        _check("w_scale", w_scale, 3, torch.bfloat16)
+        per = 8
+    else:
+        raise ValueError(f"{_WHERE}: fmt must be {MXFP4_FORMAT!r} or {INT4_FORMAT!r}, got {fmt!r}")
+    E, N = w_packed.shape[0], w_packed.shape[1]
+    K = w_packed.shape[2] * per
+    if tuple(w_scale.shape) != (E, N, K // 32) or K % 32:
+        raise ValueError(f"{_WHERE}: w_scale shape {tuple(w_scale.shape)} does not match w_packed "
+                         f"{tuple(w_packed.shape)} ({fmt}); expected {(E, N, K // 32)}")
+    _check(a_name, a, 2, torch.bfloat16)
+    want = K if a_cols == "K" else N
+    if a.shape[1] != want:
+        raise ValueError(f"{_WHERE}: {a_name} has {a.shape[1]} columns, expected {a_cols} = {want}")
+    n_splits = m_splits.numel() if isinstance(m_splits, torch.Tensor) else len(m_splits)
+    if n_splits != E:
+        raise ValueError(f"{_WHERE}: m_splits has {n_splits} entries, expected one per expert ({E})")
+    if not isinstance(m_splits, torch.Tensor) or m_splits.device.type == "cpu":
+        total = int(sum(int(v) for v in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)))
+        if total != a.shape[0]:
+            raise ValueError(f"{_WHERE}: m_splits sum to {total}, but {a_name} has {a.shape[0]} rows")
+    if a.device != w_packed.device or a.device != w_scale.device:
+        raise ValueError(f"{_WHERE}: {a_name}, w_packed and w_scale must share a device, got "
+                         f"{a.device}, {w_packed.device}, {w_scale.device}")
+    return E, N, K
+
+
+def w4a16_grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str,
+                       m_splits) -> torch.Tensor:
+    """Grouped ``y = x . dequant(W_e)^T`` over experts, weights kept 4-bit.
+
+    :param x: ``[T, K]`` bf16, rows sorted by expert.
+    :param w_packed: MXFP4 uint8 ``[E, N, K/2]`` or INT4 int32 ``[E, N, K/8]`` (on-disk layouts of
+        :mod:`kimi_core.quant.mxfp4` / :mod:`kimi_core.quant.int4`).
+    :param w_scale: MXFP4 E8M0 uint8 ``[E, N, K/32]`` or INT4 bf16 ``[E, N, K/32]``.
+    :param fmt: ``"mxfp4-pack-quantized"`` or ``"pack-quantized"``.
+    :param m_splits: rows per expert, ``list[int]`` or integer tensor ``[E]``; zeros allowed.
+    :returns: ``[T, N]`` bf16 (fp32 accumulation). Reference twin: ``reference.w4a16_grouped_gemm``.
+    """
+    _validate(x, "x", w_packed, w_scale, fmt, m_splits, "K")
+    if x.is_cuda:
+        from kimi_core.kernels import triton_w4a16
+
+        return triton_w4a16.grouped_gemm(x, w_packed, w_scale, fmt, m_splits)
+    return reference.w4a16_grouped_gemm(x, w_packed, w_scale, fmt, m_splits)
+
+
+def w4a16_grouped_gemm_dgrad(dy: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str,
+                             m_splits) -> torch.Tensor:
+    """Grouped ``dx = dy . dequant(W_e)``: the activation gradient of :func:`w4a16_grouped_gemm`.
+
+    :param dy: ``[T, N]`` bf16, rows sorted by expert; other arguments as in the forward.
+    :returns: ``[T, K]`` bf16 (fp32 accumulation). Reference twin: ``reference.w4a16_grouped_gemm_dgrad``.
+    """
+    _validate(dy, "dy", w_packed, w_scale, fmt, m_splits, "N")
+    if dy.is_cuda:
+        from kimi_core.kernels import triton_w4a16
+
+        return triton_w4a16.grouped_gemm_dgrad(dy, w_packed, w_scale, fmt, m_splits)
+    return reference.w4a16_grouped_gemm_dgrad(dy, w_packed, w_scale, fmt, m_splits)
+
+
+class W4A16GroupedGemm(torch.autograd.Function):
+    """Autograd of the grouped W4A16 GEMM: forward :func:`w4a16_grouped_gemm`, backward its dgrad.
+
+    The 4-bit weights are frozen, so ``backward`` returns a gradient for ``x`` only.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_packed, w_scale, fmt, m_splits):
+        ctx.save_for_backward(w_packed, w_scale)
+        ctx.fmt, ctx.m_splits = fmt, m_splits
+        return w4a16_grouped_gemm(x, w_packed, w_scale, fmt, m_splits)
+
+    @staticmethod
+    def backward(ctx, dy):
+        w_packed, w_scale = ctx.saved_tensors
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = w4a16_grouped_gemm_dgrad(dy.to(torch.bfloat16).contiguous(), w_packed, w_scale, ctx.fmt, ctx.m_splits)
+        return dx, None, None, None, None
+
+
+def w4a16_grouped_linear(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str,
+                         m_splits) -> torch.Tensor:
+    """Differentiable :func:`w4a16_grouped_gemm` (``[T, K] -> [T, N]``); gradients reach ``x`` only."""
+    return W4A16GroupedGemm.apply(x, w_packed, w_scale, fmt, m_splits)
+
+
+def fake_int4_gpu(w: torch.Tensor, scale_divisor: float = 7.0, q_min: int = -7) -> torch.Tensor:
+    """Straight-through fake INT4 of ``w`` ``[..., K]`` (groups of 32); Triton on CUDA, else :func:`kimi_core.quant.fake_int4`."""
+    if w.is_cuda:
+        from kimi_core.kernels import triton_fake_quant
+
+        return triton_fake_quant.fake_int4_gpu(w, scale_divisor, q_min)
+    from kimi_core.quant import fake_int4
+
+    return fake_int4(w, scale_divisor, q_min)
+
+
+def fake_mxfp4_gpu(w: torch.Tensor) -> torch.Tensor:
+    """Straight-through fake MXFP4 of ``w`` ``[..., K]``; Triton on CUDA, else :func:`kimi_core.quant.fake_mxfp4`."""
+    if w.is_cuda:
+        from kimi_core.kernels import triton_fake_quant
+
+        return triton_fake_quant.fake_mxfp4_gpu(w)
+    from kimi_core.quant import fake_mxfp4
+
+    return fake_mxfp4(w)
+
+
+def fake_quant_gpu(w: torch.Tensor, fmt: str, scale_divisor: float = 7.0, q_min: int = -7) -> torch.Tensor:
+    """Fake quantization of ``w`` to format ``fmt`` (``scale_divisor``/``q_min`` apply to INT4 only)."""
+    if fmt == MXFP4_FORMAT:
+        return fake_mxfp4_gpu(w)
+    if fmt == INT4_FORMAT:
+        return fake_int4_gpu(w, scale_divisor, q_min)
+    raise ValueError(f"{_WHERE}: fmt must be {MXFP4_FORMAT!r} or {INT4_FORMAT!r}, got {fmt!r}")
+
+
+__all__ = [
+    "INT4_FORMAT",
+    "MXFP4_FORMAT",
+    "W4A16GroupedGemm",
+    "fake_int4_gpu",
+    "fake_mxfp4_gpu",
+    "fake_quant_gpu",
+    "w4a16_grouped_gemm",
+    "w4a16_grouped_gemm_dgrad",
+    "w4a16_grouped_linear",
+]

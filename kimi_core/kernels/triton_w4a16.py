@@ -1,0 +1,596 @@
+"""Triton W4A16 grouped GEMM: bf16 activations times 4-bit experts, dequantized in registers.
+
+Forward ``y[T, N] = x[T, K] . dequant(W_e)[N, K]^T`` and dgrad ``dx[T, K] = dy[T, N] . dequant(W_e)``
+for the rows of each expert ``e``, with the weights in their on-disk layouts (see
+:mod:`kimi_core.quant.mxfp4` and :mod:`kimi_core.quant.int4`). The packed weight tile is loaded,
+decoded to bf16 in registers and fed to the tensor cores; no bf16 copy of a weight ever reaches HBM.
+Accumulation is fp32. The pure-torch twin with the same semantics is
+:mod:`kimi_core.kernels.reference`.
+
+Both kernels compute the transposed product (``acc[BLOCK_N, BLOCK_M] = W_tile . x_tile^T``), so
+the weight tile, which is decoded in registers anyway, is the MMA's left operand and the token
+count only sets the MMA's narrow side: 8 tokens per expert waste no more than a 16-wide tile.
+
+Decoding (all exact, bit for bit the values of ``kimi_core.quant``'s ``dequantize``):
+
+* MXFP4: the 3 magnitude bits of an E2M1 code placed at bf16 bits 6..8 (exponent low bits and top
+  mantissa bit) and the sign at bit 15 give ``value * 2^-126`` (codes 1 and 9 land on bf16
+  subnormals, which the bf16 multiply keeps); one multiply by ``2^126`` and one by the E8M0 scale
+  (a bf16 power of two, ``bits = s << 7``) give the weight.
+* INT4: ``0x4300 | nibble`` is the bf16 number ``128 + nibble``; subtracting 136 gives the code
+  ``q`` exactly, and one bf16 multiply by the group scale rounds ``q * scale`` once, as the
+  reference's fp32 product cast to bf16 does.
+
+Rows are sorted by expert; ``offsets`` int32 ``[E + 1]`` holds each expert's first row. Each
+program finds its (expert, row tile, column tile) from ``offsets`` with one vector load and a
+prefix sum, so neither the launcher nor the kernel needs the host to know the split.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FMT_MXFP4 = 0
+FMT_INT4 = 1
+
+
+@triton.jit
+def _schedule(pid, offsets_ptr, E, num_cols, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr,
+              GROUP_M: tl.constexpr):
+    """Map a program id to ``(valid, expert, col_block, rows, row_mask)``.
+
+    Row tiles of all experts are numbered back to back; ``GROUP_M`` consecutive row tiles share a
+    sweep over the column blocks so that their weight tiles and activation tiles meet in L2.
+    """
+    ev = tl.arange(0, E_POW2)
+    lo = tl.load(offsets_ptr + ev, mask=ev < E, other=0)
+    hi = tl.load(offsets_ptr + ev + 1, mask=ev < E, other=0)
+    ntiles = (hi - lo + BLOCK_M - 1) // BLOCK_M  # [E_POW2] row tiles per expert
+    cum = tl.cumsum(ntiles, 0)  # inclusive prefix sum
+    total = tl.sum(ntiles, 0)
+    per_group = GROUP_M * num_cols
+    group = pid // per_group
+    first = group * GROUP_M
+    gsize = tl.maximum(tl.minimum(total - first, GROUP_M), 1)
+    tile = first + (pid % per_group) % gsize
+    col = (pid % per_group) // gsize
+    valid = (tile < total) & (col < num_cols)
+    expert = tl.sum((cum <= tile).to(tl.int32), 0)
+    sel = ev == expert
+    tile0 = tl.sum(tl.where(sel, cum - ntiles, 0), 0)
+    row0 = tl.sum(tl.where(sel, lo, 0), 0)
+    row_end = tl.sum(tl.where(sel, hi, 0), 0)
+    rows = row0 + (tile - tile0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return valid, expert, col, rows, rows < row_end
+
+
+@triton.jit
+def _mma(a, b, acc, INTERP: tl.constexpr):
+    """``acc + a . b``; the interpreter multiplies bf16 arrays wrongly, so it gets fp32 operands."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _code_value(nib, FMT: tl.constexpr):
+    """4-bit codes (int tensor, 0..15) -> their unscaled fp32 values: E2M1 (MXFP4) or ``nib - 8`` (INT4).
+
+    Portable fp32 arithmetic (no subnormals), used by the interpreter and the generic kernels.
+    """
+    if FMT == 0:
+        mag = nib & 0x7
+        ex = mag >> 1
+        normal = ((ex + 126) << 23) | ((mag & 1) << 22)  # (1 + m/2) * 2^(ex - 1)
+        v = tl.where(ex == 0, (mag & 1).to(tl.float32) * 0.5, normal.to(tl.float32, bitcast=True))
+        return tl.where((nib & 0x8) != 0, -v, v)
+    else:
+        return (nib - 8).to(tl.float32)
+
+
+@triton.jit
+def _scale_value(s, FMT: tl.constexpr):
+    """Group scales as fp32: E8M0 bytes ``2^(s - 127)`` (MXFP4) or the bf16 scale (INT4)."""
+    if FMT == 0:
+        si = s.to(tl.int32) & 0xFF
+        return tl.where(si == 0, 0x00400000, si << 23).to(tl.float32, bitcast=True)
+    else:
+        return s.to(tl.float32)
+
+
+@triton.jit
+def _mxfp4_decode(b, s):
+    """uint8 codes ``[R, C]`` (two E2M1 per byte) and E8M0 bytes ``[R, C // 16]`` -> bf16 ``[R, 2C]``."""
+    R: tl.constexpr = b.shape[0]
+    C: tl.constexpr = b.shape[1]
+    bi = b.to(tl.int32) & 0xFF
+    w = tl.join(_code_value(bi & 0xF, 0), _code_value(bi >> 4, 0))  # element 2j: low nibble
+    w = w.reshape(R, C // 16, 32) * _scale_value(s, 0)[:, :, None]
+    return w.reshape(R, 2 * C).to(tl.bfloat16)
+
+
+@triton.jit
+def _int4_decode(words, s):
+    """int32 words ``[R, C]`` (eight offset-binary nibbles each) and bf16 scales ``[R, C // 4]`` -> bf16 ``[R, 8C]``."""
+    R: tl.constexpr = words.shape[0]
+    C: tl.constexpr = words.shape[1]
+    shifts = tl.arange(0, 8) * 4
+    nib = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # element 8m + j in nibble j
+    v = _code_value(nib, 1).reshape(R, C // 4, 32) * _scale_value(s, 1)[:, :, None]
+    return v.reshape(R, 8 * C).to(tl.bfloat16)
+
+
+@triton.jit
+def _load_weight_tile(wq_ptr, ws_ptr, rows_w, row_mask_w, k0, K, stride_wn, stride_sn,
+                      FMT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                      EVEN_K: tl.constexpr, INTERP: tl.constexpr = False):
+    """Decoded bf16 tile ``W[rows_w, k0 : k0 + BLOCK_C]`` -> ``[BLOCK_R, BLOCK_C]`` (one expert's base pointers)."""
+    G: tl.constexpr = BLOCK_C // 32
+    g = k0 // 32 + tl.arange(0, G)
+    s_ptrs = ws_ptr + rows_w[:, None] * stride_sn + g[None, :]
+    if FMT == 0:
+        P: tl.constexpr = BLOCK_C // 2
+        j = k0 // 2 + tl.arange(0, P)
+        q_ptrs = wq_ptr + rows_w[:, None] * stride_wn + j[None, :]
+        if EVEN_K:
+            q = tl.load(q_ptrs, mask=row_mask_w[:, None], other=0)
+            s = tl.load(s_ptrs, mask=row_mask_w[:, None], other=127)
+        else:
+            q = tl.load(q_ptrs, mask=row_mask_w[:, None] & (j < K // 2)[None, :], other=0)
+            s = tl.load(s_ptrs, mask=row_mask_w[:, None] & (g < K // 32)[None, :], other=127)
+        return _mxfp4_decode(q, s)
+    else:
+        P8: tl.constexpr = BLOCK_C // 8
+        j = k0 // 8 + tl.arange(0, P8)
+        q_ptrs = wq_ptr + rows_w[:, None] * stride_wn + j[None, :]
+        if EVEN_K:
+            q = tl.load(q_ptrs, mask=row_mask_w[:, None], other=0x88888888)
+            s = tl.load(s_ptrs, mask=row_mask_w[:, None], other=0.0)
+        else:
+            q = tl.load(q_ptrs, mask=row_mask_w[:, None] & (j < K // 8)[None, :], other=0x88888888)
+            s = tl.load(s_ptrs, mask=row_mask_w[:, None] & (g < K // 32)[None, :], other=0.0)
+        return _int4_decode(q, s)
+
+
+# --- word decoders: one int32 word = 8 consecutive 4-bit codes (elements 8m + e, e = 0..7) ---
+# The fast forward path decodes whole words into bf16 pairs (element e, element e + 4), the pairs
+# the classic nibble masks 0x000F000F give for free, and permutes the reduction axis so that each
+# thread's MMA operand registers are exactly such pairs (see ``_fwd_perm_tile``).
+
+_MXFP4_WORD_ASM = tl.constexpr("""
+{
+.reg .b32 s2, c126, v, r;
+mov.b32 s2, {$9, $9};
+mov.b32 c126, 0x7E807E80;
+and.b32 v, $8, 0x000F000F;
+mul.lo.u32 v, v, 0x1040;
+and.b32 r, v, 0x81C081C0;
+mul.rn.bf16x2 r, r, c126;
+mul.rn.bf16x2 r, r, s2;
+mov.b32 {$0, $4}, r;
+shr.u32 v, $8, 4;
+and.b32 v, v, 0x000F000F;
+mul.lo.u32 v, v, 0x1040;
+and.b32 r, v, 0x81C081C0;
+mul.rn.bf16x2 r, r, c126;
+mul.rn.bf16x2 r, r, s2;
+mov.b32 {$1, $5}, r;
+shr.u32 v, $8, 8;
+and.b32 v, v, 0x000F000F;
+mul.lo.u32 v, v, 0x1040;
+and.b32 r, v, 0x81C081C0;
+mul.rn.bf16x2 r, r, c126;
+mul.rn.bf16x2 r, r, s2;
+mov.b32 {$2, $6}, r;
+shr.u32 v, $8, 12;
+and.b32 v, v, 0x000F000F;
+mul.lo.u32 v, v, 0x1040;
+and.b32 r, v, 0x81C081C0;
+mul.rn.bf16x2 r, r, c126;
+mul.rn.bf16x2 r, r, s2;
+mov.b32 {$3, $7}, r;
+}
+""")
+
+_INT4_WORD_ASM = tl.constexpr("""
+{
+.reg .b32 s2, one, m136, r;
+mov.b32 s2, {$9, $9};
+mov.b32 one, 0x3F803F80;
+mov.b32 m136, 0xC308C308;
+lop3.b32 r, $8, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 r, r, one, m136;
+mul.rn.bf16x2 r, r, s2;
+mov.b32 {$0, $4}, r;
+shr.u32 r, $8, 4;
+lop3.b32 r, r, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 r, r, one, m136;
+mul.rn.bf16x2 r, r, s2;
+mov.b32 {$1, $5}, r;
+shr.u32 r, $8, 8;
+lop3.b32 r, r, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 r, r, one, m136;
+mul.rn.bf16x2 r, r, s2;
+mov.b32 {$2, $6}, r;
+shr.u32 r, $8, 12;
+lop3.b32 r, r, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 r, r, one, m136;
+mul.rn.bf16x2 r, r, s2;
+mov.b32 {$3, $7}, r;
+}
+""")
+
+
+@triton.jit
+def _word_elem(words, scale, e: tl.constexpr, FMT: tl.constexpr):
+    """Element ``e`` (nibble ``e``) of each int32 word times its bf16 scale -> bf16 (portable twin of the asm)."""
+    return (_code_value((words >> (4 * e)) & 0xF, FMT) * scale.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _decode_words(words, scale, FMT: tl.constexpr, USE_ASM: tl.constexpr):
+    """int32 words and their bf16 scales (same shape) -> the 8 decoded elements, 8 bf16 tensors."""
+    if USE_ASM:
+        if FMT == 0:
+            o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                _MXFP4_WORD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, scale], dtype=(tl.bfloat16,) * 8,
+                is_pure=True, pack=1)
+        else:
+            o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                _INT4_WORD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, scale], dtype=(tl.bfloat16,) * 8,
+                is_pure=True, pack=1)
+    else:
+        o0 = _word_elem(words, scale, 0, FMT)
+        o1 = _word_elem(words, scale, 1, FMT)
+        o2 = _word_elem(words, scale, 2, FMT)
+        o3 = _word_elem(words, scale, 3, FMT)
+        o4 = _word_elem(words, scale, 4, FMT)
+        o5 = _word_elem(words, scale, 5, FMT)
+        o6 = _word_elem(words, scale, 6, FMT)
+        o7 = _word_elem(words, scale, 7, FMT)
+    return o0, o1, o2, o3, o4, o5, o6, o7
+
+
+@triton.jit
+def _fwd_perm_tile(wq_ptr, ws_ptr, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn,
+                   FMT: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+    """Decoded weight tile and activation tile of one 128-wide K step, both in the permuted K order.
+
+    Physical column ``c = 32t + 8w + 4u + j`` (``t, w, j < 4``, ``u < 2``) is logical column
+    ``L = 32w + 8j + 2t + u``. The MMA gives thread-quad lane ``t`` the logical pairs
+    ``(2t + 8i, 2t + 8i + 1)``, which are physical ``(32t + 8w + j, 32t + 8w + j + 4)``: nibbles
+    ``j`` and ``j + 4`` of word ``4t + w``. So each thread decodes four whole words of one scale
+    group (group ``t``) into exactly its operand registers. Returns ``(w [BN, 128], x [BM, 128])``.
+    """
+    BLOCK_M: tl.constexpr = x_rows.shape[0]
+    wt = tl.arange(0, 4)
+    ww = tl.arange(0, 4)
+    word = k0 // 8 + wt[:, None] * 4 + ww[None, :]  # [4(t), 4(w)] word index in the row
+    q = tl.load(wq_ptr + offs_n[:, None, None] * stride_wn + word[None, :, :],
+                mask=n_mask[:, None, None], other=0)  # int32 [BN, 4, 4]
+    if FMT == 0:
+        sb = tl.load(ws_ptr + offs_n[:, None] * stride_sn + (k0 // 32 + wt)[None, :],
+                     mask=n_mask[:, None], other=127).to(tl.uint16)
+        sb = tl.where(sb == 0, 0x40, sb << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        sb = tl.load(ws_ptr + offs_n[:, None] * stride_sn + (k0 // 32 + wt)[None, :],
+                     mask=n_mask[:, None], other=0.0)
+    s3 = tl.broadcast_to(sb[:, :, None], (BLOCK_N, 4, 4))
+    o0, o1, o2, o3, o4, o5, o6, o7 = _decode_words(q, s3, FMT, USE_ASM)  # each [BN, 4(t), 4(w)]
+    p = tl.join(tl.join(tl.join(o0, o4), tl.join(o1, o5)), tl.join(tl.join(o2, o6), tl.join(o3, o7)))
+    # p: [BN, t, w, u, j_lo, j_hi] -> [BN, w, j_hi, j_lo, t, u]
+    w = tl.permute(p, (0, 2, 5, 4, 1, 3)).reshape(BLOCK_N, 128)
+    offs_k = k0 + tl.arange(0, 128)
+    x = tl.load(x_rows + offs_k[None, :], mask=row_mask[:, None], other=0.0)  # [BM, 128] physical
+    # physical [BM, t, w, u, j] -> logical [BM, w, j, t, u]
+    x = tl.permute(x.reshape(BLOCK_M, 4, 4, 2, 4), (0, 2, 4, 1, 3)).reshape(BLOCK_M, 128)
+    return w, x
+
+
+@triton.jit
+def w4a16_fwd_perm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, offsets_ptr, N, K, E,
+                          stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
+                          FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          GROUP_M: tl.constexpr, E_POW2: tl.constexpr, USE_ASM: tl.constexpr,
+                          INTERP: tl.constexpr = False):
+    """Forward with word-level decoding; ``K % 128 == 0``, weights viewed as int32 words ``[E, N, K / 8]``."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    valid, e, pid_n, rows, row_mask = _schedule(pid, offsets_ptr, E, num_n, BLOCK_M, E_POW2, GROUP_M)
+    if valid:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        e64 = e.to(tl.int64)
+        wq_e = wq_ptr + e64 * stride_we
+        ws_e = ws_ptr + e64 * stride_se
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xt  # [BM, 1]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, K, 128):
+            w, x = _fwd_perm_tile(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn,
+                                  FMT, BLOCK_N, USE_ASM)
+            acc = _mma(w, tl.trans(x), acc, INTERP)  # [BN, BM]
+        y = tl.trans(acc).to(tl.bfloat16)  # [BM, BN]
+        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
+        tl.store(y_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def w4a16_fwd_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, offsets_ptr, N, K, E,
+                     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
+                     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, E_POW2: tl.constexpr,
+                     EVEN_K: tl.constexpr, INTERP: tl.constexpr = False):
+    """``y[rows_e] = x[rows_e] . dequant(W_e)^T``; one program per (row tile, BLOCK_N columns)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    valid, e, pid_n, rows, row_mask = _schedule(pid, offsets_ptr, E, num_n, BLOCK_M, E_POW2, GROUP_M)
+    if valid:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        e64 = e.to(tl.int64)
+        wq_e = wq_ptr + e64 * stride_we
+        ws_e = ws_ptr + e64 * stride_se
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xt  # [BM, 1]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                x = tl.load(x_rows + offs_k[None, :], mask=row_mask[:, None], other=0.0)
+            else:
+                x = tl.load(x_rows + offs_k[None, :], mask=row_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+            w = _load_weight_tile(wq_e, ws_e, offs_n, n_mask, k0, K, stride_wn, stride_sn,
+                                  FMT, BLOCK_N, BLOCK_K, EVEN_K)  # [BN, BK] bf16
+            acc = _mma(w, tl.trans(x), acc, INTERP)  # [BN, BM]
+        y = tl.trans(acc).to(tl.bfloat16)  # [BM, BN]
+        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
+        tl.store(y_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def w4a16_dgrad_kernel(dy_ptr, wq_ptr, ws_ptr, dx_ptr, offsets_ptr, N, K, E,
+                       stride_dyt, stride_we, stride_wn, stride_se, stride_sn, stride_dxt,
+                       FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, E_POW2: tl.constexpr,
+                       EVEN_N: tl.constexpr, INTERP: tl.constexpr = False):
+    """``dx[rows_e] = dy[rows_e] . dequant(W_e)``; one program per (row tile, BLOCK_K input columns).
+
+    The reduction runs over ``N`` in steps of ``BLOCK_N``; ``K`` must be a multiple of ``BLOCK_K``
+    (the launcher checks), so the weight tile's columns never need a mask.
+    """
+    pid = tl.program_id(0)
+    num_k = K // BLOCK_K
+    valid, e, pid_k, rows, row_mask = _schedule(pid, offsets_ptr, E, num_k, BLOCK_M, E_POW2, GROUP_M)
+    if valid:
+        k0 = pid_k * BLOCK_K
+        e64 = e.to(tl.int64)
+        wq_e = wq_ptr + e64 * stride_we
+        ws_e = ws_ptr + e64 * stride_se
+        dy_rows = dy_ptr + rows.to(tl.int64)[:, None] * stride_dyt  # [BM, 1]
+        acc = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < N
+            if EVEN_N:
+                dy = tl.load(dy_rows + offs_n[None, :], mask=row_mask[:, None], other=0.0)
+            else:
+                dy = tl.load(dy_rows + offs_n[None, :], mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+            w = _load_weight_tile(wq_e, ws_e, offs_n, n_mask, k0, K, stride_wn, stride_sn,
+                                  FMT, BLOCK_N, BLOCK_K, True)  # [BN, BK]
+            acc = _mma(tl.trans(w), tl.trans(dy), acc, INTERP)  # [BK, BM]
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        dx = tl.trans(acc).to(tl.bfloat16)  # [BM, BK]
+        dx_ptrs = dx_ptr + rows.to(tl.int64)[:, None] * stride_dxt + offs_k[None, :]
+        tl.store(dx_ptrs, dx, mask=row_mask[:, None])
+
+
+@triton.jit
+def w4a16_dgrad_perm_kernel(dy_ptr, wq_ptr, ws_ptr, dx_ptr, offsets_ptr, N, K, E,
+                            stride_dyt, stride_we, stride_wn, stride_se, stride_sn, stride_dxt,
+                            FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            GROUP_M: tl.constexpr, E_POW2: tl.constexpr, USE_ASM: tl.constexpr,
+                            EVEN_N: tl.constexpr, INTERP: tl.constexpr = False):
+    """dgrad with word-level decoding; 256 input columns per program, ``K % 256 == 0``.
+
+    The MMA computes ``acc[256, BLOCK_M] = W^T . dy^T`` with the 256 rows in a permuted order:
+    physical column ``k = 8m + e`` of the tile (word ``m = 8a + 4b + c``, element ``e = 4r1 + 2r0 + h``)
+    is logical row ``128 r1 + 64 r0 + 16 a + 8 h + 4 b + c``. With 4 warps, logical rows
+    ``{64 r + 16 warp + g + 8 h}`` sit in one thread, so the 8 elements of a word land in the
+    thread that decoded it; its two rows ``n, n + 1`` pair up along the reduction axis as the
+    operand registers want. The epilogue undoes the permutation before the store.
+    """
+    pid = tl.program_id(0)
+    num_k = K // 256
+    valid, e, pid_k, rows, row_mask = _schedule(pid, offsets_ptr, E, num_k, BLOCK_M, E_POW2, GROUP_M)
+    if valid:
+        k0 = pid_k * 256
+        e64 = e.to(tl.int64)
+        wq_e = wq_ptr + e64 * stride_we
+        ws_e = ws_ptr + e64 * stride_se
+        dy_rows = dy_ptr + rows.to(tl.int64)[:, None] * stride_dyt  # [BM, 1]
+        i_a = tl.arange(0, 4)
+        i_b = tl.arange(0, 2)
+        i_c = tl.arange(0, 4)
+        grp = 2 * i_a[:, None] + i_b[None, :]  # [4(a), 2(b)] scale group of the tile
+        word = k0 // 8 + 4 * grp[:, :, None] + i_c[None, None, :]  # [4, 2, 4]
+        acc = tl.zeros((256, BLOCK_M), dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < N
+            w_ptrs = wq_e + offs_n[:, None, None, None] * stride_wn + word[None, :, :, :]
+            s_ptrs = ws_e + offs_n[:, None] * stride_sn + (k0 // 32 + tl.arange(0, 8))[None, :]
+            if EVEN_N:
+                dy = tl.load(dy_rows + offs_n[None, :], mask=row_mask[:, None], other=0.0)
+                q = tl.load(w_ptrs)  # int32 [BN, 4(a), 2(b), 4(c)]
+                sb = tl.load(s_ptrs)  # [BN, 8]
+            else:
+                dy = tl.load(dy_rows + offs_n[None, :], mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+                q = tl.load(w_ptrs, mask=n_mask[:, None, None, None], other=0)
+                if FMT == 0:
+                    sb = tl.load(s_ptrs, mask=n_mask[:, None], other=127)
+                else:
+                    sb = tl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
+            sb = sb.reshape(BLOCK_N, 4, 2)
+            if FMT == 0:
+                sb = sb.to(tl.uint16)
+                sb = tl.where(sb == 0, 0x40, sb << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            s4 = tl.broadcast_to(sb[:, :, :, None], (BLOCK_N, 4, 2, 4))
+            o0, o1, o2, o3, o4, o5, o6, o7 = _decode_words(q, s4, FMT, USE_ASM)
+            p = tl.join(tl.join(tl.join(o0, o1), tl.join(o2, o3)), tl.join(tl.join(o4, o5), tl.join(o6, o7)))
+            # p: [BN, a, b, c, h, r0, r1] -> [r1, r0, a, h, b, c, BN]
+            wt = tl.permute(p, (6, 5, 1, 4, 2, 3, 0)).reshape(256, BLOCK_N)
+            acc = _mma(wt, tl.trans(dy), acc, INTERP)  # [256, BM]
+        d = tl.trans(acc).to(tl.bfloat16)  # [BM, 256] logical columns
+        # [BM, r1, r0, a, h, b, c] -> [BM, a, b, c, r1, r0, h]
+        d = tl.permute(d.reshape(BLOCK_M, 2, 2, 4, 2, 2, 4), (0, 3, 5, 6, 1, 2, 4)).reshape(BLOCK_M, 256)
+        offs_k = k0 + tl.arange(0, 256)
+        dx_ptrs = dx_ptr + rows.to(tl.int64)[:, None] * stride_dxt + offs_k[None, :]
+        tl.store(dx_ptrs, d, mask=row_mask[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _fmt_id(fmt: str) -> int:
+    return FMT_MXFP4 if fmt == "mxfp4-pack-quantized" else FMT_INT4
+
+
+def _as_words(w_packed):
+    """Packed weights as int32 words ``[E, N, K / 8]`` (MXFP4 bytes are reinterpreted, not copied)."""
+    import torch
+
+    if w_packed.dtype == torch.uint8:
+        w_packed = w_packed.contiguous().view(torch.int32)
+    return w_packed.contiguous()
+
+
+def _offsets(m_splits, num_experts: int, device):
+    """``(offsets int32 [E + 1] on device, host list of splits or None)``."""
+    import torch
+
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.device.type == "cpu":
+            splits = [int(v) for v in m_splits.tolist()]
+        else:
+            off = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
+            off[1:] = torch.cumsum(m_splits.to(device=device, dtype=torch.int32), 0)
+            return off, None
+    else:
+        splits = [int(v) for v in m_splits]
+    off = [0]
+    for v in splits:
+        off.append(off[-1] + v)
+    host = torch.tensor(off, dtype=torch.int32, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True), splits
+
+
+def _num_programs(splits, total_rows: int, num_experts: int, block_m: int, num_cols: int) -> int:
+    if splits is not None:
+        tiles = sum((v + block_m - 1) // block_m for v in splits)
+    else:  # device-side splits: an upper bound; programs past the last tile exit at once
+        tiles = (total_rows + block_m - 1) // block_m + num_experts
+    return max(tiles, 1) * num_cols
+
+
+def _e_pow2(num_experts: int) -> int:
+    return max(16, triton.next_power_of_2(num_experts))
+
+
+def fwd_config(tokens_per_expert: float, fmt: str = "") -> dict:
+    """Forward tiles by mean tokens per expert (swept on K3 fc1 on the H200, 2026-11-29)."""
+    if tokens_per_expert <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=128, num_warps=4, num_stages=4)
+    if tokens_per_expert <= 32:
+        return dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=4)
+    if tokens_per_expert <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3)
+
+
+def dgrad_config(tokens_per_expert: float, fmt: str = "") -> dict:
+    """dgrad tiles by mean tokens per expert (swept on K3 fc1 on the H200, 2026-11-29)."""
+    if tokens_per_expert <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=6 if fmt == "mxfp4-pack-quantized" else 4)
+    if tokens_per_expert <= 32:
+        return dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None = None, out=None):
+    """Triton forward; arguments as :func:`kimi_core.kernels.w4a16_grouped_gemm` (already validated).
+
+    ``config`` overrides the tile choice (benchmarks); ``out`` is an optional ``[T, N]`` bf16 output.
+    """
+    import torch
+
+    T, K = x.shape
+    E, N = w_packed.shape[0], w_packed.shape[1]
+    y = out if out is not None else torch.empty((T, N), dtype=torch.bfloat16, device=x.device)
+    if T == 0 or N == 0:
+        return y
+    offsets, splits = _offsets(m_splits, E, x.device)
+    cfg = dict(config or fwd_config(T / E, fmt))
+    x = x.contiguous()
+    ws = w_scale.contiguous()
+    fmt_id = _fmt_id(fmt)
+    use_asm = not _interpreting()
+    if K % 128 == 0 and cfg.pop("PERM", True):
+        wq = _as_words(w_packed)
+        grid = (_num_programs(splits, T, E, cfg["BLOCK_M"], triton.cdiv(N, cfg["BLOCK_N"])),)
+        w4a16_fwd_perm_kernel[grid](
+            x, wq, ws, y, offsets, N, K, E, x.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
+            ws.stride(1), y.stride(0), FMT=fmt_id, GROUP_M=8, E_POW2=_e_pow2(E), USE_ASM=use_asm, INTERP=not use_asm, **cfg)
+    else:
+        wq = w_packed.contiguous()
+        cfg.setdefault("BLOCK_K", 128 if K % 128 == 0 else 32)
+        grid = (_num_programs(splits, T, E, cfg["BLOCK_M"], triton.cdiv(N, cfg["BLOCK_N"])),)
+        w4a16_fwd_kernel[grid](
+            x, wq, ws, y, offsets, N, K, E, x.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
+            ws.stride(1), y.stride(0), FMT=fmt_id, GROUP_M=8, E_POW2=_e_pow2(E),
+            EVEN_K=K % cfg["BLOCK_K"] == 0, INTERP=_interpreting(), **cfg)
+    return y
+
+
+def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict | None = None, out=None):
+    """Triton dgrad; arguments as :func:`kimi_core.kernels.w4a16_grouped_gemm_dgrad` (already validated).
+
+    ``config`` overrides the tile choice (benchmarks); ``out`` is an optional ``[T, K]`` bf16 output.
+    """
+    import torch
+
+    T, N = dy.shape
+    E = w_packed.shape[0]
+    K = w_scale.shape[2] * 32
+    dx = out if out is not None else torch.empty((T, K), dtype=torch.bfloat16, device=dy.device)
+    if T == 0 or K == 0:
+        return dx
+    if N == 0:
+        return dx.zero_()
+    offsets, splits = _offsets(m_splits, E, dy.device)
+    cfg = dict(config or dgrad_config(T / E, fmt))
+    dy = dy.contiguous()
+    ws = w_scale.contiguous()
+    fmt_id = _fmt_id(fmt)
+    if K % 256 == 0 and cfg.pop("PERM", True):
+        wq = _as_words(w_packed)
+        grid = (_num_programs(splits, T, E, cfg["BLOCK_M"], K // 256),)
+        w4a16_dgrad_perm_kernel[grid](
+            dy, wq, ws, dx, offsets, N, K, E, dy.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
+            ws.stride(1), dx.stride(0), FMT=fmt_id, GROUP_M=8, E_POW2=_e_pow2(E),
+            USE_ASM=not _interpreting(), EVEN_N=N % cfg["BLOCK_N"] == 0, INTERP=_interpreting(), **cfg)
+    else:
+        wq = w_packed.contiguous()
+        cfg.setdefault("BLOCK_K", 128 if K % 128 == 0 else 32)
+        grid = (_num_programs(splits, T, E, cfg["BLOCK_M"], K // cfg["BLOCK_K"]),)
+        w4a16_dgrad_kernel[grid](
+            dy, wq, ws, dx, offsets, N, K, E, dy.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
+            ws.stride(1), dx.stride(0), FMT=fmt_id, GROUP_M=8, E_POW2=_e_pow2(E),
+            EVEN_N=N % cfg["BLOCK_N"] == 0, INTERP=_interpreting(), **cfg)
+    return dx
