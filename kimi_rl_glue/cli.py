@@ -55,6 +55,19 @@ def _demo(a) -> int:
     return main(a)
 
 
+def _prepare_data(a) -> int:
+    from kimi_rl_glue.data import prepare_data
+
+    try:
+        rep = prepare_data(a.task, a.input, a.output, limit=a.limit, add_boxed_instruction=a.add_boxed_instruction)
+    except ImportError as e:  # parquet without pyarrow
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {rep.rows} {a.task} rows to {rep.output} (miles: --input-key prompt --label-key label)"
+          + (f"; skipped {len(rep.skipped)} row(s) without prompt/label" if rep.skipped else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kimi-rl", description="Kimi K2.x / K3 / K3.1 LoRA RL plugins")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -94,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     n.add_argument("--out", default=None, help="directory for report.json and logprob_diff.png")
     n.set_defaults(fn=_check_numerics)
+
+    pd = sub.add_parser("prepare-data", help="convert a local dapo-math / AIME JSONL or parquet to miles' format")
+    pd.add_argument("--task", required=True, choices=["dapo-math", "aime"])
+    pd.add_argument("--input", required=True, help="local .jsonl/.json/.parquet (nothing is downloaded)")
+    pd.add_argument("--output", required=True, help="miles prompt JSONL to write")
+    pd.add_argument("--limit", type=int, default=None, help="keep the first N usable rows")
+    pd.add_argument("--add-boxed-instruction", action="store_true",
+                    help="append 'put your final answer within \\boxed{}' to prompts that lack it")
+    pd.set_defaults(fn=_prepare_data)
 
     demo = sub.add_parser("demo", help="the main job: LoRA RL on a tiny Kimi model on this CPU")
     demo.add_argument("--out", default="runs/demo")

@@ -3,9 +3,8 @@
 For a pair (``a`` = the trainer side, ``b`` = the rollout side) over sampled tokens:
 
 * ``max_abs`` / ``mean_abs`` of ``logp_a - logp_b`` (miles' ``train_rollout_logprob_abs_diff`` is the mean);
-* ``kl``: KL(a || b) estimated on tokens sampled from the rollout side with the low-variance
-  ``k3`` estimator ``exp(r) - 1 - r``, ``r = logp_a - logp_b`` (what miles and verl report as
-  ``low_var_kl``; 0 when the two agree);
+* ``kl``: miles' ``train_rollout_kl`` (the ``low_var_kl`` k3 estimate of KL(rollout || train) at the
+  sampled tokens, :func:`kimi_rl_glue.losses.kl.train_rollout_kl`; 0 when the two agree);
 * ``top1_agree``: fraction of positions where both pick the same next token;
 * ``first_diverging_layer``: where both expose hidden states, the first layer whose relative RMS
   difference exceeds ``layer_tol`` (``None`` when none does).
@@ -16,6 +15,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+
+from kimi_rl_glue.losses.kl import train_rollout_kl
 
 
 @dataclass
@@ -34,12 +35,6 @@ class PairStats:
         return asdict(self)
 
 
-def k3_kl(logp_a: torch.Tensor, logp_b: torch.Tensor) -> torch.Tensor:
-    """Per-token ``exp(r) - 1 - r`` with ``r = logp_b - logp_a`` (tokens sampled from b), in float64."""
-    r = logp_b.double() - logp_a.double()
-    return torch.expm1(r) - r
-
-
 def layer_errors(ha: list[torch.Tensor], hb: list[torch.Tensor]) -> list[float]:
     """Relative RMS difference of each layer's hidden state (float64)."""
     out = []
@@ -52,7 +47,7 @@ def layer_errors(ha: list[torch.Tensor], hb: list[torch.Tensor]) -> list[float]:
 def compare_pair(a: str, ra, b: str, rb, mask: torch.Tensor, tol_abs: float, layer_tol: float) -> PairStats:
     """Statistics of engine results ``ra`` vs ``rb`` over positions where ``mask`` [B, T-1] is true."""
     d = (ra.logprobs.double() - rb.logprobs.double())[mask].abs()
-    kl = k3_kl(ra.logprobs, rb.logprobs)[mask].mean().item()
+    kl = float(train_rollout_kl(ra.logprobs.double(), rb.logprobs.double(), mask))
     agree = (ra.top1 == rb.top1)[mask].double().mean().item()
     errs, first = None, None
     if ra.hidden is not None and rb.hidden is not None and len(ra.hidden) == len(rb.hidden):

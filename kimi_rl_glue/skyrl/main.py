@@ -1,0 +1,114 @@
+"""``trainer.override_entrypoint=kimi_rl_glue.skyrl.main``: SkyRL's PPO loop with our losses and DAPO shaping.
+
+SkyRL's ``main_base.main()`` imports this module and calls :func:`main` before its strict config
+parse (``NovaSky-AI/SkyRL:skyrl/train/entrypoints/main_base.py``). We then:
+
+1. drop the ``trainer.override_entrypoint=`` argument (not a field of our config) and parse the rest
+   with SkyRL's config extended by ``trainer.algorithm.overlong_buffer_len`` (0 = off) and
+   ``overlong_buffer_penalty_factor`` (SkyRL's DAPO example fields);
+2. register ``kimi_dapo`` / ``kimi_grpo`` in ``PolicyLossRegistry`` (before ``validate_cfg``, which
+   checks ``policy_loss_type`` against the registry), start Ray and sync the registries to it;
+3. run ``BasePPOExp`` with a trainer that applies DAPO's soft overlong punishment
+   (``kimi_rl_glue.losses.overlong``) to the rewards before advantages are computed.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from kimi_rl_glue.losses.overlong import apply_overlong_penalty
+
+__all__ = ["main", "strip_override_arg", "shape_rewards"]
+
+OVERRIDE_PREFIX = "trainer.override_entrypoint="
+
+
+def strip_override_arg(argv: list[str]) -> list[str]:
+    """``argv`` without the ``trainer.override_entrypoint=...`` dispatch argument."""
+    return [a for a in argv if not a.startswith(OVERRIDE_PREFIX)]
+
+
+def shape_rewards(rewards: list, response_lengths: list[int], max_generate_length: int, buffer_len: int,
+                  penalty_factor: float) -> list:
+    """DAPO soft overlong punishment on SkyRL's per-response scalar rewards (unchanged if ``buffer_len`` is 0).
+
+    :raises ValueError: token-level (list) rewards, which the punishment is not defined for.
+    """
+    if buffer_len <= 0:
+        return rewards
+    if any(isinstance(r, (list, tuple)) for r in rewards):
+        raise ValueError("trainer.algorithm.overlong_buffer_len > 0 needs one scalar reward per response; "
+                         "the generator returned token-level rewards")
+    return apply_overlong_penalty(rewards, response_lengths, max_generate_length, buffer_len, penalty_factor).tolist()
+
+
+def _build():
+    """Config class, experiment class and Ray entry task; imported lazily (SkyRL needs Python >= 3.12)."""
+    from dataclasses import dataclass
+
+    import ray
+    import torch
+
+    from kimi_rl_glue.skyrl.registry import INSTALL_HINT
+
+    try:
+        from skyrl.train.config import AlgorithmConfig, make_config
+        from skyrl.train.entrypoints.main_base import BasePPOExp
+        from skyrl.train.trainer import RayPPOTrainer
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} ({e})") from e
+
+    @dataclass
+    class KimiAlgorithmConfig(AlgorithmConfig):
+        overlong_buffer_len: int = 0
+        """DAPO soft overlong punishment buffer in tokens (0 = off; the Kimi recipe uses 4096)."""
+        overlong_buffer_penalty_factor: float = 1.0
+
+    KimiConfig = make_config(algorithm_cls=KimiAlgorithmConfig)
+
+    class KimiTrainer(RayPPOTrainer):
+        @torch.no_grad()
+        def postprocess_generator_output(self, generator_output, uids):
+            alg = self.cfg.trainer.algorithm
+            if alg.overlong_buffer_len > 0:
+                generator_output["rewards"] = shape_rewards(
+                    generator_output["rewards"], [len(r) for r in generator_output["response_ids"]],
+                    self.cfg.generator.sampling_params.max_generate_length, alg.overlong_buffer_len,
+                    alg.overlong_buffer_penalty_factor)
+            return super().postprocess_generator_output(generator_output, uids)
+
+    class KimiExp(BasePPOExp):
+        def get_trainer(self, *args, **kwargs):
+            return KimiTrainer(*args, **kwargs)
+
+    @ray.remote(num_cpus=1)
+    def entry(cfg):
+        # Workers are fresh processes: register again so the registry is complete there too.
+        from kimi_rl_glue.skyrl.registry import register_skyrl_losses
+
+        register_skyrl_losses()
+        KimiExp(cfg).run()
+
+    return KimiConfig, entry
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point named by ``trainer.override_entrypoint``; reads ``sys.argv[1:]`` by default."""
+    import ray
+
+    from kimi_rl_glue.skyrl.registry import register_skyrl_losses
+
+    KimiConfig, entry = _build()
+    from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
+    from skyrl.train.utils import initialize_ray, validate_cfg
+
+    cfg = KimiConfig.from_cli_overrides(strip_override_arg(list(sys.argv[1:] if argv is None else argv)))
+    register_skyrl_losses()
+    validate_cfg(cfg)
+    initialize_ray(cfg)
+    sync_registries()
+    ray.get(entry.remote(cfg))
+
+
+if __name__ == "__main__":
+    main()
