@@ -1,0 +1,77 @@
+"""DSA lightning indexer for Kimi K3.1 (frozen): which earlier tokens each MLA query may attend to.
+
+Everything K3.1-specific here is **[I] inferred**: no public K3.1 config or code exists
+(``shared/reference/kimi_arch.md`` section 4). The design follows DeepSeek-V3.2-Exp's ``Indexer``
+minus RoPE (K3's MLA is NoPE), minus the Hadamard rotation (orthogonal on q and k, so q·k is
+unchanged) and minus the fp8 quantisation (an fp32 reference skips it). Weights, per MLA layer,
+under ``self_attn.indexer.``: ``wq_b [n_h*d, q_lora_rank]``, ``wk [d, hidden]``,
+``k_norm`` (LayerNorm weight and bias ``[d]``), ``weights_proj [n_h, hidden]``.
+
+For query t and key s <= t::
+
+    q_{t,h} = wq_b(qr_t)_h          qr = q_a_layernorm(q_a_proj x), MLA's normalised query latent
+    k_s     = LayerNorm(wk x_s)     one key head shared by all index heads
+    w_{t,h} = weights_proj(x_t)_h * n_h^-1/2 * d^-1/2                   (fp32)
+    I_{t,s} = sum_h w_{t,h} ReLU(q_{t,h} . k_s);   keep = top-k_s I_{t,s}, k = min(index_topk, t+1)
+
+The selected keys are a mask (0 / -inf) added to the MLA logits; scores are not used as weights
+and the indexer gets no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kimi_core.reference.ops import acc_dtype, layer_norm
+
+__all__ = ["INDEXER_K_NORM_EPS", "Indexer", "topk_mask"]
+
+# LayerNorm eps of the indexer keys: 1e-6 as in DeepSeek-V3.2's reference LayerNorm [I].
+INDEXER_K_NORM_EPS = 1e-6
+
+
+def topk_mask(scores: torch.Tensor, causal: torch.Tensor, topk: int) -> torch.Tensor:
+    """Boolean ``[B, T, S]``: the ``min(topk, #visible)`` highest-scoring visible keys of each query.
+
+    :param scores: ``[B, T, S]`` index scores; ``causal``: ``[T, S]`` bool (True = visible).
+    With ``topk >= S`` every visible key is kept, so the mask equals ``causal`` exactly.
+    """
+    S = scores.shape[-1]
+    if topk >= S:
+        return causal.expand_as(scores).clone()
+    masked = scores.masked_fill(~causal, float("-inf"))
+    idx = masked.topk(topk, dim=-1).indices
+    keep = torch.zeros_like(masked, dtype=torch.bool).scatter_(-1, idx, True)
+    return keep & causal  # rows with fewer than topk visible keys picked some -inf ones: drop them
+
+
+class Indexer:
+    """The indexer of one MLA layer; ``prefix`` ends with ``self_attn``. Cache key: ``idx_k [B, S, d]``."""
+
+    def __init__(self, config, weights, prefix: str):
+        self.cfg, self.w, self.p = config, weights, f"{prefix}.indexer"
+        self.nh, self.d, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
+
+    @torch.no_grad()
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, cache: dict, adapter=None) -> torch.Tensor:
+        """Index scores ``I [B, T, S]`` (fp32) of the T new queries against all S cached+new keys.
+
+        :param x: ``[B, T, hidden]`` normed attention input; ``qr``: ``[B, T, q_lora_rank]``.
+        Appends the new keys to ``cache["idx_k"]``.
+        """
+        w, p = self.w, self.p
+        B, T, _ = x.shape
+        a = acc_dtype(x.dtype)
+        q = w.linear(qr, f"{p}.wq_b", adapter).to(a).view(B, T, self.nh, self.d)
+        k = layer_norm(w.linear(x, f"{p}.wk", adapter), w.tensor(f"{p}.k_norm.weight", a),
+                       w.tensor(f"{p}.k_norm.bias", a), INDEXER_K_NORM_EPS).to(a)
+        if "idx_k" in cache:
+            k = torch.cat([cache["idx_k"], k], dim=1)
+        cache["idx_k"] = k
+        wts = w.linear(x, f"{p}.weights_proj", adapter).to(a) * (self.nh ** -0.5) * (self.d ** -0.5)
+        rel = torch.relu(torch.einsum("bthd,bsd->bths", q, k))
+        return torch.einsum("bth,bths->bts", wts, rel)
+
+    def mask(self, x, qr, cache: dict, causal: torch.Tensor, adapter=None) -> torch.Tensor:
+        """Boolean keep-mask ``[B, T, S]`` (see :func:`topk_mask`)."""
+        return topk_mask(self.scores(x, qr, cache, adapter), causal, self.topk)
