@@ -121,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo")
     demo.add_argument("--steps", type=int, default=None)
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--loss", choices=["score_centering", "grpo_tis"], default="score_centering")
+    demo.add_argument("--trainer", choices=["auto", "megatron", "reference"], default="auto")
+    demo.add_argument("--rank", type=int, default=8)
+    demo.add_argument("--lr", type=float, default=2e-3)
+    demo.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    demo.add_argument("--group", type=int, default=4, help="samples per prompt")
+    demo.add_argument("--max-tokens", type=int, default=8, help="tokens per response")
     demo.set_defaults(fn=_demo)
     return p
 

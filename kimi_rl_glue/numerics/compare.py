@@ -41,6 +41,19 @@ class NumericsReport:
                 "per_position_abs_diff": self.per_position, "input_ids": self.input_ids.tolist()}
 
 
+def compare_results(results: dict[str, EngineResult], mask: torch.Tensor, dtype: str = "bf16",
+                    tol_abs: float | None = None, layer_tol: float | None = None) -> list[PairStats]:
+    """Pair statistics of results a caller already has (e.g. the demo's trainer and engine logprobs).
+
+    :param mask: ``[B, T-1]`` positions to compare (the sampled tokens).
+    """
+    tol_abs = DEFAULT_TOL_ABS[dtype] if tol_abs is None else tol_abs
+    layer_tol = DEFAULT_LAYER_TOL[dtype] if layer_tol is None else layer_tol
+    names = list(results)
+    return [compare_pair(a, results[a], b, results[b], mask, tol_abs, layer_tol)
+            for i, a in enumerate(names) for b in names[i + 1:]]
+
+
 def sample_sequences(model_dir: str, batch: int, prompt_len: int, tokens: int, seed: int, adapter=None) -> torch.Tensor:
     """``[batch, prompt_len + tokens]`` token ids: random prompts continued by the reference model."""
     from kimi_core.reference import load_reference_model
@@ -94,13 +107,11 @@ def compare(model_dir: str, adapter=None, engines=("reference", "megatron", "vll
         results[key] = eng.run(other_dir or model_dir, ids, adapter=adapter,
                                dtype=torch.float32 if is_base else DTYPES[dtype])
     results.update(extra_results or {})
-    names = list(results)
-    pairs, per_pos = [], {}
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            pairs.append(compare_pair(a, results[a], b, results[b], mask, tol_abs, layer_tol))
-            d = (results[a].logprobs.double() - results[b].logprobs.double()).abs()[:, prompt_len - 1:]
-            per_pos[f"{a} vs {b}"] = d.mean(0).tolist()
+    pairs = compare_results(results, mask, dtype, tol_abs, layer_tol)
+    per_pos = {}
+    for p in pairs:
+        d = (results[p.a].logprobs.double() - results[p.b].logprobs.double()).abs()[:, prompt_len - 1:]
+        per_pos[f"{p.a} vs {p.b}"] = d.mean(0).tolist()
     rep = NumericsReport(pairs, skipped, per_pos, ids)
     if out:
         write_report(rep, out)

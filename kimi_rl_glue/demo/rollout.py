@@ -1,0 +1,75 @@
+"""Rollouts from a real vLLM CPU engine through ``kimi_vllm_plugin``, with the current adapter.
+
+One offline ``vllm.LLM`` (its engine core runs in a child process). Each step samples ``n``
+responses per prompt at temperature 1 and returns, per generated token, the sampled logprob and
+the engine's top-K candidates (score centering needs them). Adapters are hot-loaded from disk by
+:class:`kimi_vllm_plugin.client.KimiLoraClient` under a fresh versioned name each step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One response: ``prompt`` and ``tokens`` ids, ``logprobs [T]`` (fp32), ``topk_ids``/``topk_logprobs`` ``[T, K]``."""
+
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_logprobs: torch.Tensor
+    group: int
+
+
+class VllmRollout:
+    """:param ckpt: the 4-bit checkpoint the engine serves; :param max_lora_rank: engine's max rank."""
+
+    def __init__(self, ckpt: str, max_lora_rank: int, stage_dir: str, topk: int = 8, seed: int = 0,
+                 max_model_len: int = 64, max_num_seqs: int = 64):
+        os.environ.setdefault("VLLM_PLUGINS", "kimi")
+        from vllm import LLM
+
+        from kimi_core.config import load_config
+        from kimi_vllm_plugin.client import KimiLoraClient
+
+        t0 = time.time()
+        self.llm = LLM(model=ckpt, skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.05,
+                       max_model_len=max_model_len, max_num_seqs=max_num_seqs, dtype="bfloat16", seed=seed,
+                       enable_lora=True, max_lora_rank=max_lora_rank, max_loras=2, max_logprobs=max(topk, 1))
+        self.start_s = time.time() - t0
+        self.client = KimiLoraClient.offline(self.llm, ckpt, max_lora_rank=max_lora_rank, stage_dir=stage_dir)
+        self.config = load_config(ckpt)
+        self.topk = topk
+        self._seed = seed
+
+    def load_adapter(self, path: str):
+        """Hot-load ``path`` under a new versioned name; raises ``AdapterRejected`` (previous one keeps serving)."""
+        return self.client.load(path)
+
+    def generate(self, prompts: list[list[int]], n: int, max_tokens: int, step: int) -> list[Sample]:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(n=n, max_tokens=max_tokens, min_tokens=max_tokens, temperature=1.0, top_p=1.0,
+                            logprobs=self.topk, seed=self._seed * 100_003 + step)
+        req = self.client.current
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                 lora_request=req, use_tqdm=False)
+        samples = []
+        for g, (p, o) in enumerate(zip(prompts, outs)):
+            for c in o.outputs:
+                toks = list(c.token_ids)
+                lp = torch.tensor([d[t].logprob for d, t in zip(c.logprobs, toks)], dtype=torch.float32)
+                ids = torch.full((len(toks), self.topk), -1, dtype=torch.long)
+                tlp = torch.full((len(toks), self.topk), float("-inf"))
+                for i, d in enumerate(c.logprobs):
+                    top = sorted(((v.rank, k, v.logprob) for k, v in d.items() if v.rank is not None and v.rank <= self.topk))
+                    for j, (_, k, v) in enumerate(top[: self.topk]):
+                        ids[i, j], tlp[i, j] = k, v
+                samples.append(Sample(p, toks, lp, ids, tlp, g))
+        return samples

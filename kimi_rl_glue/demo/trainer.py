@@ -1,0 +1,61 @@
+"""The demo's trainer side: LoRA on a tiny Kimi model whose base is the served 4-bit grid exactly.
+
+``Trainer`` is what the loop needs: ``logits(ids)`` with gradients into the adapter, an
+optimizer step and ``export_adapter()`` of the adapter in PEFT form. Backends:
+
+* ``megatron`` — :mod:`kimi_megatron_plugin` (one gloo process, W4A16 experts computed from the
+  checkpoint's packed bytes through ``kimi_core.kernels``), used when the plugin provides a
+  ``demo_trainer``.
+* ``reference`` — ``kimi_core.reference`` with a :class:`~kimi_core.lora.trainable.TrainableAdapter`:
+  the same exactly dequantized INT4 base in fp32; the fallback where Megatron is unavailable.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from kimi_core.lora import LoraSpec
+
+
+class ReferenceTrainer:
+    """LoRA RL on ``kimi_core.reference`` (fp32, exact INT4 base)."""
+
+    name = "reference"
+
+    def __init__(self, ckpt: str, spec: LoraSpec, lr: float, seed: int = 0):
+        from kimi_core.lora.trainable import TrainableAdapter
+        from kimi_core.reference import load_reference_model
+
+        self.model = load_reference_model(ckpt)
+        self.config = self.model.config
+        self.adapter = TrainableAdapter(self.config, spec, seed=seed)
+        self.opt = torch.optim.AdamW(self.adapter.parameters(), lr=lr, weight_decay=0.0)
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[B, T, V]`` fp32 logits of ``ids [B, T]``, differentiable w.r.t. the adapter."""
+        return self.model(ids, adapter=self.adapter).float()
+
+    def step(self, loss: torch.Tensor, max_grad_norm: float = 1.0) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(self.adapter.parameters(), max_grad_norm)
+        self.opt.step()
+        return float(gn)
+
+    def export_adapter(self):
+        """The current adapter as a :class:`kimi_core.lora.Adapter` (bf16, per-expert PEFT names)."""
+        return self.adapter.export()
+
+
+def make_trainer(kind: str, ckpt: str, spec: LoraSpec, lr: float, seed: int = 0):
+    """``kind`` in ``auto`` (megatron if available, else reference), ``megatron``, ``reference``."""
+    if kind in ("auto", "megatron"):
+        try:
+            mod = importlib.import_module("kimi_megatron_plugin.demo_trainer")
+            return mod.MegatronLoraTrainer(ckpt, spec, lr=lr, seed=seed)
+        except ImportError as e:
+            if kind == "megatron":
+                raise RuntimeError(f"--trainer megatron: kimi_megatron_plugin's demo trainer is unavailable ({e})") from e
+    return ReferenceTrainer(ckpt, spec, lr, seed)
