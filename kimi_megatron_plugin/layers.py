@@ -1,0 +1,519 @@
+"""Megatron-Core modules of Kimi K2.x / K3 / K3.1 (everything except the routed experts).
+
+Each class is a Megatron module that slots into a megatron-core spec; the maths comes from
+:mod:`kimi_core.reference` (the oracle), never rewritten here:
+
+* :class:`KimiRMSNorm` - RMSNorm with fp32 statistics (``kimi_core.reference.ops.rms_norm``).
+* :class:`KimiCoreAttention` - MLA core attention for the no-TransformerEngine case: the local
+  ``DotProductAttention`` rejects MLA's ``k_channels``/``v_channels`` (0.19.2:
+  ``TypeError: DotProductAttention.__init__() got an unexpected keyword argument 'k_channels'``).
+* :class:`KimiMLA` - megatron-core ``MLASelfAttention`` (its TP projections, latent norms, RoPE/YaRN)
+  plus K3's NoPE (a zero-angle rotary table, so the rotation is the identity), K3's sigmoid output
+  gate ``g_proj`` and K3.1's frozen DSA indexer mask.
+* :class:`KimiIndexer` - the K3.1 lightning indexer; scores come from ``kimi_core.reference.indexer``.
+* :class:`KimiKDA` - Kimi Delta Attention with TP over heads; CPU runs the reference
+  ``chunk_kda``, CUDA runs fla's ``chunk_kda`` (same signature).
+* :class:`KimiMLP` - dense / shared-expert GLU MLP with SiLU (K2.x) or SiTU (K3).
+* :class:`KimiMoELayer` - megatron-core ``MoELayer`` (``TopKRouter`` with sigmoid + expert bias
+  = ``noaux_tc``, allgather dispatcher) plus K3's latent projections and post-combine RMSNorm.
+* :class:`KimiAttnResLayer` / :class:`KimiOutputNorm` - the attention-residual bank of K3,
+  carried between layers (and pipeline stages) packed into the hidden-state tensor
+  (:mod:`kimi_megatron_plugin.pipeline`).
+
+Shapes follow megatron: activations ``[S, B, H]`` (sequence first).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kimi_megatron_plugin.version import check_mcore_version
+
+check_mcore_version()
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region  # noqa: E402
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
+from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
+from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention  # noqa: E402
+from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: E402
+
+from kimi_core.reference import kda as ref_kda  # noqa: E402
+from kimi_megatron_plugin.cpu_compat import apply_no_te_shims  # noqa: E402
+from kimi_core.reference.attn_res import attn_res_aggregate  # noqa: E402
+from kimi_core.reference.indexer import Indexer, topk_mask  # noqa: E402
+from kimi_core.reference.ops import acc_dtype, glu, l2norm, rms_norm  # noqa: E402
+from kimi_megatron_plugin.pipeline import pack_bank, unpack_bank  # noqa: E402
+
+apply_no_te_shims()
+
+__all__ = [
+    "KimiRMSNorm", "KimiCoreAttention", "KimiMLA", "KimiIndexer", "KimiKDA", "KimiMLP", "KimiSharedMLP",
+    "KimiMoELayer", "KimiRouter", "KimiAttnResLayer", "KimiOutputNorm", "ReplicatedLinear",
+]
+
+
+def _device():
+    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+
+
+def _tp_size_rank() -> tuple[int, int]:
+    return (parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_rank())
+
+
+def _param(config, *shape, init: bool = True, partition_dim: int | None = None, dtype=None) -> torch.nn.Parameter:
+    """A parameter on the compute device; ``partition_dim`` marks a TP-sharded one (megatron attributes)."""
+    p = torch.nn.Parameter(torch.empty(*shape, device=_device(), dtype=dtype or config.params_dtype))
+    if init and config.perform_initialization:
+        config.init_method(p)
+    if partition_dim is not None:
+        p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, partition_dim, 1
+    return p
+
+
+class KimiRMSNorm(torch.nn.Module):
+    """``x * rsqrt(mean(x^2) + eps) * weight`` with fp32 statistics; ``weight [hidden_size]``.
+
+    Accepts megatron's norm-builder keywords (``config``, ``hidden_size``, ``eps``).
+    """
+
+    def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-5, **_):
+        super().__init__()
+        dtype = config.params_dtype if config is not None else torch.float32
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=_device(), dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class ReplicatedLinear(torch.nn.Module):
+    """Bias-free ``x @ weight.T`` replicated on every TP rank (small projections); ``weight [out, in]``.
+
+    Returns a tensor (not megatron's ``(out, bias)`` pair).
+    """
+
+    def __init__(self, config, input_size: int, output_size: int):
+        super().__init__()
+        self.weight = _param(config, output_size, input_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+# ---------------------------------------------------------------------------------------------- MLA
+class KimiCoreAttention(MegatronModule):
+    """Causal softmax attention for MLA, ``[S, B, n, d]`` in, ``[S, B, n * dv]`` out.
+
+    The reference's order of operations (``kimi_core.reference.mla``): logits in the accumulation
+    dtype (fp32 for bf16 models), mask, softmax, cast back, ``probs @ v``.
+
+    :param softmax_scale: from ``MultiLatentAttention`` (``qk_head_dim^-1/2 * mscale^2``).
+    ``forward(..., keep_mask=[B, S_q, S_k] bool)`` adds the DSA top-k selection of K3.1.
+    """
+
+    def __init__(self, config, layer_number=1, attn_mask_type=None, attention_type="self", softmax_scale=None,
+                 k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None, **_):
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise NotImplementedError("kimi_megatron_plugin: KimiCoreAttention does not support context_parallel_size > 1")
+        # the base ``Attention`` builds this once without MLA's arguments, MLA then rebuilds it
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, packed_seq_params=None,
+                keep_mask: torch.Tensor | None = None, **_):
+        if packed_seq_params is not None:
+            raise NotImplementedError("kimi_megatron_plugin: packed sequences (thd) are not supported by KimiCoreAttention")
+        S, B, n, _d = query.shape
+        Sk = key.shape[0]
+        dt = query.dtype
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, n, S, d]
+        scale = self.softmax_scale if self.softmax_scale is not None else _d ** -0.5
+        logits = (q @ k.transpose(-1, -2)).to(acc_dtype(dt)) * scale  # [B, n, S, Sk]
+        keep = torch.arange(Sk, device=q.device)[None, :] <= torch.arange(Sk - S, Sk, device=q.device)[:, None]
+        if attention_mask is not None:  # megatron convention: True = masked out
+            keep = keep & ~attention_mask.to(torch.bool)
+        if keep_mask is not None:
+            keep = keep & keep_mask[:, None]
+        probs = logits.masked_fill(~keep, float("-inf")).softmax(-1).to(dt)
+        o = probs @ v  # [B, n, S, dv]
+        return o.permute(2, 0, 1, 3).reshape(S, B, -1)
+
+
+class _NoRotation(torch.nn.Module):
+    """Zero-angle rotary table for K3's NoPE MLA (``mla_use_nope``): cos = 1, sin = 0, so the RoPE
+    that ``MLASelfAttention`` applies is the identity (up to MLA's even/odd reordering, which it
+    applies to q and k alike and so leaves q.k unchanged)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+
+    def get_rotary_seq_len(self, inference_context, transformer, transformer_input, transformer_config,
+                           packed_seq_params=None, *args, **kwargs) -> int:
+        return transformer_input.size(0)
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, **_):
+        return torch.zeros(max_seq_len, 1, 1, self.dim, device=_device())
+
+
+class _ModuleWeights:
+    """Adapter exposing module parameters through the reference ``Weights`` API (``linear``/``tensor``),
+    so a reference block (e.g. :class:`kimi_core.reference.indexer.Indexer`) runs on Megatron parameters."""
+
+    def __init__(self, modules: dict):
+        self.modules = modules
+
+    def linear(self, x, name, adapter=None, dtype=None):
+        return F.linear(x, self.modules[name].weight.to(dtype or x.dtype))
+
+    def tensor(self, name, dtype=None):
+        t = self.modules[name]
+        return t if dtype is None else t.to(dtype)
+
+
+class KimiIndexer(MegatronModule):
+    """K3.1 DSA lightning indexer (frozen, replicated on every TP rank).
+
+    Parameters (HF names under ``self_attn.indexer``): ``wq_b [n_h*d, q_lora_rank]``, ``wk [d, H]``,
+    ``k_norm.weight/bias [d]``, ``weights_proj [n_h, H]``; ``requires_grad=False``.
+    ``forward(x [S, B, H], qr [S, B, q_lora_rank]) -> keep [B, S, S]`` bool (top-``index_topk`` keys).
+    """
+
+    def __init__(self, config, kimi):
+        super().__init__(config=config)
+        d, nh = kimi.index_head_dim, kimi.index_n_heads
+        self.wq_b = ReplicatedLinear(config, kimi.q_lora_rank, nh * d)
+        self.wk = ReplicatedLinear(config, config.hidden_size, d)
+        self.k_norm = torch.nn.Module()
+        self.k_norm.weight = _param(config, d, init=False)
+        self.k_norm.bias = _param(config, d, init=False)
+        with torch.no_grad():
+            self.k_norm.weight.fill_(1.0)
+            self.k_norm.bias.zero_()
+        self.weights_proj = ReplicatedLinear(config, config.hidden_size, nh)
+        for p in self.parameters():
+            p.requires_grad_(False)
+        p = "self_attn.indexer"
+        self._ref = Indexer(kimi, _ModuleWeights({
+            f"{p}.wq_b": self.wq_b, f"{p}.wk": self.wk, f"{p}.weights_proj": self.weights_proj,
+            f"{p}.k_norm.weight": self.k_norm.weight, f"{p}.k_norm.bias": self.k_norm.bias}), "self_attn")
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
+        xb, qb = x.transpose(0, 1), qr.transpose(0, 1)  # [B, S, *]
+        scores = self._ref.scores(xb, qb, {})  # [B, S, S] fp32
+        S = scores.shape[-1]
+        causal = torch.arange(S, device=x.device)[None, :] <= torch.arange(S, device=x.device)[:, None]
+        return topk_mask(scores, causal, self._ref.topk)
+
+
+class KimiMLA(MLASelfAttention):
+    """``MLASelfAttention`` with K3's NoPE and output gate and K3.1's indexer.
+
+    Reuses megatron's TP projections (``linear_q_down_proj``, ``linear_q_up_proj``,
+    ``linear_kv_down_proj``, ``linear_kv_up_proj``, ``linear_proj``), latent norms and RoPE/YaRN.
+    Adds ``linear_g_proj`` (column-parallel, ``g_proj [n*dv, H]``) when ``mla_use_output_gate``
+    and ``indexer`` when the config has ``index_topk``. ``forward`` is the training/prefill path
+    only (no inference context, no packed sequences): ``[S, B, H] -> ([S, B, H], None)``.
+    """
+
+    def __init__(self, config, submodules, layer_number, attn_mask_type=None, cp_comm_type=None,
+                 pg_collection=None, kimi=None, **kw):
+        from megatron.core.transformer.enums import AttnMaskType
+
+        super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type or AttnMaskType.causal,
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection, **kw)
+        self.kimi = kimi
+        if kimi.mla_use_nope:
+            self.rotary_pos_emb = _NoRotation(config.qk_pos_emb_head_dim)
+        self.linear_g_proj = None
+        if kimi.mla_use_output_gate:
+            self.linear_g_proj = ColumnParallelLinear(
+                config.hidden_size, config.num_attention_heads * config.v_head_dim, config=config,
+                init_method=config.init_method, bias=False, gather_output=False, skip_bias_add=True)
+        self.indexer = KimiIndexer(config, kimi) if kimi.has_indexer else None
+        # Known gap (docs/megatron.md): with TP > 1, megatron gathers ``linear_kv_down_proj``'s
+        # output and splits the gradient back, so the shared rope key ``k_pe`` gets only the
+        # owning rank's heads' gradient; logits are exact, gradients upstream of MLA are not yet.
+
+    def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, packed_seq_params=None, position_ids=None, **_):
+        if inference_context is not None or packed_seq_params is not None:
+            raise NotImplementedError("kimi_megatron_plugin: KimiMLA supports the training/prefill path only "
+                                      "(no inference_context, no packed_seq_params)")
+        q, k, v, qr, _ = self.get_query_key_value_tensors(hidden_states, None, position_ids, None)
+        keep = self.indexer(hidden_states, qr) if self.indexer is not None else None
+        core = self.core_attention(q, k, v, attention_mask, keep_mask=keep)  # [S, B, n_local * dv]
+        if self.linear_g_proj is not None:
+            core = core * torch.sigmoid(self.linear_g_proj(hidden_states)[0])
+        return self.linear_proj(core)
+
+
+# ---------------------------------------------------------------------------------------------- KDA
+class KimiKDA(MegatronModule):
+    """Kimi Delta Attention with tensor parallelism over heads.
+
+    Parameters keep the HF names (``self_attn.<name>`` <-> ``self_attention.<name>``):
+    ``q_proj/k_proj/v_proj/g_proj`` and ``f_b_proj`` column-parallel ``[P/tp, *]``, ``b_proj``
+    column-parallel ``[heads/tp, H]``, ``{q,k,v}_conv1d.weight [P/tp, 1, W]`` (fp32),
+    ``A_log [heads/tp]`` (fp32, stored unpadded: see the mapping hooks), ``dt_bias [P/tp]`` (fp32),
+    ``f_a_proj [head_dim, H]`` and ``o_norm.weight [head_dim]`` replicated, ``o_proj`` row-parallel.
+    ``P = heads * head_dim``. Maths: ``kimi_core.reference.kda`` (module docstring there).
+    """
+
+    def __init__(self, config, submodules=None, layer_number=1, attn_mask_type=None, cp_comm_type=None,
+                 pg_collection=None, kimi=None, **_):
+        super().__init__(config=config)
+        la = kimi.linear_attn
+        tp, _r = _tp_size_rank()
+        if la.num_heads % tp:
+            raise ValueError(f"config.json: linear_attn_config.num_heads={la.num_heads} is not divisible by "
+                             f"--tensor-model-parallel-size {tp}")
+        if config.context_parallel_size > 1:
+            raise NotImplementedError("kimi_megatron_plugin: KDA with context_parallel_size > 1 is not supported")
+        self.kimi, self.layer_number = kimi, layer_number
+        self.H, self.D = la.num_heads // tp, la.head_dim
+        self.lower_bound, self.eps = la.gate_lower_bound, kimi.rms_norm_eps
+        H, P, D, W = config.hidden_size, la.num_heads * la.head_dim, la.head_dim, la.short_conv_kernel_size
+
+        def col(out):
+            return ColumnParallelLinear(H if out != "f_b" else D, P if out != "b" else la.num_heads, config=config,
+                                        init_method=config.init_method, bias=False, gather_output=False,
+                                        skip_bias_add=True)
+
+        self.q_proj, self.k_proj, self.v_proj = col("q"), col("k"), col("v")
+        for n in ("q", "k", "v"):
+            m = torch.nn.Module()
+            m.weight = _param(config, P // tp, 1, W, partition_dim=0, dtype=torch.float32)
+            setattr(self, f"{n}_conv1d", m)
+        self.f_a_proj = ReplicatedLinear(config, H, D)
+        self.f_b_proj = col("f_b")
+        self.b_proj = col("b")
+        self.full_rank_gate = la.use_full_rank_gate
+        if self.full_rank_gate:
+            self.g_proj = col("g")
+        else:
+            self.g_a_proj = ReplicatedLinear(config, H, D)
+            self.g_b_proj = col("f_b")
+        self.A_log = _param(config, self.H, init=False, partition_dim=0, dtype=torch.float32)
+        self.dt_bias = _param(config, P // tp, init=False, partition_dim=0, dtype=torch.float32)
+        with torch.no_grad():
+            self.A_log.copy_(torch.log(torch.linspace(1.0, 16.0, self.H)))
+            self.dt_bias.zero_()
+        self.o_norm = KimiRMSNorm(config, D, kimi.rms_norm_eps)
+        self.o_proj = RowParallelLinear(P, H, config=config, init_method=config.output_layer_init_method,
+                                        bias=False, input_is_parallel=True, skip_bias_add=True)
+
+    @staticmethod
+    def _kernel(q):
+        if q.is_cuda:
+            from fla.ops.kda import chunk_kda  # GPU: fla's Triton kernel, same (o, state) contract
+
+            return chunk_kda
+        return ref_kda.chunk_kda
+
+    def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None, **_):
+        if inference_context is not None or packed_seq_params is not None:
+            raise NotImplementedError("kimi_megatron_plugin: KimiKDA supports the training/prefill path only")
+        x = hidden_states.transpose(0, 1)  # [B, T, H]
+        B, T, _ = x.shape
+        H, D = self.H, self.D
+        a = acc_dtype(x.dtype)
+        qkv = []
+        for n in ("q", "k", "v"):
+            y = getattr(self, f"{n}_proj")(x)[0]
+            y, _s = ref_kda.causal_conv(y, getattr(self, f"{n}_conv1d").weight.to(a), None)
+            qkv.append(y.view(B, T, H, D))
+        q, k, v = qkv
+        q, k = l2norm(q), l2norm(k)
+        f = self.f_b_proj(self.f_a_proj(x))[0].view(B, T, H, D)
+        g = ref_kda.kda_gate(f, self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x)[0].to(a))
+        o, _state = self._kernel(q)(q, k, v, g, beta, initial_state=None, output_final_state=False)
+        gate = self.g_proj(x)[0] if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))[0]
+        # o_norm is replicated but sees only this rank's heads: sum its gradient over TP
+        w_norm = copy_to_tensor_model_parallel_region(self.o_norm.weight) if _tp_size_rank()[0] > 1 else self.o_norm.weight
+        o = rms_norm(o, w_norm.to(a), self.eps) * torch.sigmoid(gate.to(a).view(B, T, H, D))
+        out, bias = self.o_proj(o.reshape(B, T, H * D).to(x.dtype))
+        return out.transpose(0, 1), bias
+
+
+# ---------------------------------------------------------------------------------------------- MLPs
+class KimiMLP(MegatronModule):
+    """GLU MLP ``linear_fc2(act(gate, up))``, ``linear_fc1`` column-parallel ``[2*ffn/tp, in]``.
+
+    The local ``linear_fc1`` rows are ``[gate_shard; up_shard]`` (megatron's GLU layout), so the
+    mapping concatenates the rank's slices of HF ``gate_proj`` and ``up_proj``. ``act`` is
+    ``kimi_core.reference.ops.glu`` (SiLU for K2.x, SiTU for K3). Returns ``(out, None)``.
+
+    A module of our own rather than megatron's ``MLP``: 0.16.1's ``MLP`` sizes ``linear_fc2`` from
+    ``config.ffn_hidden_size`` whatever ``ffn_hidden_size`` it is given, and its GLU cannot express
+    SiTU's transform of the linear half.
+    """
+
+    def __init__(self, config, submodules=None, kimi=None, ffn_hidden_size: int | None = None, tp_group=None, **_):
+        super().__init__(config=config)
+        self.kimi = kimi
+        ffn = ffn_hidden_size or config.ffn_hidden_size
+        tp, _r = _tp_size_rank()
+        if ffn % tp:
+            raise ValueError(f"MLP width {ffn} is not divisible by --tensor-model-parallel-size {tp}")
+        self.linear_fc1 = ColumnParallelLinear(config.hidden_size, 2 * ffn, config=config,
+                                               init_method=config.init_method, bias=False, gather_output=False,
+                                               skip_bias_add=True)
+        self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, config=config,
+                                            init_method=config.output_layer_init_method, bias=False,
+                                            input_is_parallel=True, skip_bias_add=True)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        h = self.linear_fc1(hidden_states)[0]
+        gate, up = h.chunk(2, dim=-1)
+        return self.linear_fc2(glu(self.kimi, gate, up))
+
+
+class KimiSharedMLP(KimiMLP):
+    """Shared experts: a :class:`KimiMLP` of width ``moe_intermediate_size * n_shared_experts``."""
+
+    def __init__(self, config, submodules=None, kimi=None, pg_collection=None, gate=False, **_):
+        if gate:
+            raise ValueError("kimi_megatron_plugin: Kimi shared experts have no gate (moe_shared_expert_gate must be False)")
+        super().__init__(config, submodules, kimi=kimi, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
+
+
+class KimiRouter(TopKRouter):
+    """``TopKRouter`` whose expert-load counter is updated eagerly.
+
+    megatron-core decorates ``TopKRouter._apply_expert_bias`` with ``jit_fuser`` (``torch.compile``),
+    which costs several seconds of compilation on the first CPU forward. Kimi's expert bias is
+    fixed (``moe_router_bias_update_rate=0``); the counter is kept for parity with megatron.
+    """
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                rm = routing_map if padding_mask is None else routing_map & padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += rm.sum(dim=0).to(self.local_tokens_per_expert.dtype)
+
+
+class KimiMoELayer(MoELayer):
+    """``MoELayer`` with Kimi's routing and K3's latent MoE.
+
+    Megatron pieces kept: ``TopKRouter`` (sigmoid scores, ``expert_bias`` = HF
+    ``e_score_correction_bias``, renormalised top-k times ``routed_scaling_factor``: DeepSeek's
+    ``noaux_tc``), the allgather token dispatcher over TP x EP, the experts built from the spec
+    (:class:`kimi_megatron_plugin.experts.KimiExperts`), shared experts (:class:`KimiSharedMLP`).
+    Added for K3 (``routed_expert_hidden_size``)::
+
+        z   = routed_expert_down_proj(x)               routing still reads the full x
+        y   = combine(experts(dispatch(z)))            experts work in the latent width
+        y   = RMSNorm(y; routed_expert_norm)           latent_moe_use_norm, after the combine
+        out = routed_expert_up_proj(y) + shared(x)
+
+    megatron's own ``moe_latent_size`` asserts TransformerEngine, so the latent projections are
+    replicated modules of ours. ``forward`` composes ``MoELayer``'s steps itself; unlike
+    ``MoELayer.forward`` it does not refuse TP > 1 without sequence parallelism in training mode.
+    """
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, kimi=None, **_):
+        if kimi.n_group > 1 and kimi.topk_group < kimi.n_group:
+            raise NotImplementedError(
+                f"config.json: n_group={kimi.n_group}, topk_group={kimi.topk_group}: group-limited routing is not "
+                "mapped (megatron scores a group by its top-(k/groups) sum, DeepSeek by its top-2 sum)")
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
+        self.kimi = kimi
+        lat = kimi.routed_expert_hidden_size
+        self.latent = bool(lat)
+        if self.latent:
+            self.routed_expert_down_proj = ReplicatedLinear(config, config.hidden_size, lat)
+            self.routed_expert_up_proj = ReplicatedLinear(config, lat, config.hidden_size)
+            self.routed_expert_norm = KimiRMSNorm(config, lat, kimi.rms_norm_eps) if kimi.latent_moe_use_norm else None
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None, **_):
+        shared = self.shared_experts(hidden_states)[0] if self.shared_experts is not None else None
+        probs, routing_map = self.router(hidden_states)
+        x = self.routed_expert_down_proj(hidden_states) if self.latent else hidden_states
+        x, probs = self.token_dispatcher.dispatch_preprocess(x, routing_map, probs)
+        x, probs = self.token_dispatcher.token_dispatch(x, probs)
+        out, _bias = self.routed_experts_compute(x, probs)
+        out = self.token_dispatcher.token_combine(out)
+        out = self.token_dispatcher.combine_postprocess(out)
+        if self.latent:
+            if self.routed_expert_norm is not None:
+                out = self.routed_expert_norm(out)
+            out = self.routed_expert_up_proj(out)
+        if shared is not None:
+            out = out + shared
+        return out, None
+
+
+# ---------------------------------------------------------------------------------------------- AttnRes
+class KimiAttnResLayer(TransformerLayer):
+    """K3 decoder layer with the attention-residual bank (``kimi_core.reference.attn_res``).
+
+    ``hidden_states`` is the packed ``[S, B, (N+1)*H]`` tensor of :func:`kimi_megatron_plugin.pipeline.pack_bank`
+    (N snapshots then the running ``prefix``); the layer returns the packed state after itself.
+    Extra replicated parameters: ``self_attention_res_norm.weight [H]``,
+    ``self_attention_res_proj.weight [1, H]``, ``mlp_res_norm.weight [H]``, ``mlp_res_proj.weight [1, H]``.
+    """
+
+    def __init__(self, config, submodules, layer_number=1, hidden_dropout=None, pg_collection=None,
+                 vp_stage=None, kimi=None, **_):
+        if (hidden_dropout if hidden_dropout is not None else config.hidden_dropout) != 0:
+            raise ValueError("kimi_megatron_plugin: attention residuals need --hidden-dropout 0")
+        super().__init__(config, submodules, layer_number=layer_number, hidden_dropout=hidden_dropout,
+                         pg_collection=pg_collection, vp_stage=vp_stage)
+        self.kimi = kimi
+        self.block = kimi.attn_res_block_size
+        H = config.hidden_size
+        for n in ("self_attention_res", "mlp_res"):
+            setattr(self, f"{n}_norm", KimiRMSNorm(config, H, kimi.rms_norm_eps))
+            proj = torch.nn.Module()
+            proj.weight = _param(config, 1, H)
+            setattr(self, f"{n}_proj", proj)
+
+    def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None, **kwargs):
+        H, eps = self.config.hidden_size, self.kimi.rms_norm_eps
+        layer = self.layer_number - 1  # global, 0-based
+        prefix, bank = unpack_bank(hidden_states, H)
+        if bank:
+            mixed = attn_res_aggregate(prefix, bank, self.self_attention_res_norm.weight,
+                                       self.self_attention_res_proj.weight, eps)
+            attn_in = self.input_layernorm(mixed)
+        else:
+            attn_in = self.input_layernorm(prefix)
+        if layer % self.block == 0:
+            bank = [*bank, prefix]
+        a, _b = self.self_attention(attn_in, attention_mask=attention_mask)
+        prefix = a if layer % self.block == 0 else prefix + a
+        mixed = attn_res_aggregate(prefix, bank, self.mlp_res_norm.weight, self.mlp_res_proj.weight, eps)
+        m, _b = self.mlp(self.pre_mlp_layernorm(mixed))
+        prefix = prefix + m
+        return pack_bank(prefix, bank), context
+
+
+class KimiOutputNorm(torch.nn.Module):
+    """The block's final norm for K3: output aggregator over the bank, then the model norm.
+
+    ``forward(packed [S, B, (N+1)*H]) -> [S, B, H]``; parameters ``output_attn_res_norm.weight [H]``,
+    ``output_attn_res_proj.weight [1, H]`` and ``weight [H]`` (HF ``model.norm.weight``).
+    """
+
+    def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-5, kimi=None, **_):
+        super().__init__()
+        self.hidden, self.eps = hidden_size, eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=_device(), dtype=config.params_dtype))
+        self.output_attn_res_norm = KimiRMSNorm(config, hidden_size, eps)
+        self.output_attn_res_proj = torch.nn.Module()
+        self.output_attn_res_proj.weight = _param(config, 1, hidden_size)
+
+    def forward(self, packed: torch.Tensor) -> torch.Tensor:
+        prefix, bank = unpack_bank(packed, self.hidden)
+        out = attn_res_aggregate(prefix, bank, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
+                                 self.eps)
+        return rms_norm(out, self.weight, self.eps)
+

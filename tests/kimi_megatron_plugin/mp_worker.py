@@ -1,0 +1,161 @@
+"""One rank of a parallel-equivalence run (spawned by ``test_parallel.py``; importable by name).
+
+Every rank builds the tiny model for its TP/PP/EP coordinates, loads the HF checkpoint (reading
+only its shard), runs forward and backward of a fixed loss and writes, from rank 0, the logits,
+the full gradients keyed by layout-independent names (``decoder.layers.<global>.<rest>``, TP and
+EP pieces gathered, DP replicas summed) and every rank's read log.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+B, T = 2, 13
+
+
+def inputs(vocab: int):
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    w = torch.randn(B, T, vocab, generator=g)
+    return ids, w
+
+
+def _full_grads(model, tp_group, ep_group, dp_sum_group):
+    """Layout-independent full gradients of this rank's stage."""
+    from kimi_megatron_plugin import mapping
+    from kimi_megatron_plugin.checkpoint import _gather
+
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        rule, _m, local = mapping.match(name)
+        key = name if local is None else name.replace(
+            f"decoder.layers.{local}.", f"decoder.layers.{model.decoder.layers[local].layer_number - 1}.", 1)
+        g = p.grad.detach().clone()
+        if rule.split == "expert":
+            g = _gather(g, 0, ep_group)
+        else:
+            if dp_sum_group is not None:
+                torch.distributed.all_reduce(g, group=dp_sum_group)
+            if rule.split == "col":
+                g = _gather(g, 0, tp_group)
+            elif rule.split == "row":
+                g = _gather(g, 1, tp_group)
+            elif rule.split == "glu":
+                a, b = g.chunk(2, dim=0)
+                g = torch.cat([_gather(a, 0, tp_group), _gather(b, 0, tp_group)], dim=0)
+        out[key] = g
+    return out
+
+
+CONFIGS = {"single": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "ep2": (1, 1, 2)}
+
+
+def one_config(ckpt: str, tp: int, pp: int, ep: int, expert_mode: str) -> dict:
+    """Build, load, forward and backward for one (TP, PP, EP) layout; returns this rank's payload."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region as gather_vocab
+
+    from kimi_megatron_plugin import checkpoint, provider
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    model = provider.build_model_from_hf(ckpt, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep,
+                                         expert_mode=expert_mode, perform_initialization=False)
+    reader = checkpoint.load_hf_checkpoint(model, ckpt)
+    kimi = model.kimi_config
+    ids, w = inputs(kimi.vocab_size)
+    dp_sum_group = None
+    if ep > 1:  # data parallel: rank r takes batch row r; dense grads are summed over the DP group
+        r = ps.get_data_parallel_rank()
+        ids, w = ids[r:r + 1], w[r:r + 1]
+        dp_sum_group = ps.get_data_parallel_group()
+    pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+    logits = None
+    if pp == 1:
+        logits = gather_vocab(model(ids, pos, attention_mask=None))  # vocab-parallel -> full
+        (logits * w).sum().backward()
+    else:
+        stage = ps.get_pipeline_model_parallel_rank()
+        nxt, prv = ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank()
+        if stage == 0:
+            h = model(ids, pos, attention_mask=None)  # packed [S, B, (N+1)*H]
+            torch.distributed.send(torch.tensor(h.shape), nxt)
+            torch.distributed.send(h.detach().contiguous(), nxt)
+            grad = torch.empty_like(h)
+            torch.distributed.recv(grad, nxt)
+            h.backward(grad)
+        else:
+            shape = torch.empty(3, dtype=torch.long)
+            torch.distributed.recv(shape, prv)
+            h = torch.empty(*shape.tolist())
+            torch.distributed.recv(h, prv)
+            h.requires_grad_(True)
+            model.set_input_tensor([h])
+            logits = gather_vocab(model(ids, pos, attention_mask=None))
+            (logits * w).sum().backward()
+            torch.distributed.send(h.grad.contiguous(), prv)
+    grads = _full_grads(model, ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group(),
+                        dp_sum_group)
+    if ep > 1:
+        logits = _gather_rows(logits)
+    payload = {"logits": logits.detach() if logits is not None else None, "grads": grads,
+               "read_log": dict(reader.read_log), "bytes_read": reader.bytes_read,
+               "full_bytes": {n: _full_bytes(reader, n) for n in reader.read_log},
+               "stage_layers": [layer.layer_number - 1 for layer in model.decoder.layers]}
+    ps.destroy_model_parallel()
+    return payload
+
+
+def run(rank: int, world: int, ckpt: str, port: int, out_path: str, names: list[str],
+        expert_mode: str = "w4a16") -> None:
+    """All layouts in ``names`` one after the other in the same 2-process gloo world."""
+    torch.set_num_threads(1)
+    from kimi_megatron_plugin import cpu_compat
+
+    cpu_compat.apply_cpu_shims()
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    for name in names:
+        payload = one_config(ckpt, *CONFIGS[name], expert_mode)
+        payload["rank"] = rank
+        objs = [None] * world
+        torch.distributed.all_gather_object(objs, payload)
+        results[name] = objs
+    if rank == 0:
+        torch.save(results, out_path)
+    torch.distributed.destroy_process_group()
+
+
+def _gather_rows(logits):
+    from kimi_megatron_plugin.checkpoint import _gather
+    from megatron.core import parallel_state as ps
+
+    return _gather(logits.detach(), 0, ps.get_data_parallel_group())
+
+
+def _full_bytes(reader, name: str) -> int:
+    sl = reader._slice(name)
+    n = 1
+    for s in sl.get_shape():
+        n *= s
+    return n * {"BF16": 2, "F32": 4, "I32": 4, "U8": 1, "I64": 8, "F16": 2}[sl.get_dtype()]
+
+
+def spawn(ckpt: str, out_path: str, names=tuple(CONFIGS), expert_mode: str = "w4a16", world: int = 2) -> dict:
+    """Run the layouts ``names`` in ``world`` spawned processes; returns ``{name: [payload per rank]}``."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(run, args=(world, ckpt, port, out_path, list(names), expert_mode), nprocs=world, join=True)
+    return torch.load(out_path, weights_only=False)  # written by run() above, never a foreign file
