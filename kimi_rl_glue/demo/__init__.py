@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from kimi_rl_glue.demo.loop import LoopConfig, batch_tensors, plot_rewards, run
+from kimi_rl_glue.demo.loop import DemoError, LoopConfig, batch_tensors, plot_rewards, run
 from kimi_rl_glue.demo.task import TokenSetTask
 
 
@@ -72,7 +72,11 @@ def main(args) -> int:
     pairs, table = step0_mismatch(trainer, rollout, task, cfg)
     print("[step 0] train/rollout mismatch on identical weights:\n" + table)
     sync = DiskAdapterSync(os.path.join(out, "adapters"))
-    records = run(cfg, task, rollout, trainer, sync, out)
+    try:
+        records = run(cfg, task, rollout, trainer, sync, out)
+    except DemoError as e:
+        print(f"error: {e}")
+        return 2
     plot_rewards(records, task.chance, os.path.join(out, "reward.png"))
     k = max(1, len(records) // 5)
     first = sum(r["reward"] for r in records[:k]) / k

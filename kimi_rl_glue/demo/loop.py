@@ -19,8 +19,17 @@ import torch
 from tqdm import tqdm
 
 from kimi_rl_glue.losses import group_advantages, mismatch_metrics, policy_loss, score_centering_from_logits
+from kimi_rl_glue.sync import AdapterSyncError
+from kimi_vllm_plugin.client import AdapterRejected
 
 log = logging.getLogger(__name__)
+
+
+class DemoError(RuntimeError):
+    """The RL loop stopped: the rollout engine failed or an adapter version was rejected.
+
+    The message names the step and the adapter the engine still serves (the last good one).
+    """
 
 
 @dataclass
@@ -78,7 +87,12 @@ def run(cfg: LoopConfig, task, rollout, trainer, sync, out: str, progress: bool 
     for step in bar:
         t0 = time.perf_counter()
         prompts = task.prompts(cfg.prompts, g)
-        samples = rollout.generate(prompts, cfg.group, cfg.max_tokens, step)
+        serving = getattr(rollout.client.current, "lora_name", None) or "the base model (no adapter yet)"
+        try:
+            samples = rollout.generate(prompts, cfg.group, cfg.max_tokens, step)
+        except Exception as e:  # noqa: BLE001 - vLLM raises EngineDeadError and friends; name them
+            raise DemoError(f"step {step}: the rollout engine failed ({type(e).__name__}: {e}); "
+                            f"it was serving {serving}. Restart the demo to resume from a fresh engine.") from e
         t_roll = time.perf_counter() - t0
         rewards = torch.tensor([task.reward(s.tokens) for s in samples], dtype=torch.float64)
         t1 = time.perf_counter()
@@ -87,8 +101,12 @@ def run(cfg: LoopConfig, task, rollout, trainer, sync, out: str, progress: bool 
         t2 = time.perf_counter()
         adapter = trainer.export_adapter()
         path, pub = sync.publish(adapter, step + 1)
-        received = sync.receive(step + 1)
-        req = rollout.load_adapter(received)
+        try:
+            received = sync.receive(step + 1)
+            req = rollout.load_adapter(received)
+        except (AdapterSyncError, AdapterRejected) as e:
+            raise DemoError(f"step {step}: adapter version {step + 1} at {path} was rejected before reaching the "
+                            f"engine: {e}. The engine keeps serving {serving}.") from e
         t_sync = time.perf_counter() - t2
         rec.update(step=step, reward=float(rewards.mean()), rollout_s=t_roll, train_s=t_train, sync_s=t_sync,
                    sync_bytes=pub["bytes"], checksum_share_of_publish=pub["checksum_share"],
