@@ -1,0 +1,115 @@
+"""Kimi K3.1 for SGLang 0.5.23: the in-tree K3 model with a DSA lightning indexer on every MLA layer.
+
+How the indexer gets there. ``DeepseekV2AttentionMLA.__init__`` (K3's MLA base class) builds
+``self.indexer`` (``layers/attention/dsa/dsa_indexer.Indexer``: ``wq_b``, ``wk``, ``k_norm``
+LayerNorm with bias, ``weights_proj`` -- the HF names of ``self_attn.indexer.*``) whenever
+``is_deepseek_dsa(config)`` holds, and the ``k31_is_deepseek_dsa`` hook makes it hold for K3.1
+configs. The same gate selects SGLang's DSA index-K pool and attention backends. So this class
+adds only what differs from a DeepSeek-V3.2 indexer and what must not fail silently:
+
+* K3's MLA is NoPE, and so is K3.1's indexer (``kimi_core.reference.indexer``, inferred [I]):
+  the stock indexer rotates the first ``qk_rope_head_dim`` dims of q and k, so its rotary
+  embedding is replaced by :class:`NoRope` (identity; keeps ``cos_sin_cache`` for code that
+  reads it -- the fused CUDA/ROCm indexer paths that rotate inside a kernel are off for K3.1's
+  neox-style config and are listed as GPU checks in ``docs/sglang.md``).
+* K3's ``load_weights`` skips names it has no parameter for; :meth:`load_weights` raises,
+  naming the tensor, if an indexer weight of the checkpoint did not load.
+
+Entry point for ``SGLANG_EXTERNAL_MODEL_PACKAGE=kimi_sglang_plugin.models``: importing this
+module registers the config and applies the hooks (idempotent), then ``EntryClass`` is read.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional, Tuple
+
+import torch
+from torch import nn
+
+from kimi_sglang_plugin.registration import K31_ARCH, register_config, register_hooks
+
+register_config()
+register_hooks()
+
+from sglang.srt.models.kimi_k3 import KimiK3ForConditionalGeneration, KimiK3MLAAttention  # noqa: E402
+
+from kimi_sglang_plugin.config import INDEXER_FIELDS, is_k31_config  # noqa: E402
+
+__all__ = ["KimiK31ForConditionalGeneration", "NoRope", "EntryClass"]
+
+logger = logging.getLogger(__name__)
+
+INDEXER_PARAMS = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
+
+
+class NoRope(nn.Module):
+    """Identity rotary embedding: ``forward(positions, q, k) -> (q, k)`` unchanged.
+
+    ``q``: ``[T, heads, rope_dim]``, ``k``: ``[T, rope_dim]`` (any dtype).
+    """
+
+    def __init__(self, like: nn.Module | None = None):
+        super().__init__()
+        cache = getattr(like, "cos_sin_cache", None)
+        if isinstance(cache, torch.Tensor):
+            self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(self, positions, query, key, *args, **kwargs):
+        return query, key
+
+
+class KimiK31ForConditionalGeneration(KimiK3ForConditionalGeneration):
+    """K3 + DSA indexer (see the module docstring). Constructor and forward are K3's."""
+
+    def __init__(self, config, quant_config=None, prefix: str = "", **kwargs) -> None:
+        if not is_k31_config(config) or not is_k31_config(config.text_config):
+            missing = [f for f in INDEXER_FIELDS if getattr(config.text_config, f, None) is None]
+            raise ValueError(f"config.json: {K31_ARCH} needs text_config.{'/'.join(INDEXER_FIELDS)} "
+                             f"(missing {missing}) and model_type 'kimi_k31' (got {config.model_type!r})")
+        super().__init__(config, quant_config=quant_config, prefix=prefix, **kwargs)
+        if self.language_model is not None:
+            self._indexed_layers = self._install_nope_indexers()
+
+    def mla_layers(self):
+        """``[(layer id, KimiK3MLAAttention)]`` of this rank's MLA layers."""
+        out = []
+        for i, layer in enumerate(self.language_model.model.layers):
+            attn = getattr(layer, "self_attn", None)
+            if isinstance(attn, KimiK3MLAAttention):
+                out.append((getattr(attn, "layer_id", i), attn))
+        return out
+
+    def _install_nope_indexers(self) -> list[int]:
+        ids = []
+        for lid, attn in self.mla_layers():
+            idx = getattr(attn, "indexer", None)
+            if idx is None:
+                if getattr(attn, "skip_topk", False):
+                    continue  # reuses the previous layer's top-k (indexer_types / skip-topk config)
+                raise RuntimeError(f"{K31_ARCH}: MLA layer {lid} has no indexer; the is_deepseek_dsa hook "
+                                   "is not applied in this process (kimi_sglang_plugin.register())")
+            idx.rotary_emb = NoRope(getattr(idx, "rotary_emb", None))
+            ids.append(lid)
+        return ids
+
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]):
+        seen: set[str] = set()
+
+        def record(stream):
+            for item in stream:
+                if ".indexer." in item[0]:
+                    seen.add(item[0])
+                yield item
+
+        out = super().load_weights(record(weights))
+        prefix = "language_model.model.layers"
+        want = {f"{prefix}.{lid}.self_attn.indexer.{p}" for lid in self._indexed_layers for p in INDEXER_PARAMS}
+        missing = sorted(want - seen)
+        if missing:
+            raise ValueError(f"{K31_ARCH}: checkpoint has no tensor {missing[0]!r} "
+                             f"({len(missing)} indexer tensors missing); is this a K3.1 checkpoint?")
+        return out
+
+
+EntryClass = [KimiK31ForConditionalGeneration]

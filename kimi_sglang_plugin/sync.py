@@ -1,0 +1,224 @@
+"""Adapter sync client: trainer buckets (HF/PEFT names) -> SGLang LoRA load requests.
+
+Two protocols; pin one per deployment (reference/sglang.md section 3, miles.md section 3):
+
+``stock`` (sglang==0.5.23)
+    ``Engine.load_lora_adapter_from_tensors`` / ``POST /load_lora_adapter_from_tensors`` with
+    ``load_format="flattened_bucket"``: ``serialized_named_tensors`` holds **one payload per TP
+    rank**; rank ``r`` deserializes only entry ``r`` (``TpModelWorker.deserialize_own_rank``), a
+    ``MultiprocessingSerializer`` pickle of ``{"flattened_tensor": uint8 [n], "metadata":
+    [FlattenedTensorMetadata]}`` whose byte ranges index the flat buffer. ``expected_checksums``
+    (``{name: sha256 hex}``) makes every rank verify what it received. Attention-DP
+    (``dp_size > 1``) is refused by stock SGLang.
+``miles`` (sglang-miles after PR #36384)
+    ``POST /register_lora_adapter`` with identity and config only (zero-initialised, upsert),
+    then the factors ride ``update_weights_from_tensor`` (same per-rank flattened buckets).
+
+Expert parallelism: with ``ep_size > 1`` TP rank ``r`` serves EP rank ``r // (tp_size // ep_size)``
+and its experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)``. Each rank's payload holds only those
+experts' rows (``kimi_core.lora.filter_experts``; names unchanged, per-expert names keep their
+global ids). Stock 0.5.23's LoRA pool still slices *global* 3-D expert tensors by EP rank, so
+row-filtered ``[E, ...]`` factors need ``filter_experts=False`` there (or the per-expert layout,
+whose names carry the expert id); sglang-miles' per-rank chunks take filtered rows.
+
+The payload bytes are our ``kimi_core.lora.Bucket`` (64-byte aligned, per-tensor checksums,
+verified before anything is sent); :func:`decode_payload` is the receiving side, used by tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from kimi_core.lora import iter_buckets
+from kimi_core.lora.buckets import Bucket
+
+__all__ = ["RankLayout", "LoraSyncPayload", "build_rank_buckets", "build_payload", "decode_payload",
+           "sha256_hex", "StockSGLangBackend", "MilesRegisterBackend", "LOAD_FORMAT"]
+
+LOAD_FORMAT = "flattened_bucket"
+_NO_LIMIT = 1 << 62
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """The engine's TP x EP layout (one SGLang engine, ``dp_size == 1``).
+
+    :param tp_size: tensor-parallel ranks (= payloads per request).
+    :param ep_size: expert-parallel ranks; must divide ``tp_size`` (SGLang: ``moe_tp = tp / ep``).
+    :param num_experts: routed experts ``E``; must be divisible by ``ep_size``.
+    """
+
+    tp_size: int
+    ep_size: int = 1
+    num_experts: int = 0
+
+    def __post_init__(self):
+        if self.tp_size < 1 or self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ValueError(f"--ep-size {self.ep_size} must divide --tp-size {self.tp_size}")
+        if self.num_experts and self.num_experts % self.ep_size:
+            raise ValueError(f"--ep-size {self.ep_size} does not divide num_experts {self.num_experts}")
+
+    def ep_rank(self, tp_rank: int) -> int:
+        return tp_rank // (self.tp_size // self.ep_size)
+
+    def expert_range(self, tp_rank: int) -> tuple[int, int]:
+        """``[lo, hi)`` of the routed experts TP rank ``tp_rank`` holds."""
+        n = self.num_experts // self.ep_size
+        e = self.ep_rank(tp_rank)
+        return e * n, (e + 1) * n
+
+
+def sha256_hex(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes, as SGLang's ``expected_checksums`` check computes it."""
+    return hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def build_rank_buckets(tensors: Mapping[str, torch.Tensor], config, layout: RankLayout,
+                       filter_experts: bool = True) -> list[Bucket]:
+    """One verified :class:`Bucket` per TP rank (``[tp_size]``); ranks of one EP rank share it.
+
+    :param tensors: PEFT-named adapter tensors (any file layout of ``kimi_core.lora``).
+    :param config: the ``KimiConfig`` (expert count, names).
+    """
+    if filter_experts and layout.ep_size > 1 and layout.num_experts != config.n_routed_experts:
+        raise ValueError(f"RankLayout.num_experts={layout.num_experts} but the model has "
+                         f"{config.n_routed_experts} routed experts")
+    by_ep: dict[int, Bucket] = {}
+    out = []
+    for r in range(layout.tp_size):
+        e = layout.ep_rank(r) if filter_experts and layout.ep_size > 1 else 0
+        if e not in by_ep:
+            rng = layout.expert_range(r) if filter_experts and layout.ep_size > 1 else None
+            buckets = list(iter_buckets(tensors, _NO_LIMIT, config=config, experts=rng))
+            if len(buckets) != 1:
+                raise ValueError(f"adapter produced {len(buckets)} buckets for TP rank {r}; expected 1")
+            buckets[0].verify()
+            by_ep[e] = buckets[0]
+        out.append(by_ep[e])
+    return out
+
+
+def _sglang_bucket_dict(bucket: Bucket) -> dict:
+    """``{"flattened_tensor", "metadata"}`` as SGLang's ``FlattenedTensorBucket`` reads it (no copy)."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+    metas = [FlattenedTensorMetadata(m.name, torch.Size(m.shape), getattr(torch, m.dtype), m.offset,
+                                     m.offset + m.nbytes, m.nbytes // getattr(torch, m.dtype).itemsize)
+             for m in bucket.metas]
+    return {"flattened_tensor": bucket.buffer, "metadata": metas}
+
+
+@dataclass
+class LoraSyncPayload:
+    """The fields of ``LoadLoRAAdapterFromTensorsReqInput`` (stock) for one adapter version."""
+
+    lora_name: str
+    config_dict: dict
+    serialized_named_tensors: list  # [tp_size] bytes
+    load_format: str = LOAD_FORMAT
+    expected_checksums: dict | None = None
+    buckets: list = field(default_factory=list, repr=False)  # our buckets, for logging/tests
+
+    def request_fields(self) -> dict:
+        return {"lora_name": self.lora_name, "config_dict": self.config_dict,
+                "serialized_named_tensors": self.serialized_named_tensors, "load_format": self.load_format,
+                "expected_checksums": self.expected_checksums}
+
+
+def build_payload(lora_name: str, tensors: Mapping[str, torch.Tensor], adapter_config: dict, config,
+                  layout: RankLayout, filter_experts: bool = True, sha256: bool = False) -> LoraSyncPayload:
+    """Build the stock ``load_lora_adapter_from_tensors`` request for ``layout``.
+
+    :param sha256: add ``expected_checksums`` (costs one SHA-256 pass over the adapter; only
+        valid when every rank receives the same tensors, i.e. no expert filtering).
+    """
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    buckets = build_rank_buckets(tensors, config, layout, filter_experts)
+    if sha256 and len({id(b) for b in buckets}) > 1:
+        raise ValueError("expected_checksums is one dict for all ranks; it cannot describe expert-filtered "
+                         "payloads (pass sha256=False, our bucket checksums are verified instead)")
+    payloads = [MultiprocessingSerializer.serialize(_sglang_bucket_dict(b)) for b in buckets]
+    checks = {m.name: sha256_hex(t) for m, t in zip(buckets[0].metas, buckets[0].tensors().values())} \
+        if sha256 else None
+    return LoraSyncPayload(lora_name, dict(adapter_config), payloads, LOAD_FORMAT, checks, buckets)
+
+
+def decode_payload(payload: bytes) -> dict[str, torch.Tensor]:
+    """Receiving side of one rank's payload, as ``TpModelWorker`` decodes it (tests, debugging)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    data = MultiprocessingSerializer.deserialize(payload)
+    bucket = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+    return dict(bucket.reconstruct_tensors())
+
+
+class StockSGLangBackend:
+    """Sends :class:`LoraSyncPayload` to a stock 0.5.23 engine (in-process ``Engine`` or HTTP)."""
+
+    def __init__(self, engine=None, url: str | None = None, timeout: float = 600.0):
+        if (engine is None) == (url is None):
+            raise ValueError("StockSGLangBackend: pass exactly one of engine= (sglang.Engine) or url=")
+        self.engine, self.url, self.timeout = engine, url, timeout
+
+    def load(self, payload: LoraSyncPayload, unload_first: bool = True):
+        if self.engine is not None:
+            if unload_first:
+                try:
+                    self.engine.unload_lora_adapter(payload.lora_name)
+                except Exception:  # noqa: BLE001 - not loaded yet
+                    pass
+            from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
+
+            req = LoadLoRAAdapterFromTensorsReqInput(**payload.request_fields())
+            return self.engine.loop.run_until_complete(
+                self.engine.tokenizer_manager.load_lora_adapter_from_tensors(req, None))
+        import base64
+
+        body = payload.request_fields()
+        body["serialized_named_tensors"] = [base64.b64encode(b).decode() for b in body["serialized_named_tensors"]]
+        if unload_first:
+            _post(self.url, "/unload_lora_adapter", {"lora_name": payload.lora_name}, self.timeout, ok_fail=True)
+        return _post(self.url, "/load_lora_adapter_from_tensors", body, self.timeout)
+
+
+class MilesRegisterBackend:
+    """sglang-miles protocol: ``/register_lora_adapter`` (identity + config, upsert), then the
+    factors as ``update_weights_from_tensor`` flattened buckets, one payload per TP rank."""
+
+    def __init__(self, url: str, timeout: float = 600.0):
+        self.url, self.timeout = url, timeout
+
+    @staticmethod
+    def register_body(payload: LoraSyncPayload) -> dict:
+        return {"lora_name": payload.lora_name, "config_dict": payload.config_dict}
+
+    @staticmethod
+    def update_body(payload: LoraSyncPayload, weight_version: str | None = None) -> dict:
+        import base64
+
+        return {"serialized_named_tensors": [base64.b64encode(b).decode() for b in payload.serialized_named_tensors],
+                "load_format": LOAD_FORMAT, "flush_cache": True, "weight_version": weight_version}
+
+    def load(self, payload: LoraSyncPayload, weight_version: str | None = None):
+        _post(self.url, "/register_lora_adapter", self.register_body(payload), self.timeout)
+        return _post(self.url, "/update_weights_from_tensor", self.update_body(payload, weight_version), self.timeout)
+
+
+def _post(base: str, path: str, body: dict, timeout: float, ok_fail: bool = False):
+    req = urllib.request.Request(base.rstrip("/") + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read() or b"{}")
+    except Exception as e:  # noqa: BLE001
+        if ok_fail:
+            return None
+        raise RuntimeError(f"SGLang {base}{path} failed: {e}") from e

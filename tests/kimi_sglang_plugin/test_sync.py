@@ -1,0 +1,87 @@
+"""Adapter sync payloads: one per TP rank, flattened buckets SGLang decodes, each EP rank only its experts."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from kimi_core.lora import LoraSpec, random_adapter
+from kimi_sglang_plugin.sync import RankLayout, build_payload, decode_payload, sha256_hex
+
+_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+_EXPERT_3D = re.compile(r"\.experts\.(w1|w3|w2)\.lora_[AB]\.weight$")
+
+
+def reference_slice(tensors: dict, lo: int, hi: int, num_experts: int) -> dict:
+    """Independent statement of what EP rank [lo, hi) must receive (not kimi_core.filter_experts):
+    per-expert names only for its experts, [E, ...] factors cut to rows lo:hi, shared [1, ...]
+    factors and every non-expert module whole."""
+    out = {}
+    for name, t in tensors.items():
+        m = _PER_EXPERT.search(name)
+        if m and ".shared_experts." not in name:
+            if lo <= int(m.group(1)) < hi:
+                out[name] = t
+        elif _EXPERT_3D.search(name) and t.shape[0] == num_experts:
+            out[name] = t[lo:hi]
+        else:
+            out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("expert_layout,file_layout,tp,ep", [
+    ("shared_outer", "shared_outer", 4, 2),
+    ("per_expert", "per_expert", 4, 4),
+    ("per_expert", "per_expert_3d", 2, 2),
+    ("shared_outer", "shared_outer", 2, 1),
+], ids=["shared_outer-tp4-ep2", "per_expert-tp4-ep4", "per_expert_3d-tp2-ep2", "shared_outer-tp2-ep1"])
+def test_per_rank_payloads_equal_reference_slicing(plugin, k31_config, expert_layout, file_layout, tp, ep):
+    """Each TP rank's decoded payload equals the reference slice of the adapter for its EP rank, bit-exactly."""
+    cfg = k31_config
+    spec = LoraSpec(rank=4, alpha=8, expert_layout=expert_layout)
+    ad = random_adapter(cfg, spec, seed=3, layout=file_layout, dtype=torch.bfloat16)
+    layout = RankLayout(tp_size=tp, ep_size=ep, num_experts=cfg.n_routed_experts)
+    payload = build_payload("kimi", ad.tensors, ad.adapter_config, cfg, layout)
+    assert payload.load_format == "flattened_bucket" and len(payload.serialized_named_tensors) == tp
+    E = cfg.n_routed_experts
+    for r, data in enumerate(payload.serialized_named_tensors):
+        lo, hi = (r // (tp // ep)) * (E // ep), (r // (tp // ep) + 1) * (E // ep)
+        want = reference_slice(ad.tensors, lo, hi, E)
+        got = decode_payload(data)
+        assert sorted(got) == sorted(want), f"rank {r}: names differ"
+        for name, t in want.items():
+            assert got[name].dtype == t.dtype and torch.equal(got[name], t), f"rank {r}: {name} differs"
+        if ep > 1:
+            assert len(got) < len(ad.tensors) or file_layout != "per_expert"
+
+
+def test_expected_checksums_are_sglang_sha256(plugin, k31_config):
+    """Without EP filtering the payload carries SGLang's expected_checksums (sha256 per tensor)."""
+    import hashlib
+
+    ad = random_adapter(k31_config, LoraSpec(rank=2, alpha=2), seed=1, dtype=torch.bfloat16)
+    p = build_payload("kimi", ad.tensors, ad.adapter_config, k31_config, RankLayout(tp_size=2), sha256=True)
+    name, t = next(iter(ad.tensors.items()))
+    assert p.expected_checksums[name] == hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    assert set(p.expected_checksums) == set(ad.tensors)
+    assert p.expected_checksums[name] == sha256_hex(decode_payload(p.serialized_named_tensors[1])[name])
+
+
+def test_request_matches_sglang_io_struct(plugin, k31_config):
+    """The payload fields build SGLang's LoadLoRAAdapterFromTensorsReqInput as-is."""
+    from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
+
+    ad = random_adapter(k31_config, LoraSpec(rank=2, alpha=2), seed=2)
+    p = build_payload("kimi", ad.tensors, ad.adapter_config, k31_config, RankLayout(tp_size=1))
+    req = LoadLoRAAdapterFromTensorsReqInput(**p.request_fields())
+    assert req.load_format == "flattened_bucket" and req.lora_name == "kimi"
+
+
+def test_bad_layout_is_refused():
+    """An EP size that does not divide TP or the expert count is refused, naming the flag."""
+    with pytest.raises(ValueError, match="--ep-size"):
+        RankLayout(tp_size=4, ep_size=3)
+    with pytest.raises(ValueError, match="num_experts"):
+        RankLayout(tp_size=4, ep_size=4, num_experts=6)
