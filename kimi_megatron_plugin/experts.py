@@ -119,7 +119,17 @@ class KimiExperts(MegatronModule):
         return get_format(self.fmt).quantize(w)
 
     # ------------------------------------------------------------------ forward
+    #: optional LoRA, set by :mod:`kimi_megatron_plugin.lora` (a plain attribute, not a submodule, so
+    #: the state dict and the HF mapping are unchanged): ``lora_delta(x [T, in], proj, splits)`` returns
+    #: the ``[T, out]`` delta (accumulation dtype) added to the grouped GEMM output, or ``None``.
+    lora_delta = None
+
     def _grouped(self, x: torch.Tensor, proj: str, splits: list[int]) -> torch.Tensor:
+        y = self._grouped_base(x, proj, splits)
+        d = self.lora_delta(x, proj, splits) if self.lora_delta is not None else None
+        return y if d is None else (y.to(d.dtype) + d).to(y.dtype)
+
+    def _grouped_base(self, x: torch.Tensor, proj: str, splits: list[int]) -> torch.Tensor:
         if self.mode == "w4a16" and x.dtype == torch.bfloat16:
             from kimi_core.kernels import w4a16_grouped_linear
 
