@@ -8,11 +8,18 @@ the engine's top-K candidates (score centering needs them). Adapters are hot-loa
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import os
+import threading
 import time
 from dataclasses import dataclass
 
 import torch
+
+
+class EngineDeadError(RuntimeError):
+    """The rollout engine's processes are gone."""
 
 
 @dataclass
@@ -48,6 +55,54 @@ class VllmRollout:
         self.topk = topk
         self._seed = seed
 
+    def engine_failure(self) -> str | None:
+        """Why the engine is unusable (``None`` while it is alive): vLLM's dead flag or an exited process."""
+        res = getattr(self.llm.llm_engine.engine_core, "resources", None)
+        if getattr(res, "engine_dead", False):
+            return "vLLM marked the engine core dead"
+        mgr = getattr(res, "engine_manager", None)
+        for p in getattr(mgr, "processes", []):
+            if not p.is_alive():
+                return f"engine process {p.name} (pid {p.pid}) exited with code {p.exitcode}"
+        return None
+
+    def check_alive(self) -> None:
+        """Raise :class:`EngineDeadError` if the engine core is gone."""
+        why = self.engine_failure()
+        if why:
+            raise EngineDeadError(why)
+
+    @contextlib.contextmanager
+    def _watchdog(self, period_s: float = 0.5):
+        """Interrupt a blocking generate if the engine dies under it.
+
+        vllm 0.32's offline client waits on its output queue without a timeout; when the engine
+        core dies its monitor thread flags the engine dead but nothing wakes the waiter, so
+        ``LLM.generate`` would block forever. The watchdog polls liveness and interrupts the main
+        thread, which is turned into :class:`EngineDeadError` here.
+        """
+        done = threading.Event()
+        fired = []
+
+        def watch():
+            while not done.wait(period_s):
+                why = self.engine_failure()
+                if why:
+                    fired.append(why)
+                    _thread.interrupt_main()
+                    return
+
+        t = threading.Thread(target=watch, daemon=True, name="kimi-rollout-watchdog")
+        t.start()
+        try:
+            yield
+        except KeyboardInterrupt:
+            if fired:
+                raise EngineDeadError(fired[0]) from None
+            raise
+        finally:
+            done.set()
+
     def load_adapter(self, path: str):
         """Hot-load ``path`` under a new versioned name; raises ``AdapterRejected`` (previous one keeps serving)."""
         return self.client.load(path)
@@ -55,11 +110,13 @@ class VllmRollout:
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, step: int) -> list[Sample]:
         from vllm import SamplingParams
 
+        self.check_alive()
         sp = SamplingParams(n=n, max_tokens=max_tokens, min_tokens=max_tokens, temperature=1.0, top_p=1.0,
                             logprobs=self.topk, seed=self._seed * 100_003 + step)
         req = self.client.current
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
-                                 lora_request=req, use_tqdm=False)
+        with self._watchdog():
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                     lora_request=req, use_tqdm=False)
         samples = []
         for g, (p, o) in enumerate(zip(prompts, outs)):
             for c in o.outputs:

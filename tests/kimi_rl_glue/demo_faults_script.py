@@ -49,11 +49,10 @@ def main(out_dir: str, result_path: str) -> None:
     res["serving_after_corrupt"] = rollout.client.current.lora_name
     # the engine still answers with the last good adapter
     res["generate_after_corrupt"] = len(rollout.generate([[5, 6, 7, 8]], 1, 2, step=99)) == 1
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):
-        if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
-            child.send_signal(signal.SIGKILL)
+    mgr = rollout.llm.llm_engine.engine_core.resources.engine_manager
+    for p in mgr.processes:  # the engine core process(es) vLLM started
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(timeout=30)
     cfg2 = LoopConfig(steps=1, prompts=2, group=2, max_tokens=4)
     try:
         run(cfg2, task, rollout, trainer, DiskAdapterSync(os.path.join(out_dir, "adapters2")), out_dir, progress=False)
