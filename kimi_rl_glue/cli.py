@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--loss", choices=["score_centering", "grpo_tis"], default="score_centering")
     demo.add_argument("--trainer", choices=["auto", "megatron", "reference"], default="auto")
     demo.add_argument("--rank", type=int, default=8)
-    demo.add_argument("--lr", type=float, default=2e-3)
+    demo.add_argument("--lr", type=float, default=5e-3)
     demo.add_argument("--prompts", type=int, default=8, help="prompts per step")
     demo.add_argument("--group", type=int, default=4, help="samples per prompt")
     demo.add_argument("--max-tokens", type=int, default=8, help="tokens per response")

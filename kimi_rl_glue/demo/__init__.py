@@ -55,7 +55,7 @@ def main(args) -> int:
     out = args.out
     os.makedirs(out, exist_ok=True)
     t_start = time.time()
-    cfg = LoopConfig(steps=args.steps or 30, seed=args.seed, loss=args.loss, prompts=args.prompts,
+    cfg = LoopConfig(steps=args.steps or 40, seed=args.seed, loss=args.loss, prompts=args.prompts,
                      group=args.group, max_tokens=args.max_tokens)
     ckpt = os.path.join(out, "tiny-k2-int4")
     if not os.path.exists(os.path.join(ckpt, "config.json")):
