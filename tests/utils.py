@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
+from safetensors.torch import load_file, save_file
 
 
 def rel_rms_error(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -25,3 +29,19 @@ def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, ratio: float) 
     print(f"{name}: rel_rms={err:.3e} max_abs={max_abs:.3e} (tol {ratio:.1e})")
     assert err <= ratio, f"{name}: relative RMS error {err:.3e} > {ratio:.1e} (max abs diff {max_abs:.3e})"
     return err
+
+
+def perturb_expert_scales(src: str, dst: str, layer: int, factor: float) -> None:
+    """Copy a tiny INT4 checkpoint, scaling every routed expert's down_proj scale of ``layer`` by ``factor``."""
+    shutil.copytree(src, dst)
+    for f in os.listdir(dst):
+        if not f.endswith(".safetensors"):
+            continue
+        sd = load_file(os.path.join(dst, f))
+        hit = False
+        for k in list(sd):
+            if f"layers.{layer}.mlp.experts." in k and k.endswith("down_proj.weight_scale"):
+                sd[k] = (sd[k].float() * factor).to(sd[k].dtype)
+                hit = True
+        if hit:
+            save_file(sd, os.path.join(dst, f), metadata={"format": "pt"})

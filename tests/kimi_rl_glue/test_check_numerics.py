@@ -7,26 +7,9 @@ import os
 import shutil
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from kimi_rl_glue.numerics import compare
-
-
-def _perturbed_copy(src: str, dst: str, layer: int, factor: float) -> None:
-    """Copy a tiny INT4 checkpoint, scaling every routed expert's down_proj scale of ``layer`` by ``factor``."""
-    shutil.copytree(src, dst)
-    for f in os.listdir(dst):
-        if not f.endswith(".safetensors"):
-            continue
-        sd = load_file(os.path.join(dst, f))
-        hit = False
-        for k in list(sd):
-            if f"layers.{layer}.mlp.experts." in k and k.endswith("down_proj.weight_scale"):
-                sd[k] = (sd[k].float() * factor).to(sd[k].dtype)
-                hit = True
-        if hit:
-            save_file(sd, os.path.join(dst, f), metadata={"format": "pt"})
+from utils import perturb_expert_scales
 
 
 def test_identical_checkpoints_agree_exactly(tiny_ckpt, tmp_path):
@@ -45,7 +28,7 @@ def test_identical_checkpoints_agree_exactly(tiny_ckpt, tmp_path):
 def test_perturbed_expert_scale_is_flagged_at_its_layer(tiny_ckpt, tmp_path):
     """Scaling layer 2's expert scales is flagged, and the first diverging layer named is layer 2."""
     d = str(tmp_path / "bad")
-    _perturbed_copy(tiny_ckpt("k2"), d, layer=2, factor=1.5)
+    perturb_expert_scales(tiny_ckpt("k2"), d, layer=2, factor=1.5)
     rep = compare(tiny_ckpt("k2"), engines=["reference", f"reference@{d}"], tokens=8, dtype="fp32", batch=1,
                   prompt_len=8)
     (p,) = rep.pairs
