@@ -212,6 +212,45 @@ class KimiIndexer(MegatronModule):
         return topk_mask(scores, causal, self._ref.topk)
 
 
+class _GatherKVLatent(torch.autograd.Function):
+    """All-gather of ``linear_kv_down_proj``'s column shards whose backward sums the rope-key gradient.
+
+    Forward: ``[S, B, (kv_lora_rank + rope)/tp]`` per rank -> ``[S, B, kv_lora_rank + rope]`` on every
+    rank (the same values as megatron's gather). Backward, on the full-width gradient ``g``: the
+    ``kv_compressed`` columns ``g[..., :kv_lora_rank]`` are already complete and identical on every
+    rank (they pass ``linear_kv_up_proj``'s input all-reduce), but the shared rope key
+    ``k_pe = g[..., kv_lora_rank:]`` is consumed by this rank's heads only, so its columns are
+    all-reduced over TP before the rank keeps its own slice. (Megatron's plain gather keeps only the
+    owning rank's partial ``k_pe`` gradient: the TP > 1 input/weight gradient gap.)
+    """
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, kv_lora_rank: int, group) -> torch.Tensor:
+        ctx.kv_lora_rank, ctx.group = kv_lora_rank, group
+        tp, rank = group.size(), torch.distributed.get_rank(group)
+        ctx.width, ctx.rank = local.shape[-1], rank
+        parts = [torch.empty_like(local) for _ in range(tp)]
+        torch.distributed.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g = grad.contiguous().clone()  # own buffer: the all-reduce below must land in what we return
+        rope = g[..., ctx.kv_lora_rank:].contiguous()
+        torch.distributed.all_reduce(rope, group=ctx.group)
+        g[..., ctx.kv_lora_rank:] = rope
+        w = ctx.width
+        return g[..., ctx.rank * w:(ctx.rank + 1) * w].contiguous(), None, None
+
+
+def _kv_down_full_output(self, input_, *args, **kwargs):
+    """``forward`` bound onto ``KimiMLA.linear_kv_down_proj`` (a ``ColumnParallelLinear``) when TP > 1:
+    returns the full-width ``kv_combined`` through :class:`_GatherKVLatent`, so
+    ``MLASelfAttention.get_query_key_value_tensors`` takes its unsharded branch (split only)."""
+    out, bias = ColumnParallelLinear.forward(self, input_, *args, **kwargs)
+    return _GatherKVLatent.apply(out, self.config.kv_lora_rank, self.tp_group), bias
+
+
 class KimiMLA(MLASelfAttention):
     """``MLASelfAttention`` with K3's NoPE and output gate and K3.1's indexer.
 
@@ -237,9 +276,18 @@ class KimiMLA(MLASelfAttention):
                 config.hidden_size, config.num_attention_heads * config.v_head_dim, config=config,
                 init_method=config.init_method, bias=False, gather_output=False, skip_bias_add=True)
         self.indexer = KimiIndexer(config, kimi) if kimi.has_indexer else None
-        # Known gap (docs/megatron.md): with TP > 1, megatron gathers ``linear_kv_down_proj``'s
-        # output and splits the gradient back, so the shared rope key ``k_pe`` gets only the
-        # owning rank's heads' gradient; logits are exact, gradients upstream of MLA are not yet.
+        # TP > 1: megatron gathers ``linear_kv_down_proj``'s output and splits the gradient back, so
+        # the shared rope key ``k_pe`` (used by every rank's heads, held in one rank's columns) would
+        # get only the owning rank's heads' gradient. The layer (weights still column-split, same
+        # checkpoint slices) instead returns the gathered output through ``_GatherKVLatent``.
+        if _tp_size_rank()[0] > 1:
+            if config.sequence_parallel:
+                raise NotImplementedError("kimi_megatron_plugin: KimiMLA with TP > 1 does not support "
+                                          "--sequence-parallel (linear_kv_down_proj gather)")
+            if not isinstance(self.linear_kv_down_proj, ColumnParallelLinear):
+                raise TypeError(f"kimi_megatron_plugin: KimiMLA needs linear_kv_down_proj=ColumnParallelLinear, "
+                                f"got {type(self.linear_kv_down_proj).__name__}")
+            self.linear_kv_down_proj.forward = _kv_down_full_output.__get__(self.linear_kv_down_proj)
 
     def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, packed_seq_params=None, position_ids=None, **_):

@@ -70,7 +70,8 @@ def transformer_config(kimi: KimiConfig, *, tensor_parallel: int = 1, pipeline_p
         hidden_dropout=0.0, attention_dropout=0.0,
         bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        multi_latent_attention=True, q_lora_rank=kimi.q_lora_rank, kv_lora_rank=kimi.kv_lora_rank,
+        multi_latent_attention=True, qk_layernorm=True,  # MLA latent norms; 0.19.2 rejects them otherwise
+        q_lora_rank=kimi.q_lora_rank, kv_lora_rank=kimi.kv_lora_rank,
         qk_head_dim=kimi.qk_nope_head_dim, qk_pos_emb_head_dim=kimi.qk_rope_head_dim, v_head_dim=kimi.v_head_dim,
         num_moe_experts=kimi.n_routed_experts, moe_router_topk=kimi.num_experts_per_tok,
         moe_ffn_hidden_size=kimi.moe_intermediate_size,

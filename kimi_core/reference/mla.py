@@ -94,7 +94,7 @@ def rope_tables(config, positions: torch.Tensor):
             score_scale = yarn_mscale(factor, msa) ** 2
     elif kind != "default":
         raise ValueError(f"config.json: rope_scaling type {kind!r} is not supported by the reference (yarn or none)")
-    ang = positions.to(torch.float64)[:, None] * inv[None]
+    ang = positions.to(torch.float64)[:, None] * inv.to(positions.device)[None]
     return ang.cos() * cos_scale, ang.sin() * cos_scale, score_scale
 
 
@@ -138,7 +138,7 @@ class MLALayer:
         c = rms_norm(c, w.weight(f"{p}.kv_a_layernorm"), self.eps)
         score_scale = 1.0
         if self.use_rope:
-            cos, sin, score_scale = rope_tables(cfg, torch.arange(p0, p0 + T))
+            cos, sin, score_scale = rope_tables(cfg, torch.arange(p0, p0 + T, device=x.device))
             q = torch.cat([q[..., :self.dn], apply_rope_interleaved(q[..., self.dn:], cos, sin)], dim=-1)
             k_pe = apply_rope_interleaved(k_pe, cos, sin)
         if "c" in cache:
@@ -150,7 +150,7 @@ class MLALayer:
         v = kv[..., self.dn:]
         scale = (self.dn + self.dr) ** -0.5 * score_scale
         logits = (q @ k.transpose(-1, -2)).to(acc_dtype(dt)) * scale  # [B, nh, T, S]
-        causal = torch.arange(S)[None, :] <= torch.arange(p0, p0 + T)[:, None]  # [T, S]
+        causal = torch.arange(S, device=x.device)[None, :] <= torch.arange(p0, p0 + T, device=x.device)[:, None]  # [T, S]
         keep = causal
         if self.indexer is not None:
             keep = self.indexer.mask(x, qr, cache, causal, adapter)[:, None]  # [B, 1, T, S]
