@@ -4,8 +4,8 @@ SkyRL's ``main_base.main()`` imports this module and calls :func:`main` before i
 parse (``NovaSky-AI/SkyRL:skyrl/train/entrypoints/main_base.py``). We then:
 
 1. drop the ``trainer.override_entrypoint=`` argument (not a field of our config) and parse the rest
-   with SkyRL's config extended by ``trainer.algorithm.overlong_buffer_len`` (0 = off) and
-   ``overlong_buffer_penalty_factor`` (SkyRL's DAPO example fields);
+   with SkyRL's config extended by :mod:`kimi_rl_glue.skyrl.config` (``trainer.algorithm.overlong_*``,
+   ``trainer.policy.model.kimi.expert_weights``), then check our keys against SkyRL's;
 2. register ``kimi_dapo`` / ``kimi_grpo`` in ``PolicyLossRegistry`` (before ``validate_cfg``, which
    checks ``policy_loss_type`` against the registry), start Ray and sync the registries to it;
 3. run ``BasePPOExp`` with a trainer that applies DAPO's soft overlong punishment
@@ -44,27 +44,20 @@ def shape_rewards(rewards: list, response_lengths: list[int], max_generate_lengt
 
 def _build():
     """Config class, experiment class and Ray entry task; imported lazily (SkyRL needs Python >= 3.12)."""
-    from dataclasses import dataclass
-
     import ray
     import torch
 
+    from kimi_rl_glue.skyrl.config import build_config
     from kimi_rl_glue.skyrl.registry import INSTALL_HINT
 
     try:
-        from skyrl.train.config import AlgorithmConfig, make_config
+        import skyrl.train.config as skyrl_config
         from skyrl.train.entrypoints.main_base import BasePPOExp
         from skyrl.train.trainer import RayPPOTrainer
     except ImportError as e:
         raise ImportError(f"{INSTALL_HINT} ({e})") from e
 
-    @dataclass
-    class KimiAlgorithmConfig(AlgorithmConfig):
-        overlong_buffer_len: int = 0
-        """DAPO soft overlong punishment buffer in tokens (0 = off; the Kimi recipe uses 4096)."""
-        overlong_buffer_penalty_factor: float = 1.0
-
-    KimiConfig = make_config(algorithm_cls=KimiAlgorithmConfig)
+    KimiConfig = build_config(skyrl_config)
 
     class KimiTrainer(RayPPOTrainer):
         @torch.no_grad()
@@ -102,7 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
     from skyrl.train.utils import initialize_ray, validate_cfg
 
+    from kimi_rl_glue.skyrl.config import check_config
+
     cfg = KimiConfig.from_cli_overrides(strip_override_arg(list(sys.argv[1:] if argv is None else argv)))
+    check_config(cfg)
     register_skyrl_losses()
     validate_cfg(cfg)
     initialize_ray(cfg)

@@ -1,0 +1,66 @@
+"""miles' ``--custom-megatron-init-path``: make the Kimi models known in every train process.
+
+Calling convention (read in ``radixark/miles:miles/backends/megatron_utils/initialize.py``, main @
+``31f1ca961``): at the very end of ``init(args)`` (after ``torch.distributed`` and the Megatron
+parallel state are up, seeds set, tokenizer built), miles does
+``load_function(args.custom_megatron_init_path)(args)``, once per train actor (every rank), before
+the model is built. ``load_function`` (``miles/utils/misc.py``) splits the path at its last dot,
+imports the left part and takes the attribute, so:
+
+* ``--custom-megatron-init-path kimi_rl_glue.miles.init`` resolves to the attribute ``init`` of
+  the *package* ``kimi_rl_glue.miles``, which re-exports this function (the documented spelling);
+* ``kimi_rl_glue.miles.init.init`` names the same function explicitly.
+
+What :func:`init` does, each step idempotent:
+
+1. no GPU: :func:`kimi_megatron_plugin.cpu_compat.apply_cpu_shims` (nothing on a GPU);
+2. imports :mod:`kimi_megatron_plugin.spec`, which checks the megatron-core version and fixes its
+   TransformerEngine-absent flags, so a wrong install fails here with the version named;
+3. :func:`kimi_megatron_plugin.bridge.register` when ``megatron.bridge`` is importable, else one
+   log line (raw mode needs no Bridge: the model comes from ``--spec kimi_megatron_plugin.spec
+   get_spec``, checkpoints from :mod:`kimi_megatron_plugin.checkpoint`);
+4. imports the model modules that installed ``kimi_rl.plugins`` offer for host ``megatron``
+   (hook ``kimi_rl_models``), so their bridges register on import in this process too.
+
+miles' raw Megatron->HF converter is a hard-coded chain on ``--model-name`` and cannot be extended
+from here; the adapter-only sync does not use it (``kimi_rl_glue.miles.lora_provider`` exports
+the adapter under HF names).
+"""
+
+from __future__ import annotations
+
+import logging
+
+__all__ = ["init"]
+
+log = logging.getLogger(__name__)
+
+
+def init(args) -> dict:
+    """``--custom-megatron-init-path`` hook; returns what was done (miles ignores the value).
+
+    :returns: ``{"cpu_shims": bool, "bridge": {architecture: model_type} | None,
+        "plugin_models": [architecture, ...]}``.
+    """
+    import torch
+
+    from kimi_megatron_plugin import bridge, cpu_compat
+
+    done: dict = {"cpu_shims": False, "bridge": None, "plugin_models": []}
+    if not torch.cuda.is_available():
+        done["cpu_shims"] = cpu_compat.apply_cpu_shims()
+        log.info("kimi_rl_glue.miles.init: no GPU, megatron-core CPU shims applied")
+    import kimi_megatron_plugin.spec  # noqa: F401  (megatron-core version check, no-TE shims)
+
+    if bridge.bridge_available():
+        done["bridge"] = bridge.register()
+        log.info("kimi_rl_glue.miles.init: Megatron-Bridge architectures registered: %s", sorted(done["bridge"]))
+    else:
+        log.info("kimi_rl_glue.miles.init: megatron.bridge is not installed; Bridge registration skipped "
+                 "(raw mode: --spec kimi_megatron_plugin.spec get_spec and kimi_megatron_plugin.checkpoint)")
+    from kimi_rl_glue import plugins
+
+    for arch, target in plugins.models("megatron").items():
+        plugins.resolve(target)  # ImportError names the target
+        done["plugin_models"].append(arch)
+    return done
