@@ -13,12 +13,9 @@ Appends a table to ``benchmarks/RESULTS.md`` (``--no-append`` to skip).
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import multiprocessing as mp
 import os
-import platform
-import subprocess
 import sys
 import time
 
@@ -26,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+from results import append, cpu_section, git_commit  # noqa: E402
 
 from kimi_core.lora import Adapter, iter_buckets  # noqa: E402
 from kimi_rl_glue.sync import ShmAdapterSync  # noqa: E402
@@ -107,29 +105,10 @@ def main() -> None:
     print(table)
     if args.no_append:
         return
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", ":/kimi_rl_glue/sync", ":/kimi_core/lora"],
-                               capture_output=True, text=True,
-                               cwd=os.path.dirname(__file__)).stdout.strip()
-        commit += " + uncommitted kimi_rl_glue/sync changes" if dirty else ""
-    except OSError:
-        commit = "unknown"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    cmd = "python benchmarks/adapter_sync.py " + " ".join(sys.argv[1:])
-    section = (f"\n## Adapter sync over shared memory (CPU stand-in for CUDA-IPC), rank 32, K3 layer {LAYER} slice "
-               f"with {args.experts} experts, {args.bucket_mib} MiB buckets\n\n"
-               f"- date: {datetime.date.today().isoformat()}\n- machine: {cpu}, {os.cpu_count()} CPUs, "
-               f"torch {torch.__version__} ({torch.get_num_threads()} threads)\n- commit: {commit}\n"
-               f"- command: `{cmd.strip()}`\n\n{table}\n")
-    with open(os.path.join(os.path.dirname(__file__), "RESULTS.md"), "a") as f:
-        f.write(section)
+    commit = git_commit((":/kimi_rl_glue/sync", ":/kimi_core/lora"), "kimi_rl_glue/sync")
+    section = cpu_section(f"Adapter sync over shared memory (CPU stand-in for CUDA-IPC), rank 32, K3 layer {LAYER} slice "
+                          f"with {args.experts} experts, {args.bucket_mib} MiB buckets", commit, "adapter_sync.py", table)
+    append(section)
     print("appended to benchmarks/RESULTS.md")
 
 

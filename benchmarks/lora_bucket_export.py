@@ -12,17 +12,15 @@ appends a table to ``benchmarks/RESULTS.md`` (``--no-append`` to skip).
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import os
-import platform
-import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from results import append, cpu_section, git_commit  # noqa: E402
 
 from kimi_core.config import KimiConfig  # noqa: E402
 from kimi_core.lora import LoraSpec, iter_buckets  # noqa: E402
@@ -129,28 +127,9 @@ def main() -> None:
     print(table)
     if args.no_append:
         return
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__)).stdout.strip() or "uncommitted (no HEAD)"
-    except OSError:
-        commit = "unknown"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    cmd = "python benchmarks/lora_bucket_export.py " + " ".join(sys.argv[1:])
-    section = (f"\n## LoRA adapter bucket export (CPU), rank 32, K3 layer {LAYER} slice with {args.experts} experts, "
-               f"{args.bucket_mib} MiB buckets\n\n"
-               f"- date: {datetime.date.today().isoformat()}\n- machine: {cpu}, {os.cpu_count()} CPUs, "
-               f"torch {torch.__version__} ({torch.get_num_threads()} threads)\n- commit: {commit}\n"
-               f"- command: `{cmd.strip()}`\n\n{table}\n")
-    path = os.path.join(os.path.dirname(__file__), "RESULTS.md")
-    with open(path, "a") as f:
-        if f.tell() == 0:
-            f.write("# Benchmark results\n\nMeasured tables only; each section says when, where and how.\n")
-        f.write(section)
+    commit = git_commit(default="uncommitted (no HEAD)")
+    path = append(cpu_section(f"LoRA adapter bucket export (CPU), rank 32, K3 layer {LAYER} slice with {args.experts} "
+                              f"experts, {args.bucket_mib} MiB buckets", commit, "lora_bucket_export.py", table))
     print(f"appended to {path}")
 
 

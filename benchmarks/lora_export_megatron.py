@@ -15,16 +15,14 @@ buckets alone, and receiver-side verification; GB/s counts adapter bytes. Append
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from results import append, cpu_section, git_commit  # noqa: E402
 
 
 def config(args):
@@ -104,27 +102,13 @@ def main() -> None:
     cpu_compat.destroy_cpu_parallel()
     if args.no_append:
         return
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
-    dirty = subprocess.run(["git", "status", "--porcelain", "kimi_megatron_plugin"], capture_output=True, text=True,
-                           cwd=os.path.dirname(__file__)).stdout.strip()
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    cmd = "python benchmarks/lora_export_megatron.py " + " ".join(sys.argv[1:])
-    section = (f"\n## Megatron trainer LoRA export (CPU), rank {args.rank}, K2-shaped hidden {args.hidden}, "
-               f"{args.experts} experts x {args.inter}, {args.layers} layers, {args.bucket_mib} MiB buckets\n\n"
-               f"- date: {datetime.date.today().isoformat()}\n- machine: {cpu}, {os.cpu_count()} CPUs, "
-               f"torch {torch.__version__} ({torch.get_num_threads()} threads), megatron-core 0.16.1, gloo, world 1\n"
-               f"- commit: {commit}{' + uncommitted kimi_megatron_plugin changes' if dirty else ''}\n"
-               f"- command: `{cmd.strip()}`\n\n{table}\n\nSource factors are the trainer's fp32 parameters; "
-               "the export casts to bf16 (GB/s counts the bf16 adapter bytes).\n")
-    path = os.path.join(os.path.dirname(__file__), "RESULTS.md")
-    with open(path, "a") as f:
-        f.write(section)
+    commit = git_commit(("kimi_megatron_plugin",), "kimi_megatron_plugin")
+    body = (f"{table}\n\nSource factors are the trainer's fp32 parameters; "
+            "the export casts to bf16 (GB/s counts the bf16 adapter bytes).")
+    path = append(cpu_section(f"Megatron trainer LoRA export (CPU), rank {args.rank}, K2-shaped hidden {args.hidden}, "
+                              f"{args.experts} experts x {args.inter}, {args.layers} layers, {args.bucket_mib} MiB buckets",
+                              commit, "lora_export_megatron.py", body,
+                              machine_extra=", megatron-core 0.16.1, gloo, world 1"))
     print(f"appended to {path}")
 
 

@@ -44,6 +44,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from results import append, git_commit  # noqa: E402
 
 TOL = {("fp32", "reference"): (1e-4, 1e-3), ("fp32", "fla"): (5e-3, 2e-2)}
 BF16_FACTOR = 3.0
@@ -504,19 +505,14 @@ def main() -> None:
                 f.write(section)
     print(section)
     if not args.no_append and not args.smoke:
-        with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as f:
-            f.write(section)
+        append(section)
 
 
 def _section(args, dev, rows, statuses) -> str:
     gpu, versions = env_line(dev)
     commit = args.commit
     if commit is None:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=ROOT).stdout.strip() or "unknown"
-        except OSError:
-            commit = "unknown"
+        commit = git_commit()
     cmd = "python benchmarks/megatron_gpu.py " + " ".join(a for a in sys.argv[1:])
     section = (f"\n## kimi_megatron_plugin on GPU: tiny K3/K3.1 vs reference, real-width K3 slice "
                f"({datetime.date.today().isoformat()}, {gpu}{', SMOKE sizes' if args.smoke else ''})\n\n"

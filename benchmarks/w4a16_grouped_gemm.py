@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from results import append, git_commit  # noqa: E402
 
 from kimi_core.kernels import triton_w4a16 as tw  # noqa: E402
 from kimi_core.quant import dequantize  # noqa: E402
@@ -63,12 +63,7 @@ def random_weights(fmt, E, N, K):
 
 
 def commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
-        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "uncommitted"
-    except OSError:
-        return "uncommitted"
+    return git_commit(default="uncommitted")
 
 
 def main() -> None:
@@ -140,8 +135,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             f.write(text)
     if not args.no_append:
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"), "a") as f:
-            f.write(text)
+        append(text)
 
 
 def sweep() -> None:
