@@ -9,7 +9,6 @@ EP pieces gathered, DP replicas summed) and every rank's read log.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
@@ -55,10 +54,52 @@ def _full_grads(model, tp_group, ep_group, dp_sum_group):
 CONFIGS = {"single": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "ep2": (1, 1, 2)}
 
 
+def split_data_parallel(ids, w, ep: int):
+    """Under EP the two ranks are data parallel: rank r takes batch row r; returns (ids, w, dp group or None)."""
+    from megatron.core import parallel_state as ps
+
+    if ep == 1:
+        return ids, w, None
+    r = ps.get_data_parallel_rank()
+    return ids[r:r + 1], w[r:r + 1], ps.get_data_parallel_group()
+
+
+def forward_backward(model, ids, w, pp: int):
+    """Forward + backward of ``sum(logits * w)``; with PP=2 the two stages exchange the packed boundary
+    tensor and its gradient by send/recv. Returns the full-vocab logits (``None`` on a non-last stage)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region as gather_vocab
+
+    pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+    if pp == 1:
+        logits = gather_vocab(model(ids, pos, attention_mask=None))  # vocab-parallel -> full
+        (logits * w).sum().backward()
+        return logits
+    stage = ps.get_pipeline_model_parallel_rank()
+    nxt, prv = ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank()
+    if stage == 0:
+        h = model(ids, pos, attention_mask=None)  # packed [S, B, (N+1)*H]
+        torch.distributed.send(torch.tensor(h.shape), nxt)
+        torch.distributed.send(h.detach().contiguous(), nxt)
+        grad = torch.empty_like(h)
+        torch.distributed.recv(grad, nxt)
+        h.backward(grad)
+        return None
+    shape = torch.empty(3, dtype=torch.long)
+    torch.distributed.recv(shape, prv)
+    h = torch.empty(*shape.tolist())
+    torch.distributed.recv(h, prv)
+    h.requires_grad_(True)
+    model.set_input_tensor([h])
+    logits = gather_vocab(model(ids, pos, attention_mask=None))
+    (logits * w).sum().backward()
+    torch.distributed.send(h.grad.contiguous(), prv)
+    return logits
+
+
 def one_config(ckpt: str, tp: int, pp: int, ep: int, expert_mode: str) -> dict:
     """Build, load, forward and backward for one (TP, PP, EP) layout; returns this rank's payload."""
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region as gather_vocab
 
     from kimi_megatron_plugin import checkpoint, provider
 
@@ -68,37 +109,8 @@ def one_config(ckpt: str, tp: int, pp: int, ep: int, expert_mode: str) -> dict:
                                          expert_mode=expert_mode, perform_initialization=False)
     reader = checkpoint.load_hf_checkpoint(model, ckpt)
     kimi = model.kimi_config
-    ids, w = inputs(kimi.vocab_size)
-    dp_sum_group = None
-    if ep > 1:  # data parallel: rank r takes batch row r; dense grads are summed over the DP group
-        r = ps.get_data_parallel_rank()
-        ids, w = ids[r:r + 1], w[r:r + 1]
-        dp_sum_group = ps.get_data_parallel_group()
-    pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
-    logits = None
-    if pp == 1:
-        logits = gather_vocab(model(ids, pos, attention_mask=None))  # vocab-parallel -> full
-        (logits * w).sum().backward()
-    else:
-        stage = ps.get_pipeline_model_parallel_rank()
-        nxt, prv = ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank()
-        if stage == 0:
-            h = model(ids, pos, attention_mask=None)  # packed [S, B, (N+1)*H]
-            torch.distributed.send(torch.tensor(h.shape), nxt)
-            torch.distributed.send(h.detach().contiguous(), nxt)
-            grad = torch.empty_like(h)
-            torch.distributed.recv(grad, nxt)
-            h.backward(grad)
-        else:
-            shape = torch.empty(3, dtype=torch.long)
-            torch.distributed.recv(shape, prv)
-            h = torch.empty(*shape.tolist())
-            torch.distributed.recv(h, prv)
-            h.requires_grad_(True)
-            model.set_input_tensor([h])
-            logits = gather_vocab(model(ids, pos, attention_mask=None))
-            (logits * w).sum().backward()
-            torch.distributed.send(h.grad.contiguous(), prv)
+    ids, w, dp_sum_group = split_data_parallel(*inputs(kimi.vocab_size), ep)
+    logits = forward_backward(model, ids, w, pp)
     grads = _full_grads(model, ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group(),
                         dp_sum_group)
     if ep > 1:
@@ -111,9 +123,12 @@ def one_config(ckpt: str, tp: int, pp: int, ep: int, expert_mode: str) -> dict:
     return payload
 
 
-def run(rank: int, world: int, ckpt: str, port: int, out_path: str, names: list[str],
-        expert_mode: str = "w4a16") -> None:
-    """All layouts in ``names`` one after the other in the same 2-process gloo world."""
+def run(rank: int, world: int, ckpt: str, port: int, out_path: str, names: list[str], config_fn=None,
+        kwargs: dict | None = None) -> None:
+    """All layouts in ``names`` one after the other in the same ``world``-process gloo world.
+
+    ``config_fn(ckpt, tp, pp, ep, **kwargs)`` returns one rank's payload (default: :func:`one_config`).
+    """
     torch.set_num_threads(1)
     from kimi_megatron_plugin import cpu_compat
 
@@ -123,7 +138,7 @@ def run(rank: int, world: int, ckpt: str, port: int, out_path: str, names: list[
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     for name in names:
-        payload = one_config(ckpt, *CONFIGS[name], expert_mode)
+        payload = (config_fn or one_config)(ckpt, *CONFIGS[name], **(kwargs or {}))
         payload["rank"] = rank
         objs = [None] * world
         torch.distributed.all_gather_object(objs, payload)
@@ -148,8 +163,13 @@ def _full_bytes(reader, name: str) -> int:
     return n * {"BF16": 2, "F32": 4, "I32": 4, "U8": 1, "I64": 8, "F16": 2}[sl.get_dtype()]
 
 
-def spawn(ckpt: str, out_path: str, names=tuple(CONFIGS), expert_mode: str = "w4a16", world: int = 2) -> dict:
-    """Run the layouts ``names`` in ``world`` spawned processes; returns ``{name: [payload per rank]}``."""
+def spawn(ckpt: str, out_path: str, names=tuple(CONFIGS), expert_mode: str = "w4a16", world: int = 2,
+          config_fn=None) -> dict:
+    """Run the layouts ``names`` in ``world`` spawned processes; returns ``{name: [payload per rank]}``.
+
+    ``config_fn`` (a module-level function, so it pickles) replaces :func:`one_config`; it gets no
+    ``expert_mode``.
+    """
     import socket
 
     import torch.multiprocessing as mp
@@ -157,5 +177,6 @@ def spawn(ckpt: str, out_path: str, names=tuple(CONFIGS), expert_mode: str = "w4
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(run, args=(world, ckpt, port, out_path, list(names), expert_mode), nprocs=world, join=True)
+    kwargs = {} if config_fn is not None else {"expert_mode": expert_mode}
+    mp.spawn(run, args=(world, ckpt, port, out_path, list(names), config_fn, kwargs), nprocs=world, join=True)
     return torch.load(out_path, weights_only=False)  # written by run() above, never a foreign file
