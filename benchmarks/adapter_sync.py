@@ -23,11 +23,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from results import append, cpu_section, git_commit  # noqa: E402
+from results import append, best, cpu_section, git_commit  # noqa: E402
 
 from kimi_core.lora import Adapter, iter_buckets  # noqa: E402
 from kimi_rl_glue.sync import ShmAdapterSync  # noqa: E402
-from lora_bucket_export import LAYER, best, k3_config, layer_slice  # noqa: E402
+from lora_bucket_export import LAYER, k3_config, layer_slice  # noqa: E402
 
 
 def engine(channel: str, bucket_bytes: int, conn) -> None:

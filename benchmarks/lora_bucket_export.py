@@ -15,12 +15,11 @@ import argparse
 import hashlib
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from results import append, cpu_section, git_commit  # noqa: E402
+from results import append, best, cpu_section, git_commit  # noqa: E402
 
 from kimi_core.config import KimiConfig  # noqa: E402
 from kimi_core.lora import LoraSpec, iter_buckets  # noqa: E402
@@ -65,16 +64,6 @@ def layer_slice(config, layout: str, experts: int, rank: int = 32) -> dict[str, 
             out[f"base_model.model.{grp.moe}.experts.{grp.proj}.lora_A.weight"] = torch.randn(nA, r, fin).bfloat16()
             out[f"base_model.model.{grp.moe}.experts.{grp.proj}.lora_B.weight"] = torch.randn(nB, fout, r).bfloat16()
     return out
-
-
-def best(fn, repeats: int) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return min(ts)
 
 
 def export(tensors, bucket_bytes, checksum, staging=None):

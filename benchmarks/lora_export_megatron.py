@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from results import append, cpu_section, git_commit  # noqa: E402
+from results import append, best, cpu_section, git_commit  # noqa: E402
 
 
 def config(args):
@@ -33,16 +32,6 @@ def config(args):
     d.update(hidden_size=args.hidden, n_routed_experts=args.experts, moe_intermediate_size=args.inter,
              intermediate_size=4 * args.inter, num_experts_per_tok=8)
     return KimiConfig.from_hf(d)
-
-
-def best(fn, repeats):
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return min(ts)
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Shared bookkeeping of the benchmark scripts: commit, machine and appending to ``RESULTS.md``.
+"""Shared pieces of the benchmark scripts: best-of-N timing, commit, machine and appending to ``RESULTS.md``.
 
 Every script prints its own table; this module only says where and when it was measured, so the
 sections in ``benchmarks/RESULTS.md`` carry the same date / machine / commit / command lines.
@@ -11,9 +11,21 @@ import os
 import platform
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "RESULTS.md")
+
+
+def best(fn, repeats: int) -> float:
+    """Best wall time of ``repeats`` calls of ``fn`` after one warm-up call (seconds)."""
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return min(ts)
 
 
 def git_commit(dirty_paths: tuple[str, ...] = (), dirty_label: str = "", default: str = "unknown") -> str:

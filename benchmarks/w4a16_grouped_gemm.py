@@ -16,7 +16,6 @@ import argparse
 import datetime
 import os
 import sys
-import time
 
 import torch
 
