@@ -109,7 +109,8 @@ def run(cfg: LoopConfig, task, rollout, trainer, sync, out: str, progress: bool 
                             f"engine: {e}. The engine keeps serving {serving}.") from e
         t_sync = time.perf_counter() - t2
         rec.update(step=step, reward=float(rewards.mean()), rollout_s=t_roll, train_s=t_train, sync_s=t_sync,
-                   sync_bytes=pub["bytes"], checksum_share_of_publish=pub["checksum_share"],
+                   sync_bytes=pub["bytes"],
+                   checksum_share_of_sync=received.extra.get("sync_timings", {}).get("verify_s", 0.0) / t_sync,
                    adapter=getattr(req, "lora_name", str(req)))
         records.append(rec)
         with open(mpath, "a") as f:

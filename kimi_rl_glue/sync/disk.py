@@ -5,7 +5,8 @@ The trainer's writer (one per node) publishes version ``k`` of the adapter as
 :func:`kimi_core.lora.iter_buckets`, each tensor with a 64-bit position-weighted checksum) and
 ``manifest.json`` (bucket metadata, the PEFT ``adapter_config``, the version). It is written under
 a temporary name and moved into place with ``os.replace``, so a reader never sees half a version.
-The reader verifies every bucket before anything reaches the engine: a flipped byte raises
+The reader verifies every bucket before anything reaches the engine (its read and verify times
+go into ``adapter.extra["sync_timings"]``, as :mod:`.shm` does): a flipped byte raises
 :class:`AdapterSyncError` naming the version, bucket and tensor, and the engine keeps serving the
 previous adapter. Versions are never reused (a reused vLLM adapter name can serve stale prefix
 cache, vllm#42125).
@@ -41,7 +42,7 @@ class DiskAdapterSync:
         return os.path.join(self.root, f"v{version:06d}")
 
     def publish(self, adapter: Adapter, version: int) -> tuple[str, dict]:
-        """Write ``adapter`` as version ``version``; returns ``(path, timings)`` (checksum share included)."""
+        """Write ``adapter`` as version ``version``; returns ``(path, {"publish_s", "bytes"})``."""
         final = self.path(version)
         if os.path.exists(final):
             raise AdapterSyncError(f"{final}: adapter version {version} already exists; versions are never reused")
@@ -54,17 +55,10 @@ class DiskAdapterSync:
             with open(os.path.join(tmp, f"bucket_{b.index:04d}.bin"), "wb") as f:
                 f.write(b.buffer.numpy().tobytes())
             metas.append(b.metadata())
-        t1 = time.perf_counter()
-        # the checksum's own share, measured once more without writing (what a sender pays for it)
-        for _ in iter_buckets(adapter.tensors, self.bucket_bytes, checksum=False):
-            pass
-        t_nocheck = time.perf_counter() - t1
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump({"version": version, "buckets": metas, "adapter_config": adapter.adapter_config}, f)
         os.replace(tmp, final)
-        total = t1 - t0
-        return final, {"publish_s": total, "checksum_share": max(0.0, 1.0 - t_nocheck / total) if total > 0 else 0.0,
-                       "bytes": adapter.nbytes}
+        return final, {"publish_s": time.perf_counter() - t0, "bytes": adapter.nbytes}
 
     def receive(self, version: int) -> Adapter:
         """Read and verify version ``version``; raises :class:`AdapterSyncError` on any problem."""
@@ -75,16 +69,24 @@ class DiskAdapterSync:
         except FileNotFoundError:
             raise AdapterSyncError(f"{d}: adapter version {version} has no {MANIFEST} (not published?)") from None
         buckets = []
+        t_read = t_verify = 0.0
         for meta in man["buckets"]:
             p = os.path.join(d, f"bucket_{int(meta['index']):04d}.bin")
+            ta = time.perf_counter()
             try:
-                raw = open(p, "rb").read()
+                with open(p, "rb") as f:
+                    raw = bytearray(os.fstat(f.fileno()).st_size)
+                    f.readinto(raw)
             except FileNotFoundError:
                 raise AdapterSyncError(f"{p}: bucket file missing from adapter version {version}") from None
-            buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            tb = time.perf_counter()
             try:
-                buckets.append(Bucket.from_parts(buf, meta, verify=True))
+                buckets.append(Bucket.from_parts(torch.frombuffer(raw, dtype=torch.uint8), meta, verify=True))
             except BucketChecksumError as e:
                 raise AdapterSyncError(f"{p}: {e}") from None
-        tensors = {k: v.clone() for k, v in assemble(buckets, verify=False).items()}
-        return Adapter(tensors, man["adapter_config"], source=d)
+            t_read += tb - ta
+            t_verify += time.perf_counter() - tb
+        # views into the received buffers (each tensor keeps its buffer alive): no further copy
+        return Adapter(assemble(buckets, verify=False), man["adapter_config"], source=d,
+                       extra={"sync_timings": {"read_s": t_read, "verify_s": t_verify,
+                                               "bytes": sum(b.nbytes for b in buckets)}})
