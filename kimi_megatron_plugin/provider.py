@@ -17,7 +17,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 

@@ -11,6 +11,7 @@ Engines are registered by name in :data:`ENGINES`; plugins add theirs with :func
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from dataclasses import dataclass, field
 
@@ -87,8 +88,6 @@ class ModuleEngine(Engine):
         eng = importlib.import_module(self.plugin_module).numerics_engine()
         return eng.run(model_dir, input_ids, adapter=adapter, dtype=dtype)
 
-
-import importlib  # noqa: E402  (kept next to its only users above for readability)
 
 ENGINES: dict[str, Engine] = {
     "reference": ReferenceEngine(),

@@ -22,7 +22,7 @@ module registers the config and applies the hooks (idempotent), then ``EntryClas
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, Tuple
 
 import torch
 from torch import nn
