@@ -81,9 +81,10 @@ def _dequantize_rows(fmt, packed, scale, verify, scale_divisor, q_min):
     total = None
     for r in range(0, flat_p.shape[0], rows):
         p, s = flat_p[r:r + rows], flat_s[r:r + rows]
-        out[r:r + rows] = fmod.dequantize(p, s, torch.bfloat16)
+        w = out[r:r + rows] = fmod.dequantize(p, s, torch.bfloat16)
         if verify:
-            rep = check_int4(p, s, scale_divisor, q_min) if fmt == "pack-quantized" else check_mxfp4(p, s)
+            rep = (check_int4(p, s, scale_divisor, q_min, dequantized=w) if fmt == "pack-quantized"
+                   else check_mxfp4(p, s, dequantized=w))
             if total is None:
                 total = rep
             else:

@@ -28,26 +28,30 @@ class FixedPointReport:
         return self.bad_scales == 0 and self.bad_codes == 0
 
 
-def check_int4(weight_packed, weight_scale, scale_divisor: float = 7.0, q_min: int = -7) -> FixedPointReport:
-    """Re-quantize the bf16 dequantization of an INT4 tensor and count changed scales and codes."""
-    w = int4.dequantize(weight_packed, weight_scale, torch.bfloat16)
+def check_int4(weight_packed, weight_scale, scale_divisor: float = 7.0, q_min: int = -7,
+               dequantized: torch.Tensor | None = None) -> FixedPointReport:
+    """Re-quantize the bf16 dequantization of an INT4 tensor and count changed scales and codes.
+
+    :param dequantized: the bf16 dequantization if the caller already has it (saves recomputing it).
+    """
+    w = int4.dequantize(weight_packed, weight_scale, torch.bfloat16) if dequantized is None else dequantized
     q_new, s_new = int4.quantize_codes(w, scale_divisor, q_min)
     q_old = int4.unpack(weight_packed)
     return FixedPointReport(int((s_new != weight_scale).sum()), int((q_new != q_old).sum()), weight_scale.numel())
 
 
-def check_mxfp4(weight_packed, weight_scale) -> FixedPointReport:
+def check_mxfp4(weight_packed, weight_scale, dequantized: torch.Tensor | None = None) -> FixedPointReport:
     """Re-quantize the bf16 dequantization of an MXFP4 tensor and count changed scales and codes.
 
     Codes are compared by value (``+0`` and ``-0`` are the same weight), scales bytewise, except
     that all-zero groups carry no scale information.
+
+    :param dequantized: the bf16 dequantization if the caller already has it (saves recomputing it).
     """
-    w = mxfp4.dequantize(weight_packed, weight_scale, torch.bfloat16)
+    w = mxfp4.dequantize(weight_packed, weight_scale, torch.bfloat16) if dequantized is None else dequantized
     t = mxfp4.quantize(w)
-    vals_old = mxfp4.dequantize(weight_packed, torch.full_like(weight_scale, 127), torch.float32)
-    vals_new = mxfp4.dequantize(t["weight_packed"], torch.full_like(weight_scale, 127), torch.float32)
-    zero_group = vals_old.reshape(*weight_scale.shape, -1).abs().amax(-1) == 0
+    # scales are powers of two, so a group of w is all zero exactly when all its codes are +-0
+    zero_group = w.reshape(*weight_scale.shape, -1).abs().amax(-1) == 0
     bad_s = ((t["weight_scale"] != weight_scale) & ~zero_group).sum()
     bad_q = (w != mxfp4.dequantize(t["weight_packed"], t["weight_scale"], torch.bfloat16)).sum()
-    del vals_new
     return FixedPointReport(int(bad_s), int(bad_q), weight_scale.numel())
