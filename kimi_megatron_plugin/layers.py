@@ -25,6 +25,8 @@ Shapes follow megatron: activations ``[S, B, H]`` (sequence first).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -359,8 +361,14 @@ class KimiKDA(MegatronModule):
 
     @staticmethod
     def _kernel(q):
-        if q.is_cuda:
-            from fla.ops.kda import chunk_kda  # GPU: fla's Triton kernel, same (o, state) contract
+        """fla's Triton ``chunk_kda`` on CUDA, kimi_core's torch reference elsewhere (same (o, state)
+        contract). ``KIMI_KDA_KERNEL=reference`` forces the reference on CUDA too (parity runs, or a
+        machine without a warm Triton cache: fla's backward autotuning takes many minutes cold)."""
+        mode = os.environ.get("KIMI_KDA_KERNEL", "auto")
+        if mode not in ("auto", "fla", "reference"):
+            raise ValueError(f"KIMI_KDA_KERNEL={mode!r}: expected auto, fla or reference")
+        if q.is_cuda and mode != "reference":
+            from fla.ops.kda import chunk_kda
 
             return chunk_kda
         return ref_kda.chunk_kda

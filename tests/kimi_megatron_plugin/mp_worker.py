@@ -4,6 +4,9 @@ Every rank builds the tiny model for its TP/PP/EP coordinates, loads the HF chec
 only its shard), runs forward and backward of a fixed loss and writes, from rank 0, the logits,
 the full gradients keyed by layout-independent names (``decoder.layers.<global>.<rest>``, TP and
 EP pieces gathered, DP replicas summed) and every rank's read log.
+
+Backends: ``gloo`` (CPU, with :mod:`kimi_megatron_plugin.cpu_compat`; the tests) and ``nccl``
+(rank ``r`` on ``cuda:r``; ``benchmarks/multi_gpu.py``). Payloads always come back on the CPU.
 """
 
 from __future__ import annotations
@@ -15,11 +18,19 @@ import torch
 B, T = 2, 13
 
 
+def device() -> torch.device:
+    """This rank's device: ``cuda:<local rank>`` under NCCL, else the CPU."""
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def inputs(vocab: int):
+    """Token ids ``[B, T]`` and loss weights ``[B, T, vocab]`` (fp32), drawn on the CPU, on this rank's device."""
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, vocab, (B, T), generator=g)
     w = torch.randn(B, T, vocab, generator=g)
-    return ids, w
+    return ids.to(device()), w.to(device())
 
 
 def _full_grads(model, tp_group, ep_group, dp_sum_group):
@@ -70,43 +81,57 @@ def forward_backward(model, ids, w, pp: int):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region as gather_vocab
 
-    pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+    dev = ids.device
+    pos = torch.arange(ids.shape[1], device=dev)[None].expand(ids.shape[0], -1)
     if pp == 1:
         logits = gather_vocab(model(ids, pos, attention_mask=None))  # vocab-parallel -> full
-        (logits * w).sum().backward()
+        (logits.float() * w).sum().backward()
         return logits
     stage = ps.get_pipeline_model_parallel_rank()
     nxt, prv = ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank()
     if stage == 0:
         h = model(ids, pos, attention_mask=None)  # packed [S, B, (N+1)*H]
-        torch.distributed.send(torch.tensor(h.shape), nxt)
+        torch.distributed.send(torch.tensor(h.shape, device=dev), nxt)
         torch.distributed.send(h.detach().contiguous(), nxt)
         grad = torch.empty_like(h)
         torch.distributed.recv(grad, nxt)
         h.backward(grad)
         return None
-    shape = torch.empty(3, dtype=torch.long)
+    shape = torch.empty(3, dtype=torch.long, device=dev)
     torch.distributed.recv(shape, prv)
-    h = torch.empty(*shape.tolist())
+    h = torch.empty(*shape.tolist(), device=dev, dtype=model.config.pipeline_dtype)
     torch.distributed.recv(h, prv)
     h.requires_grad_(True)
     model.set_input_tensor([h])
     logits = gather_vocab(model(ids, pos, attention_mask=None))
-    (logits * w).sum().backward()
+    (logits.float() * w).sum().backward()
     torch.distributed.send(h.grad.contiguous(), prv)
     return logits
 
 
-def one_config(ckpt: str, tp: int, pp: int, ep: int, expert_mode: str) -> dict:
+def init_parallel(tp: int, pp: int, ep: int) -> None:
+    """Megatron's model-parallel groups (ETP 1); on a GPU also its model-parallel CUDA RNG."""
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234)
+
+
+def one_config(ckpt: str, tp: int, pp: int, ep: int, expert_mode: str = "w4a16",
+               dtype: torch.dtype = torch.float32) -> dict:
     """Build, load, forward and backward for one (TP, PP, EP) layout; returns this rank's payload."""
     from megatron.core import parallel_state as ps
 
     from kimi_megatron_plugin import checkpoint, provider
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    init_parallel(tp, pp, ep)
     model = provider.build_model_from_hf(ckpt, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep,
-                                         expert_mode=expert_mode, perform_initialization=False)
+                                         expert_mode=expert_mode, perform_initialization=False,
+                                         params_dtype=dtype)
     reader = checkpoint.load_hf_checkpoint(model, ckpt)
     kimi = model.kimi_config
     ids, w, dp_sum_group = split_data_parallel(*inputs(kimi.vocab_size), ep)
@@ -115,7 +140,8 @@ def one_config(ckpt: str, tp: int, pp: int, ep: int, expert_mode: str) -> dict:
                         dp_sum_group)
     if ep > 1:
         logits = _gather_rows(logits)
-    payload = {"logits": logits.detach() if logits is not None else None, "grads": grads,
+    payload = {"logits": logits.detach().float().cpu() if logits is not None else None,
+               "grads": {k: v.float().cpu() for k, v in grads.items()},
                "read_log": dict(reader.read_log), "bytes_read": reader.bytes_read,
                "full_bytes": {n: _full_bytes(reader, n) for n in reader.read_log},
                "stage_layers": [layer.layer_number - 1 for layer in model.decoder.layers]}
@@ -124,18 +150,26 @@ def one_config(ckpt: str, tp: int, pp: int, ep: int, expert_mode: str) -> dict:
 
 
 def run(rank: int, world: int, ckpt: str, port: int, out_path: str, names: list[str], config_fn=None,
-        kwargs: dict | None = None) -> None:
-    """All layouts in ``names`` one after the other in the same ``world``-process gloo world.
+        kwargs: dict | None = None, backend: str = "gloo") -> None:
+    """All layouts in ``names`` one after the other in the same ``world``-process world.
 
     ``config_fn(ckpt, tp, pp, ep, **kwargs)`` returns one rank's payload (default: :func:`one_config`).
+    ``backend``: ``gloo`` (CPU shims applied) or ``nccl`` (this rank on ``cuda:rank``).
     """
-    torch.set_num_threads(1)
-    from kimi_megatron_plugin import cpu_compat
-
-    cpu_compat.apply_cpu_shims()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 runs are compared at 1e-5
+        torch.backends.cudnn.allow_tf32 = False
+        torch.distributed.init_process_group("nccl", rank=rank, world_size=world,
+                                             device_id=torch.device("cuda", rank))
+    else:
+        torch.set_num_threads(1)
+        from kimi_megatron_plugin import cpu_compat
+
+        cpu_compat.apply_cpu_shims()
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     for name in names:
         payload = (config_fn or one_config)(ckpt, *CONFIGS[name], **(kwargs or {}))
@@ -164,11 +198,11 @@ def _full_bytes(reader, name: str) -> int:
 
 
 def spawn(ckpt: str, out_path: str, names=tuple(CONFIGS), expert_mode: str = "w4a16", world: int = 2,
-          config_fn=None) -> dict:
+          config_fn=None, backend: str = "gloo", kwargs: dict | None = None) -> dict:
     """Run the layouts ``names`` in ``world`` spawned processes; returns ``{name: [payload per rank]}``.
 
     ``config_fn`` (a module-level function, so it pickles) replaces :func:`one_config`; it gets no
-    ``expert_mode``.
+    ``expert_mode``. ``kwargs`` go to the config function (e.g. ``dtype``).
     """
     import socket
 
@@ -177,6 +211,7 @@ def spawn(ckpt: str, out_path: str, names=tuple(CONFIGS), expert_mode: str = "w4
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    kwargs = {} if config_fn is not None else {"expert_mode": expert_mode}
-    mp.spawn(run, args=(world, ckpt, port, out_path, list(names), config_fn, kwargs), nprocs=world, join=True)
+    kwargs = dict(kwargs or {}, **({} if config_fn is not None else {"expert_mode": expert_mode}))
+    mp.spawn(run, args=(world, ckpt, port, out_path, list(names), config_fn, kwargs, backend), nprocs=world,
+             join=True)
     return torch.load(out_path, weights_only=False)  # written by run() above, never a foreign file
