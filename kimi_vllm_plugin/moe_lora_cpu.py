@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["KimiRouter", "KimiCpuExperts", "KimiCpuExpertsWithLoRA", "KimiCpuMoE", "EXPERT_PROJ_SHARD"]
+__all__ = ["KimiRouter", "KimiCpuExperts", "KimiCpuExpertsWithLoRA", "KimiCpuMoE", "EXPERT_PROJ_SHARD",
+           "load_with_cpu_experts"]
 
 #: HF expert projection -> (vLLM shard id, row block in w13 or None for w2)
 EXPERT_PROJ_SHARD = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3", "w1": "w1", "w2": "w2", "w3": "w3"}
@@ -39,13 +40,14 @@ class KimiRouter(nn.Module):
 
     def __init__(self, config, params_dtype: torch.dtype):
         super().__init__()
-        E, H = config.n_routed_experts, config.hidden_size
-        self.top_k = config.num_experts_per_tok
-        self.n_group = getattr(config, "n_group", 1) or 1
+        # K2.x (DeepSeek) field names first, then K3's ``kimi_linear`` text-config names
+        E, H = _field(config, "n_routed_experts", "num_experts"), config.hidden_size
+        self.top_k = _field(config, "num_experts_per_tok", "num_experts_per_token")
+        self.n_group = _field(config, "n_group", "num_expert_group", default=1) or 1
         self.topk_group = getattr(config, "topk_group", 1) or 1
-        self.renormalize = bool(getattr(config, "norm_topk_prob", True))
+        self.renormalize = bool(_field(config, "norm_topk_prob", "moe_renormalize", default=True))
         self.scale = float(getattr(config, "routed_scaling_factor", 1.0))
-        self.scoring = getattr(config, "scoring_func", "sigmoid")
+        self.scoring = _field(config, "scoring_func", "moe_router_activation_func", default="sigmoid")
         self.weight = nn.Parameter(torch.empty(E, H, dtype=params_dtype), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
 
@@ -68,6 +70,15 @@ class KimiRouter(nn.Module):
         return w * self.scale, idx
 
 
+def _field(config, *names, default=None):
+    """The first of ``names`` that ``config`` sets (not None), else ``default``."""
+    for n in names:
+        v = getattr(config, n, None)
+        if v is not None:
+            return v
+    return default
+
+
 def _vllm_linear_base():
     from vllm.model_executor.layers.linear import LinearBase
 
@@ -79,11 +90,12 @@ class KimiCpuExperts(_vllm_linear_base()):
 
     :ivar w13: ``[E, 2I, H]`` model dtype; :ivar w2: ``[E, H, I]``. ``quant_format`` is the
     compressed-tensors format of the checkpoint's experts (``pack-quantized`` or
-    ``mxfp4-pack-quantized``) or ``None`` for plain ``.weight`` experts.
+    ``mxfp4-pack-quantized``) or ``None`` for plain ``.weight`` experts. ``act`` maps the fp32
+    ``[n, 2I]`` gate|up product to ``[n, I]`` (default SiLU-GLU, K2.x; K3 passes vLLM's SiTU-GLU).
     """
 
     def __init__(self, num_experts: int, hidden: int, inter: int, params_dtype: torch.dtype,
-                 quant_format: str | None, prefix: str = ""):
+                 quant_format: str | None, prefix: str = "", act=None):
         super().__init__(hidden, hidden, params_dtype=params_dtype, quant_config=None, prefix=prefix,
                          disable_tp=True)
         # no vLLM linear method: the experts are not one GEMM (vLLM's CPU post-load hook would
@@ -91,6 +103,7 @@ class KimiCpuExperts(_vllm_linear_base()):
         self.quant_method = None
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.quant_format = quant_format
+        self.act = act or _silu_glu
         self.w13 = nn.Parameter(torch.zeros(num_experts, 2 * inter, hidden, dtype=params_dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.zeros(num_experts, hidden, inter, dtype=params_dtype), requires_grad=False)
         self._pending: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -143,7 +156,6 @@ class KimiCpuExperts(_vllm_linear_base()):
         ``lora``: ``(slots [N] int64 (-1 = none), A (w1, w2, w3), B (w1, w2, w3))`` with ``A[i]
         [L, E, R, in]`` and ``B[i] [L, E, out, R]`` (scaling folded into B), or ``None``.
         """
-        I = self.inter
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(topk_ids).tolist():
             rows, slot = (topk_ids == e).nonzero(as_tuple=True)
@@ -151,12 +163,18 @@ class KimiCpuExperts(_vllm_linear_base()):
             gu = F.linear(xe, self.w13[e]).float()
             if lora is not None:
                 gu = gu + torch.cat([_delta(xe, lora, rows, 0, e), _delta(xe, lora, rows, 2, e)], dim=-1)
-            h = (F.silu(gu[:, :I]) * gu[:, I:]).to(x.dtype)
+            h = self.act(gu).to(x.dtype)
             y = F.linear(h, self.w2[e]).float()
             if lora is not None:
                 y = y + _delta(h, lora, rows, 1, e)
             out.index_add_(0, rows, y * topk_w[rows, slot, None])
         return out.to(x.dtype)
+
+
+def _silu_glu(gu: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gu = [gate | up]`` ``[n, 2I]`` -> ``[n, I]``."""
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u
 
 
 def _delta(x: torch.Tensor, lora, rows: torch.Tensor, which: int, e: int) -> torch.Tensor:
@@ -252,7 +270,7 @@ class KimiCpuMoE(nn.Module):
         self.gate = KimiRouter(config, dt)
         qfmt = None
         if quant_config is not None and getattr(quant_config, "get_name", lambda: None)() == "compressed-tensors":
-            qfmt = _ct_format(config)
+            qfmt = _ct_format(config, quant_config)
         self.experts = KimiCpuExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size,
                                       dt, qfmt, prefix=f"{prefix}.experts")
         self.shared_experts = None
@@ -274,12 +292,53 @@ class KimiCpuMoE(nn.Module):
         return y.view(shape)
 
 
-def _ct_format(config) -> str | None:
-    """Compressed-tensors format of the routed experts from ``config.quantization_config``."""
-    qc = getattr(config, "quantization_config", None) or {}
+def load_with_cpu_experts(model: nn.Module, weights, load_rest) -> set[str]:
+    """Load ``weights`` into ``model``: routed-expert tensors (``<moe>.experts.{e}.<proj>.<kind>``) go
+    to the :class:`KimiCpuExperts` at ``<moe>.experts`` (dequantized there), everything else through
+    ``load_rest(iterable) -> set[str]`` (the upstream loader). Returns the loaded parameter names.
+
+    Raises ``ValueError`` naming the MoE block and the first expert projection the checkpoint lacks.
+    """
+    from kimi_vllm_plugin.mapping import parse_expert_name
+
+    seen: dict[str, KimiCpuExperts] = {}
+
+    def rest():
+        for name, t in weights:
+            p = parse_expert_name(name)
+            if p is None:
+                yield name, t
+                continue
+            moe, e, proj, kind = p
+            if kind == "weight_shape":
+                continue
+            try:
+                mod = model.get_submodule(moe + ".experts")
+            except AttributeError:  # a layer this rank does not hold (PP) or an MTP layer
+                continue
+            mod = getattr(mod, "base_layer", mod)  # LoRA wrapper
+            mod.load_expert_tensor(e, proj, kind, t, name)
+            seen[moe] = mod
+
+    loaded = set(load_rest(rest()))
+    for moe, mod in seen.items():
+        miss = mod.missing()
+        if miss:
+            e, s = miss[0]
+            raise ValueError(f"checkpoint: {len(miss)} routed-expert projections of {moe} never loaded "
+                             f"(first: expert {e} {s}); check the *.safetensors shards")
+        loaded |= {f"{moe}.experts.w13", f"{moe}.experts.w2"}
+    return loaded
+
+
+def _ct_format(config, quant_config=None) -> str | None:
+    """Compressed-tensors format of the routed experts: from ``config.quantization_config``, else (K2.5 /
+    K3, whose ``quantization_config`` sits on the top-level config, not on ``text_config``) from vLLM's
+    ``CompressedTensorsConfig`` (its raw ``config`` dict, then its global ``quant_format``)."""
+    qc = getattr(config, "quantization_config", None) or getattr(quant_config, "config", None) or {}
     if not isinstance(qc, dict):
         qc = getattr(qc, "to_dict", lambda: {})()
-    fmt = qc.get("format")
+    fmt = qc.get("format") or getattr(quant_config, "quant_format", None)
     for g in (qc.get("config_groups") or {}).values():
         fmt = g.get("format", fmt)
         break

@@ -123,6 +123,9 @@ def register() -> None:
             continue
         ModelRegistry.register_model(arch, target)
         _REGISTERED.add(arch)
+    from kimi_vllm_plugin.k31_config import register_k31_config
+
+    register_k31_config()
     logger.debug("kimi_vllm_plugin: registered %s", sorted(MODELS))
 
 

@@ -65,8 +65,10 @@ _K3_TEXT = {
 
 _K31_INDEXER = {"index_n_heads": 4, "index_head_dim": 32, "index_topk": 8}
 
+# vision fields only (no vision weights): vLLM builds the projector from them even when it
+# serves text only (``language_model_only``; on the meta device, then drops it)
 _VISION_STUB = {"patch_size": 14, "vt_hidden_size": 1152, "vt_num_hidden_layers": 1,
-                "mm_projector_type": "patchmergerv2"}
+                "mm_projector_type": "patchmergerv2", "projector_ln_eps": 1e-5}
 
 _INT4_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]
 _MXFP4_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*\\.mlp\\..*",

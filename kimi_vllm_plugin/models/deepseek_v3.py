@@ -17,7 +17,7 @@ import torch
 from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM
 from vllm.platforms import current_platform
 
-from kimi_vllm_plugin.mapping import expert_lora_names, expert_mapping, parse_expert_name
+from kimi_vllm_plugin.mapping import expert_lora_names, expert_mapping
 
 __all__ = ["KimiDeepseekV3ForCausalLM", "UNSUPPORTED_LORA_MODULES"]
 
@@ -45,11 +45,9 @@ class KimiDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
         self._cpu_moe = current_platform.is_cpu()
         if self._cpu_moe:
             from kimi_vllm_plugin.moe_lora_cpu import KimiCpuMoE
-            from kimi_vllm_plugin.patches import apply_cpu_punica_fix, apply_lora_layers, swap_moe_block
+            from kimi_vllm_plugin.patches import cpu_model_build, swap_moe_block
 
-            apply_lora_layers()
-            apply_cpu_punica_fix()
-            with swap_moe_block(KimiCpuMoE):
+            with cpu_model_build(swap_moe_block(KimiCpuMoE)):
                 super().__init__(vllm_config=vllm_config, prefix=prefix)
         else:
             super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -80,36 +78,6 @@ class KimiDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if not getattr(self, "_cpu_moe", False):
             return super().load_weights(weights)
-        experts_seen: dict[str, object] = {}
+        from kimi_vllm_plugin.moe_lora_cpu import load_with_cpu_experts
 
-        def non_expert():
-            for name, t in weights:
-                p = parse_expert_name(name)
-                if p is None:
-                    yield name, t
-                    continue
-                moe, e, proj, kind = p
-                if kind == "weight_shape":
-                    continue
-                mod = self._experts_module(moe, name)
-                if mod is None:  # a layer this rank does not hold (PP) or an MTP layer
-                    continue
-                mod.load_expert_tensor(e, proj, kind, t, name)
-                experts_seen[moe] = mod
-
-        loaded = set(super().load_weights(non_expert()))
-        for moe, mod in experts_seen.items():
-            miss = mod.missing()
-            if miss:
-                e, s = miss[0]
-                raise ValueError(f"checkpoint: {len(miss)} routed-expert projections of {moe} never loaded "
-                                 f"(first: expert {e} {s}); check the *.safetensors shards")
-            loaded |= {f"{moe}.experts.w13", f"{moe}.experts.w2"}
-        return loaded
-
-    def _experts_module(self, moe: str, name: str):
-        try:
-            mod = self.get_submodule(moe + ".experts")
-        except AttributeError:
-            return None
-        return getattr(mod, "base_layer", mod)
+        return load_with_cpu_experts(self, weights, super().load_weights)

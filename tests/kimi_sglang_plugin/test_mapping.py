@@ -12,7 +12,6 @@ SM90+), so MXFP4 ``weight_scale`` parameters exist only on the GPU and are check
 
 from __future__ import annotations
 
-import os
 import socket
 
 import pytest

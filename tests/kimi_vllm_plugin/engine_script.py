@@ -4,17 +4,21 @@ Started by the tests in a subprocess (vLLM forks workers; the ``__main__`` guard
 ``plan.json`` lists prompts and an ordered list of steps::
 
     {"ckpt": DIR, "max_lora_rank": 16, "enable_lora": true, "prompts": [[ids...], ...],
+     "engine_kwargs": {"language_model_only": true},   # optional, passed to vllm.LLM
      "steps": [{"kind": "base"}, {"kind": "load", "path": DIR, "tag": "A"}, {"kind": "score", "tag": "A"}, ...]}
 
 ``load`` goes through :class:`kimi_vllm_plugin.client.KimiLoraClient`; ``score`` records prompt
 logprobs of every prompt with the current adapter (prompt 0 also without, in the same batch);
-``raw_load`` hands a directory to vLLM directly (no client validation).
+``raw_load`` hands a directory to vLLM directly (no client validation); ``model_info`` records what
+the worker built (:func:`model_info`; needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
 """
 
 import json
 import os
 import sys
 import time
+
+from worker_probe import model_info  # importable by name in the workers (a __main__ function is not)
 
 
 def prompt_lps(out, ids):
@@ -32,8 +36,8 @@ def main(plan_path: str, out_path: str) -> None:
 
     kw = dict(enable_lora=True, max_lora_rank=plan["max_lora_rank"], max_loras=2) if plan.get("enable_lora") else {}
     llm = LLM(model=plan["ckpt"], skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.05,
-              max_model_len=128, max_num_seqs=4, dtype=plan.get("dtype", "bfloat16"), seed=0, **kw)
-    res = {"start_s": time.time() - t0, "model_class": None, "steps": []}
+              max_model_len=128, max_num_seqs=4, dtype=plan.get("dtype", "bfloat16"), seed=0, **kw, **plan.get("engine_kwargs", {}))
+    res = {"start_s": time.time() - t0, "steps": []}
     sp = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)
     prompts = [{"prompt_token_ids": p} for p in plan["prompts"]]
     t1 = time.time()
@@ -53,6 +57,8 @@ def main(plan_path: str, out_path: str) -> None:
             elif step["kind"] == "load":
                 req = client.load(step["path"])
                 rec["ok"], rec["name"] = True, req.lora_name
+            elif step["kind"] == "model_info":
+                rec.update(llm.apply_model(model_info)[0])
             elif step["kind"] == "raw_load":
                 next_raw_id += 1
                 ok = llm.llm_engine.add_lora(LoRARequest(f"raw-{next_raw_id}", next_raw_id, step["path"]))

@@ -55,6 +55,8 @@ def test_targets_exist_and_are_lora_capable():
             assert hasattr(cls, m), f"{arch}: {cls.__name__} lacks {m}"
         assert cls.supports_lora is True and cls.is_3d_moe_weight is False
         assert supports_lora(cls), arch
+        # the worker checks the built instance (a structural Protocol check for the wrappers)
+        assert supports_lora(cls.__new__(cls)), arch
 
 
 def test_missing_base_class_is_a_clear_error():

@@ -53,7 +53,7 @@ def test_tiny_k3_release_quirks(tiny_ckpt):
     assert r.get("language_model.model.layers.0.self_attn.q_conv1d.weight").dtype == torch.float32
     last = c.num_hidden_layers - 1
     assert r.has(f"language_model.model.layers.{last}.self_attn.kv_a_proj_with_mqa.weight")
-    assert r.get(f"language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed").dtype == torch.uint8
+    assert r.get("language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed").dtype == torch.uint8
     assert c.kv_lora_rank == 512 and c.qk_rope_head_dim == 64  # vLLM CPU MLA needs 512 + 64
 
 

