@@ -178,7 +178,7 @@ def main() -> None:
     checks.append(f"GPU region sums == numpy region_sums on a {b.nbytes / 1e6:.1f} MB bucket: {gpu_sums == cpu_sums}")
     version += 1
     manifest, _ = trainer[True].publish(Adapter(small, {"r": 32}, source="bench"), version)
-    live = trainer[True]._live[version][0]
+    live = trainer[True]._live[version][0][0]  # (buckets, block sums) -> first bucket
     victim = live.metas[len(live.metas) // 2]
     live.buffer[victim.offset + 3] ^= 0x10  # after the sums: a byte flipped in flight
     torch.cuda.synchronize()

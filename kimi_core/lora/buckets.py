@@ -36,7 +36,8 @@ from kimi_core.lora.naming import parse_lora_name
 
 __all__ = [
     "ALIGN", "BLOCK_WORDS", "Bucket", "BucketChecksumError", "TensorMeta",
-    "filter_experts", "iter_buckets", "assemble", "region_sums", "copy_region_sums",
+    "filter_experts", "iter_buckets", "assemble", "region_sums", "copy_region_sums", "copy_block_sums",
+    "first_bad_region",
 ]
 
 ALIGN = 64
@@ -131,40 +132,61 @@ def region_sums(buffer: torch.Tensor | np.ndarray, starts: list[int], total: int
     ``buffer`` is a ``uint8`` tensor (CPU or CUDA) or array whose length and ``starts`` are
     multiples of 8. On CUDA the block sums run in :func:`kimi_core.kernels.block_sums.block_sums`.
     """
-    if isinstance(buffer, torch.Tensor) and buffer.device.type == "cuda":
-        return copy_region_sums(buffer, None, starts, total)
-    u8 = buffer.numpy() if isinstance(buffer, torch.Tensor) else buffer
-    total = len(u8) if total is None else total
-    layout = _block_layout(starts, total)
-    words = u8[:total].view(np.uint64)
-    # regions are contiguous, so reduceat's "up to the next index" is "up to the end of this block"
-    sums = np.add.reduceat(words, layout[2]) if len(layout[2]) else np.zeros(0, np.uint64)
-    return _combine(sums, layout)
+    if isinstance(buffer, np.ndarray):
+        buffer = torch.from_numpy(buffer)
+    return copy_region_sums(buffer, None, starts, total)
 
 
-def copy_region_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[int],
-                     total: int | None = None) -> list[int]:
-    """:func:`region_sums` of ``src`` (``uint8 [>= total]``), copying its first ``total`` bytes to ``dst``
-    on the way when ``dst`` is given. On one CUDA device the copy and the sums are one kernel. Across
-    devices (an IPC buffer of a peer GPU) it is a copy over NVLink, then the sums of the local copy
-    (Triton refuses peer pointers). On the CPU: a copy, then the sums of the copy."""
+def copy_block_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[int],
+                    total: int | None = None) -> torch.Tensor:
+    """The block sums of ``src`` (``uint8 [>= total]``) as ``int64 [n_blocks]`` (bits = the unsigned
+    sums) on the checking device, copying the first ``total`` bytes to ``dst`` on the way when given.
+
+    On one CUDA device the copy and the sums are one kernel and nothing waits for it (compare the
+    result on the device, synchronise once). Across devices (an IPC buffer of a peer GPU) it is a
+    copy over NVLink, then the sums of the local copy (Triton refuses peer pointers). On the CPU: a
+    copy, then numpy's ``add.reduceat``.
+    """
     total = src.numel() if total is None else total
     if dst is not None and (src.device != dst.device or src.device.type != "cuda"):
         if dst.device.type == "cpu" and src.device.type == "cpu":
             np.copyto(dst.numpy()[:total], src.numpy()[:total])
         else:
             dst[:total].copy_(src[:total])
-        return copy_region_sums(dst, None, starts, total)
+        return copy_block_sums(dst, None, starts, total)
+    layout = _block_layout(starts, total)
     if src.device.type != "cuda":
-        return region_sums(src, starts, total)
+        words = src.numpy()[:total].view(np.uint64)
+        # regions are contiguous, so reduceat's "up to the next index" is "up to the end of this block"
+        sums = np.add.reduceat(words, layout[2]) if len(layout[2]) else np.zeros(0, np.uint64)
+        return torch.from_numpy(sums.view(np.int64))
     from kimi_core.kernels.block_sums import block_sums
 
-    layout = _block_layout(starts, total)
     words = src[:total].view(torch.int64)
     out = None if dst is None else dst[:total].view(torch.int64)
     bst, bend = _device_blocks(tuple(int(x) for x in starts), int(total), words.device)
-    sums = block_sums(words, bst, bend, BLOCK_WORDS, dst=out)
-    return _combine(sums.cpu().numpy().view(np.uint64), layout)
+    return block_sums(words, bst, bend, BLOCK_WORDS, dst=out)
+
+
+def copy_region_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[int],
+                     total: int | None = None) -> list[int]:
+    """:func:`region_sums` of ``src``, copying it to ``dst`` on the way (:func:`copy_block_sums`)."""
+    total = src.numel() if total is None else total
+    sums = copy_block_sums(src, dst, starts, total)
+    return _combine(sums.cpu().numpy().view(np.uint64), _block_layout(starts, total))
+
+
+def first_bad_region(got: torch.Tensor, sent: torch.Tensor, starts: list[int], total: int) -> int | None:
+    """Index of the region holding the first block whose sums differ (``got`` vs ``sent``, both
+    ``int64 [n_blocks]``), or ``None`` if all agree. Host-side; only called once something differs."""
+    got, sent = got.cpu(), sent.cpu()
+    if got.shape != sent.shape:
+        return 0
+    diff = torch.nonzero(got != sent).flatten()
+    if not len(diff):
+        return None
+    _ws, nonempty, _bst, _bend, first_block, _loc = _block_layout(starts, total)
+    return int(nonempty[np.searchsorted(first_block, int(diff[0]), side="right") - 1])
 
 
 def _digest(metas: list[TensorMeta], nbytes: int, expert_range) -> str:
@@ -218,6 +240,25 @@ class Bucket:
             b.verify()
         return b
 
+    def seal(self) -> None:
+        """Set :attr:`checksum` to the digest of the current metadata (names, shapes, offsets, sums)."""
+        self.checksum = _digest(self.metas, self.nbytes, list(self.expert_range) if self.expert_range else None)
+
+    def verify_metadata(self) -> None:
+        """Check only the metadata digest (the block-sum transport checks the bytes separately)."""
+        d = _digest(self.metas, self.nbytes, list(self.expert_range) if self.expert_range else None)
+        if d != self.checksum:
+            raise BucketChecksumError(f"bucket {self.index}: metadata checksum {d} != sent {self.checksum} "
+                                      "(names, shapes, offsets or sums were altered)")
+
+    def check_blocks(self, got: torch.Tensor, sent: torch.Tensor) -> None:
+        """Raise :class:`BucketChecksumError` naming the first tensor whose block sums differ."""
+        i = first_bad_region(got, sent, self.region_starts(), self.nbytes)
+        if i is not None:
+            m = self.metas[i]
+            raise BucketChecksumError(f"bucket {self.index}: tensor {m.name!r} (bytes {m.offset}..{m.offset + m.nbytes}) "
+                                      "is corrupt: block sums differ from the sent ones")
+
     def region_starts(self) -> list[int]:
         """Byte offset of every tensor region (the ``starts`` of :func:`region_sums`)."""
         return [m.offset for m in self.metas]
@@ -235,10 +276,7 @@ class Bucket:
                 raise BucketChecksumError(
                     f"bucket {self.index}: tensor {m.name!r} (bytes {m.offset}..{m.offset + m.nbytes}) is corrupt: "
                     f"checksum {s:016x} != sent {m.sum:016x}")
-        d = _digest(self.metas, self.nbytes, list(self.expert_range) if self.expert_range else None)
-        if d != self.checksum:
-            raise BucketChecksumError(f"bucket {self.index}: metadata checksum {d} != sent {self.checksum} "
-                                      "(names, shapes, offsets or sums were altered)")
+        self.verify_metadata()
 
 
 def _align(n: int) -> int:

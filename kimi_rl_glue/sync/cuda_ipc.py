@@ -3,13 +3,15 @@
 The GPU counterpart of :class:`~kimi_rl_glue.sync.shm.ShmAdapterSync` (same bucket format, same
 errors), shaped like SGLang's ``update_weights_from_tensor`` path that miles uses when colocated:
 the trainer flattens version ``k`` of the adapter into :func:`kimi_core.lora.iter_buckets` buckets
-on its own GPU (``device=``), each tensor with its 64-bit checksum computed on the GPU, and
-publishes a *manifest*: bucket metadata plus one CUDA-IPC handle per bucket
-(``torch.multiprocessing.reductions.reduce_tensor``), pickled. The manifest travels by any channel
-(a pipe, ZMQ, HTTP) to the engine process, which opens each handle, copies the bucket into its own
-GPU memory and checks it in the same kernel
-(:func:`kimi_core.lora.buckets.copy_region_sums`: the checksum rides in the copy, so it costs
-almost nothing beyond the transfer), then returns the tensors as views into its copies.
+on its own GPU (``device=``) and computes each bucket's block sums there
+(:func:`kimi_core.lora.buckets.copy_block_sums`, ``int64 [n_blocks]``, left on the GPU), then
+publishes a *manifest*: bucket metadata (under its BLAKE2b digest) plus CUDA-IPC handles of every
+bucket and of its block sums (``torch.multiprocessing.reductions.reduce_tensor``), pickled. The
+manifest travels by any channel (a pipe, ZMQ, HTTP) to the engine process, which opens the handles,
+copies each bucket into its own GPU memory while summing it (one kernel on one GPU), compares its
+block sums with the trainer's on the GPU, and synchronises once per version: no per-bucket round
+trip to the host on either side. On a mismatch it finds the first bad block's tensor on the host
+and raises naming it; then it returns the tensors as views into its copies.
 
 Expert sharding: ``publish(..., experts=(lo, hi))`` sends a consumer rank only those experts' rows
 (:func:`kimi_core.lora.filter_experts`); publish once per consumer rank with its range.
@@ -18,8 +20,9 @@ Lifetime: the trainer keeps each version's buckets alive until :meth:`release` (
 engine has acknowledged the version); the engine's copies are its own. The manifest is a pickle
 that only a trusted process on the same node should produce (as SGLang's serialized handles).
 
-Timings: ``publish`` returns ``flatten_s`` (copies + sums on the trainer GPU) and ``share_s``
-(IPC handles); ``receive`` puts ``open_s``, ``copy_s`` (copy + sums) and ``verify_s`` into
+Timings: ``publish`` returns ``flatten_s`` (copies + sums launched on the trainer GPU, then one
+synchronisation) and ``share_s`` (IPC handles); ``receive`` puts ``open_s``, ``copy_s`` (launching
+copy + sums) and ``verify_s`` (the one synchronisation and the comparison) into
 ``adapter.extra["sync_timings"]``. ``checksum=False`` turns the sums off on both sides (the
 receiver then does a plain copy), to measure what they cost.
 """
@@ -32,7 +35,7 @@ import time
 import torch
 
 from kimi_core.lora import Adapter, Bucket, BucketChecksumError, assemble, iter_buckets
-from kimi_core.lora.buckets import copy_region_sums
+from kimi_core.lora.buckets import copy_block_sums
 from kimi_rl_glue.sync.disk import AdapterSyncError
 
 __all__ = ["CudaIpcAdapterSync"]
@@ -50,7 +53,7 @@ class CudaIpcAdapterSync:
                                    else (device if device is not None else torch.cuda.current_device()))
         self.bucket_bytes = bucket_bytes
         self.checksum = checksum
-        self._live: dict[int, list[Bucket]] = {}  # published versions not yet released
+        self._live: dict[int, tuple[list[Bucket], list]] = {}  # published, not released: buckets, block sums
 
     # ------------------------------------------------------------------ trainer side
     def publish(self, adapter: Adapter, version: int, *, experts: tuple[int, int] | None = None,
@@ -68,14 +71,20 @@ class CudaIpcAdapterSync:
         t0 = time.perf_counter()
         with torch.cuda.device(self.device):
             buckets = list(iter_buckets(adapter.tensors, self.bucket_bytes, config=config, experts=experts,
-                                        checksum=self.checksum, device=self.device))
+                                        checksum=False, device=self.device))
+            sums = []
+            if self.checksum:
+                for b in buckets:
+                    sums.append(copy_block_sums(b.buffer, None, b.region_starts(), b.nbytes))
+                    b.seal()
             torch.cuda.synchronize(self.device)
             t1 = time.perf_counter()
             handles = [reduce_tensor(b.buffer) for b in buckets]
-        self._live[version] = buckets
+            sum_handles = [reduce_tensor(x) for x in sums]
+        self._live[version] = (buckets, sums)
         body = pickle.dumps({"version": version, "adapter_config": adapter.adapter_config,
                              "checksum": self.checksum, "buckets": [b.metadata() for b in buckets],
-                             "handles": handles})
+                             "handles": handles, "sum_handles": sum_handles})
         t2 = time.perf_counter()
         return body, {"publish_s": t2 - t0, "flatten_s": t1 - t0, "share_s": t2 - t1,
                       "bytes": sum(b.nbytes for b in buckets), "buckets": len(buckets)}
@@ -96,35 +105,53 @@ class CudaIpcAdapterSync:
             raise AdapterSyncError(f"CUDA IPC: manifest is for adapter version {man.get('version')}, "
                                    f"expected {version} (stale adapter)")
         check = bool(man["checksum"])
-        buckets, t_open, t_copy, t_verify = [], 0.0, 0.0, 0.0
+        buckets, opened, pending, t_open, t_copy = [], [], [], 0.0, 0.0
         with torch.cuda.device(self.device):
-            for meta, (rebuild, args) in zip(man["buckets"], man["handles"]):
-                ta = time.perf_counter()
-                src = rebuild(*args)  # the trainer's bucket, mapped into this process
-                n = int(meta["nbytes"])
-                if src.dtype != torch.uint8 or src.numel() != n:
-                    raise AdapterSyncError(f"CUDA IPC: bucket {meta['index']} of adapter version {version} has "
-                                           f"{src.numel()} {src.dtype} elements, manifest says {n} bytes")
-                dst = torch.empty(n, dtype=torch.uint8, device=self.device)
-                tb = time.perf_counter()
-                if check:
-                    b = Bucket.from_parts(dst, meta, verify=False)
-                    sums = copy_region_sums(src, dst, b.region_starts(), n)
-                else:
-                    dst.copy_(src)
-                    torch.cuda.synchronize(self.device)
-                    b = Bucket.from_parts(dst, meta, verify=False)
-                del src
+            bad = torch.zeros((), dtype=torch.bool, device=self.device)
+            try:
+                for i, (meta, (rebuild, args)) in enumerate(zip(man["buckets"], man["handles"])):
+                    ta = time.perf_counter()
+                    src = rebuild(*args)  # the trainer's bucket, mapped into this process
+                    opened.append(src)  # stays mapped until the copies have finished (finally below)
+                    n = int(meta["nbytes"])
+                    if src.dtype != torch.uint8 or src.numel() != n:
+                        raise AdapterSyncError(f"CUDA IPC: bucket {meta['index']} of adapter version {version} has "
+                                               f"{src.numel()} {src.dtype} elements, manifest says {n} bytes")
+                    b = Bucket.from_parts(torch.empty(n, dtype=torch.uint8, device=self.device), meta, verify=False)
+                    tb = time.perf_counter()
+                    if check:
+                        try:
+                            b.verify_metadata()
+                        except BucketChecksumError as e:
+                            raise AdapterSyncError(f"CUDA IPC (adapter version {version}): {e}") from None
+                        rebuild_s, args_s = man["sum_handles"][i]
+                        sent = rebuild_s(*args_s)
+                        opened.append(sent)
+                        got = copy_block_sums(src, b.buffer, b.region_starts(), n)
+                        if got.numel() != sent.numel():
+                            raise AdapterSyncError(f"CUDA IPC (adapter version {version}): bucket {b.index} has "
+                                                   f"{sent.numel()} block sums, its layout {got.numel()}")
+                        sent = sent.to(self.device)
+                        bad |= (got != sent).any()  # stays on the GPU: no host round trip per bucket
+                        pending.append((b, got, sent))
+                    else:
+                        b.buffer.copy_(src)
+                    buckets.append(b)
+                    t_open += tb - ta
+                    t_copy += time.perf_counter() - tb
                 tc = time.perf_counter()
-                if check:
+                failed = bool(bad)  # the one synchronisation of this version
+            finally:
+                torch.cuda.synchronize(self.device)  # no copy may still read a mapping we close
+                opened.clear()
+            if failed:
+                for b, got, sent in pending:
                     try:
-                        b.verify(sums)
+                        b.check_blocks(got, sent)
                     except BucketChecksumError as e:
                         raise AdapterSyncError(f"CUDA IPC (adapter version {version}): {e}") from None
-                buckets.append(b)
-                t_open += tb - ta
-                t_copy += tc - tb
-                t_verify += time.perf_counter() - tc
+                raise AdapterSyncError(f"CUDA IPC (adapter version {version}): block sums differ")  # unreachable
+            t_verify = time.perf_counter() - tc
         tensors = assemble(buckets, verify=False)
         return Adapter(tensors, man["adapter_config"], source=f"cuda_ipc:v{version}",
                        extra={"sync_timings": {"open_s": t_open, "copy_s": t_copy, "verify_s": t_verify,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kimi_core.lora import iter_buckets
-from kimi_core.lora.buckets import BLOCK_WORDS, copy_region_sums, region_sums
+from kimi_core.lora.buckets import BLOCK_WORDS, copy_block_sums, copy_region_sums, region_sums
 
 
 def _regions(seed: int) -> tuple[torch.Tensor, list[int]]:
@@ -27,6 +27,41 @@ def test_copy_region_sums_cpu_copies_and_sums():
     assert torch.equal(dst, buf)
 
 
+def _brute_block_sums(buf: torch.Tensor, starts: list[int]) -> list[int]:
+    """Python-int block sums mod 2^64: every region cut into BLOCK_WORDS-word blocks from its start."""
+    words = buf.numpy().view(np.uint64).tolist()
+    bounds = [s // 8 for s in starts] + [len(words)]
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        for s in range(a, b, BLOCK_WORDS):
+            out.append(sum(words[s:min(s + BLOCK_WORDS, b)]) % (1 << 64))
+    return out
+
+
+def test_block_sums_equal_brute_force_and_name_the_corrupt_tensor():
+    buf, starts = _regions(4)
+    dst = torch.empty_like(buf)
+    got = copy_block_sums(buf, dst, starts)
+    assert got.numpy().view(np.uint64).tolist() == _brute_block_sums(buf, starts)
+    assert torch.equal(dst, buf)
+    bad = buf.clone()
+    victim = 5  # a multi-block region
+    bad[starts[victim] + 8 * BLOCK_WORDS + 3] ^= 0x40
+    from kimi_core.lora.buckets import first_bad_region
+
+    assert first_bad_region(copy_block_sums(bad, None, starts), got, starts, buf.numel()) == victim
+    assert first_bad_region(got, got, starts, buf.numel()) is None
+
+
+def test_bucket_check_blocks_names_the_tensor():
+    tensors = {f"t{i}": torch.randn(n) for i, n in enumerate([3, 5000, 70000, 11])}
+    b = next(iter_buckets(tensors, 1 << 30, checksum=False))
+    sent = copy_block_sums(b.buffer, None, b.region_starts(), b.nbytes)
+    b.buffer[b.metas[2].offset + 40000] ^= 1
+    with pytest.raises(ValueError, match="'t2'"):
+        b.check_blocks(copy_block_sums(b.buffer, None, b.region_starts(), b.nbytes), sent)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_gpu_region_sums_equal_numpy(seed):
@@ -37,6 +72,7 @@ def test_gpu_region_sums_equal_numpy(seed):
     dst = torch.zeros_like(dev)
     assert copy_region_sums(dev, dst, starts) == want
     assert torch.equal(dst.cpu(), buf)
+    assert torch.equal(copy_block_sums(dev, None, starts).cpu(), copy_block_sums(buf, None, starts))
 
 
 @pytest.mark.gpu
