@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from kimi_core.json_file import read_json_file
+
 __all__ = [
     "ConfigError",
     "KimiConfig",
@@ -396,14 +398,5 @@ class KimiConfig:
 
 def load_config(path: str | os.PathLike) -> KimiConfig:
     """Read ``config.json`` from a checkpoint directory (or the file itself)."""
-    p = os.fspath(path)
-    if os.path.isdir(p):
-        p = os.path.join(p, "config.json")
-    try:
-        with open(p) as f:
-            cfg = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: no config.json found") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}: not valid JSON ({e})") from None
+    p, cfg = read_json_file(path, "config.json", ConfigError, "no config.json found")
     return KimiConfig.from_hf(cfg, where=p)

@@ -23,6 +23,7 @@ from kimi_core.checkpoint.writer import write_checkpoint
 from kimi_core.config import FAMILIES, KimiConfig
 from kimi_core.quant import int4, mxfp4
 from kimi_core.quant.int4 import CONVENTIONS
+from kimi_core.release_configs import k3_release_config
 
 MODELS = tuple(FAMILIES)  # k2, k25, k3, k31
 MAX_LAYERS = 6
@@ -45,23 +46,16 @@ _K2_TEXT = {
     "torch_dtype": "bfloat16", "dtype": "bfloat16",
 }
 
-_K3_TEXT = {
-    "model_type": "kimi_linear", "vocab_size": 1024, "hidden_size": 256, "num_hidden_layers": 5,
-    "rms_norm_eps": 1e-5, "max_position_embeddings": 1048576, "num_nextn_predict_layers": 0,
-    "tie_word_embeddings": False, "hidden_act": "situ", "activation_situ_beta": 4.0,
-    "activation_situ_linear_beta": 25.0, "intermediate_size": 512, "first_k_dense_replace": 1,
-    "moe_layer_freq": 1, "num_experts": 16, "num_experts_per_token": 4, "num_shared_experts": 2,
-    "moe_intermediate_size": 64, "routed_expert_hidden_size": 128, "latent_moe_use_norm": True,
-    "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "topk_method": "noaux_tc",
-    "routed_scaling_factor": 1.0, "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
-    "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 128, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
-    "mla_use_output_gate": True, "attn_res_block_size": 2,
-    "linear_attn_config": {"num_heads": 4, "head_dim": 32, "short_conv_kernel_size": 4,
-                           "gate_lower_bound": -5.0, "use_full_rank_gate": True,
-                           "kda_layers": [], "full_attn_layers": []},
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "bfloat16", "dtype": "bfloat16",
-}
+def _k3_text() -> dict:
+    """The K3 release text config at tiny sizes (every other field as released)."""
+    text = k3_release_config()["text_config"]
+    text.update(vocab_size=1024, hidden_size=256, num_hidden_layers=5, intermediate_size=512, num_experts=16,
+                num_experts_per_token=4, moe_intermediate_size=64, routed_expert_hidden_size=128,
+                num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, attn_res_block_size=2,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16", dtype="bfloat16")
+    text["linear_attn_config"].update(num_heads=4, head_dim=32, kda_layers=[], full_attn_layers=[])
+    return text
+
 
 _K31_INDEXER = {"index_n_heads": 4, "index_head_dim": 32, "index_topk": 8}
 
@@ -93,7 +87,7 @@ def tiny_config(model: str, quant: str | None = None, layers: int | None = None)
     if model in ("k2", "k25"):
         text = copy.deepcopy(_K2_TEXT)
     else:
-        text = copy.deepcopy(_K3_TEXT)
+        text = _k3_text()
         if model == "k31":
             text.update(_K31_INDEXER)
     if layers is not None:

@@ -27,6 +27,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kimi_core.json_file import read_json_file
+
 __all__ = [
     "AdapterConfigError",
     "EXPERT_LAYOUTS",
@@ -267,16 +269,8 @@ def write_adapter_config(d: dict, directory: str | os.PathLike) -> str:
 
 def read_adapter_config(directory: str | os.PathLike) -> dict:
     """Read and validate ``adapter_config.json`` from an adapter directory (or the file itself)."""
-    p = os.fspath(directory)
-    if os.path.isdir(p):
-        p = os.path.join(p, "adapter_config.json")
-    try:
-        with open(p) as f:
-            d = json.load(f)
-    except FileNotFoundError:
-        raise AdapterConfigError(f"{p}: file not found (a PEFT adapter directory needs adapter_config.json)") from None
-    except json.JSONDecodeError as e:
-        raise AdapterConfigError(f"{p}: not valid JSON ({e})") from None
+    p, d = read_json_file(directory, "adapter_config.json", AdapterConfigError,
+                          "file not found (a PEFT adapter directory needs adapter_config.json)")
     validate_adapter_config(d, p)
     return d
 
