@@ -224,6 +224,19 @@ def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def gather_tp(v: torch.Tensor, split: str, tp_group) -> list[torch.Tensor]:
+    """The full tensor(s) of this rank's TP piece ``v`` of a parameter split as a mapping rule's ``split``:
+    ``[full]`` for ``col`` (dim 0), ``row`` (dim 1) and unsplit parameters; ``[gate, up]`` for ``glu``
+    (the local ``[gate; up]`` halves, each gathered on dim 0)."""
+    if split == "col":
+        return [_gather(v, 0, tp_group)]
+    if split == "row":
+        return [_gather(v, 1, tp_group)]
+    if split == "glu":
+        return [_gather(half, 0, tp_group) for half in v.chunk(2, dim=0)]
+    return [v]
+
+
 def _hf_dtype(meta: dict, hf: str, default: torch.dtype) -> torch.dtype:
     d = meta.get(hf, (None, None))[0]
     return d if d is not None else default
@@ -279,16 +292,12 @@ def export_hf_state_dict(model) -> dict[str, torch.Tensor]:
                                 out[ws] = torch.tensor([o, inp], dtype=meta.get(ws, (torch.int64,))[0] or torch.int64)
             continue
         hfs = mapping.hf_names(rule, m, kimi, layer)
-        v = t.detach()
-        if rule.split == "col":
-            v = _gather(v, 0, tp_group)
-        elif rule.split == "row":
-            v = _gather(v, 1, tp_group)
-        elif rule.split == "glu":
-            gate, up = v.chunk(2, dim=0)
-            put(hfs[0], _gather(gate, 0, tp_group))
-            put(hfs[1], _gather(up, 0, tp_group))
+        full = gather_tp(t.detach(), rule.split, tp_group)
+        if rule.split == "glu":
+            put(hfs[0], full[0])
+            put(hfs[1], full[1])
             continue
+        v = full[0]
         if rule.hook:
             v = mapping.HOOKS[rule.hook][1](v, kimi, hfs[0], meta.get(hfs[0], (None, None))[1])
         put(hfs[0], v)

@@ -17,15 +17,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["block_sums", "triton_available"]
-
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
+__all__ = ["block_sums"]
 
 
 _KERNEL = None

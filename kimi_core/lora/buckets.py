@@ -154,8 +154,8 @@ def copy_block_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[in
         else:
             dst[:total].copy_(src[:total])
         return copy_block_sums(dst, None, starts, total)
-    layout = _block_layout(starts, total)
     if src.device.type != "cuda":
+        layout = _block_layout(starts, total)
         words = src.numpy()[:total].view(np.uint64)
         # regions are contiguous, so reduceat's "up to the next index" is "up to the end of this block"
         sums = np.add.reduceat(words, layout[2]) if len(layout[2]) else np.zeros(0, np.uint64)
@@ -240,13 +240,16 @@ class Bucket:
             b.verify()
         return b
 
+    def _metadata_digest(self) -> str:
+        return _digest(self.metas, self.nbytes, list(self.expert_range) if self.expert_range else None)
+
     def seal(self) -> None:
         """Set :attr:`checksum` to the digest of the current metadata (names, shapes, offsets, sums)."""
-        self.checksum = _digest(self.metas, self.nbytes, list(self.expert_range) if self.expert_range else None)
+        self.checksum = self._metadata_digest()
 
     def verify_metadata(self) -> None:
         """Check only the metadata digest (the block-sum transport checks the bytes separately)."""
-        d = _digest(self.metas, self.nbytes, list(self.expert_range) if self.expert_range else None)
+        d = self._metadata_digest()
         if d != self.checksum:
             raise BucketChecksumError(f"bucket {self.index}: metadata checksum {d} != sent {self.checksum} "
                                       "(names, shapes, offsets or sums were altered)")
@@ -285,10 +288,11 @@ def _align(n: int) -> int:
 
 def _flatten(index: int, items: list[tuple[str, torch.Tensor]], expert_range, checksum: bool,
              staging: list | None = None, device: torch.device | None = None) -> Bucket:
-    offsets, off = [], 0
-    for _, t in items:
-        offsets.append(off)
-        off += _align(t.numel() * t.element_size())
+    metas, off = [], 0
+    for name, t in items:
+        nb = t.numel() * t.element_size()
+        metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), off, nb))
+        off += _align(nb)
     device = torch.device(device or "cpu")
     if staging is None:
         buf = torch.empty(off, dtype=torch.uint8, device=device)
@@ -296,32 +300,29 @@ def _flatten(index: int, items: list[tuple[str, torch.Tensor]], expert_range, ch
         if staging[0] is None or staging[0].numel() < off:
             staging[0] = torch.empty(off, dtype=torch.uint8, device=device)
         buf = staging[0][:off]
-    metas = []
     if device.type == "cpu":
         arr = buf.numpy()
-        for (name, t), o in zip(items, offsets):
-            nb = t.numel() * t.element_size()
+        for (_, t), m in zip(items, metas):
             src = t.detach()
             if src.device.type != "cpu":
                 src = src.cpu()
             # numpy's memcpy is ~4x faster than torch.copy_ for the many ~100 kB expert factors
-            arr[o: o + nb] = src.contiguous().reshape(-1).view(torch.uint8).numpy()
-            arr[o + nb: _align(o + nb)] = 0
-            metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), o, nb))
+            arr[m.offset: m.offset + m.nbytes] = src.contiguous().reshape(-1).view(torch.uint8).numpy()
+            arr[m.offset + m.nbytes: _align(m.offset + m.nbytes)] = 0
     else:  # one concatenation kernel for all tensors and their zero gaps
         parts, zeros = [], torch.zeros(ALIGN, dtype=torch.uint8, device=device)
-        for (name, t), o in zip(items, offsets):
-            nb = t.numel() * t.element_size()
+        for (_, t), m in zip(items, metas):
             parts.append(t.detach().to(device).contiguous().reshape(-1).view(torch.uint8))
-            if _align(nb) > nb:
-                parts.append(zeros[: _align(nb) - nb])
-            metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), o, nb))
+            if _align(m.nbytes) > m.nbytes:
+                parts.append(zeros[: _align(m.nbytes) - m.nbytes])
         torch.cat(parts, out=buf)
     if checksum:
-        sums = region_sums(buf, offsets, off)
+        sums = region_sums(buf, [m.offset for m in metas], off)
         metas = [TensorMeta(m.name, m.dtype, m.shape, m.offset, m.nbytes, s) for m, s in zip(metas, sums)]
-    rng = list(expert_range) if expert_range else None
-    return Bucket(index, buf, metas, _digest(metas, off, rng) if checksum else "", expert_range)
+    bucket = Bucket(index, buf, metas, "", expert_range)
+    if checksum:
+        bucket.seal()
+    return bucket
 
 
 def filter_experts(tensors: Mapping[str, torch.Tensor], config, lo: int, hi: int) -> dict[str, torch.Tensor]:

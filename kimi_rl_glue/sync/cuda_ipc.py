@@ -49,8 +49,8 @@ class CudaIpcAdapterSync:
                  checksum: bool = True):
         if not torch.cuda.is_available():
             raise AdapterSyncError("CudaIpcAdapterSync needs a CUDA device; use ShmAdapterSync on CPUs")
-        self.device = torch.device("cuda", torch.device(device).index if isinstance(device, (str, torch.device))
-                                   else (device if device is not None else torch.cuda.current_device()))
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+        self.device = dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.bucket_bytes = bucket_bytes
         self.checksum = checksum
         self._live: dict[int, tuple[list[Bucket], list]] = {}  # published, not released: buckets, block sums

@@ -36,7 +36,7 @@ def inputs(vocab: int):
 def _full_grads(model, tp_group, ep_group, dp_sum_group):
     """Layout-independent full gradients of this rank's stage."""
     from kimi_megatron_plugin import mapping
-    from kimi_megatron_plugin.checkpoint import _gather
+    from kimi_megatron_plugin.checkpoint import _gather, gather_tp
 
     out = {}
     for name, p in model.named_parameters():
@@ -51,13 +51,7 @@ def _full_grads(model, tp_group, ep_group, dp_sum_group):
         else:
             if dp_sum_group is not None:
                 torch.distributed.all_reduce(g, group=dp_sum_group)
-            if rule.split == "col":
-                g = _gather(g, 0, tp_group)
-            elif rule.split == "row":
-                g = _gather(g, 1, tp_group)
-            elif rule.split == "glu":
-                a, b = g.chunk(2, dim=0)
-                g = torch.cat([_gather(a, 0, tp_group), _gather(b, 0, tp_group)], dim=0)
+            g = torch.cat(gather_tp(g, rule.split, tp_group), dim=0)
         out[key] = g
     return out
 
@@ -183,7 +177,7 @@ def run(rank: int, world: int, ckpt: str, port: int, out_path: str, names: list[
 
 
 def _gather_rows(logits):
-    from kimi_megatron_plugin.checkpoint import _gather
+    from kimi_megatron_plugin.checkpoint import _gather, gather_tp
     from megatron.core import parallel_state as ps
 
     return _gather(logits.detach(), 0, ps.get_data_parallel_group())
