@@ -15,6 +15,11 @@ Cases:
            K2 INT4 7168->2048; 16 experts, top-4 (the LoRA rank 4 is normalised by top-k); vocab cut to 8192) generated on the machine: LoRA
            logits, loss and LoRA-factor gradients (full gradients of a real-width model are too
            large to ship between processes for a check).
+``sched``  tiny models, PP=2 through megatron-core's own 1F1B schedule (``get_forward_backward_func``,
+           one micro-batch per batch row) vs the one-GPU run through the same schedule, for both ways
+           the packed attention-residual bank crosses stages: ``varlen`` (``variable_seq_lengths``
+           + alltoall dispatcher, miles' flags) and ``adjust`` (``adjust_tensor_shapes_fn`` =
+           ``kimi_megatron_plugin.pipeline.bank_tensor_shapes_fn``, allgather dispatcher).
 
 fp32 (TF32 off) is the equivalence gate (the exit status): 1e-4 relative RMS for logits and every
 gradient tensor; 1e-3 for the real-width slice's LoRA-factor gradients (see FP32_GRAD_TOL_SLICE). bf16 is reported against bf16's own noise: the bar is 3x the one-GPU bf16 run's
@@ -24,7 +29,7 @@ top-k), so a layout can land above that bar without a defect: such rows say so a
 KDA runs kimi_core's reference chunked form (``KIMI_KDA_KERNEL=reference``), as fla's backward
 needs a warm Triton cache (docs/megatron.md).
 
-    python benchmarks/multi_gpu.py [--cases tiny,slice] [--models k2,k3,k31]   # 2 GPUs
+    python benchmarks/multi_gpu.py [--cases tiny,slice,sched] [--models k2,k3,k31]   # 2 GPUs
     python benchmarks/multi_gpu.py --smoke                                      # CPU/gloo, tiny K3.1 only
 """
 
@@ -174,7 +179,33 @@ def all_checks(ckpt: str, tp: int, pp: int, ep: int, full: bool = True, dtypes=(
     return out
 
 
+def schedule_checks(ckpt: str, tp: int, pp: int, ep: int, dtypes=("fp32", "bf16")) -> dict:
+    """One rank, one layout, every (schedule, dtype) payload through megatron's own schedule."""
+    return {f"{sched}/{dt}": mp_worker.one_config(ckpt, tp, pp, ep, dtype=DTYPES[dt], schedule=sched)
+            for sched in mp_worker.SCHEDULES for dt in dtypes}
+
+
+def run_schedule_case(model: str, workdir: str, dtypes: list[str]) -> list[dict]:
+    ckpt = os.path.join(workdir, f"tiny_{model}")
+    if not os.path.exists(os.path.join(ckpt, "config.json")):
+        tiny_checkpoint(model, ckpt)
+    ts = time.time()
+    res = mp_worker.spawn(ckpt, os.path.join(workdir, f"sched_{model}.pt"), ("single", "pp2"), backend="nccl",
+                          config_fn=schedule_checks, kwargs={"dtypes": tuple(dtypes)})
+    print(f"[sched {model}] 2 layouts x {len(res['single'][0]) - 1} runs in {time.time() - ts:.0f} s", flush=True)
+    rows = []
+    for sched in mp_worker.SCHEDULES:
+        runs = {dt: {layout: [p[f"{sched}/{dt}"] for p in res[layout]] for layout in ("single", "pp2")}
+                for dt in dtypes}
+        for r in compare(runs, full_grads=True):
+            rows.append(dict(case="sched", model=model, what="full", ckpt_s=0.0, **dict(r, layout=f"pp2 {sched}")))
+            print(_row(rows[-1]), flush=True)
+    return rows
+
+
 def run_case(case: str, model: str, workdir: str, backend: str, dtypes: list[str]) -> list[dict]:
+    if case == "sched":
+        return run_schedule_case(model, workdir, dtypes)
     t0 = time.time()
     ckpt = os.path.join(workdir, f"{case}_{model}")
     if not os.path.exists(os.path.join(ckpt, "config.json")):
@@ -231,7 +262,7 @@ def main() -> None:
     dtypes = ["fp32"] if args.smoke else args.dtypes.split(",")
     plan = []
     for case in args.cases.split(","):
-        models = args.models if case == "tiny" else args.slice_models
+        models = args.slice_models if case == "slice" else args.models
         plan += [(case, m) for m in (["k31"] if args.smoke else models.split(","))]
         if args.smoke:
             break

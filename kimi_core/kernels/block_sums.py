@@ -1,23 +1,30 @@
-"""GPU block sums for bucket checksums, optionally fused into the copy that moves the bytes.
+"""GPU block sums for bucket checksums, fused into the copy that moves the bytes.
 
 :func:`kimi_core.lora.buckets.region_sums` cuts every tensor region of a bucket into blocks of
-``BLOCK_WORDS`` little-endian 64-bit words and sums each block mod 2^64; the blocks are then
-weighted and mixed on the host (a few KB). This module computes the block sums on a CUDA device
-with one Triton program per block. With ``dst`` given, the same program also stores the words it
-read into ``dst``: the checksum rides in the copy (one read, one write), so checking a received
-bucket costs no extra pass over memory. ``src`` may live on a peer GPU (an IPC-opened buffer):
-the loads then travel over NVLink inside the kernel.
+``BLOCK_WORDS`` little-endian 64-bit words and sums each block mod 2^64. This module computes those
+block sums on a CUDA device with one Triton program per block, and the same program can
 
-Shapes and dtypes: ``src`` / ``dst`` are 1-D ``int64`` views of the byte buffers; ``starts`` and
-``ends`` are ``int64 [n_blocks]`` word indices (``ends[i] - starts[i] <= BLOCK_WORDS``); the result
-is ``int64 [n_blocks]`` whose bits are the unsigned sums (Triton's 64-bit adds wrap).
+* store the words it read into ``dst`` (the checksum rides in the copy: one read, one write);
+* gather: every block names its own source address, so one launch flattens many tensors into a
+  bucket (the trainer's flatten) and sums it on the way;
+* compare each sum with the sender's (``expect_base``) and raise a device flag, so a receiver
+  synchronises once per adapter version, not once per bucket.
+
+Every address must be memory of the launch device: loads from a peer GPU's IPC-mapped buffer
+fault on H200 (measured), so a cross-GPU receiver copies first.
+
+Block table (``int64 [4, n_blocks]`` on the launch device): row 0 the source word index of the
+block's first word (byte address ``src_base + 8 * row0``), row 1 how many words to read from the
+source (the rest of the block reads as zero: a tensor's alignment gap), row 2 the destination word
+index, row 3 the block length in words (``<= BLOCK``). Sums are ``int64`` whose bits are the
+unsigned sums (Triton's 64-bit adds wrap).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["block_sums"]
+__all__ = ["copy_sum_blocks"]
 
 
 _KERNEL = None
@@ -30,42 +37,59 @@ def _kernel():
         import triton.language as tl
 
         @triton.jit
-        def _block_sums(src, dst, starts, ends, out, COPY: tl.constexpr, BLOCK: tl.constexpr,
-                        CHUNK: tl.constexpr):
+        def _copy_sum_blocks(src_base, table, n_blocks, dst, sums, expect_base, flag, COPY: tl.constexpr,
+                             SUMS: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
             pid = tl.program_id(0)
-            s = tl.load(starts + pid)
-            e = tl.load(ends + pid)
+            src_word = tl.load(table + pid)
+            n_src = tl.load(table + n_blocks + pid)
+            src = (src_base + src_word * 8).to(tl.pointer_type(tl.int64))
+            d0 = tl.load(table + 2 * n_blocks + pid)
+            length = tl.load(table + 3 * n_blocks + pid)
             acc = tl.zeros([CHUNK], dtype=tl.int64)
             for c in tl.static_range(0, BLOCK, CHUNK):
-                offs = s + c + tl.arange(0, CHUNK)
-                mask = offs < e
-                x = tl.load(src + offs, mask=mask, other=0)
+                offs = c + tl.arange(0, CHUNK)
+                x = tl.load(src + offs, mask=offs < n_src, other=0)
                 if COPY:
-                    tl.store(dst + offs, x, mask=mask)
-                acc += x
-            tl.store(out + pid, tl.sum(acc, axis=0))
+                    tl.store(dst + d0 + offs, x, mask=offs < length)
+                if SUMS:
+                    acc += x
+            if SUMS:
+                s = tl.sum(acc, axis=0)
+                tl.store(sums + pid, s)
+                if CHECK:
+                    e = tl.load((expect_base + pid * 8).to(tl.pointer_type(tl.int64)))
+                    tl.atomic_max(flag, (s != e).to(tl.int32))
 
-        _KERNEL = _block_sums
+        _KERNEL = _copy_sum_blocks
     return _KERNEL
 
 
-def block_sums(src: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, block_words: int,
-               dst: torch.Tensor | None = None) -> torch.Tensor:
-    """Sum ``src[starts[i]:ends[i]]`` (int64 words, wrapping) for every block ``i``; copy them to
-    ``dst`` at the same word indices when ``dst`` is given. Runs on ``dst``'s device (else ``src``'s).
+def copy_sum_blocks(table: torch.Tensor, block_words: int, *, src_base: int, dst: torch.Tensor | None = None,
+                    sums: torch.Tensor | None = None, expect_base: int | None = None,
+                    flag: torch.Tensor | None = None) -> None:
+    """Launch one program per block of ``table`` (see the module docstring) on ``table``'s device.
 
-    :param block_words: the block length (a power of two, >= every ``ends[i] - starts[i]``).
+    :param src_base: byte address added to every source word index (``0`` when row 0 already holds
+        absolute word addresses, as in a gather).
+    :param dst: ``int64`` 1-D words to copy into (``None``: sums only).
+    :param sums: ``int64 [n_blocks]`` output (``None``: copy only).
+    :param expect_base: byte address of the sender's ``int64 [n_blocks]`` sums; each mismatch sets
+        ``flag`` (``int32 []``, on the launch device) to 1. Needs ``sums``.
     """
-    if src.dtype != torch.int64 or src.ndim != 1:
-        raise ValueError(f"block_sums: src must be a 1-D int64 view, got {src.dtype} {tuple(src.shape)}")
-    if dst is not None and (dst.dtype != torch.int64 or dst.ndim != 1 or dst.numel() < src.numel()):
-        raise ValueError(f"block_sums: dst must be a 1-D int64 view of >= {src.numel()} words")
-    dev = (dst if dst is not None else src).device
-    out = torch.empty(starts.numel(), dtype=torch.int64, device=dev)
-    if starts.numel() == 0:
-        return out
-    with torch.cuda.device(dev):
-        _kernel()[(starts.numel(),)](src, dst if dst is not None else src, starts.to(dev), ends.to(dev), out,
-                                     COPY=dst is not None, BLOCK=block_words,
-                                     CHUNK=min(1024, block_words), num_warps=4)
-    return out
+    n = table.shape[1]
+    if table.dtype != torch.int64 or table.ndim != 2 or table.shape[0] != 4:
+        raise ValueError(f"copy_sum_blocks: table must be int64 [4, n_blocks], got {table.dtype} {tuple(table.shape)}")
+    for name, t, dt in (("dst", dst, torch.int64), ("sums", sums, torch.int64), ("flag", flag, torch.int32)):
+        if t is not None and (t.dtype != dt or t.device != table.device):
+            raise ValueError(f"copy_sum_blocks: {name} must be {dt} on {table.device}, got {t.dtype} on {t.device}")
+    if sums is not None and sums.numel() < n:
+        raise ValueError(f"copy_sum_blocks: sums has {sums.numel()} elements for {n} blocks")
+    if (expect_base is None) != (flag is None) or (expect_base is not None and sums is None):
+        raise ValueError("copy_sum_blocks: expect_base and flag go together, and need sums")
+    if n == 0 or (dst is None and sums is None):
+        return
+    with torch.cuda.device(table.device):
+        _kernel()[(n,)](src_base, table, n, dst if dst is not None else table, sums if sums is not None else table,
+                        expect_base or 0, flag if flag is not None else table, COPY=dst is not None,
+                        SUMS=sums is not None, CHECK=flag is not None, BLOCK=block_words,
+                        CHUNK=min(1024, block_words), num_warps=4)

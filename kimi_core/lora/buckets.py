@@ -27,7 +27,7 @@ import functools
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ from kimi_core.lora.naming import parse_lora_name
 __all__ = [
     "ALIGN", "BLOCK_WORDS", "Bucket", "BucketChecksumError", "TensorMeta",
     "filter_experts", "iter_buckets", "assemble", "region_sums", "copy_region_sums", "copy_block_sums",
-    "first_bad_region",
+    "gather_block_sums", "first_bad_region", "n_blocks",
 ]
 
 ALIGN = 64
@@ -77,26 +77,37 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def _block_layout(starts: list[int], total: int):
+class _Layout(NamedTuple):
+    """Word-level block partition of a bucket's regions (see :func:`_layout`)."""
+
+    w_starts: np.ndarray  # int64 [R+1]: region word boundaries
+    nonempty: np.ndarray  # indices of regions with at least one word
+    bst: np.ndarray  # int64 [n_blocks]: each block's first word
+    bend: np.ndarray  # int64 [n_blocks]: one past its last word
+    first_block: np.ndarray  # each nonempty region's first block
+    local: np.ndarray  # uint64 [n_blocks]: the block's position inside its region
+    region: np.ndarray  # int64 [n_blocks]: the block's region
+
+
+def _block_layout(starts: list[int], total: int) -> _Layout:
     """Cached :func:`_layout` (a bucket's layout repeats at every sync step)."""
     return _layout(tuple(int(x) for x in starts), int(total))
 
 
 @functools.lru_cache(maxsize=64)
-def _device_blocks(starts: tuple[int, ...], total: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block ranges of :func:`_block_layout` as ``int64`` tensors on ``device`` (cached)."""
+def _device_table(starts: tuple[int, ...], total: int, device: torch.device) -> torch.Tensor:
+    """The block table of :func:`kimi_core.kernels.block_sums.copy_sum_blocks` for copying a whole
+    bucket word for word (source word = destination word), ``int64 [4, n_blocks]`` on ``device`` (cached)."""
     lay = _block_layout(list(starts), total)
-    return torch.from_numpy(lay[2]).to(device), torch.from_numpy(lay[3]).to(device)
+    n = lay.bend - lay.bst
+    return torch.from_numpy(np.stack([lay.bst, n, lay.bst, n])).to(device)
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(starts: tuple[int, ...], total: int):
+def _layout(starts: tuple[int, ...], total: int) -> _Layout:
     """Word-level block partition of the regions ``[starts[i], starts[i+1])`` (last ends at ``total``).
 
-    Returns ``(w_starts, nonempty, block_starts, block_ends, first_block, local)``: region word
-    boundaries (``int64 [R+1]``), the indices of regions with at least one word, every block's word
-    range (``int64 [n_blocks]``), the index of each nonempty region's first block and each block's
-    position inside its region (``uint64 [n_blocks]``). Vectorised: a 0.5 GB bucket has ~16k blocks.
+    Vectorised: a 0.5 GB bucket has ~16k blocks.
     """
     if total % 8 or any(s % 8 for s in starts):
         raise ValueError("region_sums: regions must be 8-byte aligned")
@@ -111,12 +122,12 @@ def _layout(starts: tuple[int, ...], total: int):
     local = np.arange(int(n_blk.sum()), dtype=np.int64) - first_all[region]
     bst = w_starts[region] + local * BLOCK_WORDS
     bend = np.minimum(bst + BLOCK_WORDS, w_starts[region + 1])
-    return w_starts, nonempty, bst, bend, first_all[nonempty], local.astype(np.uint64)
+    return _Layout(w_starts, nonempty, bst, bend, first_all[nonempty], local.astype(np.uint64), region)
 
 
 def _combine(sums: np.ndarray, layout) -> list[int]:
     """Per-region checksums from the block sums (``uint64 [n_blocks]``) of :func:`_block_layout`."""
-    w_starts, nonempty, _bst, _bend, first_block, local = layout
+    w_starts, nonempty, first_block, local = layout.w_starts, layout.nonempty, layout.first_block, layout.local
     mixed = np.zeros(len(w_starts) - 1, dtype=np.uint64)
     with np.errstate(over="ignore"):
         if len(nonempty):
@@ -138,34 +149,83 @@ def region_sums(buffer: torch.Tensor | np.ndarray, starts: list[int], total: int
 
 
 def copy_block_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[int],
-                    total: int | None = None) -> torch.Tensor:
+                    total: int | None = None, *, expect: torch.Tensor | None = None,
+                    flag: torch.Tensor | None = None) -> torch.Tensor:
     """The block sums of ``src`` (``uint8 [>= total]``) as ``int64 [n_blocks]`` (bits = the unsigned
     sums) on the checking device, copying the first ``total`` bytes to ``dst`` on the way when given.
 
-    On one CUDA device the copy and the sums are one kernel and nothing waits for it (compare the
-    result on the device, synchronise once). Across devices (an IPC buffer of a peer GPU) it is a
-    copy over NVLink, then the sums of the local copy (Triton refuses peer pointers). On the CPU: a
-    copy, then numpy's ``add.reduceat``.
+    On one CUDA device the copy and the sums are one kernel
+    (:func:`kimi_core.kernels.block_sums.copy_sum_blocks`); nothing waits for it. ``expect`` (the
+    sender's ``int64 [n_blocks]`` sums, any GPU) with ``flag`` (``int32 []`` on the checking device)
+    compares in the same kernel and sets ``flag`` to 1 on a mismatch: synchronise once, read
+    ``flag``. Across GPUs (an IPC buffer of a peer): a copy over NVLink, then the sums of the local
+    copy (kernel loads from IPC-mapped peer memory fault on H200: measured). On the CPU: a copy,
+    then numpy's ``add.reduceat`` (``expect``/``flag`` compared with torch ops).
     """
     total = src.numel() if total is None else total
-    if dst is not None and (src.device != dst.device or src.device.type != "cuda"):
+    dev = (dst if dst is not None else src).device
+    if dev.type == "cuda" and src.device == dev:
+        from kimi_core.kernels.block_sums import copy_sum_blocks
+
+        table = _device_table(tuple(int(x) for x in starts), int(total), dev)
+        sums = torch.empty(table.shape[1], dtype=torch.int64, device=dev)
+        if expect is not None and (expect.numel() != sums.numel() or expect.dtype != torch.int64):
+            raise ValueError(f"copy_block_sums: expect must be int64 [{sums.numel()}], got {expect.dtype} "
+                             f"[{expect.numel()}]")
+        if expect is not None and expect.device != dev:
+            expect = expect.to(dev)
+        copy_sum_blocks(table, BLOCK_WORDS, src_base=src.data_ptr(),
+                        dst=None if dst is None else dst[:total].view(torch.int64), sums=sums,
+                        expect_base=None if expect is None else expect.data_ptr(), flag=flag)
+        return sums
+    if dst is not None:
         if dst.device.type == "cpu" and src.device.type == "cpu":
             np.copyto(dst.numpy()[:total], src.numpy()[:total])
         else:
             dst[:total].copy_(src[:total])
-        return copy_block_sums(dst, None, starts, total)
-    if src.device.type != "cuda":
-        layout = _block_layout(starts, total)
-        words = src.numpy()[:total].view(np.uint64)
-        # regions are contiguous, so reduceat's "up to the next index" is "up to the end of this block"
-        sums = np.add.reduceat(words, layout[2]) if len(layout[2]) else np.zeros(0, np.uint64)
-        return torch.from_numpy(sums.view(np.int64))
-    from kimi_core.kernels.block_sums import block_sums
+        return copy_block_sums(dst, None, starts, total, expect=expect, flag=flag)
+    if src.device.type == "cuda":  # reached only through the copy above: src is now local
+        return copy_block_sums(src, None, starts, total, expect=expect, flag=flag)
+    layout = _block_layout(starts, total)
+    words = src.numpy()[:total].view(np.uint64)
+    # regions are contiguous, so reduceat's "up to the next index" is "up to the end of this block"
+    sums = np.add.reduceat(words, layout.bst) if len(layout.bst) else np.zeros(0, np.uint64)
+    out = torch.from_numpy(sums.view(np.int64))
+    if expect is not None:
+        flag |= (out != expect.cpu()).any().to(flag.dtype)
+    return out
 
-    words = src[:total].view(torch.int64)
-    out = None if dst is None else dst[:total].view(torch.int64)
-    bst, bend = _device_blocks(tuple(int(x) for x in starts), int(total), words.device)
-    return block_sums(words, bst, bend, BLOCK_WORDS, dst=out)
+
+def gather_block_sums(parts: list[torch.Tensor], dst: torch.Tensor, starts: list[int], total: int,
+                      sums: torch.Tensor | None = None) -> bool:
+    """Flatten ``parts`` (contiguous tensors on ``dst``'s GPU) into ``dst`` (``uint8 [>= total]``) at
+    byte offsets ``starts`` (each part's alignment gap up to the next start zero-filled) in one
+    launch, writing the block sums of the result to ``sums`` (``int64 [n_blocks]``) when given.
+
+    Returns ``False`` (nothing launched) when a part is not whole 8-byte words at an 8-byte aligned
+    address: the caller then copies with ``torch.cat``.
+    """
+    from kimi_core.kernels.block_sums import copy_sum_blocks
+
+    addrs = tuple(t.data_ptr() for t in parts)
+    nbytes = tuple(t.numel() * t.element_size() for t in parts)
+    if any(a % 8 or n % 8 or t.device != dst.device for a, n, t in zip(addrs, nbytes, parts)):
+        return False
+    table = _gather_table(addrs, nbytes, tuple(int(x) for x in starts), int(total), dst.device)
+    copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst=dst[:total].view(torch.int64), sums=sums)
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _gather_table(addrs: tuple[int, ...], nbytes: tuple[int, ...], starts: tuple[int, ...], total: int,
+                  device: torch.device) -> torch.Tensor:
+    """Block table of a gather (absolute source word addresses), cached: a trainer exporting the same
+    parameters every step hits it (it holds addresses and sizes only, never data)."""
+    lay = _block_layout(list(starts), total)
+    offset = lay.bst - lay.w_starts[lay.region]  # words into the block's region
+    src_words = (np.asarray(addrs, dtype=np.int64) // 8)[lay.region] + offset
+    n_src = np.clip(np.asarray(nbytes, dtype=np.int64)[lay.region] // 8 - offset, 0, lay.bend - lay.bst)
+    return torch.from_numpy(np.stack([src_words, n_src, lay.bst, lay.bend - lay.bst])).to(device)
 
 
 def copy_region_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[int],
@@ -185,8 +245,8 @@ def first_bad_region(got: torch.Tensor, sent: torch.Tensor, starts: list[int], t
     diff = torch.nonzero(got != sent).flatten()
     if not len(diff):
         return None
-    _ws, nonempty, _bst, _bend, first_block, _loc = _block_layout(starts, total)
-    return int(nonempty[np.searchsorted(first_block, int(diff[0]), side="right") - 1])
+    lay = _block_layout(starts, total)
+    return int(lay.region[int(diff[0])])
 
 
 def _digest(metas: list[TensorMeta], nbytes: int, expert_range) -> str:
@@ -201,6 +261,9 @@ class Bucket:
 
     :ivar checksum: BLAKE2b of the metadata (which includes every tensor's 64-bit sum).
     :ivar expert_range: ``(lo, hi)`` if the bucket holds only those experts' rows, else ``None``.
+    :ivar wire: on a GPU with ``iter_buckets(block_sums=True)``: one allocation ``uint8 [nbytes +
+        8 * n_blocks]`` holding ``buffer`` and then its ``int64`` block sums (:attr:`block_sums`),
+        so a transport sends both under one handle.
     """
 
     index: int
@@ -208,6 +271,12 @@ class Bucket:
     metas: list[TensorMeta]
     checksum: str
     expert_range: tuple[int, int] | None = None
+    wire: torch.Tensor | None = None
+
+    @property
+    def block_sums(self) -> torch.Tensor | None:
+        """``int64 [n_blocks]`` block sums stored after the bytes in :attr:`wire` (else ``None``)."""
+        return None if self.wire is None else self.wire[self.nbytes:].view(torch.int64)
 
     @property
     def nbytes(self) -> int:
@@ -286,15 +355,27 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def n_blocks(starts: list[int], total: int) -> int:
+    """How many checksum blocks a bucket with regions ``starts`` and ``total`` bytes has."""
+    return len(_block_layout(starts, total).bst)
+
+
 def _flatten(index: int, items: list[tuple[str, torch.Tensor]], expert_range, checksum: bool,
-             staging: list | None = None, device: torch.device | None = None) -> Bucket:
+             staging: list | None = None, device: torch.device | None = None, block_sums: bool = False) -> Bucket:
     metas, off = [], 0
     for name, t in items:
         nb = t.numel() * t.element_size()
         metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), off, nb))
         off += _align(nb)
     device = torch.device(device or "cpu")
-    if staging is None:
+    starts = [m.offset for m in metas]
+    wire = None
+    if block_sums:
+        if device.type != "cuda" or staging is not None:
+            raise ValueError("iter_buckets: block_sums=True needs a CUDA device and no staging buffer")
+        wire = torch.empty(off + 8 * n_blocks(starts, off), dtype=torch.uint8, device=device)
+        buf = wire[:off]
+    elif staging is None:
         buf = torch.empty(off, dtype=torch.uint8, device=device)
     else:
         if staging[0] is None or staging[0].numel() < off:
@@ -309,17 +390,22 @@ def _flatten(index: int, items: list[tuple[str, torch.Tensor]], expert_range, ch
             # numpy's memcpy is ~4x faster than torch.copy_ for the many ~100 kB expert factors
             arr[m.offset: m.offset + m.nbytes] = src.contiguous().reshape(-1).view(torch.uint8).numpy()
             arr[m.offset + m.nbytes: _align(m.offset + m.nbytes)] = 0
-    else:  # one concatenation kernel for all tensors and their zero gaps
-        parts, zeros = [], torch.zeros(ALIGN, dtype=torch.uint8, device=device)
-        for (_, t), m in zip(items, metas):
-            parts.append(t.detach().to(device).contiguous().reshape(-1).view(torch.uint8))
-            if _align(m.nbytes) > m.nbytes:
-                parts.append(zeros[: _align(m.nbytes) - m.nbytes])
-        torch.cat(parts, out=buf)
+    else:  # one gather kernel (copy + block sums) for all tensors and their zero gaps
+        parts = [t.detach().to(device).contiguous().reshape(-1) for _, t in items]
+        sums = None if wire is None else wire[off:].view(torch.int64)
+        if not gather_block_sums(parts, buf, starts, off, sums):
+            cat, zeros = [], torch.zeros(ALIGN, dtype=torch.uint8, device=device)
+            for p, m in zip(parts, metas):
+                cat.append(p.view(torch.uint8))
+                if _align(m.nbytes) > m.nbytes:
+                    cat.append(zeros[: _align(m.nbytes) - m.nbytes])
+            torch.cat(cat, out=buf)
+            if sums is not None:
+                sums.copy_(copy_block_sums(buf, None, starts, off))
     if checksum:
-        sums = region_sums(buf, [m.offset for m in metas], off)
-        metas = [TensorMeta(m.name, m.dtype, m.shape, m.offset, m.nbytes, s) for m, s in zip(metas, sums)]
-    bucket = Bucket(index, buf, metas, "", expert_range)
+        region = region_sums(buf, starts, off)
+        metas = [TensorMeta(m.name, m.dtype, m.shape, m.offset, m.nbytes, s) for m, s in zip(metas, region)]
+    bucket = Bucket(index, buf, metas, "", expert_range, wire)
     if checksum:
         bucket.seal()
     return bucket
@@ -366,7 +452,8 @@ def filter_experts(tensors: Mapping[str, torch.Tensor], config, lo: int, hi: int
 def iter_buckets(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                  bucket_bytes: int = 256 << 20, *, config=None, experts: tuple[int, int] | None = None,
                  checksum: bool = True, reuse_buffer: bool = False,
-                 staging: torch.Tensor | None = None, device: torch.device | str | None = None) -> Iterator[Bucket]:
+                 staging: torch.Tensor | None = None, device: torch.device | str | None = None,
+                 block_sums: bool = False) -> Iterator[Bucket]:
     """Yield :class:`Bucket` s of at most ``bucket_bytes`` (a tensor larger than that gets a bucket
     of its own), in the order of ``tensors``.
 
@@ -380,6 +467,8 @@ def iter_buckets(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch
         replaced by a larger one if a bucket does not fit), e.g. one kept across sync steps.
     :param device: where the buckets live (default the CPU); on CUDA the copies and the checksum
         stay on the GPU (the CUDA-IPC transport).
+    :param block_sums: (CUDA) store each bucket's ``int64`` block sums after its bytes
+        (:attr:`Bucket.wire`), computed by the flattening kernel itself.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -397,12 +486,12 @@ def iter_buckets(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch
     for name, t in items:
         nb = _align(t.numel() * t.element_size())
         if cur and size + nb > bucket_bytes:
-            yield _flatten(index, cur, experts, checksum, stage, device)
+            yield _flatten(index, cur, experts, checksum, stage, device, block_sums)
             index, cur, size = index + 1, [], 0
         cur.append((name, t))
         size += nb
     if cur:
-        yield _flatten(index, cur, experts, checksum, stage, device)
+        yield _flatten(index, cur, experts, checksum, stage, device, block_sums)
 
 
 def assemble(buckets: Iterable[Bucket], verify: bool = True) -> dict[str, torch.Tensor]:

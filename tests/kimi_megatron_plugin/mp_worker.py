@@ -71,7 +71,7 @@ def split_data_parallel(ids, w, ep: int):
 
 def forward_backward(model, ids, w, pp: int):
     """Forward + backward of ``sum(logits * w)``; with PP=2 the two stages exchange the packed boundary
-    tensor and its gradient by send/recv. Returns the full-vocab logits (``None`` on a non-last stage)."""
+    tensor and its gradient by send/recv, sized by ``pipeline.bank_tensor_shapes_fn``. Returns the full-vocab logits (``None`` on a non-last stage)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region as gather_vocab
 
@@ -81,19 +81,23 @@ def forward_backward(model, ids, w, pp: int):
         logits = gather_vocab(model(ids, pos, attention_mask=None))  # vocab-parallel -> full
         (logits.float() * w).sum().backward()
         return logits
+    from kimi_megatron_plugin.pipeline import bank_tensor_shapes_fn
+
     stage = ps.get_pipeline_model_parallel_rank()
     nxt, prv = ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank()
+    # the boundary shape megatron's schedule would use, widened for the bank (checked against the tensor)
+    (recv_shape,), (send_shape,) = bank_tensor_shapes_fn(model)(
+        [(ids.shape[1], ids.shape[0], model.config.hidden_size)], [(ids.shape[1], ids.shape[0], model.config.hidden_size)])
     if stage == 0:
         h = model(ids, pos, attention_mask=None)  # packed [S, B, (N+1)*H]
-        torch.distributed.send(torch.tensor(h.shape, device=dev), nxt)
+        if tuple(h.shape) != send_shape:
+            raise AssertionError(f"stage 0 output {tuple(h.shape)} != bank_tensor_shapes_fn's send shape {send_shape}")
         torch.distributed.send(h.detach().contiguous(), nxt)
         grad = torch.empty_like(h)
         torch.distributed.recv(grad, nxt)
         h.backward(grad)
         return None
-    shape = torch.empty(3, dtype=torch.long, device=dev)
-    torch.distributed.recv(shape, prv)
-    h = torch.empty(*shape.tolist(), device=dev, dtype=model.config.pipeline_dtype)
+    h = torch.empty(*recv_shape, device=dev, dtype=model.config.pipeline_dtype)
     torch.distributed.recv(h, prv)
     h.requires_grad_(True)
     model.set_input_tensor([h])
@@ -101,6 +105,43 @@ def forward_backward(model, ids, w, pp: int):
     (logits.float() * w).sum().backward()
     torch.distributed.send(h.grad.contiguous(), prv)
     return logits
+
+
+# megatron-core's own schedule (GPU: its schedules allocate on "cuda"): how the packed bank crosses stages
+SCHEDULES = {
+    "varlen": {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"},  # miles' flags
+    "adjust": {},  # allgather dispatcher, fixed shapes widened by pipeline.bank_tensor_shapes_fn
+}
+
+
+def schedule_forward_backward(model, ids, w, pp: int, schedule: str):
+    """:func:`forward_backward` through ``megatron.core.pipeline_parallel.get_forward_backward_func()``:
+    one micro-batch per batch row (1F1B with PP=2), the loss scaled by the micro-batch count so the
+    gradients are those of ``sum(logits * w)``. Returns the last stage's full-vocab logits ``[B, S, V]``."""
+    from functools import partial
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region as gather_vocab
+
+    from kimi_megatron_plugin.pipeline import bank_tensor_shapes_fn
+
+    n_mb = ids.shape[0]
+    kept = []
+
+    def loss_func(w_row, output):
+        logits = gather_vocab(output)
+        kept.append(logits.detach())
+        return (logits.float() * w_row).sum() * n_mb, {}  # the schedule divides by n_mb
+
+    def step(rows, model):
+        r = next(rows)
+        pos = torch.arange(ids.shape[1], device=ids.device)[None]
+        return model(ids[r:r + 1], pos, attention_mask=None), partial(loss_func, w[r:r + 1])
+
+    kw = {"adjust_tensor_shapes_fn": bank_tensor_shapes_fn(model)} if pp > 1 and schedule == "adjust" else {}
+    get_forward_backward_func()(forward_step_func=step, data_iterator=iter(range(n_mb)), model=[model],
+                                num_microbatches=n_mb, seq_length=ids.shape[1], micro_batch_size=1, **kw)
+    return torch.cat(kept) if kept else None
 
 
 def init_parallel(tp: int, pp: int, ep: int) -> None:
@@ -116,8 +157,11 @@ def init_parallel(tp: int, pp: int, ep: int) -> None:
 
 
 def one_config(ckpt: str, tp: int, pp: int, ep: int, expert_mode: str = "w4a16",
-               dtype: torch.dtype = torch.float32) -> dict:
-    """Build, load, forward and backward for one (TP, PP, EP) layout; returns this rank's payload."""
+               dtype: torch.dtype = torch.float32, schedule: str | None = None) -> dict:
+    """Build, load, forward and backward for one (TP, PP, EP) layout; returns this rank's payload.
+
+    ``schedule``: ``None`` (explicit send/recv, CPU or GPU) or a :data:`SCHEDULES` key (megatron's
+    own schedule, GPU)."""
     from megatron.core import parallel_state as ps
 
     from kimi_megatron_plugin import checkpoint, provider
@@ -125,11 +169,12 @@ def one_config(ckpt: str, tp: int, pp: int, ep: int, expert_mode: str = "w4a16",
     init_parallel(tp, pp, ep)
     model = provider.build_model_from_hf(ckpt, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep,
                                          expert_mode=expert_mode, perform_initialization=False,
-                                         params_dtype=dtype)
+                                         params_dtype=dtype, **SCHEDULES.get(schedule, {}))
     reader = checkpoint.load_hf_checkpoint(model, ckpt)
     kimi = model.kimi_config
     ids, w, dp_sum_group = split_data_parallel(*inputs(kimi.vocab_size), ep)
-    logits = forward_backward(model, ids, w, pp)
+    logits = (forward_backward(model, ids, w, pp) if schedule is None
+              else schedule_forward_backward(model, ids, w, pp, schedule))
     grads = _full_grads(model, ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group(),
                         dp_sum_group)
     if ep > 1:

@@ -89,3 +89,72 @@ def test_gpu_buckets_equal_cpu_buckets():
         c.buffer[c.metas[0].offset] ^= 1
         with pytest.raises(ValueError, match=c.metas[0].name):
             c.verify()
+
+
+def test_cpu_expect_flag_reports_a_mismatch():
+    buf, starts = _regions(5)
+    sent = copy_block_sums(buf, None, starts)
+    flag = torch.zeros((), dtype=torch.int32)
+    copy_block_sums(buf, torch.empty_like(buf), starts, expect=sent, flag=flag)
+    assert int(flag) == 0
+    wrong = sent.clone()
+    wrong[3] += 1
+    copy_block_sums(buf, None, starts, expect=wrong, flag=flag)
+    assert int(flag) == 1
+
+
+def _word_tensors(seed: int) -> dict[str, torch.Tensor]:
+    """Tensors of whole 8-byte words (the gather kernel's path), incl. a view at an 8-byte aligned offset."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(4, 3 * BLOCK_WORDS + 12, generator=g).to(torch.bfloat16)
+    return {"a": torch.randn(4, 64, generator=g).to(torch.bfloat16), "b": torch.randn(5, generator=g).double(),
+            "big": torch.randn(3 * BLOCK_WORDS + 20, generator=g), "row": base[1, 4:],
+            "c": torch.randint(-2**62, 2**62, (BLOCK_WORDS,), generator=g)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("odd", [False, True])
+def test_gpu_gather_flatten_with_block_sums(odd):
+    """One gather launch per bucket: bytes equal the CPU flatten, the attached sums the brute-force block
+    sums; with a tensor of a partial word (``odd``) the torch.cat fallback gives the same."""
+    tensors = _word_tensors(7)
+    if odd:
+        tensors["odd"] = torch.randn(3).to(torch.bfloat16)
+    cpu = list(iter_buckets(tensors, 40 << 10, checksum=False))
+    gpu = list(iter_buckets({k: v.cuda() for k, v in tensors.items()}, 40 << 10, checksum=False, device="cuda",
+                            block_sums=True))
+    assert len(cpu) == len(gpu) > 1
+    for c, g in zip(cpu, gpu):
+        assert torch.equal(g.buffer.cpu(), c.buffer)
+        assert g.block_sums.cpu().numpy().view(np.uint64).tolist() == _brute_block_sums(c.buffer, c.region_starts())
+
+
+@pytest.mark.gpu
+def test_gpu_fused_compare_sets_the_flag():
+    buf, starts = _regions(6)
+    dev = buf.cuda()
+    sent = torch.tensor(_brute_block_sums(buf, starts), dtype=torch.uint64).view(torch.int64).cuda()
+    flag = torch.zeros((), dtype=torch.int32, device="cuda")
+    dst = torch.zeros_like(dev)
+    copy_block_sums(dev, dst, starts, expect=sent, flag=flag)
+    assert int(flag) == 0 and torch.equal(dst.cpu(), buf)
+    sent[len(sent) // 2] ^= 4
+    copy_block_sums(dev, dst, starts, expect=sent, flag=flag)
+    assert int(flag) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (peer loads)")
+def test_gpu_peer_copy_sums_and_compare():
+    """Source and sender's sums on cuda:0, copy and check on cuda:1 (a copy, then the fused sums + compare)."""
+    buf, starts = _regions(8)
+    src = buf.to("cuda:0")
+    sent = torch.tensor(_brute_block_sums(buf, starts), dtype=torch.uint64).view(torch.int64).to("cuda:0")
+    dst = torch.zeros(buf.numel(), dtype=torch.uint8, device="cuda:1")
+    flag = torch.zeros((), dtype=torch.int32, device="cuda:1")
+    got = copy_block_sums(src, dst, starts, expect=sent, flag=flag)
+    assert got.device == dst.device and torch.equal(got.cpu(), sent.cpu())
+    assert int(flag) == 0 and torch.equal(dst.cpu(), buf)
+    sent[0] ^= 1
+    copy_block_sums(src, dst, starts, expect=sent, flag=flag)
+    assert int(flag) == 1
