@@ -7,9 +7,9 @@ miles runs SGLang) opens the IPC handles, copies every bucket into its own memor
 fused into the copy, verifies, and acknowledges. Cases: the whole adapter (EP=1) and one consumer
 rank of EP=2 (only experts 0..447), shared-outer and per-expert layouts.
 
-Time = publish (one gather kernel per bucket: flatten + block sums on the trainer GPU; IPC
+Time = publish (flatten by ``torch.cat`` + one block-sums pass per bucket on the trainer GPU; IPC
 handles; manifest digest) + receive (open, one kernel per bucket: copy + sums + compare with the
-sender's sums, reading the trainer GPU directly over NVLink; one synchronisation) + the manifest's
+sender's sums; across GPUs a copy over NVLink first; one synchronisation) + the manifest's
 trip through a pipe. The checksum's share = (time with sums - time
 without) / time with sums, best of ``--repeats`` each. Correctness checks before timing: the
 engine's tensors equal the trainer's bytes (SHA-256 over each tensor, on the CPU), the GPU sums
@@ -81,10 +81,8 @@ def _gpu_ms(fn, repeats: int = 5) -> float:
 
 def phase_breakdown(nbytes: int = 512 << 20) -> list[str]:
     """Where a checksum's time goes on one GPU: host block layout, the sums kernel alone, the fused
-    copy + sums kernel vs a plain copy, the gather flatten of many tensors with and without sums vs
-    ``torch.cat``, and the whole ``copy_region_sums`` call (layout, kernel, host combine)."""
-    from kimi_core.lora.buckets import (_block_layout, _gather_table, copy_block_sums, copy_region_sums,
-                                        gather_block_sums)
+    copy + sums kernel vs a plain copy, and the whole ``copy_region_sums`` call (layout, kernel, host combine)."""
+    from kimi_core.lora.buckets import _block_layout, copy_block_sums, copy_region_sums
 
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:0")
     dst = torch.empty_like(buf)
@@ -95,14 +93,6 @@ def phase_breakdown(nbytes: int = 512 << 20) -> list[str]:
     k_sum = _gpu_ms(lambda: copy_block_sums(buf, None, starts, nbytes))
     k_fused = _gpu_ms(lambda: copy_block_sums(buf, dst, starts, nbytes))
     k_copy = _gpu_ms(lambda: dst.copy_(buf))
-    parts = list(buf.split(nbytes // 512))  # 512 tensors of 1 MiB, as a bucket of LoRA factors
-    p_starts = [i * (nbytes // 512) for i in range(512)]
-    sums = torch.empty(len(_block_layout(p_starts, nbytes).bst), dtype=torch.int64, device="cuda:0")
-    _gather_table.cache_clear()
-    k_gather_cold = _gpu_ms(lambda: (_gather_table.cache_clear(), gather_block_sums(parts, dst, p_starts, nbytes)))
-    k_gather = _gpu_ms(lambda: gather_block_sums(parts, dst, p_starts, nbytes))
-    k_gather_sums = _gpu_ms(lambda: gather_block_sums(parts, dst, p_starts, nbytes, sums))
-    k_cat = _gpu_ms(lambda: torch.cat(parts, out=dst))
     walls = []
     for _ in range(5):
         t = time.perf_counter()
@@ -111,8 +101,7 @@ def phase_breakdown(nbytes: int = 512 << 20) -> list[str]:
     gb = nbytes / 1e9
     return [f"phase breakdown on {gb:.2f} GB: host layout {t_layout:.2f} ms; sums kernel {k_sum:.3f} ms "
             f"({gb / k_sum * 1e3:.0f} GB/s read); fused copy+sums kernel {k_fused:.3f} ms vs plain copy {k_copy:.3f} ms; "
-            f"gather flatten of 512 tensors {k_gather:.3f} ms (block table cached; {k_gather_cold:.3f} ms building "
-            f"it), with sums {k_gather_sums:.3f} ms, torch.cat {k_cat:.3f} ms; whole copy_region_sums call {min(walls):.2f} ms (wall)"]
+            f"whole copy_region_sums call {min(walls):.2f} ms (wall)"]
 
 
 def main() -> None:

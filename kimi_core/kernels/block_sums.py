@@ -5,8 +5,6 @@
 block sums on a CUDA device with one Triton program per block, and the same program can
 
 * store the words it read into ``dst`` (the checksum rides in the copy: one read, one write);
-* gather: every block names its own source address, so one launch flattens many tensors into a
-  bucket (the trainer's flatten) and sums it on the way;
 * compare each sum with the sender's (``expect_base``) and raise a device flag, so a receiver
   synchronises once per adapter version, not once per bucket.
 
@@ -69,8 +67,7 @@ def copy_sum_blocks(table: torch.Tensor, block_words: int, *, src_base: int, dst
                     flag: torch.Tensor | None = None) -> None:
     """Launch one program per block of ``table`` (see the module docstring) on ``table``'s device.
 
-    :param src_base: byte address added to every source word index (``0`` when row 0 already holds
-        absolute word addresses, as in a gather).
+    :param src_base: byte address of source word 0 (``src.data_ptr()``).
     :param dst: ``int64`` 1-D words to copy into (``None``: sums only).
     :param sums: ``int64 [n_blocks]`` output (``None``: copy only).
     :param expect_base: byte address of the sender's ``int64 [n_blocks]`` sums; each mismatch sets

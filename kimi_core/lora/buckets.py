@@ -37,7 +37,7 @@ from kimi_core.lora.naming import parse_lora_name
 __all__ = [
     "ALIGN", "BLOCK_WORDS", "Bucket", "BucketChecksumError", "TensorMeta",
     "filter_experts", "iter_buckets", "assemble", "region_sums", "copy_region_sums", "copy_block_sums",
-    "gather_block_sums", "first_bad_region", "n_blocks",
+    "first_bad_region", "n_blocks",
 ]
 
 ALIGN = 64
@@ -194,38 +194,6 @@ def copy_block_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[in
     if expect is not None:
         flag |= (out != expect.cpu()).any().to(flag.dtype)
     return out
-
-
-def gather_block_sums(parts: list[torch.Tensor], dst: torch.Tensor, starts: list[int], total: int,
-                      sums: torch.Tensor | None = None) -> bool:
-    """Flatten ``parts`` (contiguous tensors on ``dst``'s GPU) into ``dst`` (``uint8 [>= total]``) at
-    byte offsets ``starts`` (each part's alignment gap up to the next start zero-filled) in one
-    launch, writing the block sums of the result to ``sums`` (``int64 [n_blocks]``) when given.
-
-    Returns ``False`` (nothing launched) when a part is not whole 8-byte words at an 8-byte aligned
-    address: the caller then copies with ``torch.cat``.
-    """
-    from kimi_core.kernels.block_sums import copy_sum_blocks
-
-    addrs = tuple(t.data_ptr() for t in parts)
-    nbytes = tuple(t.numel() * t.element_size() for t in parts)
-    if any(a % 8 or n % 8 or t.device != dst.device for a, n, t in zip(addrs, nbytes, parts)):
-        return False
-    table = _gather_table(addrs, nbytes, tuple(int(x) for x in starts), int(total), dst.device)
-    copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst=dst[:total].view(torch.int64), sums=sums)
-    return True
-
-
-@functools.lru_cache(maxsize=256)
-def _gather_table(addrs: tuple[int, ...], nbytes: tuple[int, ...], starts: tuple[int, ...], total: int,
-                  device: torch.device) -> torch.Tensor:
-    """Block table of a gather (absolute source word addresses), cached: a trainer exporting the same
-    parameters every step hits it (it holds addresses and sizes only, never data)."""
-    lay = _block_layout(list(starts), total)
-    offset = lay.bst - lay.w_starts[lay.region]  # words into the block's region
-    src_words = (np.asarray(addrs, dtype=np.int64) // 8)[lay.region] + offset
-    n_src = np.clip(np.asarray(nbytes, dtype=np.int64)[lay.region] // 8 - offset, 0, lay.bend - lay.bst)
-    return torch.from_numpy(np.stack([src_words, n_src, lay.bst, lay.bend - lay.bst])).to(device)
 
 
 def copy_region_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[int],
@@ -390,18 +358,15 @@ def _flatten(index: int, items: list[tuple[str, torch.Tensor]], expert_range, ch
             # numpy's memcpy is ~4x faster than torch.copy_ for the many ~100 kB expert factors
             arr[m.offset: m.offset + m.nbytes] = src.contiguous().reshape(-1).view(torch.uint8).numpy()
             arr[m.offset + m.nbytes: _align(m.offset + m.nbytes)] = 0
-    else:  # one gather kernel (copy + block sums) for all tensors and their zero gaps
-        parts = [t.detach().to(device).contiguous().reshape(-1) for _, t in items]
-        sums = None if wire is None else wire[off:].view(torch.int64)
-        if not gather_block_sums(parts, buf, starts, off, sums):
-            cat, zeros = [], torch.zeros(ALIGN, dtype=torch.uint8, device=device)
-            for p, m in zip(parts, metas):
-                cat.append(p.view(torch.uint8))
-                if _align(m.nbytes) > m.nbytes:
-                    cat.append(zeros[: _align(m.nbytes) - m.nbytes])
-            torch.cat(cat, out=buf)
-            if sums is not None:
-                sums.copy_(copy_block_sums(buf, None, starts, off))
+    else:  # one concatenation kernel for all tensors and their zero gaps, then the block sums
+        cat, zeros = [], torch.zeros(ALIGN, dtype=torch.uint8, device=device)
+        for (_, t), m in zip(items, metas):
+            cat.append(t.detach().to(device).contiguous().reshape(-1).view(torch.uint8))
+            if _align(m.nbytes) > m.nbytes:
+                cat.append(zeros[: _align(m.nbytes) - m.nbytes])
+        torch.cat(cat, out=buf)
+        if wire is not None:  # measured: torch.cat + this pass beats one gather+sums kernel (RESULTS.md)
+            wire[off:].view(torch.int64).copy_(copy_block_sums(buf, None, starts, off))
     if checksum:
         region = region_sums(buf, starts, off)
         metas = [TensorMeta(m.name, m.dtype, m.shape, m.offset, m.nbytes, s) for m, s in zip(metas, region)]
@@ -468,7 +433,7 @@ def iter_buckets(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch
     :param device: where the buckets live (default the CPU); on CUDA the copies and the checksum
         stay on the GPU (the CUDA-IPC transport).
     :param block_sums: (CUDA) store each bucket's ``int64`` block sums after its bytes
-        (:attr:`Bucket.wire`), computed by the flattening kernel itself.
+        (:attr:`Bucket.wire`), one allocation, so a transport sends both under one handle.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")

@@ -3,8 +3,8 @@
 The GPU counterpart of :class:`~kimi_rl_glue.sync.shm.ShmAdapterSync` (same bucket format, same
 errors), shaped like SGLang's ``update_weights_from_tensor`` path that miles uses when colocated:
 the trainer flattens version ``k`` of the adapter into :func:`kimi_core.lora.iter_buckets` buckets
-on its own GPU (``device=``, ``block_sums=True``): one gather kernel per bucket copies every tensor
-and writes the bucket's ``int64`` block sums right after its bytes, in the same allocation. It
+on its own GPU (``device=``, ``block_sums=True``): ``torch.cat`` copies every tensor, then one
+kernel writes the bucket's ``int64`` block sums right after its bytes, in the same allocation. It
 publishes a *manifest*: bucket metadata plus one CUDA-IPC handle per bucket
 (``torch.multiprocessing.reductions.reduce_tensor``), pickled and prefixed by the pickle's BLAKE2b.
 The manifest travels by any channel (a pipe, ZMQ, HTTP) to the engine process, which checks the
@@ -22,7 +22,7 @@ engine has acknowledged the version); the engine's copies are its own. The manif
 that only a trusted process on the same node should produce (as SGLang's serialized handles); its
 digest catches a truncated or altered manifest before unpickling.
 
-Timings: ``publish`` returns ``flatten_s`` (gather kernels launched on the trainer GPU, then one
+Timings: ``publish`` returns ``flatten_s`` (flatten + sums launched on the trainer GPU, then one
 synchronisation) and ``share_s`` (IPC handles, pickle, digest); ``receive`` puts ``open_s``,
 ``copy_s`` (launching copy + sums + compare) and ``verify_s`` (the one synchronisation and the
 flag) into ``adapter.extra["sync_timings"]``. ``checksum=False`` turns the sums, the digest and the

@@ -104,7 +104,7 @@ def test_cpu_expect_flag_reports_a_mismatch():
 
 
 def _word_tensors(seed: int) -> dict[str, torch.Tensor]:
-    """Tensors of whole 8-byte words (the gather kernel's path), incl. a view at an 8-byte aligned offset."""
+    """Tensors of whole 8-byte words, incl. a view at an 8-byte aligned offset."""
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(4, 3 * BLOCK_WORDS + 12, generator=g).to(torch.bfloat16)
     return {"a": torch.randn(4, 64, generator=g).to(torch.bfloat16), "b": torch.randn(5, generator=g).double(),
@@ -114,9 +114,9 @@ def _word_tensors(seed: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("odd", [False, True])
-def test_gpu_gather_flatten_with_block_sums(odd):
-    """One gather launch per bucket: bytes equal the CPU flatten, the attached sums the brute-force block
-    sums; with a tensor of a partial word (``odd``) the torch.cat fallback gives the same."""
+def test_gpu_flatten_with_block_sums(odd):
+    """GPU buckets with attached block sums: bytes equal the CPU flatten, the sums the brute-force block
+    sums (also with a tensor of a partial word, ``odd``)."""
     tensors = _word_tensors(7)
     if odd:
         tensors["odd"] = torch.randn(3).to(torch.bfloat16)
