@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from lora_bucket_export import k3_config, layer_slice  # noqa: E402
+from lora_bucket_export import LAYER, k3_config, layer_slice  # noqa: E402
 from results import append, git_commit, today  # noqa: E402
 
 from kimi_core.lora import Adapter  # noqa: E402
@@ -79,6 +79,15 @@ def _gpu_ms(fn, repeats: int = 5) -> float:
     return min(out[1:])
 
 
+def repeat_layers(tensors: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    """The layer slice ``n`` times on ``cuda:0`` as layers ``LAYER .. LAYER + n - 1`` (independent copies)."""
+    out = {}
+    for i in range(n):
+        for k, v in tensors.items():
+            out[k.replace(f".layers.{LAYER}.", f".layers.{LAYER + i}.")] = v.cuda(0)  # a fresh copy per layer
+    return out
+
+
 def phase_breakdown(nbytes: int = 512 << 20) -> list[str]:
     """Where a checksum's time goes on one GPU: host block layout, the sums kernel alone, the fused
     copy + sums kernel vs a plain copy, and the whole ``copy_region_sums`` call (layout, kernel, host combine)."""
@@ -109,6 +118,8 @@ def main() -> None:
     ap.add_argument("--engine-gpu", type=int, default=1 if torch.cuda.device_count() > 1 else 0)
     ap.add_argument("--bucket-mib", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=1,
+                    help="copies of the layer slice under distinct layer names (a larger adapter; 0.54 GB each)")
     ap.add_argument("--no-append", action="store_true")
     ap.add_argument("--section-out", default=None, help="also write the section to this file")
     args = ap.parse_args()
@@ -140,7 +151,7 @@ def main() -> None:
     rows, checks = [], []
     cases = [("shared_outer", E, None), ("shared_outer", E, (0, E // 2)), ("per_expert", 112, None)]
     for layout, n_exp, experts in cases:
-        tensors = {k: v.cuda(0) for k, v in layer_slice(cfg, layout, n_exp).items()}
+        tensors = repeat_layers(layer_slice(cfg, layout, n_exp), args.layers)
         adapter = Adapter(tensors, {"r": 32}, source="bench")
         # correctness: bytes arrive intact (SHA-256 per tensor, CPU) ...
         _, _, rt = one(adapter, True, experts, want=True)
@@ -202,7 +213,7 @@ def main() -> None:
     section = (f"\n## CUDA-IPC adapter sync, trainer cuda:0 -> engine cuda:{args.engine_gpu} ({where})\n\n"
                f"- date: {today()}\n- machine: {torch.cuda.device_count()}x {gpu}, torch {torch.__version__}\n"
                f"- commit: {git_commit()}\n- command: `python benchmarks/cuda_ipc_sync.py "
-               f"{' '.join(sys.argv[1:])}`\n- adapter: rank-32 K3 layer slice (bf16), bucket {args.bucket_mib} MiB, "
+               f"{' '.join(sys.argv[1:])}`\n- adapter: rank-32 K3 layer slice (bf16) x {args.layers} layer(s), bucket {args.bucket_mib} MiB, "
                f"best of {args.repeats}; share = (on - off) / on\n\n{hdr}{body}\n"
                + "".join(f"- {c}\n" for c in checks))
     print(section)
