@@ -20,6 +20,8 @@ unsigned sums (Triton's 64-bit adds wrap).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 __all__ = ["copy_sum_blocks"]
@@ -85,7 +87,8 @@ def copy_sum_blocks(table: torch.Tensor, block_words: int, *, src_base: int, dst
         raise ValueError("copy_sum_blocks: expect_base and flag go together, and need sums")
     if n == 0 or (dst is None and sums is None):
         return
-    with torch.cuda.device(table.device):
+    # CPU tensors only under TRITON_INTERPRET=1 (the tests); addresses are then host memory
+    with torch.cuda.device(table.device) if table.device.type == "cuda" else contextlib.nullcontext():
         _kernel()[(n,)](src_base, table, n, dst if dst is not None else table, sums if sums is not None else table,
                         expect_base or 0, flag if flag is not None else table, COPY=dst is not None,
                         SUMS=sums is not None, CHECK=flag is not None, BLOCK=block_words,
