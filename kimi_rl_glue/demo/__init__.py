@@ -19,8 +19,12 @@ from kimi_rl_glue.demo.loop import DemoError, LoopConfig, batch_tensors, plot_re
 from kimi_rl_glue.demo.task import TokenSetTask
 
 
-def step0_mismatch(trainer, rollout, task, cfg: LoopConfig):
-    """Train/rollout numerics on identical weights (no adapter yet), via :func:`kimi_rl_glue.numerics.compare_results`."""
+def step0_mismatch(trainer, rollout, task, cfg: LoopConfig, ckpt: str):
+    """Train/rollout numerics on identical weights (no adapter yet), via :func:`kimi_rl_glue.numerics.compare_results`.
+
+    Pairs: trainer vs engine (the reported mismatch), then the trainer vs ``kimi_core.reference`` run in
+    bf16 on the same sampled tokens: the model's own bf16 error, the floor any bf16 engine sits on."""
+    from kimi_core.reference import load_reference_model
     from kimi_rl_glue.numerics import EngineResult, compare_results
     from kimi_rl_glue.numerics.report import format_table
 
@@ -30,6 +34,7 @@ def step0_mismatch(trainer, rollout, task, cfg: LoopConfig):
     M = tokens.shape[1]
     with torch.no_grad():
         lp_all = torch.log_softmax(trainer.logits(ids[:, :-1]), -1)
+        lp_bf16 = torch.log_softmax(load_reference_model(ckpt, dtype=torch.bfloat16)(ids[:, :-1]).float(), -1)
     mask = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool)
     mask[:, -M:] = True
     full = torch.zeros(mask.shape)
@@ -40,8 +45,11 @@ def step0_mismatch(trainer, rollout, task, cfg: LoopConfig):
     top_t = lp_all.argmax(-1)
     top_r = torch.zeros_like(top_t)
     top_r[:, -M:] = tids[..., 0]
+    ref_lp = full.clone()
+    ref_lp[:, -M:] = lp_bf16[:, -M:].gather(-1, tokens[..., None]).squeeze(-1)
     pairs = compare_results({f"trainer({trainer.name})": EngineResult(train_lp, top_t),
-                             "vllm-cpu(bf16)": EngineResult(roll_lp, top_r)}, mask, "bf16")
+                             "vllm-cpu(bf16)": EngineResult(roll_lp, top_r),
+                             "reference(bf16)": EngineResult(ref_lp, lp_bf16.argmax(-1))}, mask, "bf16")
     return pairs, format_table(pairs, {})
 
 
@@ -69,8 +77,10 @@ def main(args) -> int:
     rollout = VllmRollout(ckpt, max_lora_rank=max(8, args.rank), stage_dir=os.path.join(out, "stage"), seed=args.seed)
     print(f"[setup] vllm-cpu engine through kimi_vllm_plugin started in {rollout.start_s:.1f}s")
     task = TokenSetTask(rollout.config.vocab_size, seed=args.seed)
-    pairs, table = step0_mismatch(trainer, rollout, task, cfg)
+    pairs, table = step0_mismatch(trainer, rollout, task, cfg, ckpt)
     print("[step 0] train/rollout mismatch on identical weights:\n" + table)
+    print(f"[step 0] trainer vs engine {pairs[0].mean_abs:.4f} mean |dlogprob|; the model's own bf16 error on the same "
+          f"tokens (trainer vs reference in bf16) {pairs[1].mean_abs:.4f}")
     sync = DiskAdapterSync(os.path.join(out, "adapters"))
     try:
         records = run(cfg, task, rollout, trainer, sync, out)
@@ -83,7 +93,8 @@ def main(args) -> int:
     last = sum(r["reward"] for r in records[-k:]) / k
     summary = {"first_20pct_reward": first, "last_20pct_reward": last, "chance": task.chance,
                "step0_logprob_abs_diff_mean": pairs[0].mean_abs, "step0_logprob_abs_diff_max": pairs[0].max_abs,
-               "step0_kl": pairs[0].kl, "mean_sync_s": sum(r["sync_s"] for r in records) / len(records),
+               "step0_kl": pairs[0].kl, "step0_bf16_floor_mean": pairs[1].mean_abs,
+               "mean_sync_s": sum(r["sync_s"] for r in records) / len(records),
                "trainer": trainer.name, "loss": cfg.loss, "steps": cfg.steps, "wall_s": time.time() - t_start}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

@@ -41,6 +41,9 @@ def test_short_demo_improves_reward(tmp_path):
     print(s)
     assert s["last_20pct_reward"] > s["first_20pct_reward"] + 0.03
     assert s["step0_logprob_abs_diff_mean"] < 0.05  # bf16 engine vs fp32 trainer on identical weights
+    # the engine adds little beyond bf16 itself: within 1.5x the oracle's own bf16 error on the same tokens
+    # (kimi_core.reference run in bf16 vs the fp32 trainer; measured ratio 1.11-1.20)
+    assert s["step0_logprob_abs_diff_mean"] <= 1.5 * s["step0_bf16_floor_mean"], s
     assert (out / "reward.png").stat().st_size > 1000
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 30 and all("train_rollout_kl" in json.loads(x) for x in lines)
