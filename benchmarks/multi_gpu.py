@@ -185,44 +185,34 @@ def schedule_checks(ckpt: str, tp: int, pp: int, ep: int, dtypes=("fp32", "bf16"
             for sched in mp_worker.SCHEDULES for dt in dtypes}
 
 
-def run_schedule_case(model: str, workdir: str, dtypes: list[str]) -> list[dict]:
-    ckpt = os.path.join(workdir, f"tiny_{model}")
-    if not os.path.exists(os.path.join(ckpt, "config.json")):
-        tiny_checkpoint(model, ckpt)
-    ts = time.time()
-    res = mp_worker.spawn(ckpt, os.path.join(workdir, f"sched_{model}.pt"), ("single", "pp2"), backend="nccl",
-                          config_fn=schedule_checks, kwargs={"dtypes": tuple(dtypes)})
-    print(f"[sched {model}] 2 layouts x {len(res['single'][0]) - 1} runs in {time.time() - ts:.0f} s", flush=True)
-    rows = []
-    for sched in mp_worker.SCHEDULES:
-        runs = {dt: {layout: [p[f"{sched}/{dt}"] for p in res[layout]] for layout in ("single", "pp2")}
-                for dt in dtypes}
-        for r in compare(runs, full_grads=True):
-            rows.append(dict(case="sched", model=model, what="full", ckpt_s=0.0, **dict(r, layout=f"pp2 {sched}")))
-            print(_row(rows[-1]), flush=True)
-    return rows
-
-
 def run_case(case: str, model: str, workdir: str, backend: str, dtypes: list[str]) -> list[dict]:
-    if case == "sched":
-        return run_schedule_case(model, workdir, dtypes)
+    """One 2-process spawn for ``case`` (tiny | slice | sched) and ``model``; a row per variant, dtype and layout.
+
+    Variants: ``full`` (every parameter, tiny) and ``lora`` for tiny / slice; for ``sched`` one per way
+    the residual bank crosses megatron's schedule (:data:`mp_worker.SCHEDULES`), PP=2 only.
+    """
     t0 = time.time()
-    ckpt = os.path.join(workdir, f"{case}_{model}")
+    ckpt = os.path.join(workdir, f"{'slice' if case == 'slice' else 'tiny'}_{model}")
     if not os.path.exists(os.path.join(ckpt, "config.json")):
-        (tiny_checkpoint if case == "tiny" else slice_checkpoint)(model, ckpt)
+        (slice_checkpoint if case == "slice" else tiny_checkpoint)(model, ckpt)
     t_ckpt = time.time() - t0
-    names = ("single", *LAYOUTS)
-    full = case == "tiny"
+    if case == "sched":
+        names, config_fn, kwargs = ("single", "pp2"), schedule_checks, {"dtypes": tuple(dtypes)}
+        variants = list(mp_worker.SCHEDULES)
+    else:
+        full = case == "tiny"
+        names, config_fn, kwargs = ("single", *LAYOUTS), all_checks, {"full": full, "dtypes": tuple(dtypes)}
+        variants = (["full"] if full else []) + ["lora"]
     ts = time.time()
     res = mp_worker.spawn(ckpt, os.path.join(workdir, f"{case}_{model}.pt"), names, backend=backend,
-                          config_fn=all_checks, kwargs={"full": full, "dtypes": tuple(dtypes)})
-    print(f"[{case} {model}] checkpoint {t_ckpt:.0f} s, 4 layouts x {len(res['single'][0]) - 1} runs in "
+                          config_fn=config_fn, kwargs=kwargs)
+    print(f"[{case} {model}] checkpoint {t_ckpt:.0f} s, {len(names)} layouts x {len(res['single'][0]) - 1} runs in "
           f"{time.time() - ts:.0f} s", flush=True)
     rows = []
-    for what in (["full"] if full else []) + ["lora"]:
-        runs = {dt: {layout: [p[f"{what}/{dt}"] for p in res[layout]] for layout in names} for dt in dtypes}
-        for r in compare(runs, full_grads=what == "full", grad_tol=FP32_TOL if full else FP32_GRAD_TOL_SLICE):
-            rows.append(dict(case=case, model=model, what=what, ckpt_s=t_ckpt, **r))
+    for v in variants:
+        runs = {dt: {layout: [p[f"{v}/{dt}"] for p in res[layout]] for layout in names} for dt in dtypes}
+        for r in compare(runs, full_grads=v != "lora", grad_tol=FP32_GRAD_TOL_SLICE if case == "slice" else FP32_TOL):
+            rows.append(dict(r, case=case, model=model, **({"layout": f"pp2 {v}"} if case == "sched" else {})))
             print(_row(rows[-1]), flush=True)
     return rows
 

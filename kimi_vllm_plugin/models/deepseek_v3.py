@@ -15,9 +15,9 @@ from collections.abc import Iterable
 
 import torch
 from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM
-from vllm.platforms import current_platform
 
 from kimi_vllm_plugin.mapping import expert_lora_names, expert_mapping
+from kimi_vllm_plugin.patches import build_upstream, swap_moe_block
 
 __all__ = ["KimiDeepseekV3ForCausalLM", "UNSUPPORTED_LORA_MODULES"]
 
@@ -27,6 +27,13 @@ logger = logging.getLogger(__name__)
 #: kernel's W_UK / W_UV at load (the CPU AMX MLA never calls it), so a delta there would be
 #: silently dropped in decode. Adapters targeting it are rejected (``kimi_vllm_plugin.client``).
 UNSUPPORTED_LORA_MODULES = ("kv_b_proj",)
+
+
+def _cpu_moe_swap():
+    """Construction-time swap of the MoE block for the CPU one (imported only on a CPU host)."""
+    from kimi_vllm_plugin.moe_lora_cpu import KimiCpuMoE
+
+    return swap_moe_block(KimiCpuMoE)
 
 
 class KimiDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
@@ -40,17 +47,7 @@ class KimiDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
     packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
 
     def __init__(self, *, vllm_config, prefix: str = ""):
-        # upstream __init__ adds entries to self.packed_modules_mapping: give it our own copy
-        self.packed_modules_mapping = {k: list(v) for k, v in type(self).packed_modules_mapping.items()}
-        self._cpu_moe = current_platform.is_cpu()
-        if self._cpu_moe:
-            from kimi_vllm_plugin.moe_lora_cpu import KimiCpuMoE
-            from kimi_vllm_plugin.patches import cpu_model_build, swap_moe_block
-
-            with cpu_model_build(swap_moe_block(KimiCpuMoE)):
-                super().__init__(vllm_config=vllm_config, prefix=prefix)
-        else:
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        build_upstream(self, super().__init__, _cpu_moe_swap, vllm_config=vllm_config, prefix=prefix)
         self.packed_modules_mapping["experts"] = expert_lora_names(self.config.n_routed_experts)
 
     # ------------------------------------------------------------------ MoE metadata

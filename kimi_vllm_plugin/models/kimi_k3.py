@@ -16,11 +16,18 @@ from collections.abc import Iterable
 
 import torch
 from vllm.models.kimi_k3 import KimiK3ForConditionalGeneration
-from vllm.platforms import current_platform
 
 from kimi_vllm_plugin.models.lora_interface import KimiLoRAMixin
+from kimi_vllm_plugin.patches import build_upstream, k3_cpu_construction
 
 __all__ = ["KimiK3LoRAForConditionalGeneration"]
+
+
+def _cpu_moe_swap():
+    """Construction-time patch building the CPU MoE block (imported only on a CPU host)."""
+    from kimi_vllm_plugin.k3_cpu import KimiK3CpuMoE
+
+    return k3_cpu_construction(KimiK3CpuMoE)
 
 
 class KimiK3LoRAForConditionalGeneration(KimiLoRAMixin, KimiK3ForConditionalGeneration):
@@ -34,16 +41,7 @@ class KimiK3LoRAForConditionalGeneration(KimiLoRAMixin, KimiK3ForConditionalGene
     }
 
     def __init__(self, vllm_config, prefix: str = ""):
-        self.packed_modules_mapping = {k: list(v) for k, v in type(self).packed_modules_mapping.items()}
-        self._cpu_moe = current_platform.is_cpu()
-        if self._cpu_moe:
-            from kimi_vllm_plugin.k3_cpu import KimiK3CpuMoE
-            from kimi_vllm_plugin.patches import cpu_model_build, k3_cpu_construction
-
-            with cpu_model_build(k3_cpu_construction(KimiK3CpuMoE)):
-                super().__init__(vllm_config=vllm_config, prefix=prefix)
-        else:
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        build_upstream(self, super().__init__, _cpu_moe_swap, vllm_config=vllm_config, prefix=prefix)
         self._add_expert_lora_names()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -62,15 +62,13 @@
     Remove when: vLLM ships a K3.1 config.
 """
 
-import contextlib
-
 from kimi_vllm_plugin.patches.cpu_punica import apply_cpu_punica_fix
 from kimi_vllm_plugin.patches.k3_cpu_build import k3_cpu_construction
 from kimi_vllm_plugin.patches.lora_layers import apply_lora_layers
 from kimi_vllm_plugin.patches.moe_block import swap_moe_block
 from kimi_vllm_plugin.patches.text_model import text_model_arch
 
-__all__ = ["apply_cpu_punica_fix", "apply_lora_layers", "cpu_model_build", "k3_cpu_construction", "swap_moe_block",
+__all__ = ["apply_cpu_punica_fix", "apply_lora_layers", "build_upstream", "k3_cpu_construction", "swap_moe_block",
            "text_model_arch", "LEDGER"]
 
 #: name -> (target symbol, removal condition); the docstring above has Why/How/Upstream.
@@ -88,11 +86,23 @@ LEDGER = {
 }
 
 
-@contextlib.contextmanager
-def cpu_model_build(swap):
-    """CPU model construction: install ``lora_layers`` and ``cpu_punica_no_lora``, then hold ``swap``
-    (``swap_moe_block(...)`` or ``k3_cpu_construction(...)``) while the upstream ``__init__`` runs."""
+def build_upstream(model, parent_init, cpu_swap, **kwargs) -> None:
+    """Run the upstream ``__init__`` (``parent_init(**kwargs)``) of one of our LoRA classes.
+
+    ``model`` gets its own copy of its class's ``packed_modules_mapping`` first (the upstream
+    ``__init__`` adds entries to it) and ``model._cpu_moe``. On a CPU host ``lora_layers`` and
+    ``cpu_punica_no_lora`` are installed and ``cpu_swap()`` (a zero-argument callable returning
+    ``swap_moe_block(...)`` or ``k3_cpu_construction(...)``, so the CPU MoE module is imported only
+    there) is held while the upstream ``__init__`` runs.
+    """
+    from vllm.platforms import current_platform
+
+    model.packed_modules_mapping = {k: list(v) for k, v in type(model).packed_modules_mapping.items()}
+    model._cpu_moe = current_platform.is_cpu()
+    if not model._cpu_moe:
+        parent_init(**kwargs)
+        return
     apply_lora_layers()
     apply_cpu_punica_fix()
-    with swap:
-        yield
+    with cpu_swap():
+        parent_init(**kwargs)

@@ -86,8 +86,8 @@ def forward_backward(model, ids, w, pp: int):
     stage = ps.get_pipeline_model_parallel_rank()
     nxt, prv = ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank()
     # the boundary shape megatron's schedule would use, widened for the bank (checked against the tensor)
-    (recv_shape,), (send_shape,) = bank_tensor_shapes_fn(model)(
-        [(ids.shape[1], ids.shape[0], model.config.hidden_size)], [(ids.shape[1], ids.shape[0], model.config.hidden_size)])
+    shape = (ids.shape[1], ids.shape[0], model.config.hidden_size)
+    (recv_shape,), (send_shape,) = bank_tensor_shapes_fn(model)([shape], [shape])
     if stage == 0:
         h = model(ids, pos, attention_mask=None)  # packed [S, B, (N+1)*H]
         if tuple(h.shape) != send_shape:

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from vllm_adapters import MAX_LORA_RANK
+from vllm_adapters import MAX_LORA_RANK, write_all
 
 HERE = os.path.dirname(__file__)
 #: token ids scored by every engine test (vocab 1024 in the tiny checkpoints)
@@ -40,6 +40,18 @@ def run_engine(tmp, ckpt: str, dtype: str, enable_lora: bool, steps: list[dict],
     print(f"[{os.path.basename(ckpt)} {dtype}] engine start {res['start_s']:.1f}s, "
           f"first generate {res['first_generate_s']:.1f}s")
     return res, {s.get("tag") or s["kind"]: s for s in res["steps"]}
+
+
+def base_and_ab_steps(ckpt: str, tmp) -> tuple[dict, list[dict]]:
+    """Write the test adapters of ``ckpt`` under ``tmp/adapters``; returns ``(paths by name, steps)``: the
+    base scored, then adapter ``A`` (per-expert) and ``B`` (shared-outer) each loaded and scored."""
+    from kimi_core.config import load_config
+
+    ads = write_all(load_config(ckpt), str(tmp / "adapters"))
+    steps = [{"kind": "base"}]
+    for tag in ("A", "B"):
+        steps += [{"kind": "load", "path": ads[tag], "tag": f"load_{tag}"}, {"kind": "score", "tag": tag}]
+    return ads, steps
 
 
 def reference_scorer(ckpt: str):

@@ -11,9 +11,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_harness import (BF16_TOL, FP32_TOL, PROMPTS, check_adapter, check_base, maxdiff,  # noqa: E402
-                            reference_scorer, run_engine)
-from vllm_adapters import write_all  # noqa: E402
+from engine_harness import (BF16_TOL, FP32_TOL, PROMPTS, base_and_ab_steps, check_adapter, check_base,  # noqa: E402
+                            maxdiff, reference_scorer, run_engine)
 
 TEXT_ONLY = {"language_model_only": True}
 
@@ -30,14 +29,9 @@ def reference(k25):
 
 @pytest.fixture(scope="module")
 def fp32_run(k25, tmp_path_factory):
-    from kimi_core.config import load_config
-
     tmp = tmp_path_factory.mktemp("engine_k25_fp32")
-    ads = write_all(load_config(k25), str(tmp / "adapters"))
-    steps = [{"kind": "model_info", "tag": "info"}, {"kind": "base"},
-             {"kind": "load", "path": ads["A"], "tag": "load_A"}, {"kind": "score", "tag": "A"},
-             {"kind": "load", "path": ads["B"], "tag": "load_B"}, {"kind": "score", "tag": "B"}]
-    res, by_tag = run_engine(tmp, k25, "float32", True, steps, TEXT_ONLY)
+    ads, steps = base_and_ab_steps(k25, tmp)
+    res, by_tag = run_engine(tmp, k25, "float32", True, [{"kind": "model_info", "tag": "info"}, *steps], TEXT_ONLY)
     return res, by_tag, ads
 
 

@@ -13,9 +13,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from engine_harness import (BF16_TOL, FP32_TOL, PROMPTS, check_adapter, check_base, maxdiff,  # noqa: E402
-                            reference_scorer, run_engine)
-from vllm_adapters import write_all  # noqa: E402
+from engine_harness import (BF16_TOL, FP32_TOL, PROMPTS, base_and_ab_steps, check_adapter, check_base,  # noqa: E402
+                            maxdiff, reference_scorer, run_engine)
 
 BAD = ("rank32", "unknown", "nan", "missing", "kv_b")
 
@@ -32,12 +31,8 @@ def reference(k2):
 
 @pytest.fixture(scope="module")
 def fp32_run(k2, tmp_path_factory):
-    from kimi_core.config import load_config
-
     tmp = tmp_path_factory.mktemp("engine_fp32")
-    ads = write_all(load_config(k2), str(tmp / "adapters"))
-    steps = [{"kind": "base"}, {"kind": "load", "path": ads["A"], "tag": "load_A"}, {"kind": "score", "tag": "A"},
-             {"kind": "load", "path": ads["B"], "tag": "load_B"}, {"kind": "score", "tag": "B"}]
+    ads, steps = base_and_ab_steps(k2, tmp)
     steps += [{"kind": "load", "path": ads[b], "tag": b} for b in BAD]
     steps += [{"kind": "raw_load", "path": ads["rank32"], "tag": "raw_rank32"}, {"kind": "score", "tag": "after_bad"}]
     res, by_tag = run_engine(tmp, k2, "float32", True, steps)
