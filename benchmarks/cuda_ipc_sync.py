@@ -7,16 +7,18 @@ miles runs SGLang) opens the IPC handles, copies every bucket into its own memor
 fused into the copy, verifies, and acknowledges. Cases: the whole adapter (EP=1) and one consumer
 rank of EP=2 (only experts 0..447), shared-outer and per-expert layouts.
 
-Time = publish (flatten by ``torch.cat`` + one block-sums pass per bucket on the trainer GPU; IPC
-handles; manifest digest) + receive (open, one kernel per bucket: copy + sums + compare with the
-sender's sums; across GPUs a copy over NVLink first; one synchronisation) + the manifest's
-trip through a pipe. The checksum's share = (time with sums - time
-without) / time with sums, best of ``--repeats`` each. Correctness checks before timing: the
+Time = publish (one gather kernel per bucket flattens it and writes its block sums on the trainer
+GPU; IPC handles; manifest CRC-32) + receive (open; colocated one kernel per bucket: copy + sums +
+compare with the sender's sums; across GPUs the copy engine moves bucket i+1 over NVLink while
+the SMs check bucket i; one synchronisation) + the manifest's trip through a pipe. With sums off
+the trainer's kernel only copies and the engine uses torch's copy. The check's cost is the GPU
+time it adds on both sides (CUDA events, on - off) plus the manifest's CRC-32; its share is that
+over the sync time without it (the seed's target: <= 2%). Correctness checks before timing: the
 engine's tensors equal the trainer's bytes (SHA-256 over each tensor, on the CPU), the GPU sums
 equal the CPU (numpy) ``region_sums``, and one flipped byte in a published bucket is reported
 naming the tensor. Appends a table to ``benchmarks/RESULTS.md`` (``--no-append`` to skip).
 
-    python benchmarks/cuda_ipc_sync.py [--engine-gpu 1] [--repeats 5]
+    python benchmarks/cuda_ipc_sync.py [--engine-gpu 1] [--repeats 10] [--layers 16] [--tune]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import hashlib
 import os
 import sys
 import time
+import zlib
 
 import torch
 import torch.multiprocessing as mp
@@ -37,7 +40,7 @@ from results import append, git_commit, today  # noqa: E402
 
 from kimi_core.lora import Adapter  # noqa: E402
 from kimi_core.lora.buckets import region_sums  # noqa: E402
-from kimi_rl_glue.sync.cuda_ipc import CudaIpcAdapterSync  # noqa: E402
+from kimi_rl_glue.sync.cuda_ipc import _FRAME, CudaIpcAdapterSync  # noqa: E402
 from kimi_rl_glue.sync.disk import AdapterSyncError  # noqa: E402
 
 
@@ -46,9 +49,17 @@ def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
             for k, v in tensors.items()}
 
 
-def engine(gpu: int, bucket_bytes: int, conn) -> None:
+def set_launch(launch: tuple[int, int, int, int]) -> None:
+    """Use ``(words per load step, warps, programs, background programs)`` for ``copy_sum_blocks`` here."""
+    from kimi_core.kernels import block_sums
+
+    block_sums.CHUNK_WORDS, block_sums.NUM_WARPS, block_sums.PROGRAMS, block_sums.BACKGROUND_PROGRAMS = launch
+
+
+def engine(gpu: int, bucket_bytes: int, conn, launch: tuple[int, int, int, int]) -> None:
     """Engine side: receive each announced (manifest, version, checksum, want_digests), answer with timings."""
     torch.cuda.set_device(gpu)
+    set_launch(launch)
     syncs = {c: CudaIpcAdapterSync(gpu, bucket_bytes, checksum=c) for c in (True, False)}
     while True:
         msg = conn.recv()
@@ -79,6 +90,12 @@ def _gpu_ms(fn, repeats: int = 5) -> float:
     return min(out[1:])
 
 
+def _host_s(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def repeat_layers(tensors: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
     """The layer slice ``n`` times on ``cuda:0`` as layers ``LAYER .. LAYER + n - 1`` (independent copies)."""
     out = {}
@@ -89,9 +106,10 @@ def repeat_layers(tensors: dict[str, torch.Tensor], n: int) -> dict[str, torch.T
 
 
 def phase_breakdown(nbytes: int = 512 << 20) -> list[str]:
-    """Where a checksum's time goes on one GPU: host block layout, the sums kernel alone, the fused
-    copy + sums kernel vs a plain copy, and the whole ``copy_region_sums`` call (layout, kernel, host combine)."""
-    from kimi_core.lora.buckets import _block_layout, copy_block_sums, copy_region_sums
+    """Where a checksum's time goes on one GPU (kernel times by CUDA events): the sums kernel alone and
+    the fused copy + sums kernel vs a plain copy, at the launch shape in use; across GPUs (2 GPUs)
+    torch's peer copy and the sums pass on the receiving GPU."""
+    from kimi_core.lora.buckets import _block_layout, copy_block_sums
 
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:0")
     dst = torch.empty_like(buf)
@@ -102,24 +120,91 @@ def phase_breakdown(nbytes: int = 512 << 20) -> list[str]:
     k_sum = _gpu_ms(lambda: copy_block_sums(buf, None, starts, nbytes))
     k_fused = _gpu_ms(lambda: copy_block_sums(buf, dst, starts, nbytes))
     k_copy = _gpu_ms(lambda: dst.copy_(buf))
-    walls = []
-    for _ in range(5):
-        t = time.perf_counter()
-        copy_region_sums(buf, dst, starts, nbytes)
-        walls.append((time.perf_counter() - t) * 1e3)
     gb = nbytes / 1e9
-    return [f"phase breakdown on {gb:.2f} GB: host layout {t_layout:.2f} ms; sums kernel {k_sum:.3f} ms "
-            f"({gb / k_sum * 1e3:.0f} GB/s read); fused copy+sums kernel {k_fused:.3f} ms vs plain copy {k_copy:.3f} ms; "
-            f"whole copy_region_sums call {min(walls):.2f} ms (wall)"]
+    out = [f"phase breakdown on {gb:.2f} GB: host layout {t_layout:.2f} ms; sums kernel {k_sum:.3f} ms "
+           f"({gb / k_sum * 1e3:.0f} GB/s read); fused copy+sums kernel {k_fused:.3f} ms vs plain copy {k_copy:.3f} ms"]
+    if torch.cuda.device_count() > 1:
+        far = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+        with torch.cuda.device(1):
+            p_copy = _gpu_ms(lambda: far.copy_(buf))
+            p_sums = _gpu_ms(lambda: copy_block_sums(far, None, starts, nbytes))
+        out.append(f"across GPUs on {gb:.2f} GB: torch peer copy cuda:0 -> cuda:1 {p_copy:.3f} ms "
+                   f"({gb / p_copy * 1e3:.0f} GB/s, copy engine); sums of the copy on cuda:1 {p_sums:.3f} ms "
+                   "(receive runs it beside the next bucket's copy: --tune's second table)")
+    return out
+
+
+def tune_launch(nbytes: int = 512 << 20) -> tuple[tuple[int, int, int, int], list[str]]:
+    """Sweep ``copy_sum_blocks``' launch shape: (words per load step, warps, programs) on the fused copy +
+    sums of ``nbytes`` on one GPU; with 2 GPUs also the programs of a sums pass on cuda:1 that runs
+    beside a copy-engine transfer cuda:0 -> cuda:1 (receive's overlap). Returns ``(chunk, warps,
+    programs, background_programs)`` (the fastest) and the tables."""
+    from kimi_core.kernels import block_sums
+    from kimi_core.lora.buckets import BLOCK_WORDS, _device_table
+
+    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty(nbytes // 8, dtype=torch.int64, device="cuda:0")
+    table, _ = _device_table((0, nbytes // 4, nbytes // 2), nbytes, torch.device("cuda:0"))
+    sums = torch.empty(table.shape[1], dtype=torch.int64, device="cuda:0")
+    k_copy = _gpu_ms(lambda: dst.view(torch.uint8).copy_(buf))
+    out = [f"launch-shape sweep of copy_sum_blocks on {nbytes / 1e9:.2f} GB (plain torch copy {k_copy:.3f} ms, "
+           f"{nbytes / k_copy / 1e6:.0f} GB/s):", "",
+           "| words per step | warps | programs | fused copy+sums ms | GB/s | sums only ms | GB/s read |",
+           "|---|---|---|---|---|---|---|"]
+    best = None
+    for chunk, warps in ((512, 8), (1024, 4), (2048, 8), (2048, 16), (4096, 8)):
+        for programs in (0, 132 * 4, 132 * 16):
+            kw = dict(src_base=buf.data_ptr(), sums=sums, aligned=True, programs=programs, chunk_words=chunk,
+                      num_warps=warps)
+            fused = _gpu_ms(lambda: block_sums.copy_sum_blocks(table, BLOCK_WORDS, dst=dst, **kw))
+            only = _gpu_ms(lambda: block_sums.copy_sum_blocks(table, BLOCK_WORDS, **kw))
+            out.append(f"| {chunk} | {warps} | {programs or 'one per block'} | {fused:.3f} | "
+                       f"{nbytes / fused / 1e6:.0f} | {only:.3f} | {nbytes / only / 1e6:.0f} |")
+            if best is None or fused < best[0]:
+                best = (fused, chunk, warps, programs)
+    _, chunk, warps, programs = best
+    background = block_sums.BACKGROUND_PROGRAMS
+    if torch.cuda.device_count() > 1:
+        far = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+        other = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:1")
+        t1, _ = _device_table((0, nbytes // 4, nbytes // 2), nbytes, torch.device("cuda:1"))
+        s1 = torch.empty(t1.shape[1], dtype=torch.int64, device="cuda:1")
+        side, side0 = torch.cuda.Stream(1), torch.cuda.Stream(0)
+        with torch.cuda.device(1):
+            p_copy = _gpu_ms(lambda: far.copy_(buf))
+            out += ["", f"sums pass on cuda:1 beside a copy-engine transfer cuda:0 -> cuda:1 of {nbytes / 1e9:.2f} GB "
+                    f"(copy alone {p_copy:.3f} ms):", "", "| programs | sums alone ms | copy + sums at once ms |",
+                    "|---|---|---|"]
+            pick = None
+            for bg in (8, 16, 32, 64, 132, 0):
+                kw = dict(src_base=other.data_ptr(), sums=s1, aligned=True, programs=bg, chunk_words=chunk,
+                          num_warps=warps)
+
+                def both():
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side0), torch.cuda.stream(side):  # as receive: no default streams
+                        far.copy_(buf, non_blocking=True)
+                    block_sums.copy_sum_blocks(t1, BLOCK_WORDS, **kw)
+                    torch.cuda.current_stream().wait_stream(side)
+
+                alone = _gpu_ms(lambda: block_sums.copy_sum_blocks(t1, BLOCK_WORDS, **kw))
+                at_once = _gpu_ms(both)
+                out.append(f"| {bg or 'one per block'} | {alone:.3f} | {at_once:.3f} |")
+                if bg and (pick is None or at_once < pick[0] - 0.005):
+                    pick = (at_once, bg)
+            background = pick[1]
+    return (chunk, warps, programs, background), out + [""]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine-gpu", type=int, default=1 if torch.cuda.device_count() > 1 else 0)
     ap.add_argument("--bucket-mib", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--layers", type=int, default=1,
                     help="copies of the layer slice under distinct layer names (a larger adapter; 0.54 GB each)")
+    ap.add_argument("--tune", action="store_true",
+                    help="sweep copy_sum_blocks' launch shape first and run the sync with the fastest")
     ap.add_argument("--no-append", action="store_true")
     ap.add_argument("--section-out", default=None, help="also write the section to this file")
     args = ap.parse_args()
@@ -128,9 +213,16 @@ def main() -> None:
     cfg = k3_config()
     E = cfg.n_routed_experts
     bucket = args.bucket_mib << 20
+    from kimi_core.kernels import block_sums
+
+    tuned = []
+    if args.tune:
+        launch, tuned = tune_launch()
+        set_launch(launch)
+    launch = (block_sums.CHUNK_WORDS, block_sums.NUM_WARPS, block_sums.PROGRAMS, block_sums.BACKGROUND_PROGRAMS)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=engine, args=(args.engine_gpu, bucket, child), daemon=True)
+    proc = ctx.Process(target=engine, args=(args.engine_gpu, bucket, child, launch), daemon=True)
     proc.start()
     trainer = {c: CudaIpcAdapterSync(0, bucket, checksum=c) for c in (True, False)}
     version = 0
@@ -165,16 +257,20 @@ def main() -> None:
         for _ in range(2):  # warm-up both paths
             one(adapter, True, experts)
             one(adapter, False, experts)
-        best = {}
-        for c in (True, False):
-            runs = [one(adapter, c, experts) for _ in range(args.repeats)]
-            best[c] = min(runs, key=lambda r: r[0])
-        (t_on, p_on, r_on), (t_off, _p, _r) = best[True], best[False]
+        runs = {c: [one(adapter, c, experts) for _ in range(args.repeats)] for c in (True, False)}
+        (t_on, p_on, r_on), (t_off, _p, _r) = (min(runs[c], key=lambda r: r[0]) for c in (True, False))
+        gpu = {(c, side): min(r[1 if side == "trainer" else 2][key] for r in runs[c])
+               for c in (True, False) for side, key in (("trainer", "flatten_gpu_s"), ("engine", "copy_gpu_s"))}
+        manifest, _ = trainer[True].publish(adapter, version + 1, experts=experts, config=cfg)
+        trainer[True].release(version + 1)
+        version += 1
+        digest = min(_host_s(lambda: zlib.crc32(manifest[_FRAME.size:])) for _ in range(5))
+        # what the check adds: the GPU time of sums + compare on both sides, and the manifest CRC (both sides)
+        cost = sum(max(0.0, gpu[True, side] - gpu[False, side]) for side in ("trainer", "engine")) + 2 * digest
         nbytes = p_on["bytes"]
         rows.append(dict(layout=layout, experts=n_exp, ep=f"{experts[0]}..{experts[1] - 1}" if experts else "all",
-                         gb=nbytes / 1e9, buckets=p_on["buckets"], t_on=t_on, t_off=t_off,
-                         flatten=p_on["flatten_s"], share=p_on["share_s"], open=r_on["open_s"], copy=r_on["copy_s"],
-                         verify=r_on["verify_s"]))
+                         gb=nbytes / 1e9, buckets=p_on["buckets"], t_on=t_on, t_off=t_off, gpu=gpu, digest=digest,
+                         cost=cost, open=r_on["open_s"]))
         del tensors, adapter
         torch.cuda.empty_cache()
 
@@ -201,21 +297,28 @@ def main() -> None:
     checks += phase_breakdown()
 
     gpu = torch.cuda.get_device_name(0)
-    hdr = ("| layout | experts | consumer rows | GB | buckets | sync s (sums on) | GB/s | sync s (sums off) | "
-           "checksum share | flatten+sums s | IPC handles s | open s | copy+sums s | verify s |\n"
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    hdr = ("| layout | experts | consumer rows | GB | buckets | sync (sums on) | GB/s | sync (sums off) | "
+           "wall (on - off) / on | trainer GPU on / off | engine GPU on / off | manifest CRC-32 | check cost | "
+           "check / sync (off) | IPC open (host) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    ms = lambda x: f"{x * 1e3:.2f} ms"  # noqa: E731
     body = "".join(
-        f"| {r['layout']} | {r['experts']} | {r['ep']} | {r['gb']:.3f} | {r['buckets']} | {r['t_on'] * 1e3:.2f} ms | "
-        f"{r['gb'] / r['t_on']:.1f} | {r['t_off'] * 1e3:.2f} ms | {(r['t_on'] - r['t_off']) / r['t_on'] * 100:.1f}% | "
-        f"{r['flatten'] * 1e3:.2f} ms | {r['share'] * 1e3:.2f} ms | {r['open'] * 1e3:.2f} ms | "
-        f"{r['copy'] * 1e3:.2f} ms | {r['verify'] * 1e3:.2f} ms |\n" for r in rows)
+        f"| {r['layout']} | {r['experts']} | {r['ep']} | {r['gb']:.3f} | {r['buckets']} | {ms(r['t_on'])} | "
+        f"{r['gb'] / r['t_on']:.1f} | {ms(r['t_off'])} | {(r['t_on'] - r['t_off']) / r['t_on'] * 100:.1f}% | "
+        f"{ms(r['gpu'][True, 'trainer'])} / {ms(r['gpu'][False, 'trainer'])} | "
+        f"{ms(r['gpu'][True, 'engine'])} / {ms(r['gpu'][False, 'engine'])} | {r['digest'] * 1e3:.3f} ms | "
+        f"{ms(r['cost'])} | {r['cost'] / r['t_off'] * 100:.2f}% | {ms(r['open'])} |\n" for r in rows)
     where = "another GPU (NVLink)" if args.engine_gpu != 0 else "the same GPU (colocated)"
     section = (f"\n## CUDA-IPC adapter sync, trainer cuda:0 -> engine cuda:{args.engine_gpu} ({where})\n\n"
                f"- date: {today()}\n- machine: {torch.cuda.device_count()}x {gpu}, torch {torch.__version__}\n"
                f"- commit: {git_commit()}\n- command: `python benchmarks/cuda_ipc_sync.py "
                f"{' '.join(sys.argv[1:])}`\n- adapter: rank-32 K3 layer slice (bf16) x {args.layers} layer(s), bucket {args.bucket_mib} MiB, "
-               f"best of {args.repeats}; share = (on - off) / on\n\n{hdr}{body}\n"
-               + "".join(f"- {c}\n" for c in checks))
+               f"best of {args.repeats}\n- check cost = GPU time the sums and compare add (CUDA events, sums on - off, "
+               f"trainer flatten and engine receive, best of {args.repeats} each) + the manifest's CRC-32 on both "
+               "sides; wall (on - off) / on is the same difference in wall-clock sync time, where host noise "
+               "(IPC opens, allocations) of either run shows\n"
+               f"- copy_sum_blocks launch: {launch[0]} words per step, {launch[1]} warps, programs {launch[2] or 'one per block'}"
+               f", beside a copy {launch[3]} programs\n\n{hdr}{body}\n"
+               + "".join(f"- {c}\n" for c in checks) + "".join(f"{t}\n" for t in tuned))
     print(section)
     if args.section_out:
         with open(args.section_out, "w") as f:

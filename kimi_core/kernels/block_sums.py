@@ -5,6 +5,8 @@
 block sums on a CUDA device with one Triton program per block, and the same program can
 
 * store the words it read into ``dst`` (the checksum rides in the copy: one read, one write);
+* gather: read each block from its own address (``src_base=0``, absolute word addresses in the
+  table), so flattening many tensors into a bucket and summing it is one launch;
 * compare each sum with the sender's (``expect_base``) and raise a device flag, so a receiver
   synchronises once per adapter version, not once per bucket.
 
@@ -16,6 +18,10 @@ block's first word (byte address ``src_base + 8 * row0``), row 1 how many words 
 source (the rest of the block reads as zero: a tensor's alignment gap), row 2 the destination word
 index, row 3 the block length in words (``<= BLOCK``). Sums are ``int64`` whose bits are the
 unsigned sums (Triton's 64-bit adds wrap).
+
+Launch shape: ``CHUNK_WORDS`` words per load step, ``NUM_WARPS`` warps and ``PROGRAMS`` programs
+(``BACKGROUND_PROGRAMS`` for a pass beside a copy), chosen by ``benchmarks/cuda_ipc_sync.py
+--tune`` on an H200 (RESULTS.md).
 """
 
 from __future__ import annotations
@@ -24,8 +30,14 @@ import contextlib
 
 import torch
 
-__all__ = ["copy_sum_blocks"]
+__all__ = ["BACKGROUND_PROGRAMS", "CHUNK_WORDS", "NUM_WARPS", "PROGRAMS", "copy_sum_blocks"]
 
+CHUNK_WORDS = 2048
+NUM_WARPS = 8
+PROGRAMS = 0  # 0: one program per block; n: n programs loop over the blocks
+# a sums pass beside a copy-engine transfer into the same GPU: few programs, so it does not
+# saturate the memory the copy writes to (measured: a full-speed pass stalls the copy as long as it runs)
+BACKGROUND_PROGRAMS = 32
 
 _KERNEL = None
 
@@ -38,27 +50,38 @@ def _kernel():
 
         @triton.jit
         def _copy_sum_blocks(src_base, table, n_blocks, dst, sums, expect_base, flag, COPY: tl.constexpr,
-                             SUMS: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-            pid = tl.program_id(0)
-            src_word = tl.load(table + pid)
-            n_src = tl.load(table + n_blocks + pid)
-            src = (src_base + src_word * 8).to(tl.pointer_type(tl.int64))
-            d0 = tl.load(table + 2 * n_blocks + pid)
-            length = tl.load(table + 3 * n_blocks + pid)
-            acc = tl.zeros([CHUNK], dtype=tl.int64)
-            for c in tl.static_range(0, BLOCK, CHUNK):
-                offs = c + tl.arange(0, CHUNK)
-                x = tl.load(src + offs, mask=offs < n_src, other=0)
-                if COPY:
-                    tl.store(dst + d0 + offs, x, mask=offs < length)
+                             SUMS: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                             ALIGNED: tl.constexpr):
+            for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):  # once, unless `programs`
+                src_word = tl.load(table + blk)
+                n_src = tl.load(table + n_blocks + blk)
+                d0 = tl.load(table + 2 * n_blocks + blk)
+                length = tl.load(table + 3 * n_blocks + blk)
+                if ALIGNED:  # 64-byte aligned blocks: 16-byte vector loads and stores
+                    src_word = tl.multiple_of(src_word, 8)
+                    d0 = tl.multiple_of(d0, 8)
+                src = (src_base + src_word * 8).to(tl.pointer_type(tl.int64))
+                acc = tl.zeros([CHUNK], dtype=tl.int64)
+                if (n_src == BLOCK) & (length == BLOCK):  # a whole block of the source: no masks
+                    for c in tl.static_range(0, BLOCK, CHUNK):
+                        offs = c + tl.arange(0, CHUNK)
+                        x = tl.load(src + offs)
+                        if COPY:
+                            tl.store(dst + d0 + offs, x)
+                        acc += x
+                else:  # a tensor's last block, its alignment gap reads as zeros
+                    for c in tl.static_range(0, BLOCK, CHUNK):
+                        offs = c + tl.arange(0, CHUNK)
+                        x = tl.load(src + offs, mask=offs < n_src, other=0)
+                        if COPY:
+                            tl.store(dst + d0 + offs, x, mask=offs < length)
+                        acc += x
                 if SUMS:
-                    acc += x
-            if SUMS:
-                s = tl.sum(acc, axis=0)
-                tl.store(sums + pid, s)
-                if CHECK:
-                    e = tl.load((expect_base + pid * 8).to(tl.pointer_type(tl.int64)))
-                    tl.atomic_max(flag, (s != e).to(tl.int32))
+                    s = tl.sum(acc, axis=0)
+                    tl.store(sums + blk, s)
+                    if CHECK:
+                        e = tl.load((expect_base + blk * 8).to(tl.pointer_type(tl.int64)))
+                        tl.atomic_max(flag, (s != e).to(tl.int32))
 
         _KERNEL = _copy_sum_blocks
     return _KERNEL
@@ -66,14 +89,20 @@ def _kernel():
 
 def copy_sum_blocks(table: torch.Tensor, block_words: int, *, src_base: int, dst: torch.Tensor | None = None,
                     sums: torch.Tensor | None = None, expect_base: int | None = None,
-                    flag: torch.Tensor | None = None) -> None:
+                    flag: torch.Tensor | None = None, aligned: bool = False, programs: int | None = None,
+                    chunk_words: int | None = None, num_warps: int | None = None) -> None:
     """Launch one program per block of ``table`` (see the module docstring) on ``table``'s device.
 
-    :param src_base: byte address of source word 0 (``src.data_ptr()``).
+    :param src_base: byte address of source word 0 (``src.data_ptr()``; ``0`` for a gather table).
     :param dst: ``int64`` 1-D words to copy into (``None``: sums only).
     :param sums: ``int64 [n_blocks]`` output (``None``: copy only).
     :param expect_base: byte address of the sender's ``int64 [n_blocks]`` sums; each mismatch sets
         ``flag`` (``int32 []``, on the launch device) to 1. Needs ``sums``.
+    :param aligned: rows 0 and 2 of ``table`` are multiples of 8 words (whole blocks then copy with
+        unmasked 16-byte vector accesses, when the base addresses are 64-byte aligned too).
+    :param programs: at most this many programs, each looping over blocks (default
+        :data:`PROGRAMS`; 0 = one per block).
+    :param chunk_words, num_warps: launch shape (defaults :data:`CHUNK_WORDS`, :data:`NUM_WARPS`).
     """
     n = table.shape[1]
     if table.dtype != torch.int64 or table.ndim != 2 or table.shape[0] != 4:
@@ -87,9 +116,12 @@ def copy_sum_blocks(table: torch.Tensor, block_words: int, *, src_base: int, dst
         raise ValueError("copy_sum_blocks: expect_base and flag go together, and need sums")
     if n == 0 or (dst is None and sums is None):
         return
+    aligned = aligned and src_base % 64 == 0 and (dst is None or dst.data_ptr() % 64 == 0)
+    programs = PROGRAMS if programs is None else programs
     # CPU tensors only under TRITON_INTERPRET=1 (the tests); addresses are then host memory
     with torch.cuda.device(table.device) if table.device.type == "cuda" else contextlib.nullcontext():
-        _kernel()[(n,)](src_base, table, n, dst if dst is not None else table, sums if sums is not None else table,
+        _kernel()[(min(n, programs) if programs else n,)](src_base, table, n, dst if dst is not None else table, sums if sums is not None else table,
                         expect_base or 0, flag if flag is not None else table, COPY=dst is not None,
                         SUMS=sums is not None, CHECK=flag is not None, BLOCK=block_words,
-                        CHUNK=min(1024, block_words), num_warps=4)
+                        CHUNK=min(chunk_words or CHUNK_WORDS, block_words), ALIGNED=aligned,
+                        num_warps=num_warps or NUM_WARPS)

@@ -95,12 +95,42 @@ def _block_layout(starts: list[int], total: int) -> _Layout:
 
 
 @functools.lru_cache(maxsize=64)
-def _device_table(starts: tuple[int, ...], total: int, device: torch.device) -> torch.Tensor:
+def _device_table(starts: tuple[int, ...], total: int, device: torch.device) -> tuple[torch.Tensor, bool]:
     """The block table of :func:`kimi_core.kernels.block_sums.copy_sum_blocks` for copying a whole
-    bucket word for word (source word = destination word), ``int64 [4, n_blocks]`` on ``device`` (cached)."""
+    bucket word for word (source word = destination word), ``int64 [4, n_blocks]`` on ``device``, and
+    whether every block starts 64-byte aligned (every region does, as in a bucket). Cached."""
     lay = _block_layout(list(starts), total)
     n = lay.bend - lay.bst
-    return torch.from_numpy(np.stack([lay.bst, n, lay.bst, n])).to(device)
+    return torch.from_numpy(np.stack([lay.bst, n, lay.bst, n])).to(device), all(s % ALIGN == 0 for s in starts)
+
+
+@functools.lru_cache(maxsize=256)
+def _gather_table(addrs: tuple[int, ...], nbytes: tuple[int, ...], starts: tuple[int, ...], total: int,
+                  device: torch.device) -> torch.Tensor:
+    """The block table that flattens tensors at byte addresses ``addrs`` (multiples of :data:`ALIGN`)
+    of ``nbytes`` each (multiples of 8) into a bucket with regions ``starts`` in one
+    :func:`~kimi_core.kernels.block_sums.copy_sum_blocks` launch with ``src_base=0``: row 0 holds
+    absolute source word addresses, a region's alignment gap reads as zeros. ``int64 [4, n_blocks]``
+    on ``device``, cached: an adapter's parameters keep their addresses from step to step."""
+    lay = _block_layout(list(starts), total)
+    into = lay.bst - lay.w_starts[lay.region]  # words into the block's region
+    length = lay.bend - lay.bst
+    src_word = np.asarray(addrs, dtype=np.int64)[lay.region] // 8 + into
+    n_src = np.clip(np.asarray(nbytes, dtype=np.int64)[lay.region] // 8 - into, 0, length)
+    return torch.from_numpy(np.stack([src_word, n_src, lay.bst, length])).to(device)
+
+
+def _gather_addresses(items: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[int, ...] | None:
+    """Source addresses for :func:`_gather_table`, or ``None`` unless every tensor is contiguous on
+    ``device`` at an :data:`ALIGN`-byte aligned address (as every allocation) with a whole number of
+    8-byte words."""
+    addrs = []
+    for _, t in items:
+        a = t.data_ptr()
+        if t.device != device or a % ALIGN or (t.numel() * t.element_size()) % 8 or not t.is_contiguous():
+            return None
+        addrs.append(a)
+    return tuple(addrs)
 
 
 @functools.lru_cache(maxsize=64)
@@ -150,7 +180,7 @@ def region_sums(buffer: torch.Tensor | np.ndarray, starts: list[int], total: int
 
 def copy_block_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[int],
                     total: int | None = None, *, expect: torch.Tensor | None = None,
-                    flag: torch.Tensor | None = None) -> torch.Tensor:
+                    flag: torch.Tensor | None = None, programs: int | None = None) -> torch.Tensor:
     """The block sums of ``src`` (``uint8 [>= total]``) as ``int64 [n_blocks]`` (bits = the unsigned
     sums) on the checking device, copying the first ``total`` bytes to ``dst`` on the way when given.
 
@@ -159,15 +189,17 @@ def copy_block_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[in
     sender's ``int64 [n_blocks]`` sums, any GPU) with ``flag`` (``int32 []`` on the checking device)
     compares in the same kernel and sets ``flag`` to 1 on a mismatch: synchronise once, read
     ``flag``. Across GPUs (an IPC buffer of a peer): a copy over NVLink, then the sums of the local
-    copy (kernel loads from IPC-mapped peer memory fault on H200: measured). On the CPU: a copy,
-    then numpy's ``add.reduceat`` (``expect``/``flag`` compared with torch ops).
+    copy (kernel loads from IPC-mapped peer memory fault on H200, and with peer access on they run
+    at 351 GB/s vs 389 GB/s for the copy engine: measured). On the CPU: a copy,
+    then numpy's ``add.reduceat`` (``expect``/``flag`` compared with torch ops). ``programs`` caps the
+    kernel's programs (a pass that runs beside a copy-engine transfer).
     """
     total = src.numel() if total is None else total
     dev = (dst if dst is not None else src).device
     if dev.type == "cuda" and src.device == dev:
         from kimi_core.kernels.block_sums import copy_sum_blocks
 
-        table = _device_table(tuple(int(x) for x in starts), int(total), dev)
+        table, aligned = _device_table(tuple(int(x) for x in starts), int(total), dev)
         sums = torch.empty(table.shape[1], dtype=torch.int64, device=dev)
         if expect is not None and (expect.numel() != sums.numel() or expect.dtype != torch.int64):
             raise ValueError(f"copy_block_sums: expect must be int64 [{sums.numel()}], got {expect.dtype} "
@@ -176,16 +208,17 @@ def copy_block_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[in
             expect = expect.to(dev)
         copy_sum_blocks(table, BLOCK_WORDS, src_base=src.data_ptr(),
                         dst=None if dst is None else dst[:total].view(torch.int64), sums=sums,
-                        expect_base=None if expect is None else expect.data_ptr(), flag=flag)
+                        expect_base=None if expect is None else expect.data_ptr(), flag=flag, aligned=aligned,
+                        programs=programs)
         return sums
     if dst is not None:
         if dst.device.type == "cpu" and src.device.type == "cpu":
             np.copyto(dst.numpy()[:total], src.numpy()[:total])
         else:
             dst[:total].copy_(src[:total])
-        return copy_block_sums(dst, None, starts, total, expect=expect, flag=flag)
+        return copy_block_sums(dst, None, starts, total, expect=expect, flag=flag, programs=programs)
     if src.device.type == "cuda":  # reached only through the copy above: src is now local
-        return copy_block_sums(src, None, starts, total, expect=expect, flag=flag)
+        return copy_block_sums(src, None, starts, total, expect=expect, flag=flag, programs=programs)
     layout = _block_layout(starts, total)
     words = src.numpy()[:total].view(np.uint64)
     # regions are contiguous, so reduceat's "up to the next index" is "up to the end of this block"
@@ -329,7 +362,8 @@ def n_blocks(starts: list[int], total: int) -> int:
 
 
 def _flatten(index: int, items: list[tuple[str, torch.Tensor]], expert_range, checksum: bool,
-             staging: list | None = None, device: torch.device | None = None, block_sums: bool = False) -> Bucket:
+             staging: list | None = None, device: torch.device | None = None, block_sums: bool = False,
+             allocate=None) -> Bucket:
     metas, off = [], 0
     for name, t in items:
         nb = t.numel() * t.element_size()
@@ -338,11 +372,16 @@ def _flatten(index: int, items: list[tuple[str, torch.Tensor]], expert_range, ch
     device = torch.device(device or "cpu")
     starts = [m.offset for m in metas]
     wire = None
-    if block_sums:
+    if block_sums or allocate:
         if device.type != "cuda" or staging is not None:
-            raise ValueError("iter_buckets: block_sums=True needs a CUDA device and no staging buffer")
-        wire = torch.empty(off + 8 * n_blocks(starts, off), dtype=torch.uint8, device=device)
+            raise ValueError("iter_buckets: block_sums=True or allocate= needs a CUDA device and no staging buffer")
+        n = off + (8 * n_blocks(starts, off) if block_sums else 0)
+        wire = allocate(index, n) if allocate else torch.empty(n, dtype=torch.uint8, device=device)
+        if wire.dtype != torch.uint8 or wire.shape != (n,) or wire.device != device:
+            raise ValueError(f"iter_buckets: allocate({index}, {n}) must return uint8 [{n}] on {device}, got "
+                             f"{wire.dtype} {tuple(wire.shape)} on {wire.device}")
         buf = wire[:off]
+        wire = wire if block_sums else None
     elif staging is None:
         buf = torch.empty(off, dtype=torch.uint8, device=device)
     else:
@@ -358,6 +397,12 @@ def _flatten(index: int, items: list[tuple[str, torch.Tensor]], expert_range, ch
             # numpy's memcpy is ~4x faster than torch.copy_ for the many ~100 kB expert factors
             arr[m.offset: m.offset + m.nbytes] = src.contiguous().reshape(-1).view(torch.uint8).numpy()
             arr[m.offset + m.nbytes: _align(m.offset + m.nbytes)] = 0
+    elif (addrs := _gather_addresses(items, device)) is not None:  # one launch: gather, zero gaps, sums
+        from kimi_core.kernels.block_sums import copy_sum_blocks
+
+        table = _gather_table(addrs, tuple(m.nbytes for m in metas), tuple(starts), off, device)
+        copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst=buf.view(torch.int64),
+                        sums=None if wire is None else wire[off:].view(torch.int64), aligned=True)
     else:  # one concatenation kernel for all tensors and their zero gaps, then the block sums
         cat, zeros = [], torch.zeros(ALIGN, dtype=torch.uint8, device=device)
         for (_, t), m in zip(items, metas):
@@ -365,7 +410,7 @@ def _flatten(index: int, items: list[tuple[str, torch.Tensor]], expert_range, ch
             if _align(m.nbytes) > m.nbytes:
                 cat.append(zeros[: _align(m.nbytes) - m.nbytes])
         torch.cat(cat, out=buf)
-        if wire is not None:  # measured: torch.cat + this pass beats one gather+sums kernel (RESULTS.md)
+        if wire is not None:
             wire[off:].view(torch.int64).copy_(copy_block_sums(buf, None, starts, off))
     if checksum:
         region = region_sums(buf, starts, off)
@@ -418,7 +463,7 @@ def iter_buckets(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch
                  bucket_bytes: int = 256 << 20, *, config=None, experts: tuple[int, int] | None = None,
                  checksum: bool = True, reuse_buffer: bool = False,
                  staging: torch.Tensor | None = None, device: torch.device | str | None = None,
-                 block_sums: bool = False) -> Iterator[Bucket]:
+                 block_sums: bool = False, allocate=None) -> Iterator[Bucket]:
     """Yield :class:`Bucket` s of at most ``bucket_bytes`` (a tensor larger than that gets a bucket
     of its own), in the order of ``tensors``.
 
@@ -434,6 +479,9 @@ def iter_buckets(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch
         stay on the GPU (the CUDA-IPC transport).
     :param block_sums: (CUDA) store each bucket's ``int64`` block sums after its bytes
         (:attr:`Bucket.wire`), one allocation, so a transport sends both under one handle.
+    :param allocate: (CUDA) ``allocate(bucket_index, nbytes)`` returns the ``uint8 [nbytes]`` buffer
+        of a bucket (with ``block_sums``: bytes and sums) instead of a fresh allocation, e.g. a
+        transport's persistent buffers.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -443,6 +491,8 @@ def iter_buckets(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch
             raise ValueError("iter_buckets: experts=(lo, hi) needs config= to know the expert count")
         items = filter_experts(dict(items), config, *experts).items()
     device = torch.device(device or (staging.device if staging is not None else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if staging is not None and (staging.dtype != torch.uint8 or staging.ndim != 1 or staging.device != device):
         raise ValueError(f"iter_buckets: staging must be a 1-D uint8 tensor on {device}")
     stage: list | None = [staging] if staging is not None else ([None] if reuse_buffer else None)
@@ -451,12 +501,12 @@ def iter_buckets(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch
     for name, t in items:
         nb = _align(t.numel() * t.element_size())
         if cur and size + nb > bucket_bytes:
-            yield _flatten(index, cur, experts, checksum, stage, device, block_sums)
+            yield _flatten(index, cur, experts, checksum, stage, device, block_sums, allocate)
             index, cur, size = index + 1, [], 0
         cur.append((name, t))
         size += nb
     if cur:
-        yield _flatten(index, cur, experts, checksum, stage, device, block_sums)
+        yield _flatten(index, cur, experts, checksum, stage, device, block_sums, allocate)
 
 
 def assemble(buckets: Iterable[Bucket], verify: bool = True) -> dict[str, torch.Tensor]:

@@ -114,19 +114,24 @@ def _word_tensors(seed: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("odd", [False, True])
-def test_gpu_flatten_with_block_sums(odd):
-    """GPU buckets with attached block sums: bytes equal the CPU flatten, the sums the brute-force block
-    sums (also with a tensor of a partial word, ``odd``)."""
+@pytest.mark.parametrize("sums", [True, False])
+def test_gpu_flatten_with_block_sums(odd, sums):
+    """GPU buckets (the gather kernel; with a partial-word tensor, ``odd``, torch.cat) equal the CPU
+    flatten byte for byte, and their attached sums the brute-force block sums; twice, the second time
+    from the cached gather table."""
     tensors = _word_tensors(7)
     if odd:
         tensors["odd"] = torch.randn(3).to(torch.bfloat16)
     cpu = list(iter_buckets(tensors, 40 << 10, checksum=False))
-    gpu = list(iter_buckets({k: v.cuda() for k, v in tensors.items()}, 40 << 10, checksum=False, device="cuda",
-                            block_sums=True))
-    assert len(cpu) == len(gpu) > 1
-    for c, g in zip(cpu, gpu):
-        assert torch.equal(g.buffer.cpu(), c.buffer)
-        assert g.block_sums.cpu().numpy().view(np.uint64).tolist() == _brute_block_sums(c.buffer, c.region_starts())
+    on_gpu = {k: v.cuda() for k, v in tensors.items()}
+    for _ in range(2):
+        gpu = list(iter_buckets(on_gpu, 40 << 10, checksum=False, device="cuda", block_sums=sums))
+        assert len(cpu) == len(gpu) > 1
+        for c, g in zip(cpu, gpu):
+            assert torch.equal(g.buffer.cpu(), c.buffer)
+            if sums:
+                want = _brute_block_sums(c.buffer, c.region_starts())
+                assert g.block_sums.cpu().numpy().view(np.uint64).tolist() == want
 
 
 @pytest.mark.gpu
@@ -179,18 +184,39 @@ print("SUMS", torch.equal(sums, want), "COPY", torch.equal(dst.view(torch.uint8)
 bad = want.clone(); bad[len(bad) // 2] ^= 1
 copy_sum_blocks(table, BLOCK_WORDS, src_base=buf.data_ptr(), sums=sums, expect_base=bad.data_ptr(), flag=flag)
 print("FLAG1", int(flag))
+looped = torch.empty_like(want)  # 3 programs, each looping over a third of the blocks
+copy_sum_blocks(table, BLOCK_WORDS, src_base=buf.data_ptr(), sums=looped, programs=3)
+print("LOOP", torch.equal(looped, want))
 # a tensor's alignment gap reads as zeros: 3 source words into a 5-word block
 src = torch.arange(1, 4, dtype=torch.int64)
 out = torch.full((5,), -1, dtype=torch.int64)
 one = torch.empty(1, dtype=torch.int64)
 copy_sum_blocks(torch.tensor([[0], [3], [0], [5]]), BLOCK_WORDS, src_base=src.data_ptr(), dst=out, sums=one)
 print("GAP", out.tolist(), int(one))
+# gather: many tensors (absolute addresses, src_base=0) into one bucket with their block sums, one launch
+from kimi_core.lora import iter_buckets
+from kimi_core.lora.buckets import _gather_addresses, _gather_table
+from test_bucket_sums_gpu import _word_tensors
+ts = _word_tensors(3)
+print("UNALIGNED", _gather_addresses(list(ts.items()), torch.device("cpu")))  # "row" is a view 32 bytes off
+ts.pop("row")
+ref = next(iter_buckets(ts, 1 << 30, checksum=False))
+addrs = _gather_addresses(list(ts.items()), torch.device("cpu"))
+table = _gather_table(addrs, tuple(m.nbytes for m in ref.metas), tuple(ref.region_starts()), ref.nbytes,
+                      torch.device("cpu"))
+out = torch.full((ref.nbytes // 8,), -1, dtype=torch.int64)
+s = torch.empty(table.shape[1], dtype=torch.int64)
+copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst=out, sums=s)
+print("GATHER", torch.equal(out.view(torch.uint8), ref.buffer),
+      s.numpy().view(np.uint64).tolist() == _brute_block_sums(ref.buffer, ref.region_starts()))
 """
 
 
 def test_copy_sum_blocks_kernel_in_triton_interpreter():
     """The Triton kernel itself on the CPU (TRITON_INTERPRET=1): sums equal the brute force, the copy is
-    exact, the in-kernel compare raises the flag only on a mismatch, alignment gaps are zero-filled."""
+    exact, the in-kernel compare raises the flag only on a mismatch, programs looping over several blocks
+    give the same sums, alignment gaps are zero-filled, and a
+    gather table flattens many tensors into the CPU flatten's exact bytes with the brute-force sums."""
     import os
     import subprocess
     import sys
@@ -202,4 +228,6 @@ def test_copy_sum_blocks_kernel_in_triton_interpreter():
                          cwd=root, env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "SUMS True COPY True FLAG0 0" in res.stdout and "FLAG1 1" in res.stdout, res.stdout
+    assert "LOOP True" in res.stdout, res.stdout
     assert "GAP [1, 2, 3, 0, 0] 6" in res.stdout, res.stdout
+    assert "GATHER True True" in res.stdout and "UNALIGNED None" in res.stdout, res.stdout
