@@ -39,7 +39,7 @@ from lora_bucket_export import LAYER, k3_config, layer_slice  # noqa: E402
 from results import append, git_commit, today  # noqa: E402
 
 from kimi_core.lora import Adapter  # noqa: E402
-from kimi_core.lora.buckets import region_sums  # noqa: E402
+from kimi_core.lora.buckets import copy_block_sums, region_sums  # noqa: E402
 from kimi_rl_glue.sync.cuda_ipc import _FRAME, CudaIpcAdapterSync  # noqa: E402
 from kimi_rl_glue.sync.disk import AdapterSyncError  # noqa: E402
 
@@ -49,14 +49,14 @@ def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
             for k, v in tensors.items()}
 
 
-def set_launch(launch: tuple[int, int, int, int]) -> None:
-    """Use ``(words per load step, warps, programs, background programs)`` for ``copy_sum_blocks`` here."""
+def set_launch(launch: tuple[int, int]) -> None:
+    """Use ``(words per load step, warps)`` for ``copy_sum_blocks`` in this process."""
     from kimi_core.kernels import block_sums
 
-    block_sums.CHUNK_WORDS, block_sums.NUM_WARPS, block_sums.PROGRAMS, block_sums.BACKGROUND_PROGRAMS = launch
+    block_sums.CHUNK_WORDS, block_sums.NUM_WARPS = launch
 
 
-def engine(gpu: int, bucket_bytes: int, conn, launch: tuple[int, int, int, int]) -> None:
+def engine(gpu: int, bucket_bytes: int, conn, launch: tuple[int, int]) -> None:
     """Engine side: receive each announced (manifest, version, checksum, want_digests), answer with timings."""
     torch.cuda.set_device(gpu)
     set_launch(launch)
@@ -108,8 +108,8 @@ def repeat_layers(tensors: dict[str, torch.Tensor], n: int) -> dict[str, torch.T
 def phase_breakdown(nbytes: int = 512 << 20) -> list[str]:
     """Where a checksum's time goes on one GPU (kernel times by CUDA events): the sums kernel alone and
     the fused copy + sums kernel vs a plain copy, at the launch shape in use; across GPUs (2 GPUs)
-    torch's peer copy and the sums pass on the receiving GPU."""
-    from kimi_core.lora.buckets import _block_layout, copy_block_sums
+    torch's peer copy."""
+    from kimi_core.lora.buckets import _block_layout
 
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:0")
     dst = torch.empty_like(buf)
@@ -127,18 +127,15 @@ def phase_breakdown(nbytes: int = 512 << 20) -> list[str]:
         far = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
         with torch.cuda.device(1):
             p_copy = _gpu_ms(lambda: far.copy_(buf))
-            p_sums = _gpu_ms(lambda: copy_block_sums(far, None, starts, nbytes))
         out.append(f"across GPUs on {gb:.2f} GB: torch peer copy cuda:0 -> cuda:1 {p_copy:.3f} ms "
-                   f"({gb / p_copy * 1e3:.0f} GB/s, copy engine); sums of the copy on cuda:1 {p_sums:.3f} ms "
-                   "(receive runs it beside the next bucket's copy: --tune's second table)")
+                   f"({gb / p_copy * 1e3:.0f} GB/s, copy engine)")
     return out
 
 
-def tune_launch(nbytes: int = 512 << 20) -> tuple[tuple[int, int, int, int], list[str]]:
-    """Sweep ``copy_sum_blocks``' launch shape: (words per load step, warps, programs) on the fused copy +
-    sums of ``nbytes`` on one GPU; with 2 GPUs also the programs of a sums pass on cuda:1 that runs
-    beside a copy-engine transfer cuda:0 -> cuda:1 (receive's overlap). Returns ``(chunk, warps,
-    programs, background_programs)`` (the fastest) and the tables."""
+def tune_launch(nbytes: int = 512 << 20) -> tuple[tuple[int, int], list[str]]:
+    """Sweep ``copy_sum_blocks``' launch shape (words per load step x warps) on the fused copy + sums of
+    ``nbytes`` on one GPU; with 2 GPUs also time a sums pass on cuda:1 beside a copy-engine transfer
+    cuda:0 -> cuda:1 issued as receive issues it. Returns the fastest shape and the tables."""
     from kimi_core.kernels import block_sums
     from kimi_core.lora.buckets import BLOCK_WORDS, _device_table
 
@@ -149,51 +146,36 @@ def tune_launch(nbytes: int = 512 << 20) -> tuple[tuple[int, int, int, int], lis
     k_copy = _gpu_ms(lambda: dst.view(torch.uint8).copy_(buf))
     out = [f"launch-shape sweep of copy_sum_blocks on {nbytes / 1e9:.2f} GB (plain torch copy {k_copy:.3f} ms, "
            f"{nbytes / k_copy / 1e6:.0f} GB/s):", "",
-           "| words per step | warps | programs | fused copy+sums ms | GB/s | sums only ms | GB/s read |",
-           "|---|---|---|---|---|---|---|"]
+           "| words per step | warps | fused copy+sums ms | GB/s | sums only ms | GB/s read |", "|---|---|---|---|---|---|"]
     best = None
-    for chunk, warps in ((512, 8), (1024, 4), (2048, 8), (2048, 16), (4096, 8)):
-        for programs in (0, 132 * 4, 132 * 16):
-            kw = dict(src_base=buf.data_ptr(), sums=sums, aligned=True, programs=programs, chunk_words=chunk,
-                      num_warps=warps)
+    for chunk in (512, 1024, 2048, 4096):
+        for warps in (4, 8, 16):
+            kw = dict(src_base=buf.data_ptr(), sums=sums, aligned=True, chunk_words=chunk, num_warps=warps)
             fused = _gpu_ms(lambda: block_sums.copy_sum_blocks(table, BLOCK_WORDS, dst=dst, **kw))
             only = _gpu_ms(lambda: block_sums.copy_sum_blocks(table, BLOCK_WORDS, **kw))
-            out.append(f"| {chunk} | {warps} | {programs or 'one per block'} | {fused:.3f} | "
-                       f"{nbytes / fused / 1e6:.0f} | {only:.3f} | {nbytes / only / 1e6:.0f} |")
+            out.append(f"| {chunk} | {warps} | {fused:.3f} | {nbytes / fused / 1e6:.0f} | {only:.3f} | "
+                       f"{nbytes / only / 1e6:.0f} |")
             if best is None or fused < best[0]:
-                best = (fused, chunk, warps, programs)
-    _, chunk, warps, programs = best
-    background = block_sums.BACKGROUND_PROGRAMS
+                best = (fused, (chunk, warps))
     if torch.cuda.device_count() > 1:
         far = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
         other = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:1")
-        t1, _ = _device_table((0, nbytes // 4, nbytes // 2), nbytes, torch.device("cuda:1"))
-        s1 = torch.empty(t1.shape[1], dtype=torch.int64, device="cuda:1")
         side, side0 = torch.cuda.Stream(1), torch.cuda.Stream(0)
+
+        def both():
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side0), torch.cuda.stream(side):  # as receive: no default streams
+                far.copy_(buf, non_blocking=True)
+            copy_block_sums(other, None, [0], nbytes)
+            torch.cuda.current_stream().wait_stream(side)
+
         with torch.cuda.device(1):
             p_copy = _gpu_ms(lambda: far.copy_(buf))
-            out += ["", f"sums pass on cuda:1 beside a copy-engine transfer cuda:0 -> cuda:1 of {nbytes / 1e9:.2f} GB "
-                    f"(copy alone {p_copy:.3f} ms):", "", "| programs | sums alone ms | copy + sums at once ms |",
-                    "|---|---|---|"]
-            pick = None
-            for bg in (8, 16, 32, 64, 132, 0):
-                kw = dict(src_base=other.data_ptr(), sums=s1, aligned=True, programs=bg, chunk_words=chunk,
-                          num_warps=warps)
-
-                def both():
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side0), torch.cuda.stream(side):  # as receive: no default streams
-                        far.copy_(buf, non_blocking=True)
-                    block_sums.copy_sum_blocks(t1, BLOCK_WORDS, **kw)
-                    torch.cuda.current_stream().wait_stream(side)
-
-                alone = _gpu_ms(lambda: block_sums.copy_sum_blocks(t1, BLOCK_WORDS, **kw))
-                at_once = _gpu_ms(both)
-                out.append(f"| {bg or 'one per block'} | {alone:.3f} | {at_once:.3f} |")
-                if bg and (pick is None or at_once < pick[0] - 0.005):
-                    pick = (at_once, bg)
-            background = pick[1]
-    return (chunk, warps, programs, background), out + [""]
+            p_sums = _gpu_ms(lambda: copy_block_sums(other, None, [0], nbytes))
+            p_both = _gpu_ms(both)
+        out += ["", f"beside a copy-engine transfer cuda:0 -> cuda:1 of {nbytes / 1e9:.2f} GB: copy alone "
+                f"{p_copy:.3f} ms, sums pass on cuda:1 alone {p_sums:.3f} ms, both at once {p_both:.3f} ms"]
+    return best[1], out + [""]
 
 
 def main() -> None:
@@ -219,7 +201,7 @@ def main() -> None:
     if args.tune:
         launch, tuned = tune_launch()
         set_launch(launch)
-    launch = (block_sums.CHUNK_WORDS, block_sums.NUM_WARPS, block_sums.PROGRAMS, block_sums.BACKGROUND_PROGRAMS)
+    launch = (block_sums.CHUNK_WORDS, block_sums.NUM_WARPS)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=engine, args=(args.engine_gpu, bucket, child, launch), daemon=True)
@@ -316,8 +298,7 @@ def main() -> None:
                f"trainer flatten and engine receive, best of {args.repeats} each) + the manifest's CRC-32 on both "
                "sides; wall (on - off) / on is the same difference in wall-clock sync time, where host noise "
                "(IPC opens, allocations) of either run shows\n"
-               f"- copy_sum_blocks launch: {launch[0]} words per step, {launch[1]} warps, programs {launch[2] or 'one per block'}"
-               f", beside a copy {launch[3]} programs\n\n{hdr}{body}\n"
+               f"- copy_sum_blocks launch: {launch[0]} words per step, {launch[1]} warps\n\n{hdr}{body}\n"
                + "".join(f"- {c}\n" for c in checks) + "".join(f"{t}\n" for t in tuned))
     print(section)
     if args.section_out:

@@ -19,9 +19,10 @@ source (the rest of the block reads as zero: a tensor's alignment gap), row 2 th
 index, row 3 the block length in words (``<= BLOCK``). Sums are ``int64`` whose bits are the
 unsigned sums (Triton's 64-bit adds wrap).
 
-Launch shape: ``CHUNK_WORDS`` words per load step, ``NUM_WARPS`` warps and ``PROGRAMS`` programs
-(``BACKGROUND_PROGRAMS`` for a pass beside a copy), chosen by ``benchmarks/cuda_ipc_sync.py
---tune`` on an H200 (RESULTS.md).
+Launch shape: ``CHUNK_WORDS`` words per load step and ``NUM_WARPS`` warps per program, chosen by
+``benchmarks/cuda_ipc_sync.py --tune`` on an H200 (RESULTS.md; one program per block beat fewer
+programs looping over blocks, and a sums pass beside a copy-engine transfer hides behind it at full
+width).
 """
 
 from __future__ import annotations
@@ -30,14 +31,10 @@ import contextlib
 
 import torch
 
-__all__ = ["BACKGROUND_PROGRAMS", "CHUNK_WORDS", "NUM_WARPS", "PROGRAMS", "copy_sum_blocks"]
+__all__ = ["CHUNK_WORDS", "NUM_WARPS", "copy_sum_blocks"]
 
 CHUNK_WORDS = 2048
 NUM_WARPS = 8
-PROGRAMS = 0  # 0: one program per block; n: n programs loop over the blocks
-# a sums pass beside a copy-engine transfer into the same GPU: few programs, so it does not
-# saturate the memory the copy writes to (measured: a full-speed pass stalls the copy as long as it runs)
-BACKGROUND_PROGRAMS = 32
 
 _KERNEL = None
 
@@ -52,36 +49,36 @@ def _kernel():
         def _copy_sum_blocks(src_base, table, n_blocks, dst, sums, expect_base, flag, COPY: tl.constexpr,
                              SUMS: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
                              ALIGNED: tl.constexpr):
-            for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):  # once, unless `programs`
-                src_word = tl.load(table + blk)
-                n_src = tl.load(table + n_blocks + blk)
-                d0 = tl.load(table + 2 * n_blocks + blk)
-                length = tl.load(table + 3 * n_blocks + blk)
-                if ALIGNED:  # 64-byte aligned blocks: 16-byte vector loads and stores
-                    src_word = tl.multiple_of(src_word, 8)
-                    d0 = tl.multiple_of(d0, 8)
-                src = (src_base + src_word * 8).to(tl.pointer_type(tl.int64))
-                acc = tl.zeros([CHUNK], dtype=tl.int64)
-                if (n_src == BLOCK) & (length == BLOCK):  # a whole block of the source: no masks
-                    for c in tl.static_range(0, BLOCK, CHUNK):
-                        offs = c + tl.arange(0, CHUNK)
-                        x = tl.load(src + offs)
-                        if COPY:
-                            tl.store(dst + d0 + offs, x)
-                        acc += x
-                else:  # a tensor's last block, its alignment gap reads as zeros
-                    for c in tl.static_range(0, BLOCK, CHUNK):
-                        offs = c + tl.arange(0, CHUNK)
-                        x = tl.load(src + offs, mask=offs < n_src, other=0)
-                        if COPY:
-                            tl.store(dst + d0 + offs, x, mask=offs < length)
-                        acc += x
-                if SUMS:
-                    s = tl.sum(acc, axis=0)
-                    tl.store(sums + blk, s)
-                    if CHECK:
-                        e = tl.load((expect_base + blk * 8).to(tl.pointer_type(tl.int64)))
-                        tl.atomic_max(flag, (s != e).to(tl.int32))
+            blk = tl.program_id(0)
+            src_word = tl.load(table + blk)
+            n_src = tl.load(table + n_blocks + blk)
+            d0 = tl.load(table + 2 * n_blocks + blk)
+            length = tl.load(table + 3 * n_blocks + blk)
+            if ALIGNED:  # 64-byte aligned blocks: 16-byte vector loads and stores
+                src_word = tl.multiple_of(src_word, 8)
+                d0 = tl.multiple_of(d0, 8)
+            src = (src_base + src_word * 8).to(tl.pointer_type(tl.int64))
+            acc = tl.zeros([CHUNK], dtype=tl.int64)
+            if (n_src == BLOCK) & (length == BLOCK):  # a whole block of the source: no masks
+                for c in tl.static_range(0, BLOCK, CHUNK):
+                    offs = c + tl.arange(0, CHUNK)
+                    x = tl.load(src + offs)
+                    if COPY:
+                        tl.store(dst + d0 + offs, x)
+                    acc += x
+            else:  # a tensor's last block, its alignment gap reads as zeros
+                for c in tl.static_range(0, BLOCK, CHUNK):
+                    offs = c + tl.arange(0, CHUNK)
+                    x = tl.load(src + offs, mask=offs < n_src, other=0)
+                    if COPY:
+                        tl.store(dst + d0 + offs, x, mask=offs < length)
+                    acc += x
+            if SUMS:
+                s = tl.sum(acc, axis=0)
+                tl.store(sums + blk, s)
+                if CHECK:
+                    e = tl.load((expect_base + blk * 8).to(tl.pointer_type(tl.int64)))
+                    tl.atomic_max(flag, (s != e).to(tl.int32))
 
         _KERNEL = _copy_sum_blocks
     return _KERNEL
@@ -89,8 +86,8 @@ def _kernel():
 
 def copy_sum_blocks(table: torch.Tensor, block_words: int, *, src_base: int, dst: torch.Tensor | None = None,
                     sums: torch.Tensor | None = None, expect_base: int | None = None,
-                    flag: torch.Tensor | None = None, aligned: bool = False, programs: int | None = None,
-                    chunk_words: int | None = None, num_warps: int | None = None) -> None:
+                    flag: torch.Tensor | None = None, aligned: bool = False, chunk_words: int | None = None,
+                    num_warps: int | None = None) -> None:
     """Launch one program per block of ``table`` (see the module docstring) on ``table``'s device.
 
     :param src_base: byte address of source word 0 (``src.data_ptr()``; ``0`` for a gather table).
@@ -100,8 +97,6 @@ def copy_sum_blocks(table: torch.Tensor, block_words: int, *, src_base: int, dst
         ``flag`` (``int32 []``, on the launch device) to 1. Needs ``sums``.
     :param aligned: rows 0 and 2 of ``table`` are multiples of 8 words (whole blocks then copy with
         unmasked 16-byte vector accesses, when the base addresses are 64-byte aligned too).
-    :param programs: at most this many programs, each looping over blocks (default
-        :data:`PROGRAMS`; 0 = one per block).
     :param chunk_words, num_warps: launch shape (defaults :data:`CHUNK_WORDS`, :data:`NUM_WARPS`).
     """
     n = table.shape[1]
@@ -117,10 +112,9 @@ def copy_sum_blocks(table: torch.Tensor, block_words: int, *, src_base: int, dst
     if n == 0 or (dst is None and sums is None):
         return
     aligned = aligned and src_base % 64 == 0 and (dst is None or dst.data_ptr() % 64 == 0)
-    programs = PROGRAMS if programs is None else programs
     # CPU tensors only under TRITON_INTERPRET=1 (the tests); addresses are then host memory
     with torch.cuda.device(table.device) if table.device.type == "cuda" else contextlib.nullcontext():
-        _kernel()[(min(n, programs) if programs else n,)](src_base, table, n, dst if dst is not None else table, sums if sums is not None else table,
+        _kernel()[(n,)](src_base, table, n, dst if dst is not None else table, sums if sums is not None else table,
                         expect_base or 0, flag if flag is not None else table, COPY=dst is not None,
                         SUMS=sums is not None, CHECK=flag is not None, BLOCK=block_words,
                         CHUNK=min(chunk_words or CHUNK_WORDS, block_words), ALIGNED=aligned,

@@ -180,7 +180,7 @@ def region_sums(buffer: torch.Tensor | np.ndarray, starts: list[int], total: int
 
 def copy_block_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[int],
                     total: int | None = None, *, expect: torch.Tensor | None = None,
-                    flag: torch.Tensor | None = None, programs: int | None = None) -> torch.Tensor:
+                    flag: torch.Tensor | None = None) -> torch.Tensor:
     """The block sums of ``src`` (``uint8 [>= total]``) as ``int64 [n_blocks]`` (bits = the unsigned
     sums) on the checking device, copying the first ``total`` bytes to ``dst`` on the way when given.
 
@@ -191,8 +191,7 @@ def copy_block_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[in
     ``flag``. Across GPUs (an IPC buffer of a peer): a copy over NVLink, then the sums of the local
     copy (kernel loads from IPC-mapped peer memory fault on H200, and with peer access on they run
     at 351 GB/s vs 389 GB/s for the copy engine: measured). On the CPU: a copy,
-    then numpy's ``add.reduceat`` (``expect``/``flag`` compared with torch ops). ``programs`` caps the
-    kernel's programs (a pass that runs beside a copy-engine transfer).
+    then numpy's ``add.reduceat`` (``expect``/``flag`` compared with torch ops).
     """
     total = src.numel() if total is None else total
     dev = (dst if dst is not None else src).device
@@ -208,17 +207,16 @@ def copy_block_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[in
             expect = expect.to(dev)
         copy_sum_blocks(table, BLOCK_WORDS, src_base=src.data_ptr(),
                         dst=None if dst is None else dst[:total].view(torch.int64), sums=sums,
-                        expect_base=None if expect is None else expect.data_ptr(), flag=flag, aligned=aligned,
-                        programs=programs)
+                        expect_base=None if expect is None else expect.data_ptr(), flag=flag, aligned=aligned)
         return sums
     if dst is not None:
         if dst.device.type == "cpu" and src.device.type == "cpu":
             np.copyto(dst.numpy()[:total], src.numpy()[:total])
         else:
             dst[:total].copy_(src[:total])
-        return copy_block_sums(dst, None, starts, total, expect=expect, flag=flag, programs=programs)
+        return copy_block_sums(dst, None, starts, total, expect=expect, flag=flag)
     if src.device.type == "cuda":  # reached only through the copy above: src is now local
-        return copy_block_sums(src, None, starts, total, expect=expect, flag=flag, programs=programs)
+        return copy_block_sums(src, None, starts, total, expect=expect, flag=flag)
     layout = _block_layout(starts, total)
     words = src.numpy()[:total].view(np.uint64)
     # regions are contiguous, so reduceat's "up to the next index" is "up to the end of this block"

@@ -48,7 +48,6 @@ import zlib
 
 import torch
 
-from kimi_core.kernels import block_sums
 from kimi_core.lora import Adapter, Bucket, BucketChecksumError, assemble, iter_buckets
 from kimi_core.lora.buckets import copy_block_sums, n_blocks
 from kimi_rl_glue.sync.disk import AdapterSyncError
@@ -181,8 +180,7 @@ class CudaIpcAdapterSync:
                             b.buffer.copy_(src[:n], non_blocking=True)
                             sent = src[n:].view(torch.int64).to(self.device, non_blocking=True)
                         main.wait_stream(side)
-                        got = copy_block_sums(b.buffer, None, b.region_starts(), n, expect=sent, flag=bad,
-                                              programs=block_sums.BACKGROUND_PROGRAMS)
+                        got = copy_block_sums(b.buffer, None, b.region_starts(), n, expect=sent, flag=bad)
                         pending.append((b, got, sent))
                     else:
                         b.buffer.copy_(src)

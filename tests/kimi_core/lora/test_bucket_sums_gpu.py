@@ -184,9 +184,6 @@ print("SUMS", torch.equal(sums, want), "COPY", torch.equal(dst.view(torch.uint8)
 bad = want.clone(); bad[len(bad) // 2] ^= 1
 copy_sum_blocks(table, BLOCK_WORDS, src_base=buf.data_ptr(), sums=sums, expect_base=bad.data_ptr(), flag=flag)
 print("FLAG1", int(flag))
-looped = torch.empty_like(want)  # 3 programs, each looping over a third of the blocks
-copy_sum_blocks(table, BLOCK_WORDS, src_base=buf.data_ptr(), sums=looped, programs=3)
-print("LOOP", torch.equal(looped, want))
 # a tensor's alignment gap reads as zeros: 3 source words into a 5-word block
 src = torch.arange(1, 4, dtype=torch.int64)
 out = torch.full((5,), -1, dtype=torch.int64)
@@ -214,8 +211,7 @@ print("GATHER", torch.equal(out.view(torch.uint8), ref.buffer),
 
 def test_copy_sum_blocks_kernel_in_triton_interpreter():
     """The Triton kernel itself on the CPU (TRITON_INTERPRET=1): sums equal the brute force, the copy is
-    exact, the in-kernel compare raises the flag only on a mismatch, programs looping over several blocks
-    give the same sums, alignment gaps are zero-filled, and a
+    exact, the in-kernel compare raises the flag only on a mismatch, alignment gaps are zero-filled, and a
     gather table flattens many tensors into the CPU flatten's exact bytes with the brute-force sums."""
     import os
     import subprocess
@@ -228,6 +224,5 @@ def test_copy_sum_blocks_kernel_in_triton_interpreter():
                          cwd=root, env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "SUMS True COPY True FLAG0 0" in res.stdout and "FLAG1 1" in res.stdout, res.stdout
-    assert "LOOP True" in res.stdout, res.stdout
     assert "GAP [1, 2, 3, 0, 0] 6" in res.stdout, res.stdout
     assert "GATHER True True" in res.stdout and "UNALIGNED None" in res.stdout, res.stdout
