@@ -8,10 +8,10 @@ fused into the copy, verifies, and acknowledges. Cases: the whole adapter (EP=1)
 rank of EP=2 (only experts 0..447), shared-outer and per-expert layouts.
 
 Time = publish (one gather kernel per bucket flattens it and writes its block sums on the trainer
-GPU; IPC handles; manifest CRC-32) + receive (open; colocated one kernel per bucket: copy + sums +
-compare with the sender's sums; across GPUs the copy engine moves bucket i+1 over NVLink while
-the SMs check bucket i; one synchronisation) + the manifest's trip through a pipe. With sums off
-the trainer's kernel only copies and the engine uses torch's copy. The check's cost is the GPU
+GPU; IPC handles; manifest CRC-32) + receive (open; colocated one kernel launch for the whole
+version: copy + sums + compare with the sender's sums; across GPUs the copy engine moves bucket
+i+1 over NVLink while the SMs check bucket i; one synchronisation) + the manifest's trip through a
+pipe. With sums off the same kernels only copy (across GPUs: the copy engine alone). The check's cost is the GPU
 time it adds on both sides (CUDA events, on - off) plus the manifest's CRC-32; its share is that
 over the sync time without it (the seed's target: <= 2%). Correctness checks before timing: the
 engine's tensors equal the trainer's bytes (SHA-256 over each tensor, on the CPU), the GPU sums
@@ -109,13 +109,13 @@ def phase_breakdown(nbytes: int = 512 << 20) -> list[str]:
     """Where a checksum's time goes on one GPU (kernel times by CUDA events): the sums kernel alone and
     the fused copy + sums kernel vs a plain copy, at the launch shape in use; across GPUs (2 GPUs)
     torch's peer copy."""
-    from kimi_core.lora.buckets import _block_layout
+    from kimi_core.lora.block_tables import block_layout
 
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:0")
     dst = torch.empty_like(buf)
     starts = [0, nbytes // 4, nbytes // 2]
     t = time.perf_counter()
-    _block_layout(starts, nbytes)
+    block_layout(starts, nbytes)
     t_layout = (time.perf_counter() - t) * 1e3
     k_sum = _gpu_ms(lambda: copy_block_sums(buf, None, starts, nbytes))
     k_fused = _gpu_ms(lambda: copy_block_sums(buf, dst, starts, nbytes))
@@ -137,11 +137,11 @@ def tune_launch(nbytes: int = 512 << 20) -> tuple[tuple[int, int], list[str]]:
     ``nbytes`` on one GPU; with 2 GPUs also time a sums pass on cuda:1 beside a copy-engine transfer
     cuda:0 -> cuda:1 issued as receive issues it. Returns the fastest shape and the tables."""
     from kimi_core.kernels import block_sums
-    from kimi_core.lora.buckets import BLOCK_WORDS, _device_table
+    from kimi_core.lora.block_tables import BLOCK_WORDS, bucket_table
 
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:0")
     dst = torch.empty(nbytes // 8, dtype=torch.int64, device="cuda:0")
-    table, _ = _device_table((0, nbytes // 4, nbytes // 2), nbytes, torch.device("cuda:0"))
+    table, _ = bucket_table((0, nbytes // 4, nbytes // 2), nbytes, torch.device("cuda:0"))
     sums = torch.empty(table.shape[1], dtype=torch.int64, device="cuda:0")
     k_copy = _gpu_ms(lambda: dst.view(torch.uint8).copy_(buf))
     out = [f"launch-shape sweep of copy_sum_blocks on {nbytes / 1e9:.2f} GB (plain torch copy {k_copy:.3f} ms, "
@@ -150,8 +150,9 @@ def tune_launch(nbytes: int = 512 << 20) -> tuple[tuple[int, int], list[str]]:
     best = None
     for chunk in (512, 1024, 2048, 4096):
         for warps in (4, 8, 16):
-            kw = dict(src_base=buf.data_ptr(), sums=sums, aligned=True, chunk_words=chunk, num_warps=warps)
-            fused = _gpu_ms(lambda: block_sums.copy_sum_blocks(table, BLOCK_WORDS, dst=dst, **kw))
+            kw = dict(src_base=buf.data_ptr(), sums_base=sums.data_ptr(), aligned=True, chunk_words=chunk,
+                      num_warps=warps)
+            fused = _gpu_ms(lambda: block_sums.copy_sum_blocks(table, BLOCK_WORDS, dst_base=dst.data_ptr(), **kw))
             only = _gpu_ms(lambda: block_sums.copy_sum_blocks(table, BLOCK_WORDS, **kw))
             out.append(f"| {chunk} | {warps} | {fused:.3f} | {nbytes / fused / 1e6:.0f} | {only:.3f} | "
                        f"{nbytes / only / 1e6:.0f} |")

@@ -23,15 +23,17 @@ factors and non-expert modules are kept. Names do not change; the range travels 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping, NamedTuple
+from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
 
+from kimi_core.lora.block_tables import (
+    ALIGN, BLOCK_WORDS, block_layout, bucket_table, gather_addresses, gather_table,
+)
 from kimi_core.lora.naming import parse_lora_name
 
 __all__ = [
@@ -40,8 +42,6 @@ __all__ = [
     "first_bad_region", "n_blocks",
 ]
 
-ALIGN = 64
-BLOCK_WORDS = 4096
 _M64 = (1 << 64) - 1
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -77,86 +77,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-class _Layout(NamedTuple):
-    """Word-level block partition of a bucket's regions (see :func:`_layout`)."""
-
-    w_starts: np.ndarray  # int64 [R+1]: region word boundaries
-    nonempty: np.ndarray  # indices of regions with at least one word
-    bst: np.ndarray  # int64 [n_blocks]: each block's first word
-    bend: np.ndarray  # int64 [n_blocks]: one past its last word
-    first_block: np.ndarray  # each nonempty region's first block
-    local: np.ndarray  # uint64 [n_blocks]: the block's position inside its region
-    region: np.ndarray  # int64 [n_blocks]: the block's region
-
-
-def _block_layout(starts: list[int], total: int) -> _Layout:
-    """Cached :func:`_layout` (a bucket's layout repeats at every sync step)."""
-    return _layout(tuple(int(x) for x in starts), int(total))
-
-
-@functools.lru_cache(maxsize=64)
-def _device_table(starts: tuple[int, ...], total: int, device: torch.device) -> tuple[torch.Tensor, bool]:
-    """The block table of :func:`kimi_core.kernels.block_sums.copy_sum_blocks` for copying a whole
-    bucket word for word (source word = destination word), ``int64 [4, n_blocks]`` on ``device``, and
-    whether every block starts 64-byte aligned (every region does, as in a bucket). Cached."""
-    lay = _block_layout(list(starts), total)
-    n = lay.bend - lay.bst
-    return torch.from_numpy(np.stack([lay.bst, n, lay.bst, n])).to(device), all(s % ALIGN == 0 for s in starts)
-
-
-@functools.lru_cache(maxsize=256)
-def _gather_table(addrs: tuple[int, ...], nbytes: tuple[int, ...], starts: tuple[int, ...], total: int,
-                  device: torch.device) -> torch.Tensor:
-    """The block table that flattens tensors at byte addresses ``addrs`` (multiples of :data:`ALIGN`)
-    of ``nbytes`` each (multiples of 8) into a bucket with regions ``starts`` in one
-    :func:`~kimi_core.kernels.block_sums.copy_sum_blocks` launch with ``src_base=0``: row 0 holds
-    absolute source word addresses, a region's alignment gap reads as zeros. ``int64 [4, n_blocks]``
-    on ``device``, cached: an adapter's parameters keep their addresses from step to step."""
-    lay = _block_layout(list(starts), total)
-    into = lay.bst - lay.w_starts[lay.region]  # words into the block's region
-    length = lay.bend - lay.bst
-    src_word = np.asarray(addrs, dtype=np.int64)[lay.region] // 8 + into
-    n_src = np.clip(np.asarray(nbytes, dtype=np.int64)[lay.region] // 8 - into, 0, length)
-    return torch.from_numpy(np.stack([src_word, n_src, lay.bst, length])).to(device)
-
-
-def _gather_addresses(items: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[int, ...] | None:
-    """Source addresses for :func:`_gather_table`, or ``None`` unless every tensor is contiguous on
-    ``device`` at an :data:`ALIGN`-byte aligned address (as every allocation) with a whole number of
-    8-byte words."""
-    addrs = []
-    for _, t in items:
-        a = t.data_ptr()
-        if t.device != device or a % ALIGN or (t.numel() * t.element_size()) % 8 or not t.is_contiguous():
-            return None
-        addrs.append(a)
-    return tuple(addrs)
-
-
-@functools.lru_cache(maxsize=64)
-def _layout(starts: tuple[int, ...], total: int) -> _Layout:
-    """Word-level block partition of the regions ``[starts[i], starts[i+1])`` (last ends at ``total``).
-
-    Vectorised: a 0.5 GB bucket has ~16k blocks.
-    """
-    if total % 8 or any(s % 8 for s in starts):
-        raise ValueError("region_sums: regions must be 8-byte aligned")
-    w_starts = np.append(np.asarray(starts, dtype=np.int64) // 8, np.int64(total // 8))
-    lens = np.diff(w_starts)
-    if (lens < 0).any():
-        raise ValueError("region_sums: region starts must be increasing and end by total")
-    n_blk = (lens + BLOCK_WORDS - 1) // BLOCK_WORDS
-    nonempty = np.flatnonzero(n_blk)
-    first_all = np.cumsum(n_blk) - n_blk
-    region = np.repeat(np.arange(len(lens)), n_blk)
-    local = np.arange(int(n_blk.sum()), dtype=np.int64) - first_all[region]
-    bst = w_starts[region] + local * BLOCK_WORDS
-    bend = np.minimum(bst + BLOCK_WORDS, w_starts[region + 1])
-    return _Layout(w_starts, nonempty, bst, bend, first_all[nonempty], local.astype(np.uint64), region)
-
-
 def _combine(sums: np.ndarray, layout) -> list[int]:
-    """Per-region checksums from the block sums (``uint64 [n_blocks]``) of :func:`_block_layout`."""
+    """Per-region checksums from the block sums (``uint64 [n_blocks]``) of :func:`block_layout`."""
     w_starts, nonempty, first_block, local = layout.w_starts, layout.nonempty, layout.first_block, layout.local
     mixed = np.zeros(len(w_starts) - 1, dtype=np.uint64)
     with np.errstate(over="ignore"):
@@ -198,16 +120,16 @@ def copy_block_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[in
     if dev.type == "cuda" and src.device == dev:
         from kimi_core.kernels.block_sums import copy_sum_blocks
 
-        table, aligned = _device_table(tuple(int(x) for x in starts), int(total), dev)
+        table, aligned = bucket_table(tuple(int(x) for x in starts), int(total), dev)
         sums = torch.empty(table.shape[1], dtype=torch.int64, device=dev)
         if expect is not None and (expect.numel() != sums.numel() or expect.dtype != torch.int64):
             raise ValueError(f"copy_block_sums: expect must be int64 [{sums.numel()}], got {expect.dtype} "
                              f"[{expect.numel()}]")
         if expect is not None and expect.device != dev:
             expect = expect.to(dev)
-        copy_sum_blocks(table, BLOCK_WORDS, src_base=src.data_ptr(),
-                        dst=None if dst is None else dst[:total].view(torch.int64), sums=sums,
-                        expect_base=None if expect is None else expect.data_ptr(), flag=flag, aligned=aligned)
+        copy_sum_blocks(table, BLOCK_WORDS, src_base=src.data_ptr(), dst_base=None if dst is None else dst.data_ptr(),
+                        sums_base=sums.data_ptr(), expect_base=None if expect is None else expect.data_ptr(),
+                        flag=flag, aligned=aligned)
         return sums
     if dst is not None:
         if dst.device.type == "cpu" and src.device.type == "cpu":
@@ -217,7 +139,7 @@ def copy_block_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[in
         return copy_block_sums(dst, None, starts, total, expect=expect, flag=flag)
     if src.device.type == "cuda":  # reached only through the copy above: src is now local
         return copy_block_sums(src, None, starts, total, expect=expect, flag=flag)
-    layout = _block_layout(starts, total)
+    layout = block_layout(starts, total)
     words = src.numpy()[:total].view(np.uint64)
     # regions are contiguous, so reduceat's "up to the next index" is "up to the end of this block"
     sums = np.add.reduceat(words, layout.bst) if len(layout.bst) else np.zeros(0, np.uint64)
@@ -232,7 +154,7 @@ def copy_region_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[i
     """:func:`region_sums` of ``src``, copying it to ``dst`` on the way (:func:`copy_block_sums`)."""
     total = src.numel() if total is None else total
     sums = copy_block_sums(src, dst, starts, total)
-    return _combine(sums.cpu().numpy().view(np.uint64), _block_layout(starts, total))
+    return _combine(sums.cpu().numpy().view(np.uint64), block_layout(starts, total))
 
 
 def first_bad_region(got: torch.Tensor, sent: torch.Tensor, starts: list[int], total: int) -> int | None:
@@ -244,7 +166,7 @@ def first_bad_region(got: torch.Tensor, sent: torch.Tensor, starts: list[int], t
     diff = torch.nonzero(got != sent).flatten()
     if not len(diff):
         return None
-    lay = _block_layout(starts, total)
+    lay = block_layout(starts, total)
     return int(lay.region[int(diff[0])])
 
 
@@ -356,7 +278,7 @@ def _align(n: int) -> int:
 
 def n_blocks(starts: list[int], total: int) -> int:
     """How many checksum blocks a bucket with regions ``starts`` and ``total`` bytes has."""
-    return len(_block_layout(starts, total).bst)
+    return len(block_layout(starts, total).bst)
 
 
 def _flatten(index: int, items: list[tuple[str, torch.Tensor]], expert_range, checksum: bool,
@@ -395,12 +317,12 @@ def _flatten(index: int, items: list[tuple[str, torch.Tensor]], expert_range, ch
             # numpy's memcpy is ~4x faster than torch.copy_ for the many ~100 kB expert factors
             arr[m.offset: m.offset + m.nbytes] = src.contiguous().reshape(-1).view(torch.uint8).numpy()
             arr[m.offset + m.nbytes: _align(m.offset + m.nbytes)] = 0
-    elif (addrs := _gather_addresses(items, device)) is not None:  # one launch: gather, zero gaps, sums
+    elif (addrs := gather_addresses([t for _, t in items], device)) is not None:  # one launch, sums fused
         from kimi_core.kernels.block_sums import copy_sum_blocks
 
-        table = _gather_table(addrs, tuple(m.nbytes for m in metas), tuple(starts), off, device)
-        copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst=buf.view(torch.int64),
-                        sums=None if wire is None else wire[off:].view(torch.int64), aligned=True)
+        table = gather_table(addrs, tuple(m.nbytes for m in metas), tuple(starts), off, device)
+        copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst_base=buf.data_ptr(),
+                        sums_base=None if wire is None else wire[off:].data_ptr(), aligned=True)
     else:  # one concatenation kernel for all tensors and their zero gaps, then the block sums
         cat, zeros = [], torch.zeros(ALIGN, dtype=torch.uint8, device=device)
         for (_, t), m in zip(items, metas):

@@ -10,22 +10,24 @@ publishes a *manifest*: bucket metadata plus one CUDA-IPC handle per bucket
 (``torch.multiprocessing.reductions.reduce_tensor``), pickled and framed by the pickle's length
 and CRC-32.
 The manifest travels by any channel (a pipe, ZMQ, HTTP) to the engine process, which checks the
-digest, opens the handles and copies each bucket into its own GPU memory with one kernel that sums
-the blocks and compares them with the sender's (read in place), raising a device flag. When the
-trainer is another GPU, the copy engine moves each bucket over NVLink on a side stream while the
-SMs sum and compare the bucket before it, so only the last bucket's sums add to the time (kernel
-loads from a peer's IPC mapping fault on H200); it synchronises once per version: no per-bucket round trip
-to the host on either side. On a mismatch it finds the first bad block's tensor on the host and
-raises naming it; then it returns the tensors as views into its copies.
+frame, opens the handles and copies the buckets into its own receive buffers. Colocated, that is
+one kernel launch for the whole version (a cached block table spanning every bucket) which also
+sums each block and compares it with the sender's, raising a device flag. When the trainer is
+another GPU, the copy engine moves each bucket over NVLink on a side stream while the SMs sum and
+compare the bucket before it, so only the last bucket's sums add to the time (kernel loads from a
+peer's IPC mapping fault on H200). Either way the engine synchronises once per version: no
+per-bucket round trip to the host on either side. On a mismatch it finds the first bad block's
+tensor on the host and raises naming it; then it returns the tensors as views into its buffers.
 
 Expert sharding: ``publish(..., experts=(lo, hi))`` sends a consumer rank only those experts' rows
 (:func:`kimi_core.lora.filter_experts`); publish once per consumer rank with its range.
 
 Lifetime: the trainer keeps each version's buckets alive until :meth:`release` (call it when the
-engine has acknowledged the version); the engine's copies are its own. Buffers persist: a version
-published while none is in flight reuses the trainer's bucket buffers (same IPC handles), and the
-engine keeps the last version's mappings open, so opening a handle (~0.1-0.2 ms each, measured)
-happens once per bucket for a whole run instead of at every step. The manifest is a pickle
+engine has acknowledged the version). Buffers persist: a version published while none is in flight
+reuses the trainer's bucket buffers (same IPC handles), and the engine keeps the last version's
+mappings open, so opening a handle (~0.1-0.2 ms each, measured) happens once per bucket for a whole
+run instead of at every step. The engine receives into two alternating sets of buffers, never the
+set holding the last good version, so a rejected version leaves that one intact. The manifest is a pickle
 that only a trusted process on the same node should produce (as SGLang's serialized handles); its
 frame catches a truncated or damaged manifest before unpickling (a keyless digest cannot stop a
 forger, so the fastest good error-detecting code is used: the frame's CRC-32 costs ~10 us where a
@@ -35,8 +37,8 @@ Timings: ``publish`` returns ``flatten_s`` (flatten + sums launched on the train
 synchronisation), ``flatten_gpu_s`` (its GPU time, CUDA events) and ``share_s`` (IPC handles,
 pickle, frame); ``receive`` puts ``open_s``, ``copy_s`` (launching copy + sums + compare),
 ``verify_s`` (the one synchronisation and the flag) and ``copy_gpu_s`` (GPU time from the first
-copy to the last check) into ``adapter.extra["sync_timings"]``. ``checksum=False`` turns the sums, the CRC and the
-compare off on both sides, to measure what they cost.
+copy to the last check) into ``adapter.extra["sync_timings"]``. ``checksum=False`` turns the sums,
+the CRC and the compare off on both sides (the same kernels then only copy), to measure their cost.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ import zlib
 import torch
 
 from kimi_core.lora import Adapter, Bucket, BucketChecksumError, assemble, iter_buckets
+from kimi_core.kernels.block_sums import copy_sum_blocks
+from kimi_core.lora.block_tables import BLOCK_WORDS, version_table
 from kimi_core.lora.buckets import copy_block_sums, n_blocks
 from kimi_rl_glue.sync.disk import AdapterSyncError
 
@@ -87,6 +91,8 @@ class CudaIpcAdapterSync:
         self._live: dict[int, list[Bucket]] = {}  # published, not released
         self._pool: dict[int, torch.Tensor] = {}  # trainer: bucket index -> its wire buffer
         self._mapped: list[torch.Tensor] = []  # engine: the last version's opened buckets
+        self._slots: tuple[dict, dict] = ({}, {})  # engine: two sets of receive buffers (and version sums)
+        self._good: int | None = None  # engine: the slot holding the last good version
 
     # ------------------------------------------------------------------ trainer side
     def publish(self, adapter: Adapter, version: int, *, experts: tuple[int, int] | None = None,
@@ -107,7 +113,7 @@ class CudaIpcAdapterSync:
             start.record()
             buckets = list(iter_buckets(adapter.tensors, self.bucket_bytes, config=config, experts=experts,
                                         checksum=False, device=self.device, block_sums=self.checksum,
-                                        allocate=None if self._live else self._pooled))
+                                        allocate=None if self._live else self._pooled_wire))
             end.record()
             torch.cuda.synchronize(self.device)
             t1 = time.perf_counter()
@@ -121,12 +127,8 @@ class CudaIpcAdapterSync:
                                "flatten_gpu_s": start.elapsed_time(end) / 1e3,
                                "bytes": sum(b.nbytes for b in buckets), "buckets": len(buckets)}
 
-    def _pooled(self, index: int, nbytes: int) -> torch.Tensor:
-        """Bucket ``index``'s persistent wire buffer of ``nbytes`` (replaced when the size changes)."""
-        buf = self._pool.get(index)
-        if buf is None or buf.numel() != nbytes:
-            buf = self._pool[index] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return buf
+    def _pooled_wire(self, index: int, nbytes: int) -> torch.Tensor:
+        return _pool_buffer(self._pool, index, nbytes, self.device)
 
     def release(self, version: int) -> None:
         """Free the trainer-side buckets of ``version`` (after the engine acknowledged it)."""
@@ -135,7 +137,12 @@ class CudaIpcAdapterSync:
     # ------------------------------------------------------------------ engine side
     def receive(self, manifest: bytes, version: int) -> Adapter:
         """Open, copy and check every bucket of ``manifest`` on this GPU; raises
-        :class:`AdapterSyncError` naming the version, bucket and tensor on any problem."""
+        :class:`AdapterSyncError` naming the version, bucket and tensor on any problem.
+
+        The returned tensors are views into this receiver's buffers, valid until the second
+        :meth:`receive` after this one (load them, as SGLang copies an adapter into its LoRA memory
+        pool, before then); a rejected version never overwrites the last good one.
+        """
         body = _unframe(manifest, version)
         try:
             man = pickle.loads(body)  # noqa: S301 - a trusted trainer on this node (see module doc)
@@ -145,7 +152,9 @@ class CudaIpcAdapterSync:
             raise AdapterSyncError(f"CUDA IPC: manifest is for adapter version {man.get('version')}, "
                                    f"expected {version} (stale adapter)")
         check = bool(man["checksum"])
-        buckets, opened, pending, t_open, t_copy = [], [], [], 0.0, 0.0
+        k = 1 if self._good == 0 else 0
+        slot = self._slots[k]  # never the buffers of the last good version
+        buckets, local, opened, pending, t_open, t_copy = [], [], [], [], 0.0, 0.0
         with torch.cuda.device(self.device):
             main = torch.cuda.current_stream()
             side = torch.cuda.Stream(self.device)  # cross-GPU copies, ahead of the checks on `main`
@@ -155,40 +164,40 @@ class CudaIpcAdapterSync:
             start.record()
             side.wait_stream(main)
             try:
-                for meta, (rebuild, args) in zip(man["buckets"], man["handles"]):
+                for i, (meta, (rebuild, args)) in enumerate(zip(man["buckets"], man["handles"])):
                     ta = time.perf_counter()
                     src = rebuild(*args)  # the trainer's bucket (and its block sums), mapped into this process
                     opened.append(src)  # stays mapped until the copies have finished (finally below)
-                    b = Bucket.from_parts(torch.empty(int(meta["nbytes"]), dtype=torch.uint8, device=self.device),
-                                          meta, verify=False)
-                    n = b.nbytes
+                    n = int(meta["nbytes"])
+                    b = Bucket.from_parts(_pool_buffer(slot, i, n, self.device), meta, verify=False)
                     want = n + (8 * n_blocks(b.region_starts(), n) if check else 0)
                     if src.dtype != torch.uint8 or src.numel() != want:
                         raise AdapterSyncError(f"CUDA IPC: bucket {b.index} of adapter version {version} has "
                                                f"{src.numel()} {src.dtype} elements, manifest says {want} bytes")
+                    buckets.append(b)
                     tb = time.perf_counter()
-                    if check and src.device == self.device:  # one kernel: copy + sums + compare
-                        sent = src[n:].view(torch.int64)
-                        got = copy_block_sums(src, b.buffer, b.region_starts(), n, expect=sent, flag=bad)
-                        pending.append((b, got, sent))
-                    elif check:  # copy engine on `side`; sums + compare of this bucket on `main` after it
-                        b.buffer.record_stream(side)
+                    if src.device == self.device:  # colocated: one launch for the whole version, below
+                        local.append((b, src))
+                    else:  # copy engine on `side`; sums + compare of this bucket on `main` after it
                         # torch runs a cross-GPU copy on the source GPU's current stream: not its default one
                         if src.device not in src_side:
                             src_side[src.device] = torch.cuda.Stream(src.device)
                         with torch.cuda.stream(src_side[src.device]), torch.cuda.stream(side):
                             b.buffer.copy_(src[:n], non_blocking=True)
-                            sent = src[n:].view(torch.int64).to(self.device, non_blocking=True)
-                        main.wait_stream(side)
-                        got = copy_block_sums(b.buffer, None, b.region_starts(), n, expect=sent, flag=bad)
-                        pending.append((b, got, sent))
-                    else:
-                        b.buffer.copy_(src)
-                    buckets.append(b)
+                            sent = src[n:].view(torch.int64).to(self.device, non_blocking=True) if check else None
+                        if check:
+                            main.wait_stream(side)
+                            got = copy_block_sums(b.buffer, None, b.region_starts(), n, expect=sent, flag=bad)
+                            pending.append((b, got, sent))
                     t_open += tb - ta
                     t_copy += time.perf_counter() - tb
-                tc = time.perf_counter()
+                tb = time.perf_counter()
+                if local:
+                    pending += self._copy_version(slot, local, bad if check else None)
+                main.wait_stream(side)
                 end.record()
+                t_copy += time.perf_counter() - tb
+                tc = time.perf_counter()
                 failed = bool(bad)  # the one synchronisation of this version
                 if failed:
                     for b, got, sent in pending:
@@ -201,8 +210,31 @@ class CudaIpcAdapterSync:
                 torch.cuda.synchronize(self.device)  # no copy may still read a mapping we close
                 self._mapped = opened  # kept open: the trainer reuses its buffers (module doc)
             t_verify = time.perf_counter() - tc
+        self._good = k
         tensors = assemble(buckets, verify=False)
         return Adapter(tensors, man["adapter_config"], source=f"cuda_ipc:v{version}",
                        extra={"sync_timings": {"open_s": t_open, "copy_s": t_copy, "verify_s": t_verify,
                                                "copy_gpu_s": start.elapsed_time(end) / 1e3,
                                                "bytes": sum(b.nbytes for b in buckets)}})
+
+    def _copy_version(self, slot: dict, local: list[tuple[Bucket, torch.Tensor]],
+                      flag: torch.Tensor | None) -> list[tuple[Bucket, torch.Tensor, torch.Tensor]]:
+        """Copy every same-GPU bucket into its receive buffer in one launch, summing and comparing with
+        the sender's block sums (right after each bucket's bytes) when ``flag`` is given; returns
+        ``(bucket, got sums, sent sums)`` per bucket for naming a mismatch."""
+        table, first, aligned = version_table(
+            tuple((src.data_ptr(), b.buffer.data_ptr(), src.data_ptr() + b.nbytes, tuple(b.region_starts()), b.nbytes)
+                  for b, src in local), self.device)
+        sums = _pool_buffer(slot, "sums", 8 * first[-1], self.device).view(torch.int64)
+        copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst_base=0, sums_base=None if flag is None else sums.data_ptr(),
+                        expect_base=None if flag is None else 0, flag=flag, aligned=aligned)
+        return [(b, sums[first[k]:first[k + 1]], src[b.nbytes:].view(torch.int64))
+                for k, (b, src) in enumerate(local)] if flag is not None else []
+
+
+def _pool_buffer(pool: dict, key, nbytes: int, device: torch.device) -> torch.Tensor:
+    """The persistent ``uint8 [nbytes]`` buffer ``pool[key]`` (replaced when the size changes)."""
+    buf = pool.get(key)
+    if buf is None or buf.numel() != nbytes:
+        buf = pool[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf

@@ -170,49 +170,64 @@ import os, sys
 os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np, torch
 sys.path.insert(0, sys.argv[1])
-from test_bucket_sums_gpu import _brute_block_sums, _regions
+from test_bucket_sums_gpu import _brute_block_sums, _regions, _word_tensors
 from kimi_core.kernels.block_sums import copy_sum_blocks
-from kimi_core.lora.buckets import BLOCK_WORDS, _block_layout
+from kimi_core.lora import iter_buckets
+from kimi_core.lora.block_tables import BLOCK_WORDS, bucket_table, gather_addresses, gather_table, version_table
+cpu = torch.device("cpu")
 buf, starts = _regions(9)
-lay = _block_layout(starts, buf.numel())
-n = lay.bend - lay.bst
-table = torch.from_numpy(np.stack([lay.bst, n, lay.bst, n]))
+table, _ = bucket_table(tuple(starts), buf.numel(), cpu)
 want = torch.tensor(_brute_block_sums(buf, starts), dtype=torch.uint64).view(torch.int64)
 dst, sums, flag = torch.zeros(buf.numel() // 8, dtype=torch.int64), torch.empty_like(want), torch.zeros((), dtype=torch.int32)
-copy_sum_blocks(table, BLOCK_WORDS, src_base=buf.data_ptr(), dst=dst, sums=sums, expect_base=want.data_ptr(), flag=flag)
+copy_sum_blocks(table, BLOCK_WORDS, src_base=buf.data_ptr(), dst_base=dst.data_ptr(), sums_base=sums.data_ptr(),
+                expect_base=want.data_ptr(), flag=flag)
 print("SUMS", torch.equal(sums, want), "COPY", torch.equal(dst.view(torch.uint8), buf), "FLAG0", int(flag))
 bad = want.clone(); bad[len(bad) // 2] ^= 1
-copy_sum_blocks(table, BLOCK_WORDS, src_base=buf.data_ptr(), sums=sums, expect_base=bad.data_ptr(), flag=flag)
+copy_sum_blocks(table, BLOCK_WORDS, src_base=buf.data_ptr(), sums_base=sums.data_ptr(), expect_base=bad.data_ptr(),
+                flag=flag)
 print("FLAG1", int(flag))
 # a tensor's alignment gap reads as zeros: 3 source words into a 5-word block
 src = torch.arange(1, 4, dtype=torch.int64)
 out = torch.full((5,), -1, dtype=torch.int64)
 one = torch.empty(1, dtype=torch.int64)
-copy_sum_blocks(torch.tensor([[0], [3], [0], [5]]), BLOCK_WORDS, src_base=src.data_ptr(), dst=out, sums=one)
+copy_sum_blocks(torch.tensor([[0], [3], [0], [5], [0], [0]]), BLOCK_WORDS, src_base=src.data_ptr(),
+                dst_base=out.data_ptr(), sums_base=one.data_ptr())
 print("GAP", out.tolist(), int(one))
-# gather: many tensors (absolute addresses, src_base=0) into one bucket with their block sums, one launch
-from kimi_core.lora import iter_buckets
-from kimi_core.lora.buckets import _gather_addresses, _gather_table
-from test_bucket_sums_gpu import _word_tensors
+# gather: many tensors (absolute source addresses) into one bucket with their block sums, one launch
 ts = _word_tensors(3)
-print("UNALIGNED", _gather_addresses(list(ts.items()), torch.device("cpu")))  # "row" is a view 32 bytes off
+print("UNALIGNED", gather_addresses(ts.values(), cpu))  # "row" is a view 32 bytes off
 ts.pop("row")
 ref = next(iter_buckets(ts, 1 << 30, checksum=False))
-addrs = _gather_addresses(list(ts.items()), torch.device("cpu"))
-table = _gather_table(addrs, tuple(m.nbytes for m in ref.metas), tuple(ref.region_starts()), ref.nbytes,
-                      torch.device("cpu"))
+table = gather_table(gather_addresses(ts.values(), cpu), tuple(m.nbytes for m in ref.metas), tuple(ref.region_starts()),
+                     ref.nbytes, cpu)
 out = torch.full((ref.nbytes // 8,), -1, dtype=torch.int64)
 s = torch.empty(table.shape[1], dtype=torch.int64)
-copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst=out, sums=s)
+copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst_base=out.data_ptr(), sums_base=s.data_ptr())
 print("GATHER", torch.equal(out.view(torch.uint8), ref.buffer),
       s.numpy().view(np.uint64).tolist() == _brute_block_sums(ref.buffer, ref.region_starts()))
+# a version: two buckets into two destinations in one launch, each checked against its own sent sums
+parts, dsts, sent = [], [], []
+for seed in (5, 6):
+    b, st = _regions(seed)
+    d = torch.zeros_like(b)
+    e = torch.tensor(_brute_block_sums(b, st), dtype=torch.uint64).view(torch.int64)
+    parts.append((b.data_ptr(), d.data_ptr(), e.data_ptr(), tuple(st), b.numel()))
+    dsts.append((b, d)); sent.append(e)
+table, first, _ = version_table(tuple(parts), cpu)
+vs, flag = torch.empty(first[-1], dtype=torch.int64), torch.zeros((), dtype=torch.int32)
+copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst_base=0, sums_base=vs.data_ptr(), expect_base=0, flag=flag)
+print("VERSION", all(torch.equal(b, d) for b, d in dsts), torch.equal(vs, torch.cat(sent)), "FLAG", int(flag))
+sent[1][2] ^= 8
+copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst_base=0, sums_base=vs.data_ptr(), expect_base=0, flag=flag)
+print("VFLAG", int(flag))
 """
 
 
 def test_copy_sum_blocks_kernel_in_triton_interpreter():
     """The Triton kernel itself on the CPU (TRITON_INTERPRET=1): sums equal the brute force, the copy is
-    exact, the in-kernel compare raises the flag only on a mismatch, alignment gaps are zero-filled, and a
-    gather table flattens many tensors into the CPU flatten's exact bytes with the brute-force sums."""
+    exact, the in-kernel compare raises the flag only on a mismatch, alignment gaps are zero-filled, a
+    gather table flattens many tensors into the CPU flatten's exact bytes with the brute-force sums, and a
+    version table copies and checks several buckets in one launch."""
     import os
     import subprocess
     import sys
@@ -226,3 +241,4 @@ def test_copy_sum_blocks_kernel_in_triton_interpreter():
     assert "SUMS True COPY True FLAG0 0" in res.stdout and "FLAG1 1" in res.stdout, res.stdout
     assert "GAP [1, 2, 3, 0, 0] 6" in res.stdout, res.stdout
     assert "GATHER True True" in res.stdout and "UNALIGNED None" in res.stdout, res.stdout
+    assert "VERSION True True FLAG 0" in res.stdout and "VFLAG 1" in res.stdout, res.stdout
