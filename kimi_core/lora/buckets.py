@@ -116,6 +116,10 @@ def copy_block_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[in
     then numpy's ``add.reduceat`` (``expect``/``flag`` compared with torch ops).
     """
     total = src.numel() if total is None else total
+    for name, t in (("src", src), ("dst", dst)):  # the kernel writes through raw addresses
+        if t is not None and (t.dtype != torch.uint8 or not t.is_contiguous() or t.numel() < total):
+            raise ValueError(f"copy_block_sums: {name} must be contiguous uint8 of >= {total} bytes, got {t.dtype} "
+                             f"{tuple(t.shape)}")
     dev = (dst if dst is not None else src).device
     if dev.type == "cuda" and src.device == dev:
         from kimi_core.kernels.block_sums import copy_sum_blocks

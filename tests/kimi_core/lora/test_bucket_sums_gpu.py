@@ -27,6 +27,17 @@ def test_copy_region_sums_cpu_copies_and_sums():
     assert torch.equal(dst, buf)
 
 
+def test_copy_block_sums_rejects_a_short_or_wrong_buffer():
+    """The GPU kernel writes through raw addresses, so every path checks the buffers first."""
+    buf, starts = _regions(1)
+    with pytest.raises(ValueError, match="dst must be contiguous uint8 of >= "):
+        copy_block_sums(buf, torch.empty(buf.numel() - 8, dtype=torch.uint8), starts)
+    with pytest.raises(ValueError, match="dst must be contiguous uint8"):
+        copy_block_sums(buf, torch.empty(buf.numel() // 8, dtype=torch.int64), starts)
+    with pytest.raises(ValueError, match="src must be contiguous uint8"):
+        copy_block_sums(buf[::2], None, starts, buf.numel() // 2)
+
+
 def _brute_block_sums(buf: torch.Tensor, starts: list[int]) -> list[int]:
     """Python-int block sums mod 2^64: every region cut into BLOCK_WORDS-word blocks from its start."""
     words = buf.numpy().view(np.uint64).tolist()
