@@ -8,8 +8,9 @@ sums word, expected-sums word; each word address is a base (a launch argument, 0
 addresses) plus 8 times the row. Three builders:
 
 * :func:`bucket_table`: one bucket copied word for word (relative rows);
-* :func:`gather_table`: many tensors gathered into one bucket (absolute source rows), the trainer's
-  flatten;
+* :func:`gather_table`: many tensors gathered into one bucket (absolute source rows);
+* :func:`flatten_table`: every bucket of an adapter version gathered in one launch (absolute rows
+  throughout), the trainer's flatten;
 * :func:`version_table`: every bucket of an adapter version copied into persistent receive buffers
   (absolute rows throughout), the colocated engine's one launch per version.
 
@@ -25,8 +26,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["ALIGN", "BLOCK_WORDS", "Layout", "block_layout", "bucket_table", "gather_addresses", "gather_table",
-           "version_table"]
+__all__ = ["ALIGN", "BLOCK_WORDS", "Layout", "block_layout", "bucket_table", "flatten_table", "gather_addresses",
+           "gather_table", "version_table"]
 
 ALIGN = 64  # every tensor region starts at a multiple of ALIGN bytes
 BLOCK_WORDS = 4096
@@ -71,14 +72,43 @@ def _table(rows: list[np.ndarray], device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.stack([np.asarray(r, dtype=np.int64) for r in rows])).to(device)
 
 
+def _copy_rows(starts: tuple[int, ...], total: int) -> list[np.ndarray]:
+    """Rows copying a bucket word for word, relative to every base."""
+    lay = block_layout(starts, total)
+    n, idx = lay.bend - lay.bst, np.arange(len(lay.bst), dtype=np.int64)
+    return [lay.bst, n, lay.bst, n, idx, idx]
+
+
+def _gather_rows(addrs: tuple[int, ...], nbytes: tuple[int, ...], starts: tuple[int, ...],
+                 total: int) -> list[np.ndarray]:
+    """Rows flattening tensors at byte addresses ``addrs`` into a bucket: the source row absolute."""
+    lay = block_layout(starts, total)
+    into = lay.bst - lay.w_starts[lay.region]  # words into the block's region
+    length = lay.bend - lay.bst
+    src_word = np.asarray(addrs, dtype=np.int64)[lay.region] // 8 + into
+    n_src = np.clip(np.asarray(nbytes, dtype=np.int64)[lay.region] // 8 - into, 0, length)
+    idx = np.arange(len(lay.bst), dtype=np.int64)
+    return [src_word, n_src, lay.bst, length, idx, idx]
+
+
+def _concat(parts: list[tuple[list[np.ndarray], tuple[int, int, int, int]]], device) -> tuple[torch.Tensor, tuple]:
+    """One table from per-bucket rows, each shifted by its ``(src, dst, sums, expect)`` word offsets;
+    returns it and each part's first block (the total last)."""
+    rows: list[list[np.ndarray]] = [[] for _ in range(6)]
+    first = [0]
+    for part, (src, dst, sums, expect) in parts:
+        for row, r, shift in zip(rows, part, (src, 0, dst, 0, sums, expect)):
+            row.append(r + shift)
+        first.append(first[-1] + len(part[0]))
+    return _table([np.concatenate(r) if r else np.zeros(0, np.int64) for r in rows], device), tuple(first)
+
+
 @functools.lru_cache(maxsize=64)
 def bucket_table(starts: tuple[int, ...], total: int, device: torch.device) -> tuple[torch.Tensor, bool]:
     """Copy (and sum) one bucket word for word: rows relative to the source, destination, sums and
     expected-sums bases. Also returns whether every block starts 64-byte aligned (every region does,
     as in a bucket)."""
-    lay = block_layout(starts, total)
-    n, idx = lay.bend - lay.bst, np.arange(len(lay.bst))
-    return _table([lay.bst, n, lay.bst, n, idx, idx], device), all(s % ALIGN == 0 for s in starts)
+    return _table(_copy_rows(starts, total), device), all(s % ALIGN == 0 for s in starts)
 
 
 @functools.lru_cache(maxsize=256)
@@ -87,13 +117,7 @@ def gather_table(addrs: tuple[int, ...], nbytes: tuple[int, ...], starts: tuple[
     """Flatten tensors at byte addresses ``addrs`` (multiples of :data:`ALIGN`) of ``nbytes`` each
     (multiples of 8) into one bucket with regions ``starts``: the source row is absolute (source base
     0), the rest relative to the bucket's and its sums' bases; a region's alignment gap reads as zeros."""
-    lay = block_layout(starts, total)
-    into = lay.bst - lay.w_starts[lay.region]  # words into the block's region
-    length = lay.bend - lay.bst
-    src_word = np.asarray(addrs, dtype=np.int64)[lay.region] // 8 + into
-    n_src = np.clip(np.asarray(nbytes, dtype=np.int64)[lay.region] // 8 - into, 0, length)
-    idx = np.arange(len(lay.bst))
-    return _table([src_word, n_src, lay.bst, length, idx, idx], device)
+    return _table(_gather_rows(addrs, nbytes, starts, total), device)
 
 
 def gather_addresses(tensors, device: torch.device) -> tuple[int, ...] | None:
@@ -110,23 +134,29 @@ def gather_addresses(tensors, device: torch.device) -> tuple[int, ...] | None:
 
 
 @functools.lru_cache(maxsize=8)
+def flatten_table(buckets: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int, int, int], ...],
+                  device: torch.device) -> torch.Tensor:
+    """Flatten every bucket of a version in one launch (the trainer). ``buckets``: per bucket
+    ``(tensor addresses, tensor nbytes, region starts, nbytes, bucket address, address of its block
+    sums)``, all addresses multiples of :data:`ALIGN`. Every row is absolute (bases 0)."""
+    return _concat([(_gather_rows(a, nb, st, total), (0, dst // 8, sums // 8, 0))
+                    for a, nb, st, total, dst, sums in buckets], device)[0]
+
+
+@functools.lru_cache(maxsize=8)
 def version_table(buckets: tuple[tuple[int, int, int, tuple[int, ...], int], ...],
                   device: torch.device) -> tuple[torch.Tensor, tuple[int, ...], bool]:
-    """Copy every bucket of a version in one launch. ``buckets``: per bucket ``(source address,
-    destination address, address of the sender's block sums, region starts, nbytes)``. Source,
-    destination and expected-sums rows are absolute (bases 0); the sums row indexes one
-    ``int64 [n_blocks]`` buffer for the whole version. Returns the table, each bucket's first block
-    (and the total as the last entry), and whether every block is 64-byte aligned."""
-    rows: list[list[np.ndarray]] = [[] for _ in range(6)]
-    first, aligned = [0], True
+    """Copy every bucket of a version in one launch (the colocated engine). ``buckets``: per bucket
+    ``(source address, destination address, address of the sender's block sums, region starts,
+    nbytes)``. Source, destination and expected-sums rows are absolute (bases 0); the sums row
+    indexes one ``int64 [n_blocks]`` buffer for the whole version. Returns the table, each bucket's
+    first block (and the total as the last entry), and whether every block is 64-byte aligned."""
+    parts, offset = [], 0
     for src, dst, expect, starts, nbytes in buckets:
-        lay = block_layout(starts, nbytes)
-        n = lay.bend - lay.bst
-        local = np.arange(len(lay.bst), dtype=np.int64)
-        for row, r in zip(rows, (src // 8 + lay.bst, n, dst // 8 + lay.bst, n, first[-1] + local,
-                                 expect // 8 + local)):
-            row.append(r)
-        first.append(first[-1] + len(lay.bst))
-        aligned &= src % ALIGN == 0 and dst % ALIGN == 0 and all(s % ALIGN == 0 for s in starts)
-    cat = [np.concatenate(r) if r else np.zeros(0, np.int64) for r in rows]
-    return _table(cat, device), tuple(first), aligned
+        rows = _copy_rows(starts, nbytes)
+        parts.append((rows, (src // 8, dst // 8, offset, expect // 8)))
+        offset += len(rows[0])
+    table, first = _concat(parts, device)
+    aligned = all(src % ALIGN == 0 and dst % ALIGN == 0 and all(x % ALIGN == 0 for x in st)
+                  for src, dst, _, st, _ in buckets)
+    return table, first, aligned

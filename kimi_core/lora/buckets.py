@@ -32,13 +32,13 @@ import numpy as np
 import torch
 
 from kimi_core.lora.block_tables import (
-    ALIGN, BLOCK_WORDS, block_layout, bucket_table, gather_addresses, gather_table,
+    ALIGN, BLOCK_WORDS, block_layout, bucket_table, flatten_table, gather_addresses, gather_table,
 )
 from kimi_core.lora.naming import parse_lora_name
 
 __all__ = [
     "ALIGN", "BLOCK_WORDS", "Bucket", "BucketChecksumError", "TensorMeta",
-    "filter_experts", "iter_buckets", "assemble", "region_sums", "copy_region_sums", "copy_block_sums",
+    "filter_experts", "flatten_version", "iter_buckets", "assemble", "region_sums", "copy_region_sums", "copy_block_sums",
     "first_bad_region", "n_blocks",
 ]
 
@@ -285,27 +285,39 @@ def n_blocks(starts: list[int], total: int) -> int:
     return len(block_layout(starts, total).bst)
 
 
-def _flatten(index: int, items: list[tuple[str, torch.Tensor]], expert_range, checksum: bool,
-             staging: list | None = None, device: torch.device | None = None, block_sums: bool = False,
-             allocate=None) -> Bucket:
+def _metas(items: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorMeta], int]:
+    """Each tensor's place in a bucket (regions :data:`ALIGN`-aligned) and the bucket's size."""
     metas, off = [], 0
     for name, t in items:
         nb = t.numel() * t.element_size()
         metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), off, nb))
         off += _align(nb)
+    return metas, off
+
+
+def _wire_buffer(index: int, off: int, starts: list[int], device: torch.device, block_sums: bool,
+                 allocate) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A GPU bucket's ``(buffer, wire)``: one allocation (from ``allocate`` when given) holding the
+    ``off`` bytes and, with ``block_sums``, the block sums after them (``wire`` is ``None`` without)."""
+    n = off + (8 * n_blocks(starts, off) if block_sums else 0)
+    wire = allocate(index, n) if allocate else torch.empty(n, dtype=torch.uint8, device=device)
+    if wire.dtype != torch.uint8 or wire.shape != (n,) or wire.device != device:
+        raise ValueError(f"iter_buckets: allocate({index}, {n}) must return uint8 [{n}] on {device}, got "
+                         f"{wire.dtype} {tuple(wire.shape)} on {wire.device}")
+    return wire[:off], (wire if block_sums else None)
+
+
+def _flatten(index: int, items: list[tuple[str, torch.Tensor]], expert_range, checksum: bool,
+             staging: list | None = None, device: torch.device | None = None, block_sums: bool = False,
+             allocate=None) -> Bucket:
+    metas, off = _metas(items)
     device = torch.device(device or "cpu")
     starts = [m.offset for m in metas]
     wire = None
     if block_sums or allocate:
         if device.type != "cuda" or staging is not None:
             raise ValueError("iter_buckets: block_sums=True or allocate= needs a CUDA device and no staging buffer")
-        n = off + (8 * n_blocks(starts, off) if block_sums else 0)
-        wire = allocate(index, n) if allocate else torch.empty(n, dtype=torch.uint8, device=device)
-        if wire.dtype != torch.uint8 or wire.shape != (n,) or wire.device != device:
-            raise ValueError(f"iter_buckets: allocate({index}, {n}) must return uint8 [{n}] on {device}, got "
-                             f"{wire.dtype} {tuple(wire.shape)} on {wire.device}")
-        buf = wire[:off]
-        wire = wire if block_sums else None
+        buf, wire = _wire_buffer(index, off, starts, device, block_sums, allocate)
     elif staging is None:
         buf = torch.empty(off, dtype=torch.uint8, device=device)
     else:
@@ -420,17 +432,54 @@ def iter_buckets(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch
     if staging is not None and (staging.dtype != torch.uint8 or staging.ndim != 1 or staging.device != device):
         raise ValueError(f"iter_buckets: staging must be a 1-D uint8 tensor on {device}")
     stage: list | None = [staging] if staging is not None else ([None] if reuse_buffer else None)
+    for index, group in enumerate(_groups(items, bucket_bytes)):
+        yield _flatten(index, group, experts, checksum, stage, device, block_sums, allocate)
+
+
+def _groups(items, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive ``(name, tensor)`` groups of at most ``bucket_bytes`` (a larger tensor alone)."""
     cur: list[tuple[str, torch.Tensor]] = []
-    size, index = 0, 0
+    size = 0
     for name, t in items:
         nb = _align(t.numel() * t.element_size())
         if cur and size + nb > bucket_bytes:
-            yield _flatten(index, cur, experts, checksum, stage, device, block_sums, allocate)
-            index, cur, size = index + 1, [], 0
+            yield cur
+            cur, size = [], 0
         cur.append((name, t))
         size += nb
     if cur:
-        yield _flatten(index, cur, experts, checksum, stage, device, block_sums, allocate)
+        yield cur
+
+
+def flatten_version(tensors: Mapping[str, torch.Tensor], bucket_bytes: int, *, device: torch.device,
+                    block_sums: bool = False, allocate=None, config=None,
+                    experts: tuple[int, int] | None = None) -> list[Bucket]:
+    """Every bucket of ``tensors`` on CUDA ``device``, as ``iter_buckets(..., checksum=False)`` gives
+    them, flattened (with their block sums) by one gather launch for the whole version when every
+    tensor is contiguous and :data:`ALIGN`-aligned on ``device`` (else bucket by bucket). The launch's
+    table is cached: with persistent buffers (``allocate``) it repeats at every step."""
+    from kimi_core.kernels.block_sums import copy_sum_blocks
+
+    if experts is not None:
+        if config is None:
+            raise ValueError("flatten_version: experts=(lo, hi) needs config= to know the expert count")
+        tensors = filter_experts(dict(tensors), config, *experts)
+    groups = list(_groups(tensors.items(), bucket_bytes))
+    addrs = [gather_addresses([t for _, t in g], device) for g in groups]
+    if any(a is None for a in addrs):
+        return list(iter_buckets(tensors, bucket_bytes, checksum=False, device=device, block_sums=block_sums,
+                                 allocate=allocate))
+    out, parts = [], []
+    for index, (group, a) in enumerate(zip(groups, addrs)):
+        metas, off = _metas(group)
+        starts = [m.offset for m in metas]
+        buf, wire = _wire_buffer(index, off, starts, device, block_sums, allocate)
+        out.append(Bucket(index, buf, metas, "", experts, wire))
+        parts.append((a, tuple(m.nbytes for m in metas), tuple(starts), off, buf.data_ptr(),
+                      wire[off:].data_ptr() if wire is not None else 0))
+    copy_sum_blocks(flatten_table(tuple(parts), device), BLOCK_WORDS, src_base=0, dst_base=0,
+                    sums_base=0 if block_sums else None, aligned=True)
+    return out
 
 
 def assemble(buckets: Iterable[Bucket], verify: bool = True) -> dict[str, torch.Tensor]:

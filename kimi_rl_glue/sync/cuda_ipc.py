@@ -3,9 +3,10 @@
 The GPU counterpart of :class:`~kimi_rl_glue.sync.shm.ShmAdapterSync` (same bucket format, same
 errors), shaped like SGLang's ``update_weights_from_tensor`` path that miles uses when colocated:
 the trainer flattens version ``k`` of the adapter into :func:`kimi_core.lora.iter_buckets` buckets
-on its own GPU (``device=``, ``block_sums=True``): one gather kernel per bucket copies every
-tensor into it and writes the bucket's ``int64`` block sums right after its bytes, in the same
-allocation (its block table is cached: the adapter's parameters keep their addresses). It
+on its own GPU (:func:`kimi_core.lora.buckets.flatten_version`): one gather kernel launch for the
+whole version copies every tensor into its bucket and writes each bucket's ``int64`` block sums
+right after its bytes, in the same allocation (the launch's block table is cached: the adapter's
+parameters and the bucket buffers keep their addresses). It
 publishes a *manifest*: bucket metadata plus one CUDA-IPC handle per bucket
 (``torch.multiprocessing.reductions.reduce_tensor``), pickled and framed by the pickle's length
 and CRC-32.
@@ -50,10 +51,10 @@ import zlib
 
 import torch
 
-from kimi_core.lora import Adapter, Bucket, BucketChecksumError, assemble, iter_buckets
+from kimi_core.lora import Adapter, Bucket, BucketChecksumError, assemble
 from kimi_core.kernels.block_sums import copy_sum_blocks
 from kimi_core.lora.block_tables import BLOCK_WORDS, version_table
-from kimi_core.lora.buckets import copy_block_sums, n_blocks
+from kimi_core.lora.buckets import copy_block_sums, flatten_version, n_blocks
 from kimi_rl_glue.sync.disk import AdapterSyncError
 
 __all__ = ["CudaIpcAdapterSync"]
@@ -111,9 +112,9 @@ class CudaIpcAdapterSync:
         with torch.cuda.device(self.device):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            buckets = list(iter_buckets(adapter.tensors, self.bucket_bytes, config=config, experts=experts,
-                                        checksum=False, device=self.device, block_sums=self.checksum,
-                                        allocate=None if self._live else self._pooled_wire))
+            buckets = flatten_version(adapter.tensors, self.bucket_bytes, device=self.device, block_sums=self.checksum,
+                                      allocate=None if self._live else self._pooled_wire, config=config,
+                                      experts=experts)
             end.record()
             torch.cuda.synchronize(self.device)
             t1 = time.perf_counter()

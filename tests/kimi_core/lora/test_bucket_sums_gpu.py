@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kimi_core.lora import iter_buckets
-from kimi_core.lora.buckets import BLOCK_WORDS, copy_block_sums, copy_region_sums, region_sums
+from kimi_core.lora.buckets import BLOCK_WORDS, copy_block_sums, copy_region_sums, flatten_version, region_sums
 
 
 def _regions(seed: int) -> tuple[torch.Tensor, list[int]]:
@@ -135,8 +135,10 @@ def test_gpu_flatten_with_block_sums(odd, sums):
         tensors["odd"] = torch.randn(3).to(torch.bfloat16)
     cpu = list(iter_buckets(tensors, 40 << 10, checksum=False))
     on_gpu = {k: v.cuda() for k, v in tensors.items()}
-    for _ in range(2):
-        gpu = list(iter_buckets(on_gpu, 40 << 10, checksum=False, device="cuda", block_sums=sums))
+    for i in range(4):  # iter_buckets, twice (cached tables), then flatten_version (one launch), twice
+        gpu = (list(iter_buckets(on_gpu, 40 << 10, checksum=False, device="cuda", block_sums=sums)) if i < 2 else
+               flatten_version(on_gpu, 40 << 10, device=torch.device("cuda", torch.cuda.current_device()),
+                               block_sums=sums))
         assert len(cpu) == len(gpu) > 1
         for c, g in zip(cpu, gpu):
             assert torch.equal(g.buffer.cpu(), c.buffer)
@@ -216,6 +218,13 @@ s = torch.empty(table.shape[1], dtype=torch.int64)
 copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst_base=out.data_ptr(), sums_base=s.data_ptr())
 print("GATHER", torch.equal(out.view(torch.uint8), ref.buffer),
       s.numpy().view(np.uint64).tolist() == _brute_block_sums(ref.buffer, ref.region_starts()))
+# the trainer's flatten of a whole version in one launch (three buckets), equal to the CPU flatten
+from kimi_core.lora.buckets import flatten_version
+got = flatten_version(ts, 40 << 10, device=cpu, block_sums=True)
+cpu_b = list(iter_buckets(ts, 40 << 10, checksum=False))
+print("FLATTEN", len(got), all(torch.equal(g.buffer, c.buffer) and g.metas == c.metas for g, c in zip(got, cpu_b)),
+      all(g.block_sums.numpy().view(np.uint64).tolist() == _brute_block_sums(c.buffer, c.region_starts())
+          for g, c in zip(got, cpu_b)))
 # a version: two buckets into two destinations in one launch, each checked against its own sent sums
 parts, dsts, sent = [], [], []
 for seed in (5, 6):
@@ -237,8 +246,9 @@ print("VFLAG", int(flag))
 def test_copy_sum_blocks_kernel_in_triton_interpreter():
     """The Triton kernel itself on the CPU (TRITON_INTERPRET=1): sums equal the brute force, the copy is
     exact, the in-kernel compare raises the flag only on a mismatch, alignment gaps are zero-filled, a
-    gather table flattens many tensors into the CPU flatten's exact bytes with the brute-force sums, and a
-    version table copies and checks several buckets in one launch."""
+    gather table flattens many tensors into the CPU flatten's exact bytes with the brute-force sums, so does
+    the trainer's one launch for all buckets of a version, and a version table copies and checks several
+    buckets in one launch."""
     import os
     import subprocess
     import sys
@@ -253,3 +263,4 @@ def test_copy_sum_blocks_kernel_in_triton_interpreter():
     assert "GAP [1, 2, 3, 0, 0] 6" in res.stdout, res.stdout
     assert "GATHER True True" in res.stdout and "UNALIGNED None" in res.stdout, res.stdout
     assert "VERSION True True FLAG 0" in res.stdout and "VFLAG 1" in res.stdout, res.stdout
+    assert "FLATTEN 3 True True" in res.stdout, res.stdout
