@@ -111,7 +111,7 @@ def bucket_table(starts: tuple[int, ...], total: int, device: torch.device) -> t
     return _table(_copy_rows(starts, total), device), all(s % ALIGN == 0 for s in starts)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)
 def gather_table(addrs: tuple[int, ...], nbytes: tuple[int, ...], starts: tuple[int, ...], total: int,
                  device: torch.device) -> torch.Tensor:
     """Flatten tensors at byte addresses ``addrs`` (multiples of :data:`ALIGN`) of ``nbytes`` each
@@ -133,7 +133,7 @@ def gather_addresses(tensors, device: torch.device) -> tuple[int, ...] | None:
     return tuple(addrs)
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=4)  # device tables of whole versions: tens of MB each
 def flatten_table(buckets: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int, int, int], ...],
                   device: torch.device) -> torch.Tensor:
     """Flatten every bucket of a version in one launch (the trainer). ``buckets``: per bucket
@@ -143,7 +143,7 @@ def flatten_table(buckets: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[i
                     for a, nb, st, total, dst, sums in buckets], device)[0]
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=4)  # device tables of whole versions: tens of MB each
 def version_table(buckets: tuple[tuple[int, int, int, tuple[int, ...], int], ...],
                   device: torch.device) -> tuple[torch.Tensor, tuple[int, ...], bool]:
     """Copy every bucket of a version in one launch (the colocated engine). ``buckets``: per bucket
