@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import os
 import sys
 import time
@@ -49,14 +50,14 @@ def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
             for k, v in tensors.items()}
 
 
-def set_launch(launch: tuple[int, int]) -> None:
-    """Use ``(words per load step, warps)`` for ``copy_sum_blocks`` in this process."""
+def set_launch(launch: tuple[int, int, bool]) -> None:
+    """Use ``(words per load step, warps, stream hints)`` for ``copy_sum_blocks`` in this process."""
     from kimi_core.kernels import block_sums
 
-    block_sums.CHUNK_WORDS, block_sums.NUM_WARPS = launch
+    block_sums.CHUNK_WORDS, block_sums.NUM_WARPS, block_sums.STREAM_HINTS = launch
 
 
-def engine(gpu: int, bucket_bytes: int, conn, launch: tuple[int, int]) -> None:
+def engine(gpu: int, bucket_bytes: int, conn, launch: tuple[int, int, bool]) -> None:
     """Engine side: receive each announced (manifest, version, checksum, want_digests), answer with timings."""
     torch.cuda.set_device(gpu)
     set_launch(launch)
@@ -132,8 +133,8 @@ def phase_breakdown(nbytes: int = 512 << 20) -> list[str]:
     return out
 
 
-def tune_launch(nbytes: int = 512 << 20) -> tuple[tuple[int, int], list[str]]:
-    """Sweep ``copy_sum_blocks``' launch shape (words per load step x warps) on the fused copy + sums of
+def tune_launch(nbytes: int = 512 << 20) -> tuple[tuple[int, int, bool], list[str]]:
+    """Sweep ``copy_sum_blocks``' launch shape (words per load step x warps x cache hints) on the fused copy + sums of
     ``nbytes`` on one GPU; with 2 GPUs also time a sums pass on cuda:1 beside a copy-engine transfer
     cuda:0 -> cuda:1 issued as receive issues it. Returns the fastest shape and the tables."""
     from kimi_core.kernels import block_sums
@@ -146,18 +147,18 @@ def tune_launch(nbytes: int = 512 << 20) -> tuple[tuple[int, int], list[str]]:
     k_copy = _gpu_ms(lambda: dst.view(torch.uint8).copy_(buf))
     out = [f"launch-shape sweep of copy_sum_blocks on {nbytes / 1e9:.2f} GB (plain torch copy {k_copy:.3f} ms, "
            f"{nbytes / k_copy / 1e6:.0f} GB/s):", "",
-           "| words per step | warps | fused copy+sums ms | GB/s | sums only ms | GB/s read |", "|---|---|---|---|---|---|"]
+           "| words per step | warps | stream hints | fused copy+sums ms | GB/s | sums only ms | GB/s read |",
+           "|---|---|---|---|---|---|---|"]
     best = None
-    for chunk in (512, 1024, 2048, 4096):
-        for warps in (4, 8, 16):
-            kw = dict(src_base=buf.data_ptr(), sums_base=sums.data_ptr(), aligned=True, chunk_words=chunk,
-                      num_warps=warps)
-            fused = _gpu_ms(lambda: block_sums.copy_sum_blocks(table, BLOCK_WORDS, dst_base=dst.data_ptr(), **kw))
-            only = _gpu_ms(lambda: block_sums.copy_sum_blocks(table, BLOCK_WORDS, **kw))
-            out.append(f"| {chunk} | {warps} | {fused:.3f} | {nbytes / fused / 1e6:.0f} | {only:.3f} | "
-                       f"{nbytes / only / 1e6:.0f} |")
-            if best is None or fused < best[0]:
-                best = (fused, (chunk, warps))
+    for chunk, warps, hints in itertools.product((1024, 2048, 4096), (4, 8, 16), (False, True)):
+        kw = dict(src_base=buf.data_ptr(), sums_base=sums.data_ptr(), aligned=True, chunk_words=chunk,
+                  num_warps=warps, stream_hints=hints)
+        fused = _gpu_ms(lambda: block_sums.copy_sum_blocks(table, BLOCK_WORDS, dst_base=dst.data_ptr(), **kw))
+        only = _gpu_ms(lambda: block_sums.copy_sum_blocks(table, BLOCK_WORDS, **kw))
+        out.append(f"| {chunk} | {warps} | {hints} | {fused:.3f} | {nbytes / fused / 1e6:.0f} | {only:.3f} | "
+                   f"{nbytes / only / 1e6:.0f} |")
+        if best is None or fused < best[0]:
+            best = (fused, (chunk, warps, hints))
     if torch.cuda.device_count() > 1:
         far = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
         other = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:1")
@@ -202,7 +203,7 @@ def main() -> None:
     if args.tune:
         launch, tuned = tune_launch()
         set_launch(launch)
-    launch = (block_sums.CHUNK_WORDS, block_sums.NUM_WARPS)
+    launch = (block_sums.CHUNK_WORDS, block_sums.NUM_WARPS, block_sums.STREAM_HINTS)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=engine, args=(args.engine_gpu, bucket, child, launch), daemon=True)
@@ -299,7 +300,8 @@ def main() -> None:
                f"trainer flatten and engine receive, best of {args.repeats} each) + the manifest's CRC-32 on both "
                "sides; wall (on - off) / on is the same difference in wall-clock sync time, where host noise "
                "(IPC opens, allocations) of either run shows\n"
-               f"- copy_sum_blocks launch: {launch[0]} words per step, {launch[1]} warps\n\n{hdr}{body}\n"
+               f"- copy_sum_blocks launch: {launch[0]} words per step, {launch[1]} warps, stream hints {launch[2]}\n\n"
+               f"{hdr}{body}\n"
                + "".join(f"- {c}\n" for c in checks) + "".join(f"{t}\n" for t in tuned))
     print(section)
     if args.section_out:

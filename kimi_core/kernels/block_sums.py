@@ -22,7 +22,8 @@ address of row r is ``base_r + 8 * row``, with each base a launch argument (0 fo
 one launch can span many tensors or many buckets. Sums are ``int64`` whose bits are the unsigned
 sums (Triton's 64-bit adds wrap).
 
-Launch shape: ``CHUNK_WORDS`` words per load step and ``NUM_WARPS`` warps per program, chosen by
+Launch shape: ``CHUNK_WORDS`` words per load step and ``NUM_WARPS`` warps per program (and
+``STREAM_HINTS``: evict-first loads and streaming stores on whole blocks), chosen by
 ``benchmarks/cuda_ipc_sync.py --tune`` on an H200 (RESULTS.md; one program per block beat fewer
 programs looping over blocks, and a sums pass beside a copy-engine transfer hides behind it at full
 width).
@@ -34,10 +35,11 @@ import contextlib
 
 import torch
 
-__all__ = ["CHUNK_WORDS", "NUM_WARPS", "copy_sum_blocks"]
+__all__ = ["CHUNK_WORDS", "NUM_WARPS", "STREAM_HINTS", "copy_sum_blocks"]
 
 CHUNK_WORDS = 2048
 NUM_WARPS = 8
+STREAM_HINTS = False  # streaming cache hints on whole blocks (swept by --tune)
 
 _KERNEL = None
 
@@ -51,7 +53,7 @@ def _kernel():
         @triton.jit
         def _copy_sum_blocks(table, n_blocks, src_base, dst_base, sums_base, expect_base, flag,
                              COPY: tl.constexpr, SUMS: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr,
-                             CHUNK: tl.constexpr, ALIGNED: tl.constexpr):
+                             CHUNK: tl.constexpr, ALIGNED: tl.constexpr, STREAM: tl.constexpr):
             blk = tl.program_id(0)
             src_word = tl.load(table + blk)
             n_src = tl.load(table + n_blocks + blk)
@@ -66,9 +68,14 @@ def _kernel():
             if (n_src == BLOCK) & (length == BLOCK):  # a whole block of the source: no masks
                 for c in tl.static_range(0, BLOCK, CHUNK):
                     offs = c + tl.arange(0, CHUNK)
-                    x = tl.load(src + offs)
-                    if COPY:
-                        tl.store(dst + offs, x)
+                    if STREAM:  # read once, written for another process: keep both out of L2
+                        x = tl.load(src + offs, eviction_policy="evict_first")
+                        if COPY:
+                            tl.store(dst + offs, x, cache_modifier=".cs")
+                    else:
+                        x = tl.load(src + offs)
+                        if COPY:
+                            tl.store(dst + offs, x)
                     acc += x
             else:  # a tensor's last block, its alignment gap reads as zeros
                 for c in tl.static_range(0, BLOCK, CHUNK):
@@ -90,7 +97,8 @@ def _kernel():
 
 def copy_sum_blocks(table: torch.Tensor, block_words: int, *, src_base: int, dst_base: int | None = None,
                     sums_base: int | None = None, expect_base: int | None = None, flag: torch.Tensor | None = None,
-                    aligned: bool = False, chunk_words: int | None = None, num_warps: int | None = None) -> None:
+                    aligned: bool = False, chunk_words: int | None = None, num_warps: int | None = None,
+                    stream_hints: bool | None = None) -> None:
     """Launch one program per block of ``table`` (see the module docstring) on ``table``'s device.
 
     Each ``*_base`` is a byte address (``tensor.data_ptr()``, or ``0`` where the table's row is
@@ -103,7 +111,8 @@ def copy_sum_blocks(table: torch.Tensor, block_words: int, *, src_base: int, dst
         (``int32 []`` on the launch device) to 1. Needs ``sums_base``.
     :param aligned: rows 0 and 2 are multiples of 8 words and the bases of 64 bytes (whole blocks
         then copy with unmasked 16-byte vector accesses).
-    :param chunk_words, num_warps: launch shape (defaults :data:`CHUNK_WORDS`, :data:`NUM_WARPS`).
+    :param chunk_words, num_warps, stream_hints: launch shape and cache hints (defaults
+        :data:`CHUNK_WORDS`, :data:`NUM_WARPS`, :data:`STREAM_HINTS`).
     """
     n = table.shape[1]
     if table.dtype != torch.int64 or table.ndim != 2 or table.shape[0] != 6:
@@ -120,4 +129,5 @@ def copy_sum_blocks(table: torch.Tensor, block_words: int, *, src_base: int, dst
         _kernel()[(n,)](table, n, src_base, dst_base or 0, sums_base or 0, expect_base or 0,
                         flag if flag is not None else table, COPY=dst_base is not None, SUMS=sums_base is not None,
                         CHECK=flag is not None, BLOCK=block_words, CHUNK=min(chunk_words or CHUNK_WORDS, block_words),
-                        ALIGNED=aligned, num_warps=num_warps or NUM_WARPS)
+                        ALIGNED=aligned, STREAM=STREAM_HINTS if stream_hints is None else stream_hints,
+                        num_warps=num_warps or NUM_WARPS)

@@ -199,6 +199,10 @@ bad = want.clone(); bad[len(bad) // 2] ^= 1
 copy_sum_blocks(table, BLOCK_WORDS, src_base=buf.data_ptr(), sums_base=sums.data_ptr(), expect_base=bad.data_ptr(),
                 flag=flag)
 print("FLAG1", int(flag))
+dst2, sums2 = torch.zeros_like(dst), torch.empty_like(want)  # the streaming cache hints change nothing else
+copy_sum_blocks(table, BLOCK_WORDS, src_base=buf.data_ptr(), dst_base=dst2.data_ptr(), sums_base=sums2.data_ptr(),
+                stream_hints=True)
+print("HINTS", torch.equal(sums2, want) and torch.equal(dst2, dst))
 # a tensor's alignment gap reads as zeros: 3 source words into a 5-word block
 src = torch.arange(1, 4, dtype=torch.int64)
 out = torch.full((5,), -1, dtype=torch.int64)
@@ -263,4 +267,4 @@ def test_copy_sum_blocks_kernel_in_triton_interpreter():
     assert "GAP [1, 2, 3, 0, 0] 6" in res.stdout, res.stdout
     assert "GATHER True True" in res.stdout and "UNALIGNED None" in res.stdout, res.stdout
     assert "VERSION True True FLAG 0" in res.stdout and "VFLAG 1" in res.stdout, res.stdout
-    assert "FLATTEN 3 True True" in res.stdout, res.stdout
+    assert "FLATTEN 3 True True" in res.stdout and "HINTS True" in res.stdout, res.stdout
