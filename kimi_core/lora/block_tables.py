@@ -5,7 +5,7 @@ A bucket's tensor regions (``starts``, each a multiple of 8 bytes) are cut into 
 :func:`kimi_core.kernels.block_sums.copy_sum_blocks` runs one program per block from a table
 ``int64 [6, n_blocks]``: source word, words to read from the source, destination word, block length,
 sums word, expected-sums word; each word address is a base (a launch argument, 0 for absolute
-addresses) plus 8 times the row. Three builders:
+addresses) plus 8 times the row. Four builders:
 
 * :func:`bucket_table`: one bucket copied word for word (relative rows);
 * :func:`gather_table`: many tensors gathered into one bucket (absolute source rows);
