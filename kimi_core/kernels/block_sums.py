@@ -53,7 +53,8 @@ def _kernel():
         @triton.jit
         def _copy_sum_blocks(table, n_blocks, src_base, dst_base, sums_base, expect_base, flag,
                              COPY: tl.constexpr, SUMS: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr,
-                             CHUNK: tl.constexpr, ALIGNED: tl.constexpr, STREAM: tl.constexpr):
+                             CHUNK: tl.constexpr, ALIGNED: tl.constexpr, LOAD_EVICT: tl.constexpr,
+                             STORE_CACHE: tl.constexpr):
             blk = tl.program_id(0)
             src_word = tl.load(table + blk)
             n_src = tl.load(table + n_blocks + blk)
@@ -68,14 +69,9 @@ def _kernel():
             if (n_src == BLOCK) & (length == BLOCK):  # a whole block of the source: no masks
                 for c in tl.static_range(0, BLOCK, CHUNK):
                     offs = c + tl.arange(0, CHUNK)
-                    if STREAM:  # read once, written for another process: keep both out of L2
-                        x = tl.load(src + offs, eviction_policy="evict_first")
-                        if COPY:
-                            tl.store(dst + offs, x, cache_modifier=".cs")
-                    else:
-                        x = tl.load(src + offs)
-                        if COPY:
-                            tl.store(dst + offs, x)
+                    x = tl.load(src + offs, eviction_policy=LOAD_EVICT)
+                    if COPY:
+                        tl.store(dst + offs, x, cache_modifier=STORE_CACHE)
                     acc += x
             else:  # a tensor's last block, its alignment gap reads as zeros
                 for c in tl.static_range(0, BLOCK, CHUNK):
@@ -124,10 +120,13 @@ def copy_sum_blocks(table: torch.Tensor, block_words: int, *, src_base: int, dst
     if n == 0 or (dst_base is None and sums_base is None):
         return
     aligned = aligned and src_base % 64 == 0 and (dst_base or 0) % 64 == 0
+    stream = STREAM_HINTS if stream_hints is None else stream_hints
     # CPU tensors only under TRITON_INTERPRET=1 (the tests); addresses are then host memory
     with torch.cuda.device(table.device) if table.device.type == "cuda" else contextlib.nullcontext():
         _kernel()[(n,)](table, n, src_base, dst_base or 0, sums_base or 0, expect_base or 0,
                         flag if flag is not None else table, COPY=dst_base is not None, SUMS=sums_base is not None,
                         CHECK=flag is not None, BLOCK=block_words, CHUNK=min(chunk_words or CHUNK_WORDS, block_words),
-                        ALIGNED=aligned, STREAM=STREAM_HINTS if stream_hints is None else stream_hints,
-                        num_warps=num_warps or NUM_WARPS)
+                        ALIGNED=aligned, num_warps=num_warps or NUM_WARPS,
+                        # streaming: read once, written for another process: keep both out of L2
+                        **(dict(LOAD_EVICT="evict_first", STORE_CACHE=".cs") if stream else
+                           dict(LOAD_EVICT="", STORE_CACHE="")))

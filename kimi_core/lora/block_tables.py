@@ -5,12 +5,11 @@ A bucket's tensor regions (``starts``, each a multiple of 8 bytes) are cut into 
 :func:`kimi_core.kernels.block_sums.copy_sum_blocks` runs one program per block from a table
 ``int64 [6, n_blocks]``: source word, words to read from the source, destination word, block length,
 sums word, expected-sums word; each word address is a base (a launch argument, 0 for absolute
-addresses) plus 8 times the row. Four builders:
+addresses) plus 8 times the row. Three builders:
 
 * :func:`bucket_table`: one bucket copied word for word (relative rows);
-* :func:`gather_table`: many tensors gathered into one bucket (absolute source rows);
-* :func:`flatten_table`: every bucket of an adapter version gathered in one launch (absolute rows
-  throughout), the trainer's flatten;
+* :func:`flatten_table`: the tensors of every bucket of an adapter version gathered into their
+  buckets in one launch (absolute rows throughout), the trainer's flatten;
 * :func:`version_table`: every bucket of an adapter version copied into persistent receive buffers
   (absolute rows throughout), the colocated engine's one launch per version.
 
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 
 __all__ = ["ALIGN", "BLOCK_WORDS", "Layout", "block_layout", "bucket_table", "flatten_table", "gather_addresses",
-           "gather_table", "version_table"]
+           "version_table"]
 
 ALIGN = 64  # every tensor region starts at a multiple of ALIGN bytes
 BLOCK_WORDS = 4096
@@ -81,7 +80,9 @@ def _copy_rows(starts: tuple[int, ...], total: int) -> list[np.ndarray]:
 
 def _gather_rows(addrs: tuple[int, ...], nbytes: tuple[int, ...], starts: tuple[int, ...],
                  total: int) -> list[np.ndarray]:
-    """Rows flattening tensors at byte addresses ``addrs`` into a bucket: the source row absolute."""
+    """Rows flattening tensors at byte addresses ``addrs`` (multiples of :data:`ALIGN`) of ``nbytes``
+    each (multiples of 8) into a bucket with regions ``starts``: the source row absolute, a region's
+    alignment gap read as zeros."""
     lay = block_layout(starts, total)
     into = lay.bst - lay.w_starts[lay.region]  # words into the block's region
     length = lay.bend - lay.bst
@@ -111,17 +112,8 @@ def bucket_table(starts: tuple[int, ...], total: int, device: torch.device) -> t
     return _table(_copy_rows(starts, total), device), all(s % ALIGN == 0 for s in starts)
 
 
-@functools.lru_cache(maxsize=64)
-def gather_table(addrs: tuple[int, ...], nbytes: tuple[int, ...], starts: tuple[int, ...], total: int,
-                 device: torch.device) -> torch.Tensor:
-    """Flatten tensors at byte addresses ``addrs`` (multiples of :data:`ALIGN`) of ``nbytes`` each
-    (multiples of 8) into one bucket with regions ``starts``: the source row is absolute (source base
-    0), the rest relative to the bucket's and its sums' bases; a region's alignment gap reads as zeros."""
-    return _table(_gather_rows(addrs, nbytes, starts, total), device)
-
-
 def gather_addresses(tensors, device: torch.device) -> tuple[int, ...] | None:
-    """Source addresses for :func:`gather_table`, or ``None`` unless every tensor is contiguous on
+    """Source addresses for :func:`flatten_table`, or ``None`` unless every tensor is contiguous on
     ``device`` at an :data:`ALIGN`-byte aligned address (as every allocation) with a whole number of
     8-byte words."""
     addrs = []

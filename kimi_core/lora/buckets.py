@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kimi_core.lora.block_tables import (
-    ALIGN, BLOCK_WORDS, block_layout, bucket_table, flatten_table, gather_addresses, gather_table,
+    ALIGN, BLOCK_WORDS, block_layout, bucket_table, flatten_table, gather_addresses,
 )
 from kimi_core.lora.naming import parse_lora_name
 
@@ -307,6 +307,20 @@ def _wire_buffer(index: int, off: int, starts: list[int], device: torch.device, 
     return wire[:off], (wire if block_sums else None)
 
 
+def _cat_into(items: list[tuple[str, torch.Tensor]], metas: list[TensorMeta], buf: torch.Tensor,
+              wire: torch.Tensor | None, starts: list[int], device: torch.device) -> None:
+    """Flatten ``items`` into the GPU bucket ``buf`` with one concatenation (tensors and their zero
+    gaps; any device, layout or alignment), then its block sums into ``wire``'s tail when given."""
+    cat, zeros = [], torch.zeros(ALIGN, dtype=torch.uint8, device=device)
+    for (_, t), m in zip(items, metas):
+        cat.append(t.detach().to(device).contiguous().reshape(-1).view(torch.uint8))
+        if _align(m.nbytes) > m.nbytes:
+            cat.append(zeros[: _align(m.nbytes) - m.nbytes])
+    torch.cat(cat, out=buf)
+    if wire is not None:
+        wire[buf.numel():].view(torch.int64).copy_(copy_block_sums(buf, None, starts, buf.numel()))
+
+
 def _flatten(index: int, items: list[tuple[str, torch.Tensor]], expert_range, checksum: bool,
              staging: list | None = None, device: torch.device | None = None, block_sums: bool = False,
              allocate=None) -> Bucket:
@@ -333,21 +347,8 @@ def _flatten(index: int, items: list[tuple[str, torch.Tensor]], expert_range, ch
             # numpy's memcpy is ~4x faster than torch.copy_ for the many ~100 kB expert factors
             arr[m.offset: m.offset + m.nbytes] = src.contiguous().reshape(-1).view(torch.uint8).numpy()
             arr[m.offset + m.nbytes: _align(m.offset + m.nbytes)] = 0
-    elif (addrs := gather_addresses([t for _, t in items], device)) is not None:  # one launch, sums fused
-        from kimi_core.kernels.block_sums import copy_sum_blocks
-
-        table = gather_table(addrs, tuple(m.nbytes for m in metas), tuple(starts), off, device)
-        copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst_base=buf.data_ptr(),
-                        sums_base=None if wire is None else wire[off:].data_ptr(), aligned=True)
-    else:  # one concatenation kernel for all tensors and their zero gaps, then the block sums
-        cat, zeros = [], torch.zeros(ALIGN, dtype=torch.uint8, device=device)
-        for (_, t), m in zip(items, metas):
-            cat.append(t.detach().to(device).contiguous().reshape(-1).view(torch.uint8))
-            if _align(m.nbytes) > m.nbytes:
-                cat.append(zeros[: _align(m.nbytes) - m.nbytes])
-        torch.cat(cat, out=buf)
-        if wire is not None:
-            wire[off:].view(torch.int64).copy_(copy_block_sums(buf, None, starts, off))
+    else:  # bucket by bucket; flatten_version gathers a whole version in one launch
+        _cat_into(items, metas, buf, wire, starts, device)
     if checksum:
         region = region_sums(buf, starts, off)
         metas = [TensorMeta(m.name, m.dtype, m.shape, m.offset, m.nbytes, s) for m, s in zip(metas, region)]
@@ -455,30 +456,31 @@ def flatten_version(tensors: Mapping[str, torch.Tensor], bucket_bytes: int, *, d
                     block_sums: bool = False, allocate=None, config=None,
                     experts: tuple[int, int] | None = None) -> list[Bucket]:
     """Every bucket of ``tensors`` on CUDA ``device``, as ``iter_buckets(..., checksum=False)`` gives
-    them, flattened (with their block sums) by one gather launch for the whole version when every
-    tensor is contiguous and :data:`ALIGN`-aligned on ``device`` (else bucket by bucket). The launch's
-    table is cached: with persistent buffers (``allocate``) it repeats at every step."""
+    them, with their block sums when ``block_sums``. Buckets whose tensors are all contiguous and
+    :data:`ALIGN`-aligned on ``device`` (an adapter's parameters are) are gathered and summed by one
+    kernel launch for the whole version, whose table is cached: with persistent buffers
+    (``allocate``) it repeats at every step. Any other bucket is concatenated on its own."""
     from kimi_core.kernels.block_sums import copy_sum_blocks
 
     if experts is not None:
         if config is None:
             raise ValueError("flatten_version: experts=(lo, hi) needs config= to know the expert count")
         tensors = filter_experts(dict(tensors), config, *experts)
-    groups = list(_groups(tensors.items(), bucket_bytes))
-    addrs = [gather_addresses([t for _, t in g], device) for g in groups]
-    if any(a is None for a in addrs):
-        return list(iter_buckets(tensors, bucket_bytes, checksum=False, device=device, block_sums=block_sums,
-                                 allocate=allocate))
     out, parts = [], []
-    for index, (group, a) in enumerate(zip(groups, addrs)):
+    for index, group in enumerate(_groups(tensors.items(), bucket_bytes)):
         metas, off = _metas(group)
         starts = [m.offset for m in metas]
         buf, wire = _wire_buffer(index, off, starts, device, block_sums, allocate)
         out.append(Bucket(index, buf, metas, "", experts, wire))
-        parts.append((a, tuple(m.nbytes for m in metas), tuple(starts), off, buf.data_ptr(),
-                      wire[off:].data_ptr() if wire is not None else 0))
-    copy_sum_blocks(flatten_table(tuple(parts), device), BLOCK_WORDS, src_base=0, dst_base=0,
-                    sums_base=0 if block_sums else None, aligned=True)
+        addrs = gather_addresses([t for _, t in group], device)
+        if addrs is None:
+            _cat_into(group, metas, buf, wire, starts, device)
+        else:
+            parts.append((addrs, tuple(m.nbytes for m in metas), tuple(starts), off, buf.data_ptr(),
+                          wire[off:].data_ptr() if wire is not None else 0))
+    if parts:
+        copy_sum_blocks(flatten_table(tuple(parts), device), BLOCK_WORDS, src_base=0, dst_base=0,
+                        sums_base=0 if block_sums else None, aligned=True)
     return out
 
 

@@ -226,11 +226,13 @@ class CudaIpcAdapterSync:
         table, first, aligned = version_table(
             tuple((src.data_ptr(), b.buffer.data_ptr(), src.data_ptr() + b.nbytes, tuple(b.region_starts()), b.nbytes)
                   for b, src in local), self.device)
+        if flag is None:
+            copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst_base=0, aligned=aligned)
+            return []
         sums = _pool_buffer(slot, "sums", 8 * first[-1], self.device).view(torch.int64)
-        copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst_base=0, sums_base=None if flag is None else sums.data_ptr(),
-                        expect_base=None if flag is None else 0, flag=flag, aligned=aligned)
-        return [(b, sums[first[k]:first[k + 1]], src[b.nbytes:].view(torch.int64))
-                for k, (b, src) in enumerate(local)] if flag is not None else []
+        copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst_base=0, sums_base=sums.data_ptr(), expect_base=0,
+                        flag=flag, aligned=aligned)
+        return [(b, sums[first[k]:first[k + 1]], src[b.nbytes:].view(torch.int64)) for k, (b, src) in enumerate(local)]
 
 
 def _pool_buffer(pool: dict, key, nbytes: int, device: torch.device) -> torch.Tensor:

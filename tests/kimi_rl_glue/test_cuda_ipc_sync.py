@@ -102,15 +102,11 @@ def test_versions_through_reused_buffers_arrive_exactly(engine_gpu):
 _COPY_VERSION_SCRIPT = r"""
 import torch
 from kimi_core.lora import BucketChecksumError, iter_buckets
-from kimi_core.lora.block_tables import block_layout
+from kimi_core.lora.buckets import copy_block_sums
 from kimi_rl_glue.sync.cuda_ipc import CudaIpcAdapterSync
-import numpy as np
 
-def wire(b):  # the bucket's bytes, then its block sums (as the trainer's GPU flatten writes them)
-    lay = block_layout(b.region_starts(), b.nbytes)
-    w = b.buffer.numpy().view(np.uint64)
-    sums = np.add.reduceat(w, lay.bst) if len(lay.bst) else np.zeros(0, np.uint64)
-    return torch.cat([b.buffer, torch.from_numpy(sums.view(np.uint8))])
+def wire(b):  # the bucket's bytes, then its block sums (numpy on the CPU), as the trainer's GPU flatten writes them
+    return torch.cat([b.buffer, copy_block_sums(b.buffer, None, b.region_starts()).view(torch.uint8)])
 
 g = torch.Generator().manual_seed(1)
 ts = {f"base_model.model.layers.{i}.mlp.up_proj.lora_{ab}.weight": torch.randn(64, 1000, generator=g).bfloat16()

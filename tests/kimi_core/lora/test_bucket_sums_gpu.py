@@ -186,7 +186,8 @@ sys.path.insert(0, sys.argv[1])
 from test_bucket_sums_gpu import _brute_block_sums, _regions, _word_tensors
 from kimi_core.kernels.block_sums import copy_sum_blocks
 from kimi_core.lora import iter_buckets
-from kimi_core.lora.block_tables import BLOCK_WORDS, bucket_table, gather_addresses, gather_table, version_table
+from kimi_core.lora.block_tables import BLOCK_WORDS, bucket_table, flatten_table, gather_addresses, version_table
+from kimi_core.lora.buckets import n_blocks
 cpu = torch.device("cpu")
 buf, starts = _regions(9)
 table, _ = bucket_table(tuple(starts), buf.numel(), cpu)
@@ -215,11 +216,11 @@ ts = _word_tensors(3)
 print("UNALIGNED", gather_addresses(ts.values(), cpu))  # "row" is a view 32 bytes off
 ts.pop("row")
 ref = next(iter_buckets(ts, 1 << 30, checksum=False))
-table = gather_table(gather_addresses(ts.values(), cpu), tuple(m.nbytes for m in ref.metas), tuple(ref.region_starts()),
-                     ref.nbytes, cpu)
 out = torch.full((ref.nbytes // 8,), -1, dtype=torch.int64)
-s = torch.empty(table.shape[1], dtype=torch.int64)
-copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst_base=out.data_ptr(), sums_base=s.data_ptr())
+s = torch.empty(n_blocks(ref.region_starts(), ref.nbytes), dtype=torch.int64)
+table = flatten_table(((gather_addresses(ts.values(), cpu), tuple(m.nbytes for m in ref.metas),
+                        tuple(ref.region_starts()), ref.nbytes, out.data_ptr(), s.data_ptr()),), cpu)
+copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst_base=0, sums_base=0)
 print("GATHER", torch.equal(out.view(torch.uint8), ref.buffer),
       s.numpy().view(np.uint64).tolist() == _brute_block_sums(ref.buffer, ref.region_starts()))
 # the trainer's flatten of a whole version in one launch (three buckets), equal to the CPU flatten
@@ -227,6 +228,12 @@ from kimi_core.lora.buckets import flatten_version
 got = flatten_version(ts, 40 << 10, device=cpu, block_sums=True)
 cpu_b = list(iter_buckets(ts, 40 << 10, checksum=False))
 print("FLATTEN", len(got), all(torch.equal(g.buffer, c.buffer) and g.metas == c.metas for g, c in zip(got, cpu_b)),
+      all(g.block_sums.numpy().view(np.uint64).tolist() == _brute_block_sums(c.buffer, c.region_starts())
+          for g, c in zip(got, cpu_b)))
+mixed = _word_tensors(3)  # with "row": its bucket is concatenated on its own, the others gathered in one launch
+got = flatten_version(mixed, 40 << 10, device=cpu, block_sums=True)
+cpu_b = list(iter_buckets(mixed, 40 << 10, checksum=False))
+print("MIXED", len(got) == len(cpu_b) > 1, all(torch.equal(g.buffer, c.buffer) for g, c in zip(got, cpu_b)),
       all(g.block_sums.numpy().view(np.uint64).tolist() == _brute_block_sums(c.buffer, c.region_starts())
           for g, c in zip(got, cpu_b)))
 # a version: two buckets into two destinations in one launch, each checked against its own sent sums
@@ -251,8 +258,8 @@ def test_copy_sum_blocks_kernel_in_triton_interpreter():
     """The Triton kernel itself on the CPU (TRITON_INTERPRET=1): sums equal the brute force, the copy is
     exact, the in-kernel compare raises the flag only on a mismatch, alignment gaps are zero-filled, a
     gather table flattens many tensors into the CPU flatten's exact bytes with the brute-force sums, so does
-    the trainer's one launch for all buckets of a version, and a version table copies and checks several
-    buckets in one launch."""
+    the trainer's one launch for all buckets of a version (also beside a bucket it must concatenate), and
+    a version table copies and checks several buckets in one launch."""
     import os
     import subprocess
     import sys
@@ -268,3 +275,4 @@ def test_copy_sum_blocks_kernel_in_triton_interpreter():
     assert "GATHER True True" in res.stdout and "UNALIGNED None" in res.stdout, res.stdout
     assert "VERSION True True FLAG 0" in res.stdout and "VFLAG 1" in res.stdout, res.stdout
     assert "FLATTEN 3 True True" in res.stdout and "HINTS True" in res.stdout, res.stdout
+    assert "MIXED True True True" in res.stdout, res.stdout
