@@ -134,8 +134,9 @@ def phase_breakdown(nbytes: int = 512 << 20) -> list[str]:
 
 
 def tune_launch(nbytes: int = 512 << 20) -> tuple[tuple[int, int, bool], list[str]]:
-    """Sweep ``copy_sum_blocks``' launch shape (words per load step x warps x cache hints) on the fused copy + sums of
-    ``nbytes`` on one GPU; with 2 GPUs also time a sums pass on cuda:1 beside a copy-engine transfer
+    """Sweep ``copy_sum_blocks``' launch shape (words per load step x warps x cache hints) on ``nbytes`` on
+    one GPU: copy only, copy + sums, copy + sums + compare, sums only (the fastest shape by the sum of
+    the two fused columns wins); with 2 GPUs also time a sums pass on cuda:1 beside a copy-engine transfer
     cuda:0 -> cuda:1 issued as receive issues it. Returns the fastest shape and the tables."""
     from kimi_core.kernels import block_sums
     from kimi_core.lora.block_tables import BLOCK_WORDS, bucket_table
@@ -145,20 +146,27 @@ def tune_launch(nbytes: int = 512 << 20) -> tuple[tuple[int, int, bool], list[st
     table, _ = bucket_table((0, nbytes // 4, nbytes // 2), nbytes, torch.device("cuda:0"))
     sums = torch.empty(table.shape[1], dtype=torch.int64, device="cuda:0")
     k_copy = _gpu_ms(lambda: dst.view(torch.uint8).copy_(buf))
+    expect = torch.empty_like(sums)
+    block_sums.copy_sum_blocks(table, BLOCK_WORDS, src_base=buf.data_ptr(), sums_base=expect.data_ptr())
+    flag = torch.zeros((), dtype=torch.int32, device="cuda:0")
     out = [f"launch-shape sweep of copy_sum_blocks on {nbytes / 1e9:.2f} GB (plain torch copy {k_copy:.3f} ms, "
-           f"{nbytes / k_copy / 1e6:.0f} GB/s):", "",
-           "| words per step | warps | stream hints | fused copy+sums ms | GB/s | sums only ms | GB/s read |",
-           "|---|---|---|---|---|---|---|"]
+           f"{nbytes / k_copy / 1e6:.0f} GB/s); ms (GB/s):", "",
+           "| words per step | warps | stream hints | copy only | copy + sums (trainer) | "
+           "copy + sums + compare (engine) | sums only (GB/s read) |", "|---|---|---|---|---|---|---|"]
     best = None
     for chunk, warps, hints in itertools.product((1024, 2048, 4096), (4, 8, 16), (False, True)):
-        kw = dict(src_base=buf.data_ptr(), sums_base=sums.data_ptr(), aligned=True, chunk_words=chunk,
-                  num_warps=warps, stream_hints=hints)
-        fused = _gpu_ms(lambda: block_sums.copy_sum_blocks(table, BLOCK_WORDS, dst_base=dst.data_ptr(), **kw))
-        only = _gpu_ms(lambda: block_sums.copy_sum_blocks(table, BLOCK_WORDS, **kw))
-        out.append(f"| {chunk} | {warps} | {hints} | {fused:.3f} | {nbytes / fused / 1e6:.0f} | {only:.3f} | "
-                   f"{nbytes / only / 1e6:.0f} |")
-        if best is None or fused < best[0]:
-            best = (fused, (chunk, warps, hints))
+        kw = dict(src_base=buf.data_ptr(), aligned=True, chunk_words=chunk, num_warps=warps, stream_hints=hints)
+        run = lambda **more: _gpu_ms(lambda: block_sums.copy_sum_blocks(table, BLOCK_WORDS, **kw, **more), 20)  # noqa: E731
+        copy = run(dst_base=dst.data_ptr())
+        fused = run(dst_base=dst.data_ptr(), sums_base=sums.data_ptr())
+        checked = run(dst_base=dst.data_ptr(), sums_base=sums.data_ptr(), expect_base=expect.data_ptr(), flag=flag)
+        only = run(sums_base=sums.data_ptr())
+        out.append(f"| {chunk} | {warps} | {hints} | " + " | ".join(
+            f"{t:.3f} ({nbytes / t / 1e6:.0f})" for t in (copy, fused, checked, only)) + " |")
+        if best is None or fused + checked < best[0]:
+            best = (fused + checked, (chunk, warps, hints))
+    if int(flag):
+        raise SystemExit("tune_launch: the compare flagged identical bytes")
     if torch.cuda.device_count() > 1:
         far = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
         other = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:1")

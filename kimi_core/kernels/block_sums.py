@@ -37,9 +37,9 @@ import torch
 
 __all__ = ["CHUNK_WORDS", "NUM_WARPS", "STREAM_HINTS", "copy_sum_blocks"]
 
-CHUNK_WORDS = 2048
-NUM_WARPS = 8
-STREAM_HINTS = False  # streaming cache hints on whole blocks (swept by --tune)
+CHUNK_WORDS = 4096  # --tune on an H200 (RESULTS.md, 2026-11-30): 4096 x 4 warps with hints, 1.87 TB/s fused
+NUM_WARPS = 4
+STREAM_HINTS = True  # streaming cache hints on whole blocks (swept by --tune)
 
 _KERNEL = None
 
@@ -85,7 +85,8 @@ def _kernel():
                 tl.store((sums_base + tl.load(table + 4 * n_blocks + blk) * 8).to(tl.pointer_type(tl.int64)), s)
                 if CHECK:
                     e = tl.load((expect_base + tl.load(table + 5 * n_blocks + blk) * 8).to(tl.pointer_type(tl.int64)))
-                    tl.atomic_max(flag, (s != e).to(tl.int32))
+                    if s != e:  # only a mismatch writes: an atomic per block serialises on one address
+                        tl.store(flag, 1)
 
         _KERNEL = _copy_sum_blocks
     return _KERNEL

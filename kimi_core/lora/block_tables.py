@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 __all__ = ["ALIGN", "BLOCK_WORDS", "Layout", "block_layout", "bucket_table", "flatten_table", "gather_addresses",
-           "version_table"]
+           "starts_key", "version_table"]
 
 ALIGN = 64  # every tensor region starts at a multiple of ALIGN bytes
 BLOCK_WORDS = 4096
@@ -46,7 +46,12 @@ class Layout(NamedTuple):
 
 def block_layout(starts, total: int) -> Layout:
     """Block partition of the byte regions ``[starts[i], starts[i+1])`` (the last ends at ``total``); cached."""
-    return _layout(tuple(int(x) for x in starts), int(total))
+    return _layout(starts_key(starts), int(total))
+
+
+def starts_key(starts) -> tuple[int, ...]:
+    """``starts`` as a hashable cache key (a tuple is used as it is: thousands of regions per bucket)."""
+    return starts if type(starts) is tuple else tuple(int(x) for x in starts)
 
 
 @functools.lru_cache(maxsize=64)

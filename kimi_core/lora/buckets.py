@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kimi_core.lora.block_tables import (
-    ALIGN, BLOCK_WORDS, block_layout, bucket_table, flatten_table, gather_addresses,
+    ALIGN, BLOCK_WORDS, block_layout, bucket_table, flatten_table, gather_addresses, starts_key,
 )
 from kimi_core.lora.naming import parse_lora_name
 
@@ -124,7 +124,7 @@ def copy_block_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[in
     if dev.type == "cuda" and src.device == dev:
         from kimi_core.kernels.block_sums import copy_sum_blocks
 
-        table, aligned = bucket_table(tuple(int(x) for x in starts), int(total), dev)
+        table, aligned = bucket_table(starts_key(starts), int(total), dev)
         sums = torch.empty(table.shape[1], dtype=torch.int64, device=dev)
         if expect is not None and (expect.numel() != sums.numel() or expect.dtype != torch.int64):
             raise ValueError(f"copy_block_sums: expect must be int64 [{sums.numel()}], got {expect.dtype} "

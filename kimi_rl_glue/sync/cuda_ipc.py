@@ -170,8 +170,10 @@ class CudaIpcAdapterSync:
                     src = rebuild(*args)  # the trainer's bucket (and its block sums), mapped into this process
                     opened.append(src)  # stays mapped until the copies have finished (finally below)
                     n = int(meta["nbytes"])
-                    b = Bucket.from_parts(_pool_buffer(slot, i, n, self.device), meta, verify=False)
-                    want = n + (8 * n_blocks(b.region_starts(), n) if check else 0)
+                    starts = tuple(m[3] for m in meta["tensors"])  # TensorMeta.to_list: offset at 3
+                    want = n + (8 * n_blocks(starts, n) if check else 0)
+                    wire = _pool_buffer(slot, i, want, self.device)  # bytes, then the sender's sums
+                    b = Bucket.from_parts(wire[:n], meta, verify=False)
                     if src.dtype != torch.uint8 or src.numel() != want:
                         raise AdapterSyncError(f"CUDA IPC: bucket {b.index} of adapter version {version} has "
                                                f"{src.numel()} {src.dtype} elements, manifest says {want} bytes")
@@ -184,11 +186,11 @@ class CudaIpcAdapterSync:
                         if src.device not in src_side:
                             src_side[src.device] = torch.cuda.Stream(src.device)
                         with torch.cuda.stream(src_side[src.device]), torch.cuda.stream(side):
-                            b.buffer.copy_(src[:n], non_blocking=True)
-                            sent = src[n:].view(torch.int64).to(self.device, non_blocking=True) if check else None
+                            wire.copy_(src, non_blocking=True)  # bytes and sums in one transfer
                         if check:
                             main.wait_stream(side)
-                            got = copy_block_sums(b.buffer, None, b.region_starts(), n, expect=sent, flag=bad)
+                            sent = wire[n:].view(torch.int64)
+                            got = copy_block_sums(b.buffer, None, starts, n, expect=sent, flag=bad)
                             pending.append((b, got, sent))
                     t_open += tb - ta
                     t_copy += time.perf_counter() - tb
