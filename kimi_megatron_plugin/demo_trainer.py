@@ -66,7 +66,8 @@ class MegatronLoraTrainer:
         from kimi_megatron_plugin import checkpoint, provider
         from kimi_megatron_plugin.lora import apply_lora
 
-        self.model = provider.build_model_from_hf(ckpt, perform_initialization=False, params_dtype=torch.float32)
+        self.model = provider.build_model_from_hf(ckpt, perform_initialization=False, params_dtype=torch.float32,
+                                                  moe_enable_routing_replay=True)
         checkpoint.load_hf_checkpoint(self.model, ckpt)
         self.config = self.model.kimi_config
         self.spec = spec
@@ -74,11 +75,18 @@ class MegatronLoraTrainer:
         self.opt = torch.optim.AdamW(self.lora.parameters(), lr=lr, weight_decay=0.0)
         self.steps = 0
 
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[B, T, V]`` fp32 logits of ``ids [B, T]`` (int64), differentiable w.r.t. the LoRA factors."""
+    def logits(self, ids: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, T, V]`` fp32 logits of ``ids [B, T]`` (int64), differentiable w.r.t. the LoRA factors.
+
+        :param routed_experts: int ``[B, T, num_hidden_layers, k]``: replay these experts (R3,
+            :func:`kimi_megatron_plugin.routing_replay.replay_routing`) instead of routing.
+        """
+        from kimi_megatron_plugin.routing_replay import replay_routing
+
         ids = ids.to(torch.long)
         pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
-        return self.model(ids, pos, attention_mask=None).float()
+        with replay_routing(self.model, routed_experts):
+            return self.model(ids, pos, attention_mask=None).float()
 
     def step(self, loss: torch.Tensor, max_grad_norm: float = 1.0) -> float:
         """``backward``, clip to ``max_grad_norm``, one AdamW step; returns the pre-clip grad norm."""

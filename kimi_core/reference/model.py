@@ -145,7 +145,8 @@ class KimiReferenceModel:
         return w.linear(h, head, adapter), bank
 
     # ------------------------------------------------------------------ public API
-    def forward(self, input_ids: torch.Tensor, adapter=None, return_hidden: bool = False):
+    def forward(self, input_ids: torch.Tensor, adapter=None, return_hidden: bool = False,
+                routed_experts: torch.Tensor | None = None):
         """Logits ``[B, T, vocab]`` (model dtype) of ``input_ids [B, T]``.
 
         Weights never require grad, so no graph is built unless adapter factors do: then the
@@ -155,11 +156,38 @@ class KimiReferenceModel:
         :param return_hidden: also return ``hidden``, a list of L+1 tensors ``[B, T, H]``:
             ``hidden[0]`` the embeddings, ``hidden[i+1]`` the residual stream after layer i (for K3
             the attention-residual ``prefix``; before the output aggregator and the final norm).
+        :param routed_experts: rollout routing replay (R3): int ``[B, T, num_hidden_layers, k]``,
+            the experts each token used in each layer (global layer ids, dense layers ignored), as
+            rollout engines return them; every MoE layer then uses those experts with gate weights
+            from its own router (:func:`kimi_core.reference.moe.replay_route`).
         """
         hidden = [] if return_hidden else None
         caches = [{} for _ in range(self.config.num_hidden_layers)]
-        logits, _ = self._run(input_ids, caches, self.resolve_adapter(adapter), hidden)
+        moes = [(i, m) for i, m in enumerate(self.mlp) if isinstance(m, MoE)]
+        if routed_experts is not None:
+            want = (*input_ids.shape, self.config.num_hidden_layers, self.config.num_experts_per_tok)
+            if tuple(routed_experts.shape) != want:
+                raise ValueError(f"routed_experts has shape {tuple(routed_experts.shape)}, expected {want} "
+                                 "(batch, tokens, num_hidden_layers, num_experts_per_tok)")
+            for i, m in moes:
+                m.replay = routed_experts[:, :, i].reshape(-1, want[-1])
+        try:
+            logits, _ = self._run(input_ids, caches, self.resolve_adapter(adapter), hidden)
+        finally:
+            for _, m in moes:
+                m.replay = None
+        self._last_shape = tuple(input_ids.shape)
         return (logits, hidden) if return_hidden else logits
+
+    def last_routed_experts(self) -> torch.Tensor:
+        """The experts of the last :meth:`forward`, int64 ``[B, T, num_hidden_layers, k]`` (dense
+        layers 0): the ``routed_experts`` a rollout engine would report for replay."""
+        B, T = self._last_shape
+        out = torch.zeros(B, T, self.config.num_hidden_layers, self.config.num_experts_per_tok, dtype=torch.long)
+        for i, m in enumerate(self.mlp):
+            if isinstance(m, MoE):
+                out[:, :, i] = m.last_routing[1].reshape(B, T, -1).cpu()
+        return out
 
     __call__ = forward
 

