@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping
 
@@ -32,13 +33,13 @@ import numpy as np
 import torch
 
 from kimi_core.lora.block_tables import (
-    ALIGN, BLOCK_WORDS, block_layout, bucket_table, flatten_table, gather_addresses, starts_key,
+    ALIGN, BLOCK_WORDS, block_layout, bucket_table, starts_key,
 )
 from kimi_core.lora.naming import parse_lora_name
 
 __all__ = [
     "ALIGN", "BLOCK_WORDS", "Bucket", "BucketChecksumError", "TensorMeta",
-    "filter_experts", "flatten_version", "iter_buckets", "assemble", "region_sums", "copy_region_sums", "copy_block_sums",
+    "bucket_metadata", "filter_experts", "group_spans", "iter_buckets", "metas_of", "assemble", "region_sums", "copy_region_sums", "copy_block_sums",
     "first_bad_region", "n_blocks",
 ]
 
@@ -180,6 +181,12 @@ def _digest(metas: list[TensorMeta], nbytes: int, expert_range) -> str:
     return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
+def bucket_metadata(index: int, nbytes: int, checksum: str, expert_range, metas) -> dict:
+    """:meth:`Bucket.metadata` of a bucket with these fields (also without building the bucket)."""
+    return {"index": index, "nbytes": nbytes, "checksum": checksum,
+            "expert_range": list(expert_range) if expert_range else None, "tensors": [m.to_list() for m in metas]}
+
+
 @dataclass
 class Bucket:
     """One flattened bucket: ``buffer`` (``uint8 [nbytes]``) and ``metas`` in buffer order.
@@ -217,9 +224,7 @@ class Bucket:
 
     def metadata(self) -> dict:
         """JSON-able description; :meth:`from_parts` rebuilds the bucket from it and the buffer."""
-        return {"index": self.index, "nbytes": self.nbytes, "checksum": self.checksum,
-                "expert_range": list(self.expert_range) if self.expert_range else None,
-                "tensors": [m.to_list() for m in self.metas]}
+        return bucket_metadata(self.index, self.nbytes, self.checksum, self.expert_range, self.metas)
 
     @classmethod
     def from_parts(cls, buffer: torch.Tensor, metadata: dict, verify: bool = True) -> "Bucket":
@@ -287,10 +292,15 @@ def n_blocks(starts: list[int], total: int) -> int:
 
 def _metas(items: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorMeta], int]:
     """Each tensor's place in a bucket (regions :data:`ALIGN`-aligned) and the bucket's size."""
+    return metas_of([(name, t.dtype, tuple(t.shape)) for name, t in items])
+
+
+def metas_of(signature) -> tuple[list[TensorMeta], int]:
+    """:func:`_metas` from ``(name, torch dtype, shape)`` triples alone."""
     metas, off = [], 0
-    for name, t in items:
-        nb = t.numel() * t.element_size()
-        metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), off, nb))
+    for name, dtype, shape in signature:
+        nb = math.prod(shape) * dtype.itemsize
+        metas.append(TensorMeta(name, str(dtype).removeprefix("torch."), tuple(shape), off, nb))
         off += _align(nb)
     return metas, off
 
@@ -439,49 +449,24 @@ def iter_buckets(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch
 
 def _groups(items, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive ``(name, tensor)`` groups of at most ``bucket_bytes`` (a larger tensor alone)."""
-    cur: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in items:
-        nb = _align(t.numel() * t.element_size())
-        if cur and size + nb > bucket_bytes:
-            yield cur
-            cur, size = [], 0
-        cur.append((name, t))
+    items = list(items)
+    for span in group_spans([t.numel() * t.element_size() for _, t in items], bucket_bytes):
+        yield items[span.start: span.stop]
+
+
+def group_spans(nbytes: list[int], bucket_bytes: int) -> list[range]:
+    """Index ranges of consecutive tensors of ``nbytes`` each that share a bucket of at most
+    ``bucket_bytes`` (regions :data:`ALIGN`-aligned; a larger tensor gets a bucket alone)."""
+    spans, first, size = [], 0, 0
+    for i, nb in enumerate(nbytes):
+        nb = _align(nb)
+        if i > first and size + nb > bucket_bytes:
+            spans.append(range(first, i))
+            first, size = i, 0
         size += nb
-    if cur:
-        yield cur
-
-
-def flatten_version(tensors: Mapping[str, torch.Tensor], bucket_bytes: int, *, device: torch.device,
-                    block_sums: bool = False, allocate=None, config=None,
-                    experts: tuple[int, int] | None = None) -> list[Bucket]:
-    """Every bucket of ``tensors`` on CUDA ``device``, as ``iter_buckets(..., checksum=False)`` gives
-    them, with their block sums when ``block_sums``. Buckets whose tensors are all contiguous and
-    :data:`ALIGN`-aligned on ``device`` (an adapter's parameters are) are gathered and summed by one
-    kernel launch for the whole version, whose table is cached: with persistent buffers
-    (``allocate``) it repeats at every step. Any other bucket is concatenated on its own."""
-    from kimi_core.kernels.block_sums import copy_sum_blocks
-
-    if experts is not None:
-        if config is None:
-            raise ValueError("flatten_version: experts=(lo, hi) needs config= to know the expert count")
-        tensors = filter_experts(dict(tensors), config, *experts)
-    out, parts = [], []
-    for index, group in enumerate(_groups(tensors.items(), bucket_bytes)):
-        metas, off = _metas(group)
-        starts = [m.offset for m in metas]
-        buf, wire = _wire_buffer(index, off, starts, device, block_sums, allocate)
-        out.append(Bucket(index, buf, metas, "", experts, wire))
-        addrs = gather_addresses([t for _, t in group], device)
-        if addrs is None:
-            _cat_into(group, metas, buf, wire, starts, device)
-        else:
-            parts.append((addrs, tuple(m.nbytes for m in metas), tuple(starts), off, buf.data_ptr(),
-                          wire[off:].data_ptr() if wire is not None else 0))
-    if parts:
-        copy_sum_blocks(flatten_table(tuple(parts), device), BLOCK_WORDS, src_base=0, dst_base=0,
-                        sums_base=0 if block_sums else None, aligned=True)
-    return out
+    if len(nbytes) > first:
+        spans.append(range(first, len(nbytes)))
+    return spans
 
 
 def assemble(buckets: Iterable[Bucket], verify: bool = True) -> dict[str, torch.Tensor]:

@@ -3,13 +3,15 @@
 The GPU counterpart of :class:`~kimi_rl_glue.sync.shm.ShmAdapterSync` (same bucket format, same
 errors), shaped like SGLang's ``update_weights_from_tensor`` path that miles uses when colocated:
 the trainer flattens version ``k`` of the adapter into :func:`kimi_core.lora.iter_buckets` buckets
-on its own GPU (:func:`kimi_core.lora.buckets.flatten_version`): one gather kernel launch for the
+on its own GPU (:func:`kimi_core.lora.version_layout.flatten_version`): one gather kernel launch for the
 whole version copies every tensor into its bucket and writes each bucket's ``int64`` block sums
 right after its bytes, in the same allocation (the launch's block table is cached: the adapter's
 parameters and the bucket buffers keep their addresses). It
-publishes a *manifest*: bucket metadata plus one CUDA-IPC handle per bucket
-(``torch.multiprocessing.reductions.reduce_tensor``), pickled and framed by the pickle's length
-and CRC-32.
+publishes a *manifest*: one CUDA-IPC handle per bucket (``torch.multiprocessing.reductions.reduce_tensor``)
+and the version's pickled bucket metadata (the :class:`~kimi_core.lora.version_layout.VersionLayout`
+blob, built once per run with its CRC-32), framed by lengths and CRC-32s. The engine parses a
+layout blob once and afterwards only compares it with the last one, so the per-expert layout's
+tens of thousands of tensor records cost no per-step parsing on either side.
 The manifest travels by any channel (a pipe, ZMQ, HTTP) to the engine process, which checks the
 frame, opens the handles and copies the buckets into its own receive buffers. Colocated, that is
 one kernel launch for the whole version (a cached block table spanning every bucket) which also
@@ -35,10 +37,10 @@ forger, so the fastest good error-detecting code is used: the frame's CRC-32 cos
 BLAKE2b of the same manifest cost 0.2 ms, 1% of a colocated 8.6 GB sync).
 
 Timings: ``publish`` returns ``flatten_s`` (flatten + sums launched on the trainer GPU, then one
-synchronisation), ``flatten_gpu_s`` (its GPU time, CUDA events) and ``share_s`` (IPC handles,
+synchronisation), ``flatten_gpu_s`` (its GPU time, CUDA events), ``gather_gpu_s`` (the gather launch alone) and ``share_s`` (IPC handles,
 pickle, frame); ``receive`` puts ``open_s``, ``copy_s`` (launching copy + sums + compare),
-``verify_s`` (the one synchronisation and the flag) and ``copy_gpu_s`` (GPU time from the first
-copy to the last check) into ``adapter.extra["sync_timings"]``. ``checksum=False`` turns the sums,
+``verify_s`` (the one synchronisation and the flag), ``copy_gpu_s`` (GPU time from the first
+copy to the last check) and, colocated, ``launch_gpu_s`` (the one launch alone) into ``adapter.extra["sync_timings"]``. ``checksum=False`` turns the sums,
 the CRC and the compare off on both sides (the same kernels then only copy), to measure their cost.
 """
 
@@ -54,25 +56,32 @@ import torch
 from kimi_core.lora import Adapter, Bucket, BucketChecksumError, assemble
 from kimi_core.kernels.block_sums import copy_sum_blocks
 from kimi_core.lora.block_tables import BLOCK_WORDS, version_table
-from kimi_core.lora.buckets import copy_block_sums, flatten_version, n_blocks
+from kimi_core.lora.buckets import copy_block_sums, n_blocks
+from kimi_core.lora.version_layout import VersionLayout, flatten_version
 from kimi_rl_glue.sync.disk import AdapterSyncError
 
 __all__ = ["CudaIpcAdapterSync"]
 
-_FRAME = struct.Struct("<QI?")  # manifest body length, CRC-32 of the body, whether the CRC is set
+# manifest = frame + body (pickle: version, adapter config, handles) + layout blob (bucket metadata)
+_FRAME = struct.Struct("<QIQI?")  # body length, its CRC-32, blob length, its CRC-32, whether CRCs are set
 
 
-def _frame(body: bytes, checked: bool) -> bytes:
-    return _FRAME.pack(len(body), zlib.crc32(body) if checked else 0, checked) + body
+def _frame(body: bytes, layout: VersionLayout, checked: bool) -> bytes:
+    """The manifest; the layout blob's CRC-32 is computed once per layout (cached), not per step."""
+    blob = layout.blob
+    return _FRAME.pack(len(body), zlib.crc32(body) if checked else 0, len(blob),
+                       layout.blob_crc if checked else 0, checked) + body + blob
 
 
-def _unframe(manifest: bytes, version: int) -> bytes:
-    """The manifest's body; raises :class:`AdapterSyncError` if its length or CRC-32 disagree."""
+def _unframe(manifest: bytes, version: int, known_blob: bytes | None) -> tuple[bytes, bytes]:
+    """``(body, blob)`` of a manifest; raises :class:`AdapterSyncError` if a length or CRC-32
+    disagrees. A blob equal to ``known_blob`` (an earlier checked one) is not summed again."""
     if len(manifest) >= _FRAME.size:
-        n, crc, checked = _FRAME.unpack_from(manifest)
-        body = manifest[_FRAME.size:]
-        if len(body) == n and (not checked or zlib.crc32(body) == crc):
-            return body
+        n, crc, m, blob_crc, checked = _FRAME.unpack_from(manifest)
+        body, blob = manifest[_FRAME.size:_FRAME.size + n], manifest[_FRAME.size + n:]
+        if len(body) == n and len(blob) == m and (not checked or (
+                zlib.crc32(body) == crc and (blob == known_blob or zlib.crc32(blob) == blob_crc))):
+            return body, blob
     raise AdapterSyncError(f"CUDA IPC: manifest of adapter version {version} fails its length + CRC-32 check "
                            "(truncated or altered)")
 
@@ -94,6 +103,7 @@ class CudaIpcAdapterSync:
         self._mapped: list[torch.Tensor] = []  # engine: the last version's opened buckets
         self._slots: tuple[dict, dict] = ({}, {})  # engine: two sets of receive buffers (and version sums)
         self._good: int | None = None  # engine: the slot holding the last good version
+        self._layout: tuple[bytes, list] | None = None  # engine: the last layout blob, parsed
 
     # ------------------------------------------------------------------ trainer side
     def publish(self, adapter: Adapter, version: int, *, experts: tuple[int, int] | None = None,
@@ -110,22 +120,23 @@ class CudaIpcAdapterSync:
                                    "versions are never reused")
         t0 = time.perf_counter()
         with torch.cuda.device(self.device):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end, k0, k1 = (torch.cuda.Event(enable_timing=True) for _ in range(4))
             start.record()
-            buckets = flatten_version(adapter.tensors, self.bucket_bytes, device=self.device, block_sums=self.checksum,
-                                      allocate=None if self._live else self._pooled_wire, config=config,
-                                      experts=experts)
+            k0.record()  # (re-recorded around the gather launch, if any)
+            k1.record()
+            buckets, layout = flatten_version(adapter.tensors, self.bucket_bytes, device=self.device,
+                                              block_sums=self.checksum, allocate=None if self._live else self._pooled_wire,
+                                              config=config, experts=experts, events=(k0, k1))
             end.record()
             torch.cuda.synchronize(self.device)
             t1 = time.perf_counter()
             handles = [reduce_tensor(b.wire if self.checksum else b.buffer) for b in buckets]
         self._live[version] = buckets
         manifest = _frame(pickle.dumps({"version": version, "adapter_config": adapter.adapter_config,
-                                        "checksum": self.checksum, "buckets": [b.metadata() for b in buckets],
-                                        "handles": handles}), self.checksum)
+                                        "checksum": self.checksum, "handles": handles}), layout, self.checksum)
         t2 = time.perf_counter()
         return manifest, {"publish_s": t2 - t0, "flatten_s": t1 - t0, "share_s": t2 - t1,
-                               "flatten_gpu_s": start.elapsed_time(end) / 1e3,
+                               "flatten_gpu_s": start.elapsed_time(end) / 1e3, "gather_gpu_s": k0.elapsed_time(k1) / 1e3,
                                "bytes": sum(b.nbytes for b in buckets), "buckets": len(buckets)}
 
     def _pooled_wire(self, index: int, nbytes: int) -> torch.Tensor:
@@ -144,7 +155,7 @@ class CudaIpcAdapterSync:
         :meth:`receive` after this one (load them, as SGLang copies an adapter into its LoRA memory
         pool, before then); a rejected version never overwrites the last good one.
         """
-        body = _unframe(manifest, version)
+        body, blob = _unframe(manifest, version, self._layout[0] if self._layout else None)
         try:
             man = pickle.loads(body)  # noqa: S301 - a trusted trainer on this node (see module doc)
         except Exception as e:  # noqa: BLE001 - any decoding failure is a corrupt manifest
@@ -152,6 +163,12 @@ class CudaIpcAdapterSync:
         if man.get("version") != version:
             raise AdapterSyncError(f"CUDA IPC: manifest is for adapter version {man.get('version')}, "
                                    f"expected {version} (stale adapter)")
+        if self._layout is None or blob != self._layout[0]:  # a new bucket layout: parse it once
+            try:
+                self._layout = (blob, [_parse_bucket(m) for m in pickle.loads(blob)])  # noqa: S301 - as above
+            except Exception as e:  # noqa: BLE001
+                raise AdapterSyncError(f"CUDA IPC: bucket layout of adapter version {version} is corrupt: {e}") from None
+        parsed = self._layout[1]
         check = bool(man["checksum"])
         k = 1 if self._good == 0 else 0
         slot = self._slots[k]  # never the buffers of the last good version
@@ -161,19 +178,20 @@ class CudaIpcAdapterSync:
             side = torch.cuda.Stream(self.device)  # cross-GPU copies, ahead of the checks on `main`
             src_side: dict[torch.device, torch.cuda.Stream] = {}
             bad = torch.zeros((), dtype=torch.int32, device=self.device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end, k0, k1 = (torch.cuda.Event(enable_timing=True) for _ in range(4))
             start.record()
             side.wait_stream(main)
             try:
-                for i, (meta, (rebuild, args)) in enumerate(zip(man["buckets"], man["handles"])):
+                if len(man["handles"]) != len(parsed):
+                    raise AdapterSyncError(f"CUDA IPC: manifest of adapter version {version} has {len(man['handles'])} "
+                                           f"bucket handles for {len(parsed)} buckets")
+                for i, ((meta, n, starts, sums_bytes), (rebuild, args)) in enumerate(zip(parsed, man["handles"])):
                     ta = time.perf_counter()
                     src = rebuild(*args)  # the trainer's bucket (and its block sums), mapped into this process
                     opened.append(src)  # stays mapped until the copies have finished (finally below)
-                    n = int(meta["nbytes"])
-                    starts = tuple(m[3] for m in meta["tensors"])  # TensorMeta.to_list: offset at 3
-                    want = n + (8 * n_blocks(starts, n) if check else 0)
+                    want = n + (sums_bytes if check else 0)
                     wire = _pool_buffer(slot, i, want, self.device)  # bytes, then the sender's sums
-                    b = Bucket.from_parts(wire[:n], meta, verify=False)
+                    b = _slot_bucket(slot, i, wire[:n], meta)
                     if src.dtype != torch.uint8 or src.numel() != want:
                         raise AdapterSyncError(f"CUDA IPC: bucket {b.index} of adapter version {version} has "
                                                f"{src.numel()} {src.dtype} elements, manifest says {want} bytes")
@@ -196,7 +214,9 @@ class CudaIpcAdapterSync:
                     t_copy += time.perf_counter() - tb
                 tb = time.perf_counter()
                 if local:
+                    k0.record()
                     pending += self._copy_version(slot, local, bad if check else None)
+                    k1.record()
                 main.wait_stream(side)
                 end.record()
                 t_copy += time.perf_counter() - tb
@@ -214,10 +234,14 @@ class CudaIpcAdapterSync:
                 self._mapped = opened  # kept open: the trainer reuses its buffers (module doc)
             t_verify = time.perf_counter() - tc
         self._good = k
-        tensors = assemble(buckets, verify=False)
+        cached = slot.get("views")  # the same bucket objects as last time in this slot: the same views
+        if cached is None or len(cached[0]) != len(buckets) or any(a is not b for a, b in zip(cached[0], buckets)):
+            cached = slot["views"] = (buckets, assemble(buckets, verify=False))
+        tensors = dict(cached[1])
         return Adapter(tensors, man["adapter_config"], source=f"cuda_ipc:v{version}",
                        extra={"sync_timings": {"open_s": t_open, "copy_s": t_copy, "verify_s": t_verify,
                                                "copy_gpu_s": start.elapsed_time(end) / 1e3,
+                                               "launch_gpu_s": k0.elapsed_time(k1) / 1e3 if local else None,
                                                "bytes": sum(b.nbytes for b in buckets)}})
 
     def _copy_version(self, slot: dict, local: list[tuple[Bucket, torch.Tensor]],
@@ -235,6 +259,24 @@ class CudaIpcAdapterSync:
         copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst_base=0, sums_base=sums.data_ptr(), expect_base=0,
                         flag=flag, aligned=aligned)
         return [(b, sums[first[k]:first[k + 1]], src[b.nbytes:].view(torch.int64)) for k, (b, src) in enumerate(local)]
+
+
+def _parse_bucket(meta: dict) -> tuple[dict, int, tuple[int, ...], int]:
+    """``(metadata, nbytes, region starts, bytes of its block sums)`` of one bucket of a layout blob."""
+    n = int(meta["nbytes"])
+    starts = tuple(int(t[3]) for t in meta["tensors"])  # TensorMeta.to_list: offset at 3
+    return meta, n, starts, 8 * n_blocks(starts, n)
+
+
+def _slot_bucket(slot: dict, index: int, buffer: torch.Tensor, meta: dict) -> Bucket:
+    """The receive slot's :class:`Bucket` ``index`` over ``buffer``, rebuilt only when the buffer or
+    the metadata changed (tens of thousands of records per step otherwise, per-expert layout)."""
+    key = ("bucket", index)
+    cached = slot.get(key)
+    if cached is None or cached[0] is not meta or cached[1].buffer.data_ptr() != buffer.data_ptr() \
+            or cached[1].nbytes != buffer.numel():
+        cached = slot[key] = (meta, Bucket.from_parts(buffer, meta, verify=False))
+    return cached[1]
 
 
 def _pool_buffer(pool: dict, key, nbytes: int, device: torch.device) -> torch.Tensor:

@@ -22,14 +22,23 @@ def test_without_cuda_names_the_cpu_transport():
         CudaIpcAdapterSync()
 
 
-def _framed(body: bytes) -> bytes:
-    """The documented frame: little-endian u64 body length, u32 CRC-32 (zlib), bool "CRC set", body."""
-    return struct.pack("<QI?", len(body), zlib.crc32(body), True) + body
+_HEADER = struct.Struct("<QIQI?")
+
+
+def _framed(body: bytes, blob: bytes = b"") -> bytes:
+    """The documented frame: little-endian u64 body length, u32 CRC-32 (zlib) of the body, u64 layout
+    blob length, u32 its CRC-32, bool "CRCs set"; then the body and the blob."""
+    return _HEADER.pack(len(body), zlib.crc32(body), len(blob), zlib.crc32(blob), True) + body + blob
+
+
+def _body(manifest: bytes) -> dict:
+    return pickle.loads(manifest[_HEADER.size: _HEADER.size + _HEADER.unpack_from(manifest)[0]])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("manifest, match", [(_framed(b"not a pickle"), "corrupt"),
-                                             (b"x" * 13 + pickle.dumps({"version": 4}), "CRC-32"),
+                                             (b"x" * 25 + pickle.dumps({"version": 4}), "CRC-32"),
+                                             (_framed(pickle.dumps({"version": 4}), b"not a layout"), "layout"),
                                              (_framed(pickle.dumps({"version": 4}))[:-3], "CRC-32"),
                                              (_framed(pickle.dumps({"version": 4}))[:5], "CRC-32"),
                                              (_framed(pickle.dumps({"version": 3})), "version 3, expected 4")])
@@ -75,7 +84,7 @@ def test_versions_through_reused_buffers_arrive_exactly(engine_gpu):
             for p in params.values():
                 p.normal_(generator=g)  # an optimizer step: same parameters, new values
             manifest, _ = trainer.publish(Adapter(params, {"r": 96}), version)
-            handles.append([h[1][7] for h in pickle.loads(manifest[13:])["handles"]])
+            handles.append([h[1][7] for h in _body(manifest)["handles"]])
             parent.send((manifest, version))
             got = parent.recv()
             trainer.release(version)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kimi_core.lora import iter_buckets
-from kimi_core.lora.buckets import BLOCK_WORDS, copy_block_sums, copy_region_sums, flatten_version, region_sums
+from kimi_core.lora.buckets import BLOCK_WORDS, copy_block_sums, copy_region_sums, region_sums
+from kimi_core.lora.version_layout import flatten_version
 
 
 def _regions(seed: int) -> tuple[torch.Tensor, list[int]]:
@@ -138,7 +139,7 @@ def test_gpu_flatten_with_block_sums(odd, sums):
     for i in range(4):  # iter_buckets, twice (cached tables), then flatten_version (one launch), twice
         gpu = (list(iter_buckets(on_gpu, 40 << 10, checksum=False, device="cuda", block_sums=sums)) if i < 2 else
                flatten_version(on_gpu, 40 << 10, device=torch.device("cuda", torch.cuda.current_device()),
-                               block_sums=sums))
+                               block_sums=sums)[0])
         assert len(cpu) == len(gpu) > 1
         for c, g in zip(cpu, gpu):
             assert torch.equal(g.buffer.cpu(), c.buffer)
@@ -224,14 +225,18 @@ copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst_base=0, sums_base=0)
 print("GATHER", torch.equal(out.view(torch.uint8), ref.buffer),
       s.numpy().view(np.uint64).tolist() == _brute_block_sums(ref.buffer, ref.region_starts()))
 # the trainer's flatten of a whole version in one launch (three buckets), equal to the CPU flatten
-from kimi_core.lora.buckets import flatten_version
-got = flatten_version(ts, 40 << 10, device=cpu, block_sums=True)
+import pickle
+from kimi_core.lora.version_layout import flatten_version
+got, lay = flatten_version(ts, 40 << 10, device=cpu, block_sums=True)
 cpu_b = list(iter_buckets(ts, 40 << 10, checksum=False))
+# the layout (built once, cached) carries exactly the buckets' metadata for a receiver
+print("LAYOUT", pickle.loads(lay.blob) == [c.metadata() for c in cpu_b],
+      flatten_version(ts, 40 << 10, device=cpu, block_sums=True)[1] is lay)
 print("FLATTEN", len(got), all(torch.equal(g.buffer, c.buffer) and g.metas == c.metas for g, c in zip(got, cpu_b)),
       all(g.block_sums.numpy().view(np.uint64).tolist() == _brute_block_sums(c.buffer, c.region_starts())
           for g, c in zip(got, cpu_b)))
 mixed = _word_tensors(3)  # with "row": its bucket is concatenated on its own, the others gathered in one launch
-got = flatten_version(mixed, 40 << 10, device=cpu, block_sums=True)
+got = flatten_version(mixed, 40 << 10, device=cpu, block_sums=True)[0]
 cpu_b = list(iter_buckets(mixed, 40 << 10, checksum=False))
 print("MIXED", len(got) == len(cpu_b) > 1, all(torch.equal(g.buffer, c.buffer) for g, c in zip(got, cpu_b)),
       all(g.block_sums.numpy().view(np.uint64).tolist() == _brute_block_sums(c.buffer, c.region_starts())
@@ -275,4 +280,4 @@ def test_copy_sum_blocks_kernel_in_triton_interpreter():
     assert "GATHER True True" in res.stdout and "UNALIGNED None" in res.stdout, res.stdout
     assert "VERSION True True FLAG 0" in res.stdout and "VFLAG 1" in res.stdout, res.stdout
     assert "FLATTEN 3 True True" in res.stdout and "HINTS True" in res.stdout, res.stdout
-    assert "MIXED True True True" in res.stdout, res.stdout
+    assert "MIXED True True True" in res.stdout and "LAYOUT True True" in res.stdout, res.stdout
