@@ -198,7 +198,7 @@ class CudaIpcAdapterSync:
                     buckets.append(b)
                     tb = time.perf_counter()
                     if src.device == self.device:  # colocated: one launch for the whole version, below
-                        local.append((b, src))
+                        local.append((b, src, starts))
                     else:  # copy engine on `side`; sums + compare of this bucket on `main` after it
                         # torch runs a cross-GPU copy on the source GPU's current stream: not its default one
                         if src.device not in src_side:
@@ -244,21 +244,22 @@ class CudaIpcAdapterSync:
                                                "launch_gpu_s": k0.elapsed_time(k1) / 1e3 if local else None,
                                                "bytes": sum(b.nbytes for b in buckets)}})
 
-    def _copy_version(self, slot: dict, local: list[tuple[Bucket, torch.Tensor]],
+    def _copy_version(self, slot: dict, local: list[tuple[Bucket, torch.Tensor, tuple[int, ...]]],
                       flag: torch.Tensor | None) -> list[tuple[Bucket, torch.Tensor, torch.Tensor]]:
         """Copy every same-GPU bucket into its receive buffer in one launch, summing and comparing with
         the sender's block sums (right after each bucket's bytes) when ``flag`` is given; returns
-        ``(bucket, got sums, sent sums)`` per bucket for naming a mismatch."""
+        ``(bucket, got sums, sent sums)`` per bucket for naming a mismatch. ``local``: per bucket
+        ``(bucket, the sender's mapped wire buffer, region starts)``."""
         table, first, aligned = version_table(
-            tuple((src.data_ptr(), b.buffer.data_ptr(), src.data_ptr() + b.nbytes, tuple(b.region_starts()), b.nbytes)
-                  for b, src in local), self.device)
+            tuple((src.data_ptr(), b.buffer.data_ptr(), src.data_ptr() + b.nbytes, starts, b.nbytes)
+                  for b, src, starts in local), self.device)
         if flag is None:
             copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst_base=0, aligned=aligned)
             return []
         sums = _pool_buffer(slot, "sums", 8 * first[-1], self.device).view(torch.int64)
         copy_sum_blocks(table, BLOCK_WORDS, src_base=0, dst_base=0, sums_base=sums.data_ptr(), expect_base=0,
                         flag=flag, aligned=aligned)
-        return [(b, sums[first[k]:first[k + 1]], src[b.nbytes:].view(torch.int64)) for k, (b, src) in enumerate(local)]
+        return [(b, sums[first[k]:first[k + 1]], src[b.nbytes:].view(torch.int64)) for k, (b, src, _) in enumerate(local)]
 
 
 def _parse_bucket(meta: dict) -> tuple[dict, int, tuple[int, ...], int]:

@@ -124,11 +124,11 @@ buckets = list(iter_buckets(ts, 300_000, checksum=False))
 sync = object.__new__(CudaIpcAdapterSync)  # the engine half only, on the CPU under TRITON_INTERPRET
 sync.device = torch.device("cpu")
 slot = {}
-local = [(type(b).from_parts(torch.zeros(b.nbytes, dtype=torch.uint8), b.metadata(), verify=False), wire(b))
-         for b in buckets]
+local = [(type(b).from_parts(torch.zeros(b.nbytes, dtype=torch.uint8), b.metadata(), verify=False), wire(b),
+          tuple(b.region_starts())) for b in buckets]
 flag = torch.zeros((), dtype=torch.int32)
 pending = sync._copy_version(slot, local, flag)
-print("BUCKETS", len(buckets), "COPY", all(torch.equal(r.buffer, b.buffer) for (r, _), b in zip(local, buckets)),
+print("BUCKETS", len(buckets), "COPY", all(torch.equal(r.buffer, b.buffer) for (r, _, _), b in zip(local, buckets)),
       "FLAG", int(flag), "PENDING", len(pending))
 local[1][1][local[1][0].metas[1].offset + 7] ^= 2  # a byte of bucket 1's second tensor, after its sums
 sync._copy_version(slot, local, flag)
