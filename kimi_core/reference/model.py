@@ -182,6 +182,8 @@ class KimiReferenceModel:
     def last_routed_experts(self) -> torch.Tensor:
         """The experts of the last :meth:`forward`, int64 ``[B, T, num_hidden_layers, k]`` (dense
         layers 0): the ``routed_experts`` a rollout engine would report for replay."""
+        if getattr(self, "_last_shape", None) is None:
+            raise RuntimeError("last_routed_experts: call the model (forward) first")
         B, T = self._last_shape
         out = torch.zeros(B, T, self.config.num_hidden_layers, self.config.num_experts_per_tok, dtype=torch.long)
         for i, m in enumerate(self.mlp):

@@ -60,3 +60,20 @@ def test_routed_experts_layout_and_padding(cfg):
     with pytest.raises(ValueError, match="expert ids outside"):
         layer_replay_indices(arr, layer, cfg.n_routed_experts)
     assert all(cfg.is_moe_layer(x) for x in moe_layer_ids(cfg))
+
+
+def test_reference_model_replays_its_recorded_routing(tiny_ckpt):
+    """``forward(ids, routed_experts=model.last_routed_experts())`` reproduces the logits exactly (the
+    engines' ``[B, T, layers, k]`` layout round-trips), and a wrong shape is named."""
+    from kimi_core.reference import load_reference_model
+
+    model = load_reference_model(tiny_ckpt("k2", layers=3))
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="forward"):
+        model.last_routed_experts()
+    want = model(ids)
+    routed = model.last_routed_experts()
+    assert routed.shape == (2, 7, model.config.num_hidden_layers, model.config.num_experts_per_tok)
+    assert torch.equal(model(ids, routed_experts=routed), want)
+    with pytest.raises(ValueError, match="routed_experts has shape"):
+        model(ids, routed_experts=routed[:, :3])
