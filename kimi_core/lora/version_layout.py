@@ -17,6 +17,7 @@ with the block sums fused; any other bucket is concatenated on its own.
 from __future__ import annotations
 
 import functools
+import math
 import pickle
 import zlib
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ def version_layout(tensors: Mapping[str, torch.Tensor], bucket_bytes: int,
 
 @functools.lru_cache(maxsize=8)
 def _layout(signature: tuple, bucket_bytes: int, expert_range) -> VersionLayout:
-    spans = group_spans([m.nbytes for m in metas_of(signature)[0]], bucket_bytes)
+    spans = group_spans([math.prod(shape) * dtype.itemsize for _, dtype, shape in signature], bucket_bytes)
     per_bucket = [metas_of(signature[s.start: s.stop]) for s in spans]
     return VersionLayout(tuple(spans), tuple(tuple(ms) for ms, _ in per_bucket), tuple(n for _, n in per_bucket),
                          expert_range)

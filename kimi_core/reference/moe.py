@@ -32,10 +32,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, config) -> tuple[torc
     :returns: ``(weights [N, k] fp32, experts [N, k] int64)``; order within a row is unspecified.
     """
     k, E = config.num_experts_per_tok, config.n_routed_experts
-    if config.scoring_func == "sigmoid":
-        s = logits.sigmoid()
-    else:
-        s = logits.softmax(-1)
+    s = _scores(logits, config)
     choice = s if bias is None else s + bias.to(s.dtype)
     if config.n_group > 1 and config.topk_group < config.n_group:
         grouped = choice.view(-1, config.n_group, E // config.n_group)
@@ -44,10 +41,20 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, config) -> tuple[torc
             -1, gscore.topk(config.topk_group, dim=-1).indices, True)
         choice = choice.masked_fill(~keep.repeat_interleave(E // config.n_group, dim=-1), float("-inf"))
     idx = choice.topk(k, dim=-1).indices
+    return _gate_weights(s, idx, config), idx
+
+
+def _scores(logits: torch.Tensor, config) -> torch.Tensor:
+    """Router scores ``[N, E]``: sigmoid (K2.x, K3) or softmax of the logits."""
+    return logits.sigmoid() if config.scoring_func == "sigmoid" else logits.softmax(-1)
+
+
+def _gate_weights(s: torch.Tensor, idx: torch.Tensor, config) -> torch.Tensor:
+    """Gate weights ``[N, k]`` of experts ``idx``: their scores, renormalised, times ``routed_scaling_factor``."""
     wts = s.gather(-1, idx)
     if config.norm_topk_prob:
         wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)
-    return wts * config.routed_scaling_factor, idx
+    return wts * config.routed_scaling_factor
 
 
 def replay_route(logits: torch.Tensor, indices: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,13 +68,9 @@ def replay_route(logits: torch.Tensor, indices: torch.Tensor, config) -> tuple[t
     if indices.shape != (logits.shape[0], config.num_experts_per_tok):
         raise ValueError(f"replay indices have shape {tuple(indices.shape)}, expected "
                          f"({logits.shape[0]}, num_experts_per_tok={config.num_experts_per_tok})")
-    lg = logits.float()
-    s = lg.sigmoid() if config.scoring_func == "sigmoid" else lg.softmax(-1)
+    s = _scores(logits.float(), config)
     idx = indices.long().to(s.device)
-    w = s.gather(-1, idx)
-    if config.norm_topk_prob:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return w * config.routed_scaling_factor, idx
+    return _gate_weights(s, idx, config), idx
 
 
 class DenseMLP:

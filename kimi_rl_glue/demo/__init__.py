@@ -44,24 +44,20 @@ def step0_mismatch(trainer, rollout, task, cfg: LoopConfig, ckpt: str):
         lp_r3 = torch.log_softmax(trainer.logits(ids[:, :-1], routed_experts=ref16.last_routed_experts()), -1)
     mask = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool)
     mask[:, -M:] = True
-    full = torch.zeros(mask.shape)
-    train_lp = full.clone()
-    train_lp[:, -M:] = lp_all[:, -M:].gather(-1, tokens[..., None]).squeeze(-1)
-    roll_lp = full.clone()
-    roll_lp[:, -M:] = rollout_lp
-    top_t = lp_all.argmax(-1)
-    top_r = torch.zeros_like(top_t)
-    top_r[:, -M:] = tids[..., 0]
-    def sampled(lp):
-        out = full.clone()
-        out[:, -M:] = lp[:, -M:].gather(-1, tokens[..., None]).squeeze(-1)
+
+    def on_response(x):  # [B, M] response-token values into the [B, T-1] positions of the comparison
+        out = torch.zeros(mask.shape, dtype=x.dtype)
+        out[:, -M:] = x
         return out
 
-    ref = EngineResult(sampled(lp_bf16), lp_bf16.argmax(-1))
-    pairs = compare_results({f"trainer({trainer.name})": EngineResult(train_lp, top_t),
-                             "vllm-cpu(bf16)": EngineResult(roll_lp, top_r), "reference(bf16)": ref}, mask, "bf16")
-    pairs += compare_results({f"trainer({trainer.name}), R3": EngineResult(sampled(lp_r3), lp_r3.argmax(-1)),
-                              "reference(bf16)": ref}, mask, "bf16")
+    def result(lp):  # an engine's log-softmax [B, T-1, V]: logprobs of the sampled tokens, and its top-1
+        return EngineResult(on_response(lp[:, -M:].gather(-1, tokens[..., None]).squeeze(-1)), lp.argmax(-1))
+
+    ref = result(lp_bf16)
+    pairs = compare_results({f"trainer({trainer.name})": result(lp_all),
+                             "vllm-cpu(bf16)": EngineResult(on_response(rollout_lp), on_response(tids[..., 0])),
+                             "reference(bf16)": ref}, mask, "bf16")
+    pairs += compare_results({f"trainer({trainer.name}), R3": result(lp_r3), "reference(bf16)": ref}, mask, "bf16")
     return pairs, format_table(pairs, {})
 
 

@@ -73,15 +73,16 @@ def _frame(body: bytes, layout: VersionLayout, checked: bool) -> bytes:
                        layout.blob_crc if checked else 0, checked) + body + blob
 
 
-def _unframe(manifest: bytes, version: int, known_blob: bytes | None) -> tuple[bytes, bytes]:
-    """``(body, blob)`` of a manifest; raises :class:`AdapterSyncError` if a length or CRC-32
-    disagrees. A blob equal to ``known_blob`` (an earlier checked one) is not summed again."""
+def _unframe(manifest: bytes, version: int, known_blob: bytes | None) -> tuple[bytes, bytes, bool]:
+    """``(body, blob, whether blob == known_blob)`` of a manifest; raises :class:`AdapterSyncError` if a
+    length or CRC-32 disagrees. A blob equal to ``known_blob`` (an earlier checked one) is not summed again."""
     if len(manifest) >= _FRAME.size:
         n, crc, m, blob_crc, checked = _FRAME.unpack_from(manifest)
         body, blob = manifest[_FRAME.size:_FRAME.size + n], manifest[_FRAME.size + n:]
+        known = blob == known_blob
         if len(body) == n and len(blob) == m and (not checked or (
-                zlib.crc32(body) == crc and (blob == known_blob or zlib.crc32(blob) == blob_crc))):
-            return body, blob
+                zlib.crc32(body) == crc and (known or zlib.crc32(blob) == blob_crc))):
+            return body, blob, known
     raise AdapterSyncError(f"CUDA IPC: manifest of adapter version {version} fails its length + CRC-32 check "
                            "(truncated or altered)")
 
@@ -155,7 +156,7 @@ class CudaIpcAdapterSync:
         :meth:`receive` after this one (load them, as SGLang copies an adapter into its LoRA memory
         pool, before then); a rejected version never overwrites the last good one.
         """
-        body, blob = _unframe(manifest, version, self._layout[0] if self._layout else None)
+        body, blob, known = _unframe(manifest, version, self._layout[0] if self._layout else None)
         try:
             man = pickle.loads(body)  # noqa: S301 - a trusted trainer on this node (see module doc)
         except Exception as e:  # noqa: BLE001 - any decoding failure is a corrupt manifest
@@ -163,7 +164,7 @@ class CudaIpcAdapterSync:
         if man.get("version") != version:
             raise AdapterSyncError(f"CUDA IPC: manifest is for adapter version {man.get('version')}, "
                                    f"expected {version} (stale adapter)")
-        if self._layout is None or blob != self._layout[0]:  # a new bucket layout: parse it once
+        if not known:  # a new bucket layout: parse it once
             try:
                 self._layout = (blob, [_parse_bucket(m) for m in pickle.loads(blob)])  # noqa: S301 - as above
             except Exception as e:  # noqa: BLE001
