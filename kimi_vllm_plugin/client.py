@@ -8,10 +8,13 @@ unloaded only after the new one is in.
 
 Before vLLM sees an adapter, :func:`prepare_adapter` validates it with :mod:`kimi_core.lora`
 (missing file, unknown module, wrong shape, NaN/Inf, rank above ``max_lora_rank``, rank
-disagreeing with ``r``/``rank_pattern``) and rewrites any expert layout (per-expert,
+disagreeing with ``r``/``rank_pattern``), rewrites any expert layout (per-expert,
 shared-outer, 3-D, stacked) into the per-expert 2-D form vLLM reads (``is_3d_moe_weight=False``),
-bit-exact. A rejected adapter raises :class:`AdapterRejected`; the engine keeps serving the
-previous version.
+bit-exact, and folds per-module scaling (``rank_pattern`` / ``alpha_pattern``, e.g. capacity-normalised
+experts) into ``lora_B`` (:func:`kimi_core.lora.fold_scaling.fold_pattern_scaling`): vLLM 0.26's
+``PEFTHelper`` has no ``rank_pattern`` and scales every module by ``lora_alpha / r``, which
+under-scaled rank-4 experts 4x. The folded copy is served identically by every release. A rejected
+adapter raises :class:`AdapterRejected`; the engine keeps serving the previous version.
 
 Example (offline ``LLM``)::
 
@@ -58,13 +61,15 @@ class LoadedAdapter:
 
 def prepare_adapter(src, model_config, out_dir: str, max_lora_rank: int) -> str:
     """Validate ``src`` (PEFT dir, :class:`kimi_core.lora.Adapter` or dict) against the model and
-    write its per-expert 2-D form to ``out_dir`` (atomically: temp dir, then rename).
+    write its per-expert 2-D form, per-module scaling folded into ``lora_B``, to ``out_dir``
+    (atomically: temp dir, then rename).
 
     :param model_config: a :class:`kimi_core.config.KimiConfig`.
     :raises AdapterRejected: naming the file, tensor and flag at fault.
     """
     from kimi_core.lora import Adapter, AdapterError, convert_layout, load_adapter
     from kimi_core.lora.config import AdapterConfigError
+    from kimi_core.lora.fold_scaling import fold_pattern_scaling
 
     from kimi_vllm_plugin.models.deepseek_v3 import UNSUPPORTED_LORA_MODULES
 
@@ -81,6 +86,7 @@ def prepare_adapter(src, model_config, out_dir: str, max_lora_rank: int) -> str:
             ad = Adapter(dict(ad["tensors"]), ad["adapter_config"], ad.get("source", "<memory>"))
         if resolved.layout not in (None, "per_expert"):
             ad = convert_layout(ad, model_config, "per_expert")
+        ad = fold_pattern_scaling(ad)
     except (AdapterError, AdapterConfigError, FileNotFoundError) as e:
         raise AdapterRejected(str(e)) from None
     parent = os.path.dirname(os.path.abspath(out_dir)) or "."

@@ -20,7 +20,20 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["EXPERT_RE", "parse_expert_name", "expert_lora_names", "expert_mapping"]
+__all__ = ["EXPERT_RE", "PACKED_LINEARS", "hf_modules", "parse_expert_name", "expert_lora_names", "expert_mapping"]
+
+#: vLLM linear that stacks several HF linears (output-dim concatenation, in this order)
+PACKED_LINEARS: dict[str, tuple[str, ...]] = {
+    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def hf_modules(vllm_module: str) -> list[str]:
+    """HF module names a vLLM linear computes, in output order (``...fused_qkv_a_proj`` -> q_a, kv_a)."""
+    head, _, leaf = vllm_module.rpartition(".")
+    parts = PACKED_LINEARS.get(leaf, (leaf,))
+    return [f"{head}.{p}" if head else p for p in parts]
 
 #: ``<moe>.experts.{e}.<proj>.<kind>`` with kind weight / weight_packed / weight_scale / weight_shape
 EXPERT_RE = re.compile(r"^(?P<moe>.+)\.experts\.(?P<e>\d+)\.(?P<proj>[a-z_0-9]+)\.(?P<kind>weight(?:_packed|_scale|_shape)?)$")

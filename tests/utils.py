@@ -9,12 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-def rel_rms_error(ref: torch.Tensor, got: torch.Tensor) -> float:
-    """||got - ref||_2 / ||ref||_2 in float64 (0 when both are zero)."""
-    ref64, got64 = ref.detach().double(), got.detach().double()
-    den = ref64.pow(2).mean().sqrt().item()
-    num = (got64 - ref64).pow(2).mean().sqrt().item()
-    return num / den if den > 0 else num
+from kimi_core.reference.replay import rel_rms_error  # noqa: E402,F401 - the one definition, re-exported for tests
 
 
 def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, ratio: float) -> float:

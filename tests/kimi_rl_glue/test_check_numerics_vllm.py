@@ -23,7 +23,8 @@ def _adapter_dir(tmp_path, config_dir):
 
 @pytest.mark.parametrize("with_adapter", [False, True], ids=["base", "adapter"])
 def test_reference_vs_vllm_cpu_engine(tiny_ckpt, tmp_path, with_adapter):
-    """An fp32 vLLM engine through the plugin matches the fp32 reference to 1e-4 on sampled tokens, with or without LoRA."""
+    """An fp32 vLLM engine through the plugin matches the fp32 reference to 1e-4 on sampled tokens, with or without
+    LoRA, and layer by layer (the probe's residual streams, embeddings + 4 layers) to 1e-5 relative."""
     ckpt = tiny_ckpt("k2")
     adapter = _adapter_dir(tmp_path, ckpt) if with_adapter else None
     rep = compare(ckpt, adapter=adapter, engines=["reference", "vllm"], tokens=12, seed=0, dtype="fp32", batch=2,
@@ -32,3 +33,5 @@ def test_reference_vs_vllm_cpu_engine(tiny_ckpt, tmp_path, with_adapter):
     (p,) = rep.pairs
     print(rep.table())
     assert p.max_abs < 1e-4 and p.top1_agree == 1.0 and not p.flagged
+    assert p.layer_errors is not None and len(p.layer_errors) == 5, p
+    assert max(p.layer_errors) < 1e-5 and p.first_diverging_layer is None, p.layer_errors

@@ -25,18 +25,24 @@ FP32_TOL = 1e-4
 BF16_TOL = 0.06
 
 
-def run_engine(tmp, ckpt: str, dtype: str, enable_lora: bool, steps: list[dict], engine_kwargs=None):
-    """Start one engine on ``ckpt`` through the plugin, run ``steps``; returns ``(result, {tag: step})``."""
-    plan = {"ckpt": ckpt, "max_lora_rank": MAX_LORA_RANK, "enable_lora": enable_lora, "prompts": PROMPTS,
+def run_engine(tmp, ckpt: str, dtype: str, enable_lora: bool, steps: list[dict], engine_kwargs=None,
+               plugins: str = "kimi", env: dict | None = None, prompts: list[list[int]] | None = None):
+    """Start one engine on ``ckpt`` through the plugin, run ``steps``; returns ``(result, {tag: step})``.
+
+    ``plugins`` is ``VLLM_PLUGINS`` (``"none"``: stock vLLM, no plugin); ``result["log"]`` holds the
+    engine's stderr (vLLM's log), for tests that assert which kernels ran.
+    """
+    plan = {"ckpt": ckpt, "max_lora_rank": MAX_LORA_RANK, "enable_lora": enable_lora, "prompts": prompts or PROMPTS,
             "stage_dir": str(tmp / "stage"), "steps": steps, "dtype": dtype, "engine_kwargs": engine_kwargs or {}}
     pp, out = tmp / "plan.json", tmp / "result.json"
     pp.write_text(json.dumps(plan))
     # model_info ships a function to the worker (LLM.apply_model), which vLLM only unpickles with this set
-    env = dict(os.environ, VLLM_PLUGINS="kimi", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    env = dict(os.environ, VLLM_PLUGINS=plugins, VLLM_ALLOW_INSECURE_SERIALIZATION="1", **(env or {}))
     r = subprocess.run([sys.executable, os.path.join(HERE, "engine_script.py"), str(pp), str(out)],
                        capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0 and out.exists(), f"engine failed:\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
     res = json.loads(out.read_text())
+    res["log"] = r.stderr + r.stdout
     print(f"[{os.path.basename(ckpt)} {dtype}] engine start {res['start_s']:.1f}s, "
           f"first generate {res['first_generate_s']:.1f}s")
     return res, {s.get("tag") or s["kind"]: s for s in res["steps"]}

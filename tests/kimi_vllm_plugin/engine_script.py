@@ -7,10 +7,15 @@ Started by the tests in a subprocess (vLLM forks workers; the ``__main__`` guard
      "engine_kwargs": {"language_model_only": true},   # optional, passed to vllm.LLM
      "steps": [{"kind": "base"}, {"kind": "load", "path": DIR, "tag": "A"}, {"kind": "score", "tag": "A"}, ...]}
 
-``load`` goes through :class:`kimi_vllm_plugin.client.KimiLoraClient`; ``score`` records prompt
-logprobs of every prompt with the current adapter (prompt 0 also without, in the same batch);
-``raw_load`` hands a directory to vLLM directly (no client validation); ``model_info`` records what
-the worker built (:func:`model_info`; needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
+``load`` goes through :class:`kimi_vllm_plugin.client.KimiLoraClient` (``"client": NAME`` picks one
+of several clients, each with its own versioned names and ids, so several adapters stay loaded);
+``score`` records prompt logprobs of every prompt with that client's current adapter (prompt 0 also
+without, in the same batch; ``"raw": TAG`` scores a ``raw_load``-ed adapter instead); ``raw_load``
+hands a directory to vLLM directly (no client validation); ``model_info`` records what the worker
+built (:func:`model_info`); ``probe`` runs one prompt with :mod:`kimi_vllm_plugin.probe` armed and
+writes what each layer / LoRA linear computed to ``out`` (safetensors). ``model_info`` and ``probe``
+ship functions to the worker (``LLM.apply_model``): they need ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
+``engine_kwargs`` override the defaults below (e.g. ``enforce_eager``, ``gpu_memory_utilization``).
 """
 
 import json
@@ -34,19 +39,31 @@ def main(plan_path: str, out_path: str) -> None:
 
     from kimi_vllm_plugin.client import AdapterRejected, KimiLoraClient
 
-    kw = dict(enable_lora=True, max_lora_rank=plan["max_lora_rank"], max_loras=2) if plan.get("enable_lora") else {}
-    llm = LLM(model=plan["ckpt"], skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.05,
-              max_model_len=128, max_num_seqs=4, dtype=plan.get("dtype", "bfloat16"), seed=0, **kw, **plan.get("engine_kwargs", {}))
-    res = {"start_s": time.time() - t0, "steps": []}
+    kw = dict(model=plan["ckpt"], skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.05,
+              max_model_len=128, max_num_seqs=4, dtype=plan.get("dtype", "bfloat16"), seed=0)
+    if plan.get("enable_lora"):
+        kw.update(enable_lora=True, max_lora_rank=plan["max_lora_rank"], max_loras=2)
+    kw.update(plan.get("engine_kwargs", {}))
+    llm = LLM(**kw)
+    res = {"start_s": time.time() - t0, "steps": [], "engine_kwargs": {k: v for k, v in kw.items() if k != "model"}}
     sp = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)
     prompts = [{"prompt_token_ids": p} for p in plan["prompts"]]
     t1 = time.time()
     first = llm.generate(prompts[:1], sp)
     res["first_generate_s"] = time.time() - t1
     res["first_tokens"] = list(first[0].outputs[0].token_ids)
-    client = KimiLoraClient.offline(llm, plan["ckpt"], max_lora_rank=plan["max_lora_rank"],
-                                    stage_dir=plan["stage_dir"]) if plan.get("enable_lora") else None
-    next_raw_id = 1000
+    clients: dict[str, KimiLoraClient] = {}
+
+    def client_of(step) -> KimiLoraClient:
+        name = step.get("client", "policy")
+        if name not in clients:  # ids 1.., 101.., 201..: never shared between clients
+            clients[name] = KimiLoraClient.offline(llm, plan["ckpt"], max_lora_rank=plan["max_lora_rank"],
+                                                   stage_dir=plan["stage_dir"], base_name=name,
+                                                   first_int_id=1 + 100 * len(clients))
+        return clients[name]
+
+    raw: dict[str, LoRARequest] = {}
+    next_raw_id = 1_000_000  # far from the clients' ids (1.., 101.., ...): vLLM keys loaded adapters by id
     for step in plan["steps"]:
         rec = {"kind": step["kind"], "tag": step.get("tag")}
         try:
@@ -55,16 +72,38 @@ def main(plan_path: str, out_path: str) -> None:
                 rec["lps"] = [prompt_lps(o, p) for o, p in zip(outs, plan["prompts"])]
                 rec["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
             elif step["kind"] == "load":
-                req = client.load(step["path"])
+                req = client_of(step).load(step["path"])
                 rec["ok"], rec["name"] = True, req.lora_name
             elif step["kind"] == "model_info":
                 rec.update(llm.apply_model(model_info)[0])
             elif step["kind"] == "raw_load":
                 next_raw_id += 1
-                ok = llm.llm_engine.add_lora(LoRARequest(f"raw-{next_raw_id}", next_raw_id, step["path"]))
+                req = LoRARequest(f"raw-{next_raw_id}", next_raw_id, step["path"])
+                ok = llm.llm_engine.add_lora(req)
                 rec["ok"] = bool(ok)
+                raw[step.get("tag") or req.lora_name] = req
+            elif step["kind"] == "probe":
+                from safetensors.torch import save_file
+
+                from kimi_vllm_plugin.probe import arm, collect
+
+                req = raw[step["raw"]] if step.get("raw") else (client_of(step).current if step.get("client") else None)
+                p = plan["prompts"][step.get("prompt", 0)]
+                llm.apply_model(arm)
+                out = llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
+                                   lora_request=req, use_tqdm=False)
+                caps = llm.apply_model(collect)[0]
+                save_file({k: v.contiguous() for k, v in caps.items()}, step["out"])
+                rec["lps"], rec["name"], rec["n_caps"] = prompt_lps(out[0], p), getattr(req, "lora_name", None), len(caps)
+                rec["out"] = step["out"]
+            elif step["kind"] == "score_mixed":
+                # prompt 0 once per entry of "clients" (a client name, or null for no adapter), one batch
+                reqs = [client_of({"client": c}).current if c else None for c in step["clients"]]
+                outs = llm.generate(prompts[:1] * len(reqs), sp, lora_request=reqs)
+                rec["lps"] = [prompt_lps(o, plan["prompts"][0]) for o in outs]
+                rec["names"] = [getattr(r, "lora_name", None) for r in reqs]
             elif step["kind"] == "score":
-                req = client.current
+                req = raw[step["raw"]] if step.get("raw") else client_of(step).current
                 # all prompts with the adapter plus prompt 0 without it, in one batch (per-token slots)
                 outs = llm.generate(prompts + prompts[:1], sp, lora_request=[req] * len(prompts) + [None])
                 rec["lps"] = [prompt_lps(o, p) for o, p in zip(outs, plan["prompts"] + plan["prompts"][:1])]

@@ -33,6 +33,8 @@ def reference(k2):
 def fp32_run(k2, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine_fp32")
     ads, steps = base_and_ab_steps(k2, tmp)
+    (tmp / "probe").mkdir()
+    steps += [{"kind": "probe", "client": "policy", "tag": "probe_B", "out": str(tmp / "probe" / "B.safetensors")}]
     steps += [{"kind": "load", "path": ads[b], "tag": b} for b in BAD]
     steps += [{"kind": "raw_load", "path": ads["rank32"], "tag": "raw_rank32"}, {"kind": "score", "tag": "after_bad"}]
     res, by_tag = run_engine(tmp, k2, "float32", True, steps)
@@ -89,6 +91,39 @@ def test_engine_keeps_serving_previous_adapter(fp32_run):
     # same adapter, same prompts; fp32 CPU GEMMs are not bitwise reproducible across batches
     for got, want in zip(s["after_bad"]["lps"], s["B"]["lps"]):
         assert maxdiff(got, torch.tensor(want, dtype=torch.float64)) < FP32_TOL
+
+
+def test_probe_replays_every_sublayer_and_lora_linear(fp32_run, k2):
+    """The probe (what check-numerics and the GPU lane use) records every sublayer and LoRA linear of the
+    CPU engine; replayed through the float64 reference on the engine's own inputs they agree to fp32
+    (sublayers <= 1e-5 relative, linears and their LoRA deltas <= 1e-5), and the layer-by-layer stream
+    reproduces the engine's logprobs path (all 4 layers recorded)."""
+    from safetensors.torch import load_file
+
+    from kimi_core.lora import load_adapter
+    from kimi_core.reference import load_reference_model
+    from kimi_core.reference.replay import replay_linear, replay_sublayers
+    from kimi_vllm_plugin.mapping import hf_modules
+
+    _, s, ads = fp32_run
+    caps = load_file(s["probe_B"]["out"])
+    m = load_reference_model(k2, dtype=torch.float64)
+    assert all(f"layer.{i}" in caps for i in range(m.config.num_hidden_layers)) and "embed" in caps
+    rows = replay_sublayers(m, caps, ads["B"])
+    assert len(rows) == 2 * m.config.num_hidden_layers
+    for r in rows:
+        assert r["rel_err"] < 1e-5, r
+    ad = load_adapter(ads["B"], m.config)
+    linears = [k[len("lora_in."):] for k in caps if k.startswith("lora_in.")]
+    checked = 0
+    for name in linears:
+        mods = hf_modules(name)
+        if not all(m.weights.has(f"{x}.weight") for x in mods):
+            continue
+        r = replay_linear(m.weights, ad, mods, caps[f"lora_in.{name}"], caps[f"lora_out.{name}"])
+        assert r["rel_err"] < 1e-5 and r.get("lora_rel_err", 0) < 1e-5, (name, r)
+        checked += 1
+    assert checked >= 12, linears  # q_a+kv_a, q_b, o per layer; dense and shared-expert MLPs
 
 
 @pytest.mark.slow

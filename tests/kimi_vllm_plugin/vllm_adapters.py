@@ -43,3 +43,29 @@ def write_all(config, root: str) -> dict[str, str]:
     kvb = random_adapter(config, LoraSpec(rank=8, alpha=8.0, target_modules=("kv_b_proj",)), seed=4)
     out["kv_b"] = kvb.save(os.path.join(root, "kv_b"))
     return out
+
+
+#: one adapter family at a time (the GPU lane's narrowing set): tag -> LoraSpec target_modules
+FAMILIES = {
+    "attn": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"),
+    "q_b": ("q_b_proj",),
+    "kv_a": ("kv_a_proj_with_mqa",),
+    "shared": ("shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"),
+    "dense": ("layers.0.mlp.gate_proj", "layers.0.mlp.up_proj", "layers.0.mlp.down_proj"),
+    "experts": r".*\.experts\.\d+\.(gate|up|down)_proj",
+}
+
+
+def write_families(config, root: str) -> dict[str, str]:
+    """Write one rank-16 adapter per :data:`FAMILIES` entry plus ``U`` (all-linear, routed experts at the
+    same rank 16: no ``rank_pattern``) and ``experts_norm`` (routed experts only, capacity-normalised rank
+    4 through ``rank_pattern``); returns ``{tag: path}``."""
+    out = {}
+    for i, (tag, targets) in enumerate(FAMILIES.items()):
+        s = LoraSpec(rank=16, alpha=32.0, target_modules=targets)
+        out[tag] = random_adapter(config, s, seed=10 + i, b_std=0.3).save(os.path.join(root, tag))
+    s = LoraSpec(rank=16, alpha=32.0, target_modules=FAMILIES["experts"], normalize_moe_lora=True)
+    out["experts_norm"] = random_adapter(config, s, seed=30, b_std=0.3).save(os.path.join(root, "experts_norm"))
+    s = LoraSpec(rank=16, alpha=32.0, target_modules="all-linear", exclude_modules=("kv_b_proj",))
+    out["U"] = random_adapter(config, s, seed=31, b_std=0.3).save(os.path.join(root, "U"))
+    return out
