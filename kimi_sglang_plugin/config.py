@@ -2,7 +2,7 @@
 
 K3.1 is K3 with a lightning indexer on every MLA layer (``kimi_core.config``; field names
 ``index_n_heads``, ``index_head_dim``, ``index_topk`` in ``text_config``, inferred from
-DeepSeek-V3.2). SGLang 0.5.23 keys about twenty K3 behaviours on the literal architecture
+DeepSeek-V3.2). SGLang (0.5.17 and 0.5.23) keys about twenty K3 behaviours on the literal architecture
 ``KimiK3ForConditionalGeneration`` (KDA/mamba state-pool defaults in ``arg_groups/model_hook.py``,
 the radix-cache set in ``arg_groups/overrides.py``, attention-residual reductions in
 ``arg_groups/boundary_reduction.py``, MLA shapes in ``ModelConfig._derive_model_shapes``, the

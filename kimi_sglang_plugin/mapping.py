@@ -1,4 +1,4 @@
-"""The one HF <-> SGLang name table of the plugin (SGLang 0.5.23, ``KimiK3ForConditionalGeneration``
+"""The one HF <-> SGLang name table of the plugin (SGLang 0.5.17 and 0.5.23, ``KimiK3ForConditionalGeneration``
 and our K3.1 subclass; ``DeepseekV3ForCausalLM`` for K2.x).
 
 Checkpoint tensors: SGLang fuses some HF modules into one parameter at load time
@@ -10,15 +10,21 @@ Names not matched by any row keep their HF name, after :data:`RENAMES` (K3's MoE
 ``block_sparse_moe`` in HF and ``mlp`` in SGLang). SGLang parameter names are relative to the
 top-level model: K3 family ``language_model.model.layers.{i}...``, K2 ``model.layers.{i}...``.
 
-LoRA: SGLang names LoRA targets by the module that owns the weight after fusion;
-:data:`LORA_MODULES` maps HF LoRA leaf names to SGLang ``--lora-target-modules`` names.
+LoRA: SGLang names LoRA weights by the module that owns them after fusion (:data:`LORA_MODULES`,
+its LoRA memory-pool names), but ``--lora-target-modules`` only accepts the leaf names of
+``SUPPORTED_LORA_TARGET_MODULES`` (``utils/common.py``, the same list in 0.5.17 and 0.5.23), which
+``lora.utils.get_normalized_target_modules`` then maps (``q_a_proj`` -> ``fused_qkv_a_proj_with_mqa``,
+``wq_b`` -> ``indexer.wq_b``). Routed experts have no name of their own there: ``FusedMoEWithLoRA``
+gets LoRA when both ``gate_up_proj`` and ``down_proj`` are targeted (``lora_manager.update_lora_info``).
+:data:`LORA_TARGET_NAMES` is the HF leaf -> flag-value table.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["PARAM_RULES", "RENAMES", "LORA_MODULES", "hf_to_sglang", "sglang_param_names", "lora_target_modules"]
+__all__ = ["PARAM_RULES", "RENAMES", "LORA_MODULES", "LORA_TARGET_NAMES", "hf_to_sglang", "sglang_param_names",
+           "lora_target_modules"]
 
 # (HF suffix, SGLang suffix, shard, where). Experts: ``weight_packed`` is renamed ``weight`` first.
 PARAM_RULES: tuple[tuple[str, str, object, str], ...] = (
@@ -56,7 +62,7 @@ RENAMES: tuple[tuple[str, str], ...] = (
     (".block_sparse_moe.", ".mlp."),
 )
 
-#: HF LoRA leaf -> SGLang LoRA module name (``--lora-target-modules``)
+#: HF LoRA leaf -> SGLang LoRA module (memory-pool buffer) name
 LORA_MODULES: dict[str, str] = {
     "q_a_proj": "fused_qkv_a_proj_with_mqa", "kv_a_proj_with_mqa": "fused_qkv_a_proj_with_mqa",
     "q_b_proj": "q_b_proj", "kv_b_proj": "kv_b_proj", "o_proj": "o_proj",
@@ -64,6 +70,18 @@ LORA_MODULES: dict[str, str] = {
     "w1": "gate_up_proj_moe", "w3": "gate_up_proj_moe", "w2": "down_proj_moe",
     "wq_b": "indexer.wq_b", "wk": "indexer.wk", "weights_proj": "indexer.weights_proj",
 }
+
+def _flag_value(leaf: str, module: str) -> str:
+    """The ``--lora-target-modules`` value that SGLang normalizes to ``module`` (for HF ``leaf``)."""
+    if module.endswith("_moe"):  # routed experts ride on the dense names
+        return module[: -len("_moe")]
+    if module == "fused_qkv_a_proj_with_mqa" or module.startswith("indexer."):
+        return leaf  # SGLang fuses / qualifies these itself (get_normalized_target_modules)
+    return module
+
+
+#: HF LoRA leaf -> ``--lora-target-modules`` value (a member of SUPPORTED_LORA_TARGET_MODULES)
+LORA_TARGET_NAMES: dict[str, str] = {leaf: _flag_value(leaf, m) for leaf, m in LORA_MODULES.items()}
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
@@ -100,10 +118,19 @@ def sglang_param_names(names, config) -> dict[str, list[str]]:
 
 
 def lora_target_modules(hf_leaves) -> list[str]:
-    """SGLang ``--lora-target-modules`` for PEFT ``target_modules`` leaves (unknown leaves raise)."""
+    """``--lora-target-modules`` values for PEFT ``target_modules`` leaves (unknown leaves raise).
+
+    Expert leaves (``w1``/``w3``/``w2``) bring in both ``gate_up_proj`` and ``down_proj``, which
+    SGLang needs together to give the routed experts LoRA. The same list is what to put in the
+    ``target_modules`` of the adapter config sent to SGLang: it checks that the adapter's
+    (normalized) targets are a subset of the flag's.
+    """
     out = set()
     for leaf in hf_leaves:
-        if leaf not in LORA_MODULES:
-            raise KeyError(f"LoRA target {leaf!r} has no SGLang module name (known: {sorted(LORA_MODULES)})")
-        out.add(LORA_MODULES[leaf])
+        if leaf not in LORA_TARGET_NAMES:
+            raise KeyError(f"LoRA target {leaf!r} has no SGLang --lora-target-modules name "
+                           f"(known: {sorted(LORA_TARGET_NAMES)})")
+        out.add(LORA_TARGET_NAMES[leaf])
+        if leaf in ("w1", "w3", "w2"):
+            out.update(("gate_up_proj", "down_proj"))
     return sorted(out)

@@ -1,4 +1,4 @@
-"""MoE LoRA on Kimi's 4-bit routed experts in SGLang 0.5.23: K3/K3.1 MXFP4 + SiTU, K2.x INT4.
+"""MoE LoRA on Kimi's 4-bit routed experts in SGLang 0.5.17 and 0.5.23: K3/K3.1 MXFP4 + SiTU, K2.x INT4.
 
 Which mechanism, and why (reference/sglang.md section 3). With ``--moe-runner-backend marlin``
 (the K3 H200 recipe) ``FusedMoEWithLoRA`` builds ``MoeRunner(MARLIN, lora_enabled=True)``, whose
@@ -8,23 +8,25 @@ down GEMM -> LoRA hook -> sum. Two things stop K3:
 1. ``FusedMoEWithLoRA.__init__`` asserts the quant method is a compressed-tensors or ModelOpt
    method and calls ``get_marlin_quant_info``; ``Mxfp4MoEMethod`` has neither (PR #27930 closed),
    although ``mxfp4_marlin_moe.build_marlin_moe_quant_info(layer)`` builds exactly that payload.
-2. ``MarlinLoraRunnerCore`` asserts ``activation == "silu"``; K3 experts use SiTU.
+2. ``MarlinLoraRunnerCore.run_from_dispatch`` asserts ``activation == "silu"``; K3 experts use SiTU.
 
-A quant-info adapter alone fixes (1) but not (2); a runner core alone fixes (2) but never gets
-the MXFP4 weights. So both, each minimal:
+A quant-info adapter alone fixes (1) but not (2); a SiTU stage alone never gets the MXFP4
+weights. So both, each minimal, each a ledger hook (:mod:`kimi_sglang_plugin.hooks`):
 
-* :class:`Mxfp4MarlinQuantInfoAdapter` (installed by the :func:`fused_moe_with_lora_init` hook) hands
-  the stock constructor ``build_marlin_moe_quant_info(layer)``; the real quant method is restored
-  right after, so the base (non-LoRA) path is untouched.
-* :class:`KimiMarlinLoraRunnerCore`, registered for the ``marlin`` backend through
-  ``register_moe_runner_core`` (only LoRA runners build a core for marlin; the base path keeps
-  its fused function). SiLU layers (K2.x INT4) go to the stock core unchanged. SiTU layers run
-  the same stock core with the activation stage bound to SiTU: the Marlin GEMMs, expert
-  alignment, EP masking and LoRA hooks stay upstream's, single-sourced; only stage 2 differs.
+* :func:`fused_moe_with_lora_init` hands the stock constructor :class:`Mxfp4MarlinQuantInfoAdapter`
+  (``build_marlin_moe_quant_info(layer)``); the real quant method is restored right after, so the
+  base (non-LoRA) path is untouched.
+* :func:`marlin_lora_run_from_dispatch` wraps the stock core's entry. SiLU layers (K2.x INT4) pass
+  through. A SiTU layer runs the same stock core with its activation stage bound to SiTU for that
+  call: the Marlin GEMMs, expert alignment, EP masking and LoRA hooks stay upstream's,
+  single-sourced; only stage 2 differs. 0.5.23 also offers ``register_moe_runner_core``, but
+  0.5.17 builds ``MarlinLoraRunnerCore`` directly (``moe_runner/runner.py:77``), so the hook on
+  the core's entry is the narrowest point that exists in both releases.
 
-The same hook fixes a sixth K3 bug: ``FusedMoEWithLoRA`` infers GPT-OSS interleaved gate/up
-from ``gemm1_alpha``, which K3 sets for SiTU's beta although its w13 is not interleaved
-(``gate_up_interleaved=False``); the LoRA gate_up ``B`` would be row-shuffled.
+The same constructor hook fixes a further K3 bug: ``FusedMoEWithLoRA`` infers GPT-OSS interleaved
+gate/up from ``gemm1_alpha``, which K3 sets for SiTU's beta although its w13 is not interleaved
+(``gate_up_interleaved=False``); the LoRA gate_up ``B`` would be row-shuffled. On 0.5.17 only,
+:func:`init_cuda_graph_moe_buffers` lets the CUDA-graph buffer setup read the Marlin quant info.
 
 K2.x INT4 (``pack-quantized``, scheme ``CompressedTensorsWNA16MoE``) already exposes
 ``get_marlin_quant_info``; :func:`check_int4_marlin` only validates the pairing and names the
@@ -34,28 +36,35 @@ flag to change. Everything here that launches kernels needs a GPU (SM90+ for MXF
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 
 __all__ = [
-    "SITU_RUNNER_BACKEND", "KimiMarlinLoraRunnerCore", "Mxfp4MarlinQuantInfoAdapter", "check_int4_marlin",
-    "fused_moe_with_lora_init", "register_runner_core", "situ_and_mul_torch",
+    "SITU_KERNELS", "Mxfp4MarlinQuantInfoAdapter", "check_int4_marlin", "fused_moe_with_lora_init",
+    "init_cuda_graph_moe_buffers", "marlin_lora_run_from_dispatch", "situ_and_mul_torch",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: the built-in backend name our core is registered for
-SITU_RUNNER_BACKEND = "marlin"
+#: SGLang release -> ``"module:function"`` of its fused SiTU-and-mul kernel (``host_facts`` rows)
+SITU_KERNELS = {
+    "0.5.17": "sglang.kernels.ops.kimi_k3:situ_and_mul",
+    "0.5.23": "sglang.kernels.ops.activation:situ_and_mul",
+}
+
+_LOGGED: set = set()
 
 
 def situ_and_mul_torch(x: torch.Tensor, out: torch.Tensor | None, beta: float, linear_beta: float) -> torch.Tensor:
     """SiTU-and-mul: ``x = [gate | up]`` ``[M, 2N]`` -> ``[M, N]``,
     ``beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta)`` in fp32, cast to ``x.dtype``.
 
-    Pure-torch twin of ``sglang.kernels.ops.activation.situ_and_mul`` (JIT CUDA) and of
-    ``kimi_core.reference.ops.situ_glu``; used where the CUDA kernel is unavailable.
+    Pure-torch twin of SGLang's JIT CUDA ``situ_and_mul`` (:data:`SITU_KERNELS`) and of
+    ``kimi_core.reference.ops.situ_glu``; used where no CUDA device is present.
     """
     n = x.shape[-1] // 2
     g, u = x[..., :n].float(), x[..., n:].float()
@@ -67,20 +76,29 @@ def situ_and_mul_torch(x: torch.Tensor, out: torch.Tensor | None, beta: float, l
 
 
 def _situ_kernel():
-    try:
-        from sglang.kernels.ops.activation import situ_and_mul
+    """The running release's SiTU kernel; the torch twin only where CUDA is absent (CPU tests)."""
+    from kimi_sglang_plugin.registration import running_sglang
 
-        return situ_and_mul
-    except Exception:  # noqa: BLE001 - no CUDA toolchain: keep the torch twin
+    if not torch.cuda.is_available():
         return situ_and_mul_torch
+    release = running_sglang()
+    target = SITU_KERNELS.get(release)
+    if target is None:
+        from kimi_sglang_plugin.registration import PluginError
+
+        raise PluginError(f"kimi_sglang_plugin: no SiTU kernel recorded for SGLang {release!r} "
+                          f"(known: {sorted(SITU_KERNELS)})")
+    mod, name = target.split(":")
+    return getattr(importlib.import_module(mod), name)
 
 
 @contextlib.contextmanager
 def _stage2_as_situ(beta: float, linear_beta: float):
     """Bind the stock Marlin LoRA core's activation stage to SiTU for one call.
 
-    The scheduler runs a model forward on one thread, so the module global is never seen by
-    another caller; it is restored even when the core raises.
+    The core calls its module-level ``silu_and_mul`` (lora/lora_moe_runner_marlin.py:160 in 0.5.17,
+    the same name in 0.5.23). The scheduler runs a model forward on one thread, so the module global
+    is never seen by another caller; it is restored even when the core raises.
     """
     import sglang.srt.lora.lora_moe_runner_marlin as stock
 
@@ -96,72 +114,59 @@ def _stage2_as_situ(beta: float, linear_beta: float):
             stock.silu_and_mul = saved
 
 
-def _core_base():
-    from sglang.srt.layers.moe.moe_runner.base import DispatchMoeRunnerCore
+def marlin_lora_run_from_dispatch(original, core, dispatch_output, quant_info, runner_config, *args, **kwargs):
+    """AROUND ``MarlinLoraRunnerCore.run_from_dispatch`` (ledger ``moe_lora_situ_stage``).
 
-    return DispatchMoeRunnerCore
-
-
-class KimiMarlinLoraRunnerCore:
-    """Marlin LoRA runner core for SiLU (stock, delegated) and SiTU (K3) gated experts.
-
-    Built per MoE layer by ``MoeRunner`` for ``lora_enabled`` marlin runners. Inputs/outputs are
-    the stock ones: ``StandardDispatchOutput`` (hidden ``[M, K]`` bf16, top-k ``[M, k]``) ->
-    ``StandardCombineInput`` (``[M, K]``). SiTU's ``beta`` / ``linear_beta`` are the runner
-    config's ``gemm1_alpha`` / ``gemm1_clamp_limit`` (as K3's ``FusedMoE`` sets them).
+    Inputs/outputs are the stock ones: ``StandardDispatchOutput`` (hidden ``[M, K]`` bf16, top-k
+    ``[M, k]``) -> ``StandardCombineInput`` (``[M, K]``). SiTU's ``beta`` / ``linear_beta`` are the
+    runner config's ``gemm1_alpha`` / ``gemm1_clamp_limit`` (as K3's ``FusedMoE`` sets them).
     """
-
-    def __new__(cls, config):
-        # subclass DispatchMoeRunnerCore lazily so this module imports without SGLang
-        impl = _make_core_class()
-        return impl(config)
-
-
-_CORE_CLASS: list = []
-
-
-def _make_core_class():
-    if _CORE_CLASS:
-        return _CORE_CLASS[0]
-    from sglang.srt.layers.moe.utils import MoeRunnerBackend
-    from sglang.srt.lora.lora_moe_runner_marlin import MarlinLoraRunnerCore
-
-    class _Core(_core_base()):
-        __doc__ = KimiMarlinLoraRunnerCore.__doc__
-
-        def __init__(self, config):
-            super().__init__(config)
-            self._stock = MarlinLoraRunnerCore(config)
-
-        @property
-        def runner_backend(self):
-            return MoeRunnerBackend.MARLIN
-
-        def run_from_dispatch(self, dispatch_output, quant_info, runner_config, hooks=None):
-            if runner_config.activation != "situ":
-                return self._stock.run_from_dispatch(dispatch_output, quant_info, runner_config, hooks=hooks)
-            if not runner_config.is_gated:
-                raise ValueError("kimi_sglang_plugin: SiTU MoE LoRA needs gated experts (w1/w3)")
-            beta, lin = runner_config.gemm1_alpha, runner_config.gemm1_clamp_limit
-            if beta is None or lin is None:
-                raise ValueError("kimi_sglang_plugin: SiTU MoE layer without gemm1_alpha/gemm1_clamp_limit "
-                                 "(activation_situ_beta / activation_situ_linear_beta in config.json)")
-            as_silu = replace(runner_config, activation="silu")
-            with _stage2_as_situ(float(beta), float(lin)):
-                return self._stock.run_from_dispatch(dispatch_output, quant_info, as_silu, hooks=hooks)
-
-    _Core.__name__ = _Core.__qualname__ = "KimiMarlinLoraRunnerCore"
-    _CORE_CLASS.append(_Core)
-    return _Core
+    if runner_config.activation != "situ":
+        return original(core, dispatch_output, quant_info, runner_config, *args, **kwargs)
+    if not runner_config.is_gated:
+        raise ValueError("kimi_sglang_plugin: SiTU MoE LoRA needs gated experts (w1/w3)")
+    beta, lin = runner_config.gemm1_alpha, runner_config.gemm1_clamp_limit
+    if beta is None or lin is None:
+        raise ValueError("kimi_sglang_plugin: SiTU MoE layer without gemm1_alpha/gemm1_clamp_limit "
+                         "(activation_situ_beta / activation_situ_linear_beta in config.json)")
+    if "situ" not in _LOGGED:  # once per process: the GPU tests read it from SGLang's log
+        _LOGGED.add("situ")
+        logger.info("kimi_sglang_plugin: MarlinLoraRunnerCore runs SiTU (beta=%s, linear_beta=%s) for MoE LoRA",
+                    beta, lin)
+    as_silu = replace(runner_config, activation="silu")
+    with _stage2_as_situ(float(beta), float(lin)):
+        return original(core, dispatch_output, quant_info, as_silu, *args, **kwargs)
 
 
-def register_runner_core() -> None:
-    """Register :class:`KimiMarlinLoraRunnerCore` for the ``marlin`` backend (once per process)."""
-    from sglang.srt.layers.moe.moe_runner import runner
+class _ShapeOnly:
+    """Stands in for a weight whose ``shape`` and ``device`` are all that is read."""
 
-    if SITU_RUNNER_BACKEND in runner._CUSTOM_RUNNER_CORE_FACTORIES:
-        return
-    runner.register_moe_runner_core(SITU_RUNNER_BACKEND, KimiMarlinLoraRunnerCore)
+    def __init__(self, shape, device):
+        self.shape, self.device = torch.Size(shape), device
+
+
+class _MarlinShapeView:
+    """A ``FusedMoEWithLoRA`` seen through an unquantized-style quant info (``w13_weight`` ``[E, 2I, K]``,
+    ``w2_weight`` ``[E, K, I]``); every other attribute is the layer's own."""
+
+    def __init__(self, layer):
+        base, qinfo = layer.base_layer, layer._quant_info
+        E, I, K = base.num_local_experts, base.intermediate_size_per_partition, base.hidden_size
+        dev = qinfo.w13_qweight.device
+        object.__setattr__(self, "_layer", layer)
+        object.__setattr__(self, "_quant_info", SimpleNamespace(
+            w13_weight=_ShapeOnly((E, 2 * I, K), dev), w2_weight=_ShapeOnly((E, K, I), dev)))
+
+    def __getattr__(self, name):
+        return getattr(object.__getattribute__(self, "_layer"), name)
+
+
+def init_cuda_graph_moe_buffers(original, backend, max_bs, max_loras, compute_dtype, moe_layer, *args, **kwargs):
+    """AROUND ``BaseLoRABackend.init_cuda_graph_moe_buffers`` (0.5.17; ledger ``moe_lora_cuda_graph_buffers``)."""
+    qinfo = getattr(moe_layer, "_quant_info", None)
+    if qinfo is not None and not hasattr(qinfo, "w13_weight") and hasattr(qinfo, "w13_qweight"):
+        moe_layer = _MarlinShapeView(moe_layer)
+    return original(backend, max_bs, max_loras, compute_dtype, moe_layer, *args, **kwargs)
 
 
 # ------------------------------------------------------------------------------ quant-info adapter
@@ -191,17 +196,25 @@ def Mxfp4MarlinQuantInfoAdapter(method):  # noqa: N802 - a class factory, named 
             def get_marlin_quant_info(self, layer):
                 from sglang.srt.layers.quantization.mxfp4_marlin_moe import build_marlin_moe_quant_info
 
-                pad = getattr(self._inner, "hidden_pad", 0) or 0
-                if pad:
-                    raise ValueError(
-                        f"kimi_sglang_plugin: MXFP4 MoE LoRA: expert width {getattr(self._inner, 'hidden_size', '?')} "
-                        f"is padded by {pad} for Marlin; the LoRA path does not pad activations. Use a "
-                        "routed_expert_hidden_size that is a multiple of the Marlin tile")
+                for attr, what, fix in _MARLIN_PADS:
+                    pad = getattr(self._inner, attr, 0) or 0
+                    if pad:
+                        raise ValueError(f"kimi_sglang_plugin: MXFP4 MoE LoRA: the experts' {what} is padded by {pad} "
+                                         f"for Marlin and the LoRA path is not; {fix}")
                 return build_marlin_moe_quant_info(layer)
 
         _Adapter.__name__ = _Adapter.__qualname__ = "Mxfp4MarlinQuantInfoAdapter"
         _ADAPTER_CLASS.append(_Adapter)
     return _ADAPTER_CLASS[0](method)
+
+
+#: (Mxfp4MoEMethod attribute, what it pads, the fix). create_weights pads both for Marlin (0.5.17
+#: layers/quantization/mxfp4.py:395-403); LoRA buffers and activations keep the checkpoint's widths
+_MARLIN_PADS = (
+    ("hidden_pad", "hidden width", "use a routed_expert_hidden_size that is a multiple of 256"),
+    ("intermediate_pad", "per-rank intermediate width",
+     "make moe_intermediate_size / moe-TP a multiple of 128 (--ep-size, or a smaller --tp-size)"),
+)
 
 
 def _is_mxfp4(method) -> bool:

@@ -2,14 +2,14 @@
 
 Two protocols; pin one per deployment (reference/sglang.md section 3, miles.md section 3):
 
-``stock`` (sglang==0.5.23)
+``stock`` (sglang 0.5.17 and 0.5.23)
     ``Engine.load_lora_adapter_from_tensors`` / ``POST /load_lora_adapter_from_tensors`` with
     ``load_format="flattened_bucket"``: ``serialized_named_tensors`` holds **one payload per TP
     rank**; rank ``r`` deserializes only entry ``r`` (``TpModelWorker.deserialize_own_rank``), a
     ``MultiprocessingSerializer`` pickle of ``{"flattened_tensor": uint8 [n], "metadata":
     [FlattenedTensorMetadata]}`` whose byte ranges index the flat buffer. ``expected_checksums``
     (``{name: sha256 hex}``) makes every rank verify what it received. Attention-DP
-    (``dp_size > 1``) is refused by stock SGLang.
+    (``dp_size > 1``) is refused by stock 0.5.23 (0.5.17 allows it).
 ``miles`` (sglang-miles after PR #36384)
     ``POST /register_lora_adapter`` with identity and config only (zero-initialised, upsert),
     then the factors ride ``update_weights_from_tensor`` (same per-rank flattened buckets).

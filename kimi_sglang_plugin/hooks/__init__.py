@@ -1,9 +1,13 @@
 """Ledger of every patch this plugin applies to SGLang, as ``HookRegistry`` hooks.
 
-One :class:`HookSpec` per patched symbol: the target, the hook type, our hook function, **Why**,
-**How**, the upstream PR and the condition to remove it, and the SGLang releases it was checked
-against. :func:`check_targets` resolves each target without patching (a missing target is an
-error that names it); ``tests/kimi_sglang_plugin/test_hooks.py`` fails when one disappears.
+One :class:`HookSpec` per patch and release family: the target, the hook type, our hook function,
+**Why**, **How**, the upstream PR, the condition to remove it, and ``versions``, the SGLang
+releases where it applies. Where a fix needs different code per release the ledger has one
+entry per variant (same ``name``, disjoint ``versions``); where a bug is absent in a release the
+entry's ``versions`` leave it out and ``absent_in`` says why. What each release has at each target
+is checked-in data (:mod:`kimi_sglang_plugin.host_facts`); :func:`check_targets` compares the
+running SGLang with it without patching anything, and a missing or changed target is an error
+that names it.
 
 Files: :mod:`.dsa_gates` (K3.1 gates), :mod:`.lora_fixes` (the five fixes of
 sgl-project/sglang#37704, "Kimi K3 colocated RL: LoRA fixes and in-place MXFP4 Marlin reload",
@@ -16,14 +20,18 @@ import importlib
 import pkgutil
 from dataclasses import dataclass
 
-__all__ = ["HookSpec", "HOOKS", "check_targets", "resolve_hook", "resolve_target"]
+from kimi_sglang_plugin.host_facts import FACTS, SUPPORTED_SGLANG, check_release
+
+__all__ = ["HookSpec", "HOOKS", "hooks_for", "check_targets", "resolve_hook", "resolve_target"]
 
 PR_37704 = "sgl-project/sglang#37704"
+BOTH = SUPPORTED_SGLANG
 
 
 @dataclass(frozen=True)
 class HookSpec:
-    """One ledger entry. ``fn`` is ``"module:function"`` of our hook."""
+    """One ledger entry. ``fn`` is ``"module:function"`` of our hook; ``versions`` the SGLang
+    releases it applies to; ``absent_in`` why it does not apply to the other supported ones."""
 
     name: str
     target: str
@@ -33,13 +41,24 @@ class HookSpec:
     how: str
     upstream: str
     remove_when: str
-    versions: tuple[str, ...] = ("0.5.23",)
+    versions: tuple[str, ...]
+    absent_in: str = ""
+
+    @property
+    def key(self) -> str:
+        """``name@release+release``: unique across the ledger."""
+        return f"{self.name}@{'+'.join(self.versions)}"
 
     def hook_type(self):
         from sglang.srt.plugins.hook_registry import HookType
 
         return HookType(self.kind)
 
+
+_M = "sglang.srt.models.kimi_k3."
+_GATE_WHY = ("K3's MLA output gate (x * sigmoid(g_proj(h))) is applied by replacing o_proj.forward on the "
+             "instance; RowParallelLinearWithLoRA calls base_layer.quant_method.apply directly, so with LoRA on "
+             "o_proj the gate is silently dropped")
 
 HOOKS: tuple[HookSpec, ...] = (
     # ------------------------------------------------------------------ K3.1 / DSA gates
@@ -50,9 +69,10 @@ HOOKS: tuple[HookSpec, ...] = (
         why="is_deepseek_dsa keys DSA on a fixed architecture list without K3/K3.1; it selects the "
             "indexer in DeepseekV2AttentionMLA, the DSA KV/index pool and the DSA attention backends",
         how="AROUND: true when the original is, or when the config is K3.1 (K3.1 in architectures and "
-            "index_topk set, config.is_k31_config); _propagate_patch rebinds the 45 'from ... import' sites",
-        upstream="none (no K3.1 in sglang 0.5.23 or sglang-miles)",
+            "index_topk set, config.is_k31_config); _propagate_patch rebinds the 'from ... import' sites",
+        upstream="none (no K3.1 in sglang 0.5.17, 0.5.23 or sglang-miles)",
         remove_when="SGLang lists KimiK31ForConditionalGeneration in is_deepseek_dsa",
+        versions=BOTH,
     ),
     HookSpec(
         name="k31_index_head_dim",
@@ -63,42 +83,56 @@ HOOKS: tuple[HookSpec, ...] = (
         how="AFTER: for a K3.1 config set model_config.index_head_dim = text_config.index_head_dim",
         upstream="none",
         remove_when="SGLang derives index_head_dim for K3-family DSA configs",
+        versions=BOTH,
     ),
     HookSpec(
         name="k31_resolve_model_cls",
         target="sglang.srt.models.registry._ModelRegistry.resolve_model_cls",
         kind="around", fn="kimi_sglang_plugin.hooks.dsa_gates:resolve_model_cls",
         why="a K3.1 config reads as K3 to every arch gate (config.KimiK31Config), so the registry's "
-            "first-arch fast path would build the stock K3 class",
+            "first-arch path would build the stock K3 class",
         how="AROUND: when KimiK31ForConditionalGeneration is in the architectures list, return our "
             "class from ModelRegistry.models (resolved arch name K3.1)",
         upstream="none",
         remove_when="K3.1 is in-tree, or SGLang resolves by model_type",
+        versions=BOTH,
     ),
     # ------------------------------------------------------------------ sgl-project/sglang#37704
     HookSpec(
         name="37704_1_num_shared_experts",
         target="sglang.srt.configs.kimi_linear.KimiLinearConfig.__init__",
         kind="after", fn="kimi_sglang_plugin.hooks.lora_fixes:alias_num_shared_experts",
-        why="LoRA sizing reads only n_shared_experts (lora/utils.get_default_hidden_dim, "
-            "lora/mem_pool._get_num_shared_experts and init_buffer, lora/lora.py); K3 configs say "
-            "num_shared_experts, so shared-expert gate_up/down LoRA buffers get the dense MLP width",
+        why="LoRA sizing reads only n_shared_experts (lora/utils.get_hidden_dim's defaults, "
+            "lora/mem_pool._get_num_shared_experts, lora/lora.py); K3 configs say num_shared_experts, so "
+            "shared-expert gate_up/down LoRA buffers get the dense MLP width",
         how="AFTER on the config constructor: set n_shared_experts = num_shared_experts when absent "
             "(one alias fixes every reader; K3 model code reads num_shared_experts only)",
         upstream=PR_37704 + " item 1",
         remove_when="SGLang LoRA reads num_shared_experts (or the PR lands in a release we pin)",
+        versions=BOTH,
     ),
     HookSpec(
         name="37704_2_output_gate_lora_o_proj",
-        target="sglang.srt.models.kimi_k3.KimiK3MLAAttention.__init__",
+        target=_M + "KimiK3MLAAttention.__init__",
         kind="after", fn="kimi_sglang_plugin.hooks.lora_fixes:install_o_proj_input_transform",
-        why="K3's MLA output gate (x * sigmoid(g_proj(h))) is applied by replacing o_proj.forward on "
-            "the instance; RowParallelLinearWithLoRA calls base_layer.quant_method.apply directly, so "
-            "with LoRA on o_proj the gate is silently dropped",
-        how="AFTER: attach the gate as o_proj._kimi_lora_input_transform (same semantics as the "
-            "instance wrapper); the paired hook below applies it inside the LoRA wrapper",
+        why=_GATE_WHY,
+        how="AFTER: attach the gate as o_proj._kimi_lora_input_transform, computed as 0.5.23 does "
+            "(_compute_output_gate, joining _gate_pending_stream when skipped); the row-parallel hook "
+            "applies it inside the LoRA wrapper",
         upstream=PR_37704 + " item 2 (lora_input_transform)",
         remove_when="RowParallelLinearWithLoRA honours a base-layer input transform upstream",
+        versions=("0.5.23",),
+    ),
+    HookSpec(
+        name="37704_2_output_gate_lora_o_proj",
+        target=_M + "KimiK3MLAAttention.__init__",
+        kind="after", fn="kimi_sglang_plugin.hooks.lora_fixes:install_o_proj_precomputed_gate",
+        why=_GATE_WHY + " (0.5.17: same bug; its gate comes from _gate_precomputed or g_proj)",
+        how="AFTER: attach the gate as o_proj._kimi_lora_input_transform, computed as 0.5.17 does "
+            "(the alt-stream gate in _gate_precomputed, joined first, else g_proj(h))",
+        upstream=PR_37704 + " item 2",
+        remove_when="as the 0.5.23 entry",
+        versions=("0.5.17",),
     ),
     HookSpec(
         name="37704_2_row_parallel_lora_forward",
@@ -109,16 +143,20 @@ HOOKS: tuple[HookSpec, ...] = (
             "and LoRA A both see the gated input (as without LoRA)",
         upstream=PR_37704 + " item 2",
         remove_when="as 37704_2_output_gate_lora_o_proj",
+        versions=BOTH,
     ),
     HookSpec(
         name="37704_3_routed_expert_hidden_size",
-        target="sglang.srt.lora.utils.get_default_hidden_dim",
+        target="sglang.srt.lora.utils.get_hidden_dim",
         kind="around", fn="kimi_sglang_plugin.hooks.lora_fixes:latent_moe_hidden_dim",
         why="routed-expert LoRA buffers (gate_up_proj_moe, down_proj_moe) are sized with hidden_size; "
             "K3's latent MoE experts read and write routed_expert_hidden_size (3584 vs 7168)",
-        how="AROUND: for those two modules use routed_expert_hidden_size when the config has one",
+        how="AROUND get_hidden_dim (what the LoRA memory pool calls in both releases; 0.5.23 moved its "
+            "config defaults into get_default_hidden_dim): for those two modules use "
+            "routed_expert_hidden_size when the config has one",
         upstream=PR_37704 + " item 3",
         remove_when="SGLang LoRA sizes MoE buffers from the experts' own width",
+        versions=BOTH,
     ),
     HookSpec(
         name="37704_4_params_dtype_through_wrapper",
@@ -130,10 +168,13 @@ HOOKS: tuple[HookSpec, ...] = (
         how="AFTER: mirror base_layer.params_dtype onto the wrapper, as it already mirrors weight/bias",
         upstream=PR_37704 + " item 4",
         remove_when="BaseLayerWithLoRA forwards params_dtype upstream",
+        versions=("0.5.23",),
+        absent_in="0.5.17: post_load_weights reads o_proj.weight.dtype (models/kimi_k3.py:2926), which "
+                  "the wrapper mirrors",
     ),
     HookSpec(
         name="37704_5_f_b_proj_registered_twice",
-        target="sglang.srt.models.kimi_k3.KimiK3DeltaAttention._merge_bfa_weights",
+        target=_M + "KimiK3DeltaAttention._merge_bfa_weights",
         kind="around", fn="kimi_sglang_plugin.hooks.lora_fixes:merge_bfa_weights_once",
         why="`self._bfa_f_b_w = self.f_b_proj.weight` registers the Parameter a second time; "
             "named_parameters() then yields it as self_attn._bfa_f_b_w before self_attn.f_b_proj.weight, "
@@ -143,6 +184,9 @@ HOOKS: tuple[HookSpec, ...] = (
             "_parameters into a plain (unregistered) attribute",
         upstream=PR_37704 + " item 5",
         remove_when="_merge_bfa_weights stores the alias without registering it",
+        versions=("0.5.23",),
+        absent_in="0.5.17: _merge_bfa_weights (models/kimi_k3.py:1525) merges only f_a_proj + b_proj into "
+                  "a plain tensor and never aliases f_b_proj",
     ),
     # ------------------------------------------------------------------ MoE LoRA on MXFP4 + SiTU
     HookSpec(
@@ -155,11 +199,48 @@ HOOKS: tuple[HookSpec, ...] = (
             "GPT-OSS interleaved gate/up",
         how="AROUND: for an Mxfp4MoEMethod layer, present a quant-info adapter during the stock __init__ "
             "(moe_lora.Mxfp4MarlinQuantInfoAdapter), restore the real quant method, clear the interleave flag "
-            "for SiTU; the marlin LoRA runner core (moe_lora.register_runner_core) runs SiTU",
+            "for SiTU",
         upstream="sgl-project/sglang#27930 (closed), " + PR_37704,
-        remove_when="Mxfp4MoEMethod exposes get_marlin_quant_info and MarlinLoraRunnerCore supports situ",
+        remove_when="Mxfp4MoEMethod exposes get_marlin_quant_info",
+        versions=BOTH,
+    ),
+    HookSpec(
+        name="moe_lora_situ_stage",
+        target="sglang.srt.lora.lora_moe_runner_marlin.MarlinLoraRunnerCore.run_from_dispatch",
+        kind="around", fn="kimi_sglang_plugin.moe_lora:marlin_lora_run_from_dispatch",
+        why="MarlinLoraRunnerCore asserts activation == 'silu'; K3's experts are SiTU. 0.5.23 could take a "
+            "registered runner core (register_moe_runner_core), but 0.5.17 has no registration point "
+            "(moe_runner/runner.py:77 builds MarlinLoraRunnerCore directly), so one hook on the core's "
+            "entry serves both",
+        how="AROUND: SiLU layers pass through unchanged; a SiTU layer runs the stock core with its "
+            "module-level silu_and_mul bound to SiTU (beta=gemm1_alpha, linear_beta=gemm1_clamp_limit) for "
+            "that call and activation presented as silu; Marlin GEMMs, alignment, EP masks and LoRA hooks "
+            "stay the stock core's",
+        upstream="none (no SiTU in the Marlin LoRA core upstream)",
+        remove_when="MarlinLoraRunnerCore supports activation 'situ'",
+        versions=BOTH,
+    ),
+    HookSpec(
+        name="moe_lora_cuda_graph_buffers",
+        target="sglang.srt.lora.backend.base_backend.BaseLoRABackend.init_cuda_graph_moe_buffers",
+        kind="around", fn="kimi_sglang_plugin.moe_lora:init_cuda_graph_moe_buffers",
+        why="0.5.17 sizes the shared MoE LoRA CUDA-graph buffers from quant_info.w13_weight / w2_weight "
+            "(lora/backend/base_backend.py:222); a Marlin quant info has w13_qweight / w2_qweight only, so "
+            "Marlin MoE LoRA with CUDA graphs raises AttributeError at startup",
+        how="AROUND: for a Marlin quant info, run the original on a view of the layer whose quant info "
+            "exposes shape-only w13_weight [E, 2I, K] / w2_weight [E, K, I] (from the FusedMoE's own sizes) "
+            "on the device of w13_qweight",
+        upstream="fixed in 0.5.23 (reads w13_qweight, lora/backend/base_backend.py:306)",
+        remove_when="0.5.17 is no longer supported",
+        versions=("0.5.17",),
+        absent_in="0.5.23: the buffers no longer depend on the weight shapes",
     ),
 )
+
+
+def hooks_for(version: str) -> tuple[HookSpec, ...]:
+    """The ledger entries that apply to SGLang ``version``."""
+    return tuple(s for s in HOOKS if version in s.versions)
 
 
 def resolve_target(target: str):
@@ -174,19 +255,18 @@ def resolve_hook(spec: HookSpec):
 
 
 def check_targets(version: str, hooks: tuple[HookSpec, ...] | None = None) -> list[str]:
-    """``["<hook name>: <problem>", ...]`` for every ledger entry whose target or hook does not resolve
-    (or whose checked releases do not include ``version``); empty when all is well."""
+    """``["<hook key>: <problem>", ...]`` for every entry applying to ``version`` whose target has no
+    recorded facts for that release, differs from them (missing, other signature), or whose hook
+    function does not import; empty when all is well. Nothing is patched."""
     problems = []
-    for spec in HOOKS if hooks is None else hooks:
-        if version not in spec.versions:
-            problems.append(f"{spec.name}: checked only against SGLang {spec.versions}, not {version}")
-            continue
-        try:
-            resolve_target(spec.target)
-        except (ImportError, AttributeError, ValueError) as e:
-            problems.append(f"{spec.name}: target {spec.target} not found ({type(e).__name__}: {e})")
+    for spec in hooks_for(version) if hooks is None else tuple(h for h in hooks if version in h.versions):
+        if version not in FACTS.get(spec.target, {}):
+            problems.append(f"{spec.key}: target {spec.target} has no recorded facts for SGLang {version} "
+                            "(kimi_sglang_plugin/host_facts.py)")
+        else:
+            problems += [f"{spec.key}: {p}" for p in check_release(version, [spec.target])]
         try:
             resolve_hook(spec)
         except (ImportError, AttributeError) as e:
-            problems.append(f"{spec.name}: hook {spec.fn} not importable ({e})")
+            problems.append(f"{spec.key}: hook {spec.fn} not importable ({e})")
     return problems

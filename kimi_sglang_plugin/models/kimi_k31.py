@@ -1,4 +1,4 @@
-"""Kimi K3.1 for SGLang 0.5.23: the in-tree K3 model with a DSA lightning indexer on every MLA layer.
+"""Kimi K3.1 for SGLang 0.5.17 and 0.5.23: the in-tree K3 model with a DSA lightning indexer on every MLA layer.
 
 How the indexer gets there. ``DeepseekV2AttentionMLA.__init__`` (K3's MLA base class) builds
 ``self.indexer`` (``layers/attention/dsa/dsa_indexer.Indexer``: ``wq_b``, ``wk``, ``k_norm``
@@ -16,7 +16,9 @@ adds only what differs from a DeepSeek-V3.2 indexer and what must not fail silen
   naming the tensor, if an indexer weight of the checkpoint did not load.
 
 Entry point for ``SGLANG_EXTERNAL_MODEL_PACKAGE=kimi_sglang_plugin.models``: importing this
-module registers the config and applies the hooks (idempotent), then ``EntryClass`` is read.
+module registers the config and applies the hooks (idempotent), then ``EntryClass`` is read. When
+the hooks cannot apply, the import registers the refusal classes (``kimi_sglang_plugin.refusal``)
+and fails with the reason, which SGLang logs.
 """
 
 from __future__ import annotations
@@ -27,10 +29,14 @@ from typing import Iterable, Tuple
 import torch
 from torch import nn
 
-from kimi_sglang_plugin.registration import K31_ARCH, register_config, register_hooks
+from kimi_sglang_plugin.registration import K31_ARCH, PluginError, refuse_kimi, register_config, register_hooks
 
-register_config()
-register_hooks()
+try:
+    register_config()
+    register_hooks()
+except PluginError as _e:
+    refuse_kimi(str(_e))
+    raise
 
 from sglang.srt.models.kimi_k3 import KimiK3ForConditionalGeneration, KimiK3MLAAttention  # noqa: E402
 

@@ -1,11 +1,16 @@
 """Fixtures of the SGLang plugin tests. They run in the lean SGLang venv (``make test-sglang``);
-where SGLang is not importable (the main venv) the whole folder is skipped at collection."""
+where SGLang is not importable (the main venv) the whole folder is skipped at collection. This
+folder's helpers (``source_facts``, ``sglang_engine_harness``) are importable by name."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 
 import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
 
 collect_ignore_glob = [] if importlib.util.find_spec("sglang") is not None else ["test_*.py"]
 
@@ -18,6 +23,7 @@ def plugin():
     register()
     import kimi_sglang_plugin.registration as reg
 
+    assert reg._STATE["refused"] is None, reg._STATE["refused"]
     return reg
 
 

@@ -26,24 +26,26 @@ def test_sglang_load_plugins_runs_register(monkeypatch, plugin):
     assert "kimi" in found
     monkeypatch.setattr(plugins, "_plugins_loaded", False)
     plugins.load_plugins()
-    assert all(plugin._STATE.values()), plugin._STATE
+    assert all(plugin._STATE[k] for k in ("hooks", "config", "models")), plugin._STATE
+    assert plugin._STATE["refused"] is None and plugin._STATE["version"] == plugin.sglang_version()
 
 
 def test_register_is_idempotent(plugin):
-    """A second register() adds no second hook to any target."""
+    """A second register() adds no second hook to any target of the running release."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     from kimi_sglang_plugin import register
-    from kimi_sglang_plugin.hooks import HOOKS
+    from kimi_sglang_plugin.hooks import hooks_for
 
-    before = {s.target: len(HookRegistry._hooks[s.target]) for s in HOOKS}
+    specs = hooks_for(plugin.running_sglang())
+    before = {s.target: len(HookRegistry._hooks[s.target]) for s in specs}
     register()
     register()
-    assert {s.target: len(HookRegistry._hooks[s.target]) for s in HOOKS} == before
+    assert {s.target: len(HookRegistry._hooks[s.target]) for s in specs} == before
     assert all(n == 1 for n in before.values()), before
 
 
 def test_unsupported_version_is_refused(plugin):
-    """Another SGLang release raises one PluginError that says what to install."""
-    with pytest.raises(plugin.PluginError, match=r"sglang==0\.5\.23"):
+    """Another SGLang release raises one PluginError naming it, the supported releases and what to install."""
+    with pytest.raises(plugin.PluginError, match=r"SGLang 0\.5\.22 .*supported: 0\.5\.17, 0\.5\.23.*sglang==0\.5\.23"):
         plugin.check_host(version="0.5.22")

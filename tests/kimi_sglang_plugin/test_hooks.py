@@ -1,18 +1,42 @@
-"""Every ledger hook applies and its target still exists; each #37704 fix behaves on CPU."""
+"""The ledger is complete for both releases; every hook of the running release applies and its target
+still exists; each #37704 fix behaves on CPU."""
 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kimi_sglang_plugin.hooks import HOOKS
+from kimi_sglang_plugin.host_facts import FACTS, SUPPORTED_SGLANG
+from kimi_sglang_plugin.hooks import HOOKS, hooks_for
+from kimi_sglang_plugin.registration import sglang_version
 
 from utils import assert_close
 
+LIVE = hooks_for(sglang_version())
 
-@pytest.mark.parametrize("spec", HOOKS, ids=[s.name for s in HOOKS])
+
+def test_ledger_covers_every_release():
+    """Each entry is complete and names releases we support; every fix has exactly one variant per
+    release, or says why it does not apply there; every target has a facts row for each of its releases."""
+    keys = [s.key for s in HOOKS]
+    assert len(keys) == len(set(keys)), keys
+    for s in HOOKS:
+        assert s.why and s.how and s.upstream and s.remove_when, f"{s.key}: incomplete ledger entry"
+        assert s.versions and set(s.versions) <= set(SUPPORTED_SGLANG), s.key
+        for release in s.versions:
+            assert release in FACTS.get(s.target, {}), f"{s.key}: no facts row for {s.target} in {release}"
+    for name in {s.name for s in HOOKS}:
+        variants = [s for s in HOOKS if s.name == name]
+        covered = [r for s in variants for r in s.versions]
+        assert len(covered) == len(set(covered)), f"{name}: two variants for one release"
+        missing = set(SUPPORTED_SGLANG) - set(covered)
+        assert not missing or all(s.absent_in for s in variants), f"{name}: nothing for {sorted(missing)}"
+
+
+@pytest.mark.parametrize("spec", LIVE, ids=[s.key for s in LIVE])
 def test_hook_applied_and_target_exists(plugin, spec):
     """The target resolves, HookRegistry patched it, and the live symbol is our wrapper."""
     from sglang.srt.plugins.hook_registry import HookRegistry
@@ -27,41 +51,52 @@ def test_hook_applied_and_target_exists(plugin, spec):
     assert resolve_hook(spec) is not None
 
 
-def test_missing_target_is_reported(plugin):
-    """A ledger entry whose target vanished (as after an SGLang upgrade) is named by check_targets."""
+def test_missing_target_is_reported(plugin, monkeypatch):
+    """A ledger entry whose target has no facts, or vanished (as after an SGLang upgrade), is named by
+    check_targets; entries for another release are not checked against this one."""
+    from kimi_sglang_plugin.host_facts import fn
     from kimi_sglang_plugin.hooks import check_targets
 
-    gone = dataclasses.replace(HOOKS[0], name="gone", target="sglang.srt.configs.model_config.no_such_gate")
-    old = dataclasses.replace(HOOKS[0], name="old", versions=("0.5.22",))
-    problems = check_targets("0.5.23", (HOOKS[0], gone, old))
-    assert len(problems) == 2
-    assert "no_such_gate" in problems[0] and "0.5.22" in problems[1]
-    assert check_targets("0.5.23") == []
+    release = plugin.running_sglang()
+    unrecorded = dataclasses.replace(LIVE[0], name="unrecorded", target="sglang.srt.configs.model_config.no_such_gate")
+    gone_target = "sglang.srt.configs.model_config.gone_gate"
+    monkeypatch.setitem(FACTS, gone_target, {release: fn("srt/configs/model_config.py:1", "config")})
+    gone = dataclasses.replace(LIVE[0], name="gone", target=gone_target)
+    other = dataclasses.replace(LIVE[0], name="other", versions=("0.5.22",))
+    problems = check_targets(release, (LIVE[0], unrecorded, gone, other))
+    assert len(problems) == 2, problems
+    assert "no_such_gate has no recorded facts" in problems[0]
+    assert "gone_gate: missing" in problems[1] and "model_config.py:1" in problems[1]
+    assert check_targets(release) == []
+
+
+#: a base model without its own get_hidden_dim (as K3's), so SGLang's config-driven dims are used
+_NO_DIMS = SimpleNamespace()
 
 
 def test_fix1_num_shared_experts(plugin):
     """K3 configs expose n_shared_experts, so shared-expert LoRA buffers get moe_inter * num_shared."""
     from sglang.srt.configs.kimi_linear import KimiLinearConfig
-    from sglang.srt.lora.utils import get_default_hidden_dim
+    from sglang.srt.lora.utils import get_hidden_dim
 
     cfg = KimiLinearConfig(hidden_size=256, num_attention_heads=2, intermediate_size=512, moe_intermediate_size=64,
                            num_shared_experts=2, first_k_dense_replace=1, moe_layer_freq=1, num_experts=16)
     assert cfg.n_shared_experts == 2
-    assert get_default_hidden_dim("gate_up_proj", cfg, 1) == (256, 2 * 64 * 2)
-    assert get_default_hidden_dim("down_proj", cfg, 1) == (64 * 2, 256)
+    assert get_hidden_dim("gate_up_proj", cfg, _NO_DIMS, 1) == (256, 2 * 64 * 2)
+    assert get_hidden_dim("down_proj", cfg, _NO_DIMS, 1) == (64 * 2, 256)
 
 
 def test_fix3_latent_expert_width(plugin):
     """Routed-expert LoRA buffers use routed_expert_hidden_size; models without it are unchanged."""
     from sglang.srt.configs.kimi_linear import KimiLinearConfig
-    from sglang.srt.lora.utils import get_default_hidden_dim
+    from sglang.srt.lora.utils import get_hidden_dim
 
     cfg = KimiLinearConfig(hidden_size=256, num_attention_heads=2, moe_intermediate_size=64,
                            routed_expert_hidden_size=128, num_experts=16)
-    assert get_default_hidden_dim("gate_up_proj_moe", cfg, 1) == (128, 128)
-    assert get_default_hidden_dim("down_proj_moe", cfg, 1) == (64, 128)
+    assert get_hidden_dim("gate_up_proj_moe", cfg, _NO_DIMS, 1) == (128, 128)
+    assert get_hidden_dim("down_proj_moe", cfg, _NO_DIMS, 1) == (64, 128)
     cfg.routed_expert_hidden_size = None
-    assert get_default_hidden_dim("gate_up_proj_moe", cfg, 1) == (256, 128)
+    assert get_hidden_dim("gate_up_proj_moe", cfg, _NO_DIMS, 1) == (256, 128)
 
 
 def test_fix2_output_gate_through_lora_wrapper(plugin):
@@ -89,6 +124,28 @@ def test_fix2_output_gate_through_lora_wrapper(plugin):
     assert torch.equal(seen[1], x)
 
 
+def test_fix2_precomputed_gate_0517(monkeypatch):
+    """The 0.5.17 variant gates with the alt-stream gate when one was issued (joining its stream first),
+    else with g_proj(h); the stash and the slot are consumed once."""
+    from kimi_sglang_plugin.hooks.lora_fixes import precomputed_output_gate_transform
+
+    g = torch.nn.Linear(8, 6, bias=False)
+    joined = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(wait_stream=joined.append))
+    attn = SimpleNamespace(_gate_hidden_states=None, _gate_precomputed=None, g_proj=lambda h: (g(h), None))
+    t = precomputed_output_gate_transform(attn)
+    h, x = torch.randn(3, 8), torch.randn(3, 6)
+    attn._gate_hidden_states = h
+    assert_close("gate from g_proj", x * torch.sigmoid(g(h)), t(x), 1e-6)
+    assert torch.equal(t(x), x) and joined == []  # stash consumed
+    pre = torch.randn(3, 6)
+    attn._gate_hidden_states, attn._gate_precomputed = h, (pre, "alt")
+    assert_close("gate from alt stream", x * torch.sigmoid(pre), t(x), 1e-6)
+    assert joined == ["alt"] and attn._gate_precomputed is None
+
+
+@pytest.mark.skipif("37704_4_params_dtype_through_wrapper" not in {s.name for s in LIVE},
+                    reason="the bug is absent in this SGLang release (ledger absent_in)")
 def test_fix4_params_dtype_mirrored(plugin):
     """BaseLayerWithLoRA exposes its base layer's params_dtype."""
     from sglang.srt.lora.layers import BaseLayerWithLoRA
@@ -98,6 +155,8 @@ def test_fix4_params_dtype_mirrored(plugin):
     assert BaseLayerWithLoRA(base, lora_backend=None).params_dtype is torch.bfloat16
 
 
+@pytest.mark.skipif("37704_5_f_b_proj_registered_twice" not in {s.name for s in LIVE},
+                    reason="the bug is absent in this SGLang release (ledger absent_in)")
 def test_fix5_f_b_proj_keeps_its_name(plugin):
     """After _merge_bfa_weights (run twice, as on an RL reload) f_b_proj.weight is still a named parameter."""
     from sglang.srt.models.kimi_k3 import KimiK3DeltaAttention

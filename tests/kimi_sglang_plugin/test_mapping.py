@@ -3,7 +3,8 @@
 The model is really constructed: ``KimiK31ForConditionalGeneration`` under a CPU/gloo world of 1
 (SGLang's ``init_distributed_environment`` + ``initialize_model_parallel``), ServerArgs published,
 ModelConfig and class resolved through SGLang's own loader path, parameters on the meta device.
-Two test-only shims, both for CPU-only facts of stock SGLang 0.5.23, not of the plugin:
+Written for 0.5.23 (the CPU lane); the two spots where 0.5.17's runtime context differs are marked.
+Two test-only shims, both for CPU-only facts of stock SGLang, not of the plugin:
 ``KimiK3LinearModel.__init__`` creates ``torch.cuda.Stream()`` unconditionally (no driver here),
 and the CPU rotary factory accepts only ``deepseek_yarn`` scaling (K3 has none; the plugin
 replaces the indexer's rotary with ``NoRope`` anyway). Built unquantized (``Mxfp4Config`` needs
@@ -31,7 +32,8 @@ def k31_model(plugin, tiny_ckpt):
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.model_loader.utils import get_model_architecture
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    import sglang.srt.runtime_context as rc
+    from sglang.srt.runtime_context import get_parallel, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
     import sglang.srt.layers.attention.dsa.dsa_indexer as dsa_indexer
@@ -47,8 +49,11 @@ def k31_model(plugin, tiny_ckpt):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
     sa = ServerArgs(model_path=ckpt, device="cpu", tp_size=1, disable_radix_cache=True)
     reset_context()
-    publish(sa, role="test", ranks=SpawnRanks(world_rank=0))
-    get_parallel().override_permanently(world_group=parallel_state._WORLD)
+    # 0.5.23 publishes the spawn ranks too; 0.5.17's publish takes the role only
+    publish(sa, role="test", **({"ranks": rc.SpawnRanks(world_rank=0)} if hasattr(rc, "SpawnRanks") else {}))
+    override = getattr(get_parallel(), "override_permanently", None)  # 0.5.17 reads parallel_state's world group
+    if override is not None:
+        override(world_group=parallel_state._WORLD)
     if not parallel_state.model_parallel_is_initialized():
         initialize_model_parallel(backend="gloo")
     mc = ModelConfig.from_server_args(sa)
@@ -92,3 +97,22 @@ def test_checkpoint_names_map_onto_parameters(plugin, k31_model, tiny_ckpt, k31_
     assert not unfed, f"SGLang parameters no checkpoint tensor loads: {unfed[:8]}"
     indexer = [n for n in names if ".indexer." in n]
     assert len(indexer) == 2 * 5 and all(n in params for n in indexer)
+
+
+def test_lora_target_modules_are_accepted_flag_values(plugin):
+    """Every ``--lora-target-modules`` value we emit is one SGLang's flag accepts, and SGLang normalizes it to
+    the LoRA module the HF leaf lives in (experts: gate_up_proj + down_proj, which FusedMoEWithLoRA needs)."""
+    from sglang.srt.lora.utils import get_normalized_target_modules
+    from sglang.srt.utils.common import SUPPORTED_LORA_TARGET_MODULES
+
+    from kimi_sglang_plugin.mapping import LORA_MODULES, lora_target_modules
+
+    for leaf, module in LORA_MODULES.items():
+        names = lora_target_modules([leaf])
+        assert set(names) <= set(SUPPORTED_LORA_TARGET_MODULES), f"{leaf}: {names} not accepted by the flag"
+        normalized = get_normalized_target_modules(names)
+        want = {"gate_up_proj", "down_proj"} if module.endswith("_moe") else {module}
+        assert normalized == want, f"{leaf}: SGLang normalizes {names} to {normalized}, expected {want}"
+    assert lora_target_modules(["q_a_proj", "w2"]) == ["down_proj", "gate_up_proj", "q_a_proj"]
+    with pytest.raises(KeyError, match="no SGLang --lora-target-modules name"):
+        lora_target_modules(["f_a_proj"])

@@ -37,15 +37,59 @@ def test_stage2_binding_is_scoped(plugin):
     assert stock.__dict__.get("silu_and_mul") is before
 
 
-def test_runner_core_registered_for_marlin(plugin):
-    """MoeRunner's marlin backend builds our core; SiLU configs delegate to the stock core."""
-    from sglang.srt.layers.moe.moe_runner import runner
-    from sglang.srt.lora.lora_moe_runner_marlin import MarlinLoraRunnerCore
+def test_situ_stage_hook(plugin):
+    """SiLU layers reach the stock core unchanged; a SiTU layer reaches it presented as SiLU with its
+    activation stage computing SiTU during the call only; a SiTU layer without its betas is named."""
+    import sglang.srt.lora.lora_moe_runner_marlin as stock
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
 
-    factory = runner._CUSTOM_RUNNER_CORE_FACTORIES["marlin"]
-    core = factory(config=None) if False else factory(None)
-    assert type(core).__name__ == "KimiMarlinLoraRunnerCore"
-    assert isinstance(core._stock, MarlinLoraRunnerCore)
+    before = stock.__dict__.get("silu_and_mul")  # absent on the CPU (imported only with CUDA)
+    seen = []
+
+    def original(core, dispatch_output, quant_info, runner_config, hooks=None):
+        x, out = torch.randn(3, 8), torch.empty(3, 4)
+        stage = stock.__dict__.get("silu_and_mul")
+        if stage is not before:  # bound for this call: run it as the stock core would
+            stage(x, out)
+        seen.append((runner_config, hooks, x, out))
+        return "combined"
+
+    silu = MoeRunnerConfig(activation="silu")
+    assert moe_lora.marlin_lora_run_from_dispatch(original, None, "d", "q", silu, hooks="h") == "combined"
+    assert seen[-1][0] is silu and seen[-1][1] == "h"
+    situ = MoeRunnerConfig(activation="situ", gemm1_alpha=4.0, gemm1_clamp_limit=25.0, gate_up_interleaved=False)
+    moe_lora.marlin_lora_run_from_dispatch(original, None, "d", "q", situ, hooks="h")
+    rc, _, x, out = seen[-1]
+    assert rc.activation == "silu" and rc.gemm1_alpha == 4.0 and situ.activation == "situ"
+    assert_close("SiTU stage", situ_glu(x[:, :4], x[:, 4:], 4.0, 25.0), out, 1e-6)
+    assert stock.__dict__.get("silu_and_mul") is before
+    with pytest.raises(ValueError, match="activation_situ_beta"):
+        moe_lora.marlin_lora_run_from_dispatch(original, None, "d", "q", MoeRunnerConfig(activation="situ"))
+
+
+def test_cuda_graph_buffers_see_marlin_shapes():
+    """0.5.17's buffer setup gets w13_weight [E, 2I, K] / w2_weight [E, K, I] from the layer's own sizes when
+    the quant info is Marlin's; other quant infos pass through; other attributes stay the layer's."""
+    from types import SimpleNamespace
+
+    base = SimpleNamespace(num_local_experts=16, intermediate_size_per_partition=128, hidden_size=256,
+                           top_k=4, num_experts=16)
+    marlin = SimpleNamespace(base_layer=base, _quant_info=SimpleNamespace(w13_qweight=torch.empty(16, 16, 64)),
+                             marker=7)
+    got = []
+
+    def original(backend, max_bs, max_loras, dtype, layer, *a, **k):
+        got.append(layer)
+
+    moe_lora.init_cuda_graph_moe_buffers(original, None, 8, 2, torch.bfloat16, marlin)
+    view = got[-1]
+    assert tuple(view._quant_info.w13_weight.shape) == (16, 256, 256)
+    assert tuple(view._quant_info.w2_weight.shape) == (16, 256, 128)
+    assert view._quant_info.w13_weight.device == torch.device("cpu")
+    assert view.base_layer is base and view.marker == 7
+    triton = SimpleNamespace(base_layer=base, _quant_info=SimpleNamespace(w13_weight=torch.empty(1)))
+    moe_lora.init_cuda_graph_moe_buffers(original, None, 8, 2, torch.bfloat16, triton)
+    assert got[-1] is triton
 
 
 def test_quant_info_adapter(plugin, monkeypatch):
@@ -59,7 +103,10 @@ def test_quant_info_adapter(plugin, monkeypatch):
     monkeypatch.setattr(mm, "build_marlin_moe_quant_info", lambda layer: ("info", layer))
     assert ad.get_marlin_quant_info("L") == ("info", "L")
     inner.hidden_pad = 64
-    with pytest.raises(ValueError, match="padded by 64"):
+    with pytest.raises(ValueError, match="hidden width is padded by 64.*multiple of 256"):
+        ad.get_marlin_quant_info("L")
+    inner.hidden_pad, inner.intermediate_pad = 0, 64
+    with pytest.raises(ValueError, match="intermediate width is padded by 64.*multiple of 128"):
         ad.get_marlin_quant_info("L")
 
 

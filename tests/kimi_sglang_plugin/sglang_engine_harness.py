@@ -1,0 +1,156 @@
+"""What the SGLang GPU engine tests share: the tiny K3 checkpoint SGLang's Marlin MXFP4 path can load,
+one engine run in a subprocess (``sglang_engine_script.py``), its prompt logprobs and its log, and the
+reference logprobs they are compared with.
+
+The pure helpers (sizes check, checkpoint writer, logprob and log parsing) are tested on the CPU in
+``test_engine_gpu.py``; :func:`run_engine` needs SGLang 0.5.17 on a GPU (``shared/gpu/stage_sglang.sh``).
+
+Why a subprocess per engine: ``SGLANG_PLUGINS`` is read once per process (``load_plugins`` is
+idempotent), the engine spawns its scheduler with the parent's environment, and the log that says
+what ran is the subprocess's stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+HERE = os.path.dirname(__file__)
+
+#: token ids scored by every engine test (vocab 1024 in the tiny checkpoints)
+PROMPTS = [[5, 17, 99, 3, 250, 511, 42, 7, 900, 13, 64, 128], [1, 2, 3, 4, 1000, 77, 31]]
+
+#: Mxfp4MoEMethod.create_weights under --moe-runner-backend marlin (0.5.17 layers/quantization/mxfp4.py:395-399,
+#: 0.5.23 :464-468) pads the experts' hidden width to a multiple of 256 and the per-rank intermediate
+#: width to a multiple of 128, and FusedMoE._load_w13/_load_w2 pad only the TP-sharded dim
+MARLIN_HIDDEN_ALIGN = 256
+MARLIN_INTERMEDIATE_ALIGN = 128
+
+#: tiny K3 sizes that meet both (and keep the latent width apart from hidden_size)
+SGLANG_TINY_K3_SIZES = {"hidden_size": 512, "routed_expert_hidden_size": 256, "moe_intermediate_size": 128}
+
+#: the engine flags of every run: only kernels the staged 0.5.17 has (no FA3, no sm100), the K3 H200 MoE runner
+ENGINE_KWARGS = dict(attention_backend="triton", mm_attention_backend="triton_attn", moe_runner_backend="marlin",
+                     sampling_backend="pytorch", grammar_backend="none", disable_cuda_graph=True,
+                     enable_multimodal=False, skip_tokenizer_init=True, disable_radix_cache=True,
+                     dtype="bfloat16", tp_size=1, context_length=512, max_running_requests=8,
+                     mem_fraction_static=0.3, random_seed=0, log_level="info")
+
+#: bar of every engine comparison: error vs the fp32 reference at most this times the bf16 reference's
+BF16_RATIO = 1.5
+
+
+def marlin_size_problems(text_config: dict, moe_tp: int = 1) -> list[str]:
+    """Why SGLang's Marlin MXFP4 MoE cannot serve a K3 ``text_config`` (empty: it can).
+
+    * experts' hidden (``routed_expert_hidden_size``, else ``hidden_size``) not a multiple of 256: the
+      buffers are padded on a dim the per-expert loader does not pad, so loading fails ("The size of
+      tensor a (128) must match the size of tensor b (64) at non-singleton dimension 1");
+    * ``moe_intermediate_size / moe_tp`` not a multiple of 128: it loads, but the Marlin LoRA core then
+      runs on the padded width and the LoRA buffers (unpadded) no longer line up.
+    """
+    out = []
+    k = text_config.get("routed_expert_hidden_size") or text_config["hidden_size"]
+    if k % MARLIN_HIDDEN_ALIGN:
+        out.append(f"routed_expert_hidden_size {k} is not a multiple of {MARLIN_HIDDEN_ALIGN} "
+                   "(Marlin pads the experts' hidden width; the per-expert loader cannot)")
+    inter = text_config["moe_intermediate_size"] // moe_tp
+    if inter % MARLIN_INTERMEDIATE_ALIGN:
+        out.append(f"moe_intermediate_size/moe_tp {inter} is not a multiple of {MARLIN_INTERMEDIATE_ALIGN} "
+                   "(padded for Marlin; MoE LoRA buffers are not)")
+    return out
+
+
+def write_tiny_k3(out_dir: str) -> tuple[str, list[str]]:
+    """A tiny MXFP4 K3 checkpoint SGLang's Marlin path loads: ``kimi-rl make-tiny --model k3`` when its
+    sizes allow it, else the same generator at :data:`SGLANG_TINY_K3_SIZES`. Returns (path, the
+    problems of make-tiny's sizes, empty when make-tiny's checkpoint was used)."""
+    from kimi_core.checkpoint.tiny import make_tiny, tiny_config, tiny_state_dict
+    from kimi_core.checkpoint.writer import write_checkpoint
+
+    cfg = tiny_config("k3")
+    problems = marlin_size_problems(cfg["text_config"])
+    if not problems:
+        return make_tiny("k3", out_dir), []
+    cfg["text_config"].update(SGLANG_TINY_K3_SIZES)
+    write_checkpoint(out_dir, tiny_state_dict(cfg, "mxfp4"), cfg, max_shard_bytes=2 * 2**20)
+    return out_dir, problems
+
+
+def prompt_logprobs(meta_info: dict, ids: list[int]) -> list[float]:
+    """``log p(ids[t] | ids[:t])`` for t = 1..T-1 from SGLang's ``meta_info["input_token_logprobs"]``
+    (``(logprob, token id, text)`` per prompt token, logprob ``None`` for the first), requested with
+    ``return_logprob=True, logprob_start_len=0``. Raises ``ValueError`` naming what does not match."""
+    rows = meta_info.get("input_token_logprobs")
+    if rows is None:
+        raise ValueError("meta_info has no input_token_logprobs: generate(..., return_logprob=True, logprob_start_len=0)")
+    if len(rows) != len(ids):
+        raise ValueError(f"input_token_logprobs has {len(rows)} rows for a {len(ids)}-token prompt "
+                         "(logprob_start_len must be 0)")
+    got_ids = [int(r[1]) for r in rows]
+    if got_ids != list(ids):
+        raise ValueError(f"input_token_logprobs token ids {got_ids} are not the prompt {list(ids)}")
+    if rows[0][0] is not None:
+        raise ValueError(f"first prompt token has logprob {rows[0][0]}, expected None")
+    return [float(r[0]) for r in rows[1:]]
+
+
+_SERVER_ARG = re.compile(r"\b(attention_backend|moe_runner_backend|dtype|quantization)=('([^']*)'|None)")
+_LOADED = re.compile(r"Load weight end\..*?type=(\w+)(?:, (quant=[^,]+))?")
+
+
+def parse_engine_log(log: str) -> dict:
+    """What an SGLang 0.5.17 engine log says ran: the resolved ``server_args`` (the engine logs
+    ``server_args=ServerArgs(...)`` at start), the model class and quantization of "Load weight end",
+    and whether the Kimi plugin registered or refused (its own log lines)."""
+    out: dict = {"attention_backend": None, "moe_runner_backend": None, "dtype": None, "quantization": None,
+                 "model_class": None, "quant": None, "plugin_registered": False, "plugin_refused": None,
+                 "situ_moe_lora": False}
+    line = next((ln for ln in log.splitlines() if "server_args=ServerArgs(" in ln), "")
+    for key, _, value in _SERVER_ARG.findall(line):
+        out.setdefault(key, None)
+        if out[key] is None:
+            out[key] = value or None
+    m = _LOADED.search(log)
+    if m:
+        out["model_class"], out["quant"] = m.group(1), m.group(2)
+    out["plugin_registered"] = bool(re.search(r"kimi_sglang_plugin: SGLang [\d.]+, registered", log))
+    refused = re.search(r"kimi_sglang_plugin: (SGLang [^\n]*(?:not a release|differs)[^\n]*)", log)
+    out["plugin_refused"] = refused.group(1) if refused else None
+    out["situ_moe_lora"] = "MarlinLoraRunnerCore runs SiTU" in log
+    return out
+
+
+def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, timeout: int = 600) -> dict:
+    """One offline ``sgl.Engine`` on ``ckpt`` with ``SGLANG_PLUGINS=plugins`` (``"none"``: stock SGLang),
+    scoring :data:`PROMPTS`; returns the script's JSON plus ``log`` (its stdout and stderr)."""
+    plan = {"ckpt": ckpt, "prompts": PROMPTS, "engine_kwargs": {**ENGINE_KWARGS, **(engine_kwargs or {})}}
+    pp, out = tmp / "plan.json", tmp / "result.json"
+    pp.write_text(json.dumps(plan))
+    env = dict(os.environ, SGLANG_PLUGINS=plugins)
+    r = subprocess.run([sys.executable, os.path.join(HERE, "sglang_engine_script.py"), str(pp), str(out)],
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0 and out.exists(), f"engine (SGLANG_PLUGINS={plugins}) failed:\n{log[-8000:]}"
+    res = json.loads(out.read_text())
+    res["log"] = log
+    print(f"[SGLANG_PLUGINS={plugins}] engine start {res['start_s']:.1f}s, generate {res['generate_s']:.1f}s")
+    return res
+
+
+def reference_logprobs(ckpt: str, dtype, device: str) -> list[list[float]]:
+    """``kimi_core.reference`` prompt logprobs of :data:`PROMPTS` (one row per prompt, T-1 values)."""
+    import torch
+
+    from kimi_core.reference import load_reference_model
+
+    model = load_reference_model(ckpt, dtype=dtype, device=device)
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = torch.tensor([p])
+            out.append(model.logprobs(ids[:, :-1], ids[:, 1:])[0].float().cpu().tolist())
+    return out

@@ -1,0 +1,201 @@
+"""Tiny K3 (MXFP4 experts, SiTU, latent MoE, attention residuals, KDA + gated MLA) on a real SGLang 0.5.17
+engine on the GPU, stock and through the plugin, against ``kimi_core.reference``.
+
+SGLang's in-tree K3 was written against the real release, so the stock run is the first independent
+check of the K3-only pieces of the reference and of ``make-tiny``. The bar is relative and measured
+in the same run: the engine's prompt-logprob error vs the fp32 reference is at most
+:data:`~sglang_engine_harness.BF16_RATIO` times the error of the reference itself run in bf16 on the
+same tokens (and the plugin's at most that times stock SGLang's). Each engine (stock, plugin) starts
+once per module, in a subprocess; the tests read what it recorded, and its log says which attention
+backend and MoE runner ran.
+
+Run on the H200 after ``shared/gpu/stage_sglang.sh``'s unstage step:
+``python3 -m pytest -q -m gpu tests/kimi_sglang_plugin/test_engine_gpu.py``. The helpers are checked
+on the CPU by the tests below without the ``gpu`` mark.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_engine_harness import (
+    BF16_RATIO, PROMPTS, SGLANG_TINY_K3_SIZES, marlin_size_problems, parse_engine_log, prompt_logprobs,
+    reference_logprobs, run_engine, write_tiny_k3,
+)
+from utils import rel_rms_error
+
+GPU_RELEASE = "0.5.17"
+
+
+def _gpu_skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    from kimi_sglang_plugin.registration import sglang_version
+
+    if sglang_version() != GPU_RELEASE:
+        return f"needs SGLang {GPU_RELEASE} (found {sglang_version() or 'none'}; shared/gpu/stage_sglang.sh)"
+    return None
+
+
+def gpu_test(fn):
+    """``-m gpu`` only, and skipped (with the reason) without CUDA or SGLang 0.5.17."""
+    reason = _gpu_skip_reason()
+    return pytest.mark.gpu(pytest.mark.skipif(reason is not None, reason=reason or "")(fn))
+
+
+def _flat(rows) -> torch.Tensor:
+    return torch.tensor([v for r in rows for v in r], dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path, problems = write_tiny_k3(str(tmp_path_factory.mktemp("tiny_k3_sglang")))
+    if problems:
+        print(f"make-tiny --model k3 sizes do not fit SGLang's Marlin MXFP4 path ({'; '.join(problems)}); "
+              f"using {SGLANG_TINY_K3_SIZES}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    """fp32 and bf16 reference prompt logprobs, and the bf16 reference's error (the bar's unit)."""
+    fp32 = reference_logprobs(ckpt, torch.float32, "cuda")
+    bf16 = reference_logprobs(ckpt, torch.bfloat16, "cuda")
+    err = rel_rms_error(_flat(fp32), _flat(bf16))
+    print(f"reference bf16 vs fp32: rel_rms={err:.3e}")
+    return {"fp32": fp32, "bf16": bf16, "bf16_err": err}
+
+
+@pytest.fixture(scope="module")
+def stock(ckpt, tmp_path_factory):
+    return run_engine(tmp_path_factory.mktemp("stock"), ckpt, plugins="none")
+
+
+@pytest.fixture(scope="module")
+def through_plugin(ckpt, tmp_path_factory):
+    return run_engine(tmp_path_factory.mktemp("plugin"), ckpt, plugins="kimi")
+
+
+def _engine_err(res, reference, what) -> float:
+    assert [len(r) for r in res["lps"]] == [len(p) - 1 for p in PROMPTS], f"{what}: logprob rows"
+    err = rel_rms_error(_flat(reference["fp32"]), _flat(res["lps"]))
+    max_abs = (_flat(res["lps"]) - _flat(reference["fp32"])).abs().max().item()
+    print(f"{what} vs fp32 reference: rel_rms={err:.3e} max_abs={max_abs:.3e} "
+          f"(bf16 reference {reference['bf16_err']:.3e}, bar {BF16_RATIO}x)")
+    return err
+
+
+# ------------------------------------------------------------------------------------------ GPU
+@gpu_test
+def test_stock_k3_matches_reference(stock, reference):
+    """Stock SGLang 0.5.17's in-tree K3 loads the tiny K3 checkpoint and its prompt logprobs are within
+    1.5x the bf16 reference's error of the fp32 reference."""
+    err = _engine_err(stock, reference, "stock SGLang")
+    assert err <= BF16_RATIO * reference["bf16_err"], f"stock SGLang error {err:.3e} > {BF16_RATIO} x {reference['bf16_err']:.3e}"
+
+
+@gpu_test
+def test_stock_log_names_backends(stock):
+    """SGLang's log of the stock run: triton attention, the Marlin MoE runner, SGLang's own K3 class on the
+    compressed-tensors checkpoint, and no Kimi plugin."""
+    seen = parse_engine_log(stock["log"])
+    print(seen, stock["server_info"])
+    assert seen["attention_backend"] == "triton" and seen["moe_runner_backend"] == "marlin", seen
+    assert seen["model_class"] == "KimiK3ForConditionalGeneration" and seen["quant"] == "quant=compressed-tensors", seen
+    # SGLang itself lists the installed entry point ("kimi -> kimi_sglang_plugin:register"); the plugin's
+    # own lines all start "kimi_sglang_plugin: "
+    assert not seen["plugin_registered"] and "kimi_sglang_plugin: " not in stock["log"]
+
+
+@gpu_test
+def test_plugin_k3_matches_reference(through_plugin, stock, reference):
+    """Through the plugin (SGLANG_PLUGINS=kimi) the same checkpoint is within 1.5x the bf16 reference's
+    error and within 1.5x stock SGLang's."""
+    err = _engine_err(through_plugin, reference, "plugin")
+    stock_err = rel_rms_error(_flat(reference["fp32"]), _flat(stock["lps"]))
+    assert err <= BF16_RATIO * reference["bf16_err"], f"plugin error {err:.3e} > {BF16_RATIO} x bf16 reference"
+    assert err <= BF16_RATIO * stock_err, f"plugin error {err:.3e} > {BF16_RATIO} x stock SGLang {stock_err:.3e}"
+
+
+@gpu_test
+def test_plugin_log_names_backends(through_plugin):
+    """SGLang's log of the plugin run: the plugin registered on 0.5.17 (not refused), triton attention, Marlin
+    MoE runner, the K3 class."""
+    seen = parse_engine_log(through_plugin["log"])
+    print(seen, through_plugin["server_info"])
+    assert seen["plugin_registered"] and seen["plugin_refused"] is None, seen
+    assert seen["attention_backend"] == "triton" and seen["moe_runner_backend"] == "marlin", seen
+    assert seen["model_class"] == "KimiK3ForConditionalGeneration", seen
+
+
+# ------------------------------------------------------------------------------------------ CPU
+def test_make_tiny_sizes_are_checked():
+    """make-tiny's K3 (latent 128, moe_intermediate 64) is named as unloadable by SGLang's Marlin MXFP4 path;
+    the proposed sizes pass; real K3 (3584 / 3072, moe-TP 8) passes, moe-TP 16 only fails the LoRA rule."""
+    from kimi_core.checkpoint.tiny import tiny_config
+    from kimi_core.release_configs import k3_release_config
+
+    text = tiny_config("k3")["text_config"]
+    if (text["routed_expert_hidden_size"], text["moe_intermediate_size"]) == (128, 64):
+        problems = marlin_size_problems(text)
+        assert len(problems) == 2 and "routed_expert_hidden_size 128" in problems[0], problems
+    assert marlin_size_problems({**text, **SGLANG_TINY_K3_SIZES}) == []
+    real = k3_release_config()["text_config"]
+    assert marlin_size_problems(real, moe_tp=8) == []
+    assert [p.split()[0] for p in marlin_size_problems(real, moe_tp=16)] == ["moe_intermediate_size/moe_tp"]
+
+
+def test_written_checkpoint_is_the_release_layout(tmp_path):
+    """The engine tests' checkpoint keeps the release's MXFP4 expert names and layout ([out, in/2] packed,
+    [out, in/32] E8M0) at sizes that fit Marlin, and the reference runs on it."""
+    from kimi_core.checkpoint import CheckpointReader
+    from kimi_core.config import load_config
+
+    path, _ = write_tiny_k3(str(tmp_path / "k3"))
+    cfg = load_config(path)
+    assert marlin_size_problems({"hidden_size": cfg.hidden_size, "routed_expert_hidden_size": cfg.routed_expert_hidden_size,
+                                 "moe_intermediate_size": cfg.moe_intermediate_size}) == []
+    r = CheckpointReader(path)
+    names = set(r.keys())
+    K, I = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    e0 = next(n for n in names if n.endswith(".experts.0.w1.weight_packed")).rsplit(".w1.", 1)[0]
+    for w, (o, i) in {"w1": (I, K), "w3": (I, K), "w2": (K, I)}.items():
+        packed, scale = r.get(f"{e0}.{w}.weight_packed"), r.get(f"{e0}.{w}.weight_scale")
+        assert packed.dtype == scale.dtype == torch.uint8
+        assert tuple(packed.shape) == (o, i // 2) and tuple(scale.shape) == (o, i // 32), (w, packed.shape, scale.shape)
+    lps = reference_logprobs(path, torch.float32, "cpu")
+    assert [len(x) for x in lps] == [len(p) - 1 for p in PROMPTS] and torch.isfinite(_flat(lps)).all()
+
+
+def test_prompt_logprobs_from_meta_info():
+    """SGLang's input_token_logprobs rows become T-1 floats; a wrong start, length or token is named."""
+    ids = [5, 17, 99]
+    meta = {"input_token_logprobs": [(None, 5, None), (-1.5, 17, None), (-0.25, 99, None)]}
+    assert prompt_logprobs(meta, ids) == [-1.5, -0.25]
+    with pytest.raises(ValueError, match="logprob_start_len"):
+        prompt_logprobs({"input_token_logprobs": meta["input_token_logprobs"][1:]}, ids)
+    with pytest.raises(ValueError, match="not the prompt"):
+        prompt_logprobs({"input_token_logprobs": [(None, 5, None), (-1.5, 18, None), (-0.25, 99, None)]}, ids)
+    with pytest.raises(ValueError, match="return_logprob"):
+        prompt_logprobs({}, ids)
+
+
+def test_engine_log_parsing():
+    """The log reader finds the resolved backends, the loaded class and the plugin's own lines; prefixed
+    fields (prefill_attention_backend, kv_cache_dtype) do not shadow the ones asked for."""
+    log = "\n".join([
+        "2026-12-01 INFO kimi_sglang_plugin.registration kimi_sglang_plugin: SGLang 0.5.17, registered "
+        "['KimiK31ForConditionalGeneration'], 12 hooks applied",
+        "[2026-12-01] server_args=ServerArgs(model_path='/t/k3', prefill_attention_backend=None, kv_cache_dtype='auto', "
+        "dtype='bfloat16', quantization=None, attention_backend='triton', moe_runner_backend='marlin')",
+        "[2026-12-01 TP0] Load weight end. elapsed=1.02 s, type=KimiK3ForConditionalGeneration, "
+        "quant=compressed-tensors, avail mem=130.00 GB, mem usage=0.01 GB.",
+        "[2026-12-01 TP0] kimi_sglang_plugin: MarlinLoraRunnerCore runs SiTU (beta=4.0, linear_beta=25.0) for MoE LoRA",
+    ])
+    seen = parse_engine_log(log)
+    assert (seen["attention_backend"], seen["moe_runner_backend"], seen["dtype"]) == ("triton", "marlin", "bfloat16")
+    assert seen["quantization"] is None and seen["model_class"] == "KimiK3ForConditionalGeneration"
+    assert seen["quant"] == "quant=compressed-tensors" and seen["plugin_registered"] and seen["situ_moe_lora"]
+    refused = parse_engine_log("ERROR kimi_sglang_plugin: SGLang 0.5.20 is not a release its hooks were checked against")
+    assert refused["plugin_refused"].startswith("SGLang 0.5.20") and not refused["plugin_registered"]
