@@ -9,7 +9,17 @@ __all__ = ["register"]
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point; see :func:`kimi_vllm_plugin.registration.register`."""
-    from kimi_vllm_plugin.registration import register as _register
+    """``vllm.general_plugins`` entry point; see :func:`kimi_vllm_plugin.registration.register`.
 
+    vLLM calls this unguarded in every process, so even a broken install (the registration module not
+    importing) is logged here and never raised into vLLM's plugin loader.
+    """
+    try:
+        from kimi_vllm_plugin.registration import register as _register
+    except Exception:  # noqa: BLE001 - an exception here would stop vLLM for every model on the host
+        import logging
+
+        logging.getLogger(__name__).exception("kimi_vllm_plugin: could not import the registration module; "
+                                              "Kimi architectures are not registered")
+        return
     _register()
