@@ -392,10 +392,16 @@ def measure(args, phases: list[str]) -> dict:
 
     from kimi_vllm_plugin.client import KimiLoraClient
 
-    llm = LLM(model=ckpt, skip_tokenizer_init=True, dtype="bfloat16", enable_lora=True, max_loras=2,
-              max_lora_rank=LORA_RANK, max_cpu_loras=4, max_model_len=sizes["max_model_len"],
+    if args.stack_dump_after:
+        # where a slow start spends its time: every N s, every thread's stack (the engine runs in this process)
+        import faulthandler
+
+        stacks = open(args.stack_file or os.path.join(args.workdir, "stacks.txt"), "w")
+        faulthandler.dump_traceback_later(args.stack_dump_after, repeat=True, file=stacks)
+    lora = dict(enable_lora=True, max_loras=2, max_lora_rank=LORA_RANK, max_cpu_loras=4) if not args.no_lora else {}
+    llm = LLM(model=ckpt, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=sizes["max_model_len"],
               max_num_seqs=sizes["max_num_seqs"], gpu_memory_utilization=sizes["gpu_memory_utilization"],
-              enforce_eager=eager, seed=0)
+              enforce_eager=eager, seed=0, **lora)
     start_s = time.perf_counter() - t
     log(f"engine started in {start_s:.1f} s")
     res = {"date": today(), "tiny": args.tiny, "eager": eager, "sizes": sizes, "repeats": args.repeats, "engine_start_s": start_s,
@@ -495,7 +501,15 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="seconds from the start after which no new phase / repeat / hot-load begins")
     ap.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    ap.add_argument("--no-lora", action="store_true",
+                    help="control run: engine without enable_lora (only the 'off' phase is measured)")
+    ap.add_argument("--stack-dump-after", type=float, default=0.0,
+                    help="every N s, dump every thread's stack to --stack-file (engine in this process: "
+                         "VLLM_ENABLE_V1_MULTIPROCESSING=0); finds where a slow engine start waits")
+    ap.add_argument("--stack-file", help="where --stack-dump-after writes (default WORKDIR/stacks.txt)")
     args = ap.parse_args()
+    if args.stack_dump_after:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.from_json:
         with open(args.from_json) as f:
             res = json.load(f)
@@ -503,7 +517,7 @@ def main() -> None:
             res["commit"] = args.commit
         report(res, args)
         return
-    phases = [p for p in args.phases.split(",") if p]
+    phases = ["off"] if args.no_lora else [p for p in args.phases.split(",") if p]
     if bad := [p for p in phases if p not in PHASES]:
         sys.exit(f"--phases {args.phases}: unknown {bad}; expected a comma list of {PHASES}")
     os.environ.setdefault("VLLM_PLUGINS", "kimi")
