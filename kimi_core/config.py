@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from kimi_core.errors import KimiError
 from kimi_core.json_file import read_json_file
 
 __all__ = [
@@ -44,7 +45,7 @@ INT4_FORMAT = "pack-quantized"
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 
 
-class ConfigError(ValueError):
+class ConfigError(KimiError, ValueError):
     """A config field is missing, has the wrong type or is inconsistent with another field."""
 
 

@@ -35,6 +35,8 @@ lets Bridge import. Example::
 
 from __future__ import annotations
 
+from kimi_core.errors import KimiError
+
 ARCHITECTURES = {
     "KimiK3ForConditionalGeneration": "kimi_k3",
     "KimiK31ForConditionalGeneration": "kimi_k31",
@@ -49,7 +51,7 @@ __all__ = ["ARCHITECTURES", "BridgeUnavailableError", "bridge_available", "impor
            "registered_bridges"]
 
 
-class BridgeUnavailableError(ImportError):
+class BridgeUnavailableError(KimiError, ImportError):
     """megatron-bridge is not installed (it needs Python 3.12)."""
 
 

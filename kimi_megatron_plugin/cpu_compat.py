@@ -2,7 +2,8 @@
 
 Applied by :func:`apply_cpu_shims` only when ``torch.cuda.is_available()`` is False; on a GPU it
 does nothing. Each shim names the upstream assumption it works around (megatron-core 0.16.1 and
-0.19.2; see ``shared/reference/megatron.md`` section 3). The related upstream work is
+0.19.2; see ``shared/reference/megatron.md`` section 3); each is a ledger entry in
+:mod:`kimi_megatron_plugin.patches`, checked right before it is applied. The related upstream work is
 NVIDIA/Megatron-LM PR #6270 ("avoid MCore CUDA assumptions in CPU-only model conversion");
 remove a shim when the installed megatron-core no longer makes the assumption.
 
@@ -51,6 +52,10 @@ def apply_no_te_shims() -> bool:
     from megatron.core.transformer import multi_latent_attention as mla
     from megatron.core.transformer.moe import moe_utils
 
+    from kimi_megatron_plugin import patches
+
+    patches.check("mla_have_te")
+    patches.check("router_te_general_gemm")
     changed = False
     if getattr(mla, "HAVE_TE", False) and not isinstance(getattr(mla, "TELinear", None), type):
         mla.HAVE_TE = False
@@ -78,6 +83,9 @@ def apply_cpu_shims() -> bool:
     if torch.cuda.is_available():
         return False
     if not _ACTIVE:
+        from kimi_megatron_plugin import patches
+
+        patches.check("cpu_current_device", target_obj=_ORIGINAL_CURRENT_DEVICE)
         torch.cuda.current_device = _cpu_current_device
         _ACTIVE = True
     return True

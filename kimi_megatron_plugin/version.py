@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from packaging.version import Version
 
+from kimi_core.errors import KimiError
+
 MIN_MCORE = Version("0.16.1")
 MAX_MCORE_EXCLUSIVE = Version("0.20.0")
 
 
-class UnsupportedMegatronError(ImportError):
+class UnsupportedMegatronError(KimiError, ImportError):
     """megatron-core is missing or outside the supported range."""
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -45,7 +46,8 @@ def _check_numerics(a) -> int:
                   seed=a.seed, dtype=a.dtype, out=a.out, batch=a.batch)
     print(rep.table())
     if a.out:
-        print(f"report: {a.out}/report.json, plot: {a.out}/logprob_diff.png")
+        png = os.path.join(a.out, "logprob_diff.png")
+        print(f"report: {a.out}/report.json" + (f", plot: {png}" if os.path.exists(png) else " (no plot: matplotlib missing)"))
     return 3 if any(p.flagged for p in rep.pairs) else 0
 
 
@@ -99,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     n = sub.add_parser("check-numerics", help="train/rollout logprob consistency across reference, trainer, engines")
     n.add_argument("--model", required=True, help="checkpoint directory")
     n.add_argument("--adapter", default=None, help="PEFT adapter directory")
-    n.add_argument("--engines", default="reference,megatron,vllm,sglang",
+    n.add_argument("--engines", default="reference,megatron,vllm",
                    help="comma list; 'name@DIR' runs an engine on another checkpoint")
     n.add_argument("--tokens", type=int, default=32, help="sampled tokens per sequence")
     n.add_argument("--batch", type=int, default=2)

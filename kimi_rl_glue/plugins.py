@@ -15,6 +15,7 @@ from typing import Any
 
 import pluggy
 
+from kimi_core.errors import PluginError as _KimiPluginError
 from kimi_rl_glue.hookspecs import ENTRY_POINT_GROUP, HOSTS, PROJECT, KimiRLSpec, hookimpl
 
 __all__ = ["PluginError", "BuiltinPlugin", "get_plugin_manager", "new_plugin_manager", "collect", "resolve", "models", "losses",
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 _PM: pluggy.PluginManager | None = None
 
 
-class PluginError(RuntimeError):
+class PluginError(_KimiPluginError):
     """A ``kimi_rl.plugins`` entry point failed to load, or two plugins claim the same name."""
 
 

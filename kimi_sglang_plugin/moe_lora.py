@@ -43,6 +43,8 @@ from types import SimpleNamespace
 
 import torch
 
+from kimi_core.reference.ops import situ_glu
+
 __all__ = [
     "SITU_KERNELS", "Mxfp4MarlinQuantInfoAdapter", "check_int4_marlin", "fused_moe_with_lora_init",
     "init_cuda_graph_moe_buffers", "marlin_lora_run_from_dispatch", "situ_and_mul_torch",
@@ -63,12 +65,11 @@ def situ_and_mul_torch(x: torch.Tensor, out: torch.Tensor | None, beta: float, l
     """SiTU-and-mul: ``x = [gate | up]`` ``[M, 2N]`` -> ``[M, N]``,
     ``beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta)`` in fp32, cast to ``x.dtype``.
 
-    Pure-torch twin of SGLang's JIT CUDA ``situ_and_mul`` (:data:`SITU_KERNELS`) and of
-    ``kimi_core.reference.ops.situ_glu``; used where no CUDA device is present.
+    SGLang's kernel signature (:data:`SITU_KERNELS`) over ``kimi_core.reference.ops.situ_glu`` (the one
+    formula); used where no CUDA device is present.
     """
     n = x.shape[-1] // 2
-    g, u = x[..., :n].float(), x[..., n:].float()
-    y = (beta * torch.tanh(g / beta) * torch.sigmoid(g)) * (linear_beta * torch.tanh(u / linear_beta))
+    y = situ_glu(x[..., :n].float(), x[..., n:].float(), beta, linear_beta)  # fp32 inside, as the kernel
     if out is None:
         return y.to(x.dtype)
     out.copy_(y)

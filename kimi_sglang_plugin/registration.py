@@ -24,6 +24,7 @@ import importlib
 import importlib.util
 import logging
 
+from kimi_core.errors import PluginError as _KimiPluginError
 from kimi_sglang_plugin.host_facts import SUPPORTED_SGLANG
 
 __all__ = ["K31_ARCH", "K3_ARCH", "K31_MODEL_TYPE", "SUPPORTED_SGLANG", "PluginError", "check_host",
@@ -47,7 +48,7 @@ _STOCK = ("; to serve SGLang's own models without this plugin set SGLANG_PLUGINS
 _STATE: dict = {"hooks": False, "config": False, "models": False, "version": None, "refused": None}
 
 
-class PluginError(RuntimeError):
+class PluginError(_KimiPluginError):
     """SGLang cannot host the Kimi plugin; the message names the release, what differs and what to install."""
 
 

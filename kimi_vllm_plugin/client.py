@@ -39,12 +39,14 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from kimi_core.errors import KimiError
+
 __all__ = ["AdapterRejected", "LoadedAdapter", "prepare_adapter", "KimiLoraClient", "OfflineBackend", "HttpBackend"]
 
 logger = logging.getLogger(__name__)
 
 
-class AdapterRejected(ValueError):
+class AdapterRejected(KimiError, ValueError):
     """The adapter was refused before or by the engine; the previously loaded version keeps serving."""
 
 

@@ -31,6 +31,8 @@ bases are always checked against the real install.
 
 from __future__ import annotations
 
+from kimi_core.errors import PluginError as _KimiPluginError
+
 import importlib.util
 import os
 import re
@@ -49,7 +51,7 @@ _K2_TEXT = ("vllm.model_executor.models.deepseek_v2", "DeepseekV3ForCausalLM")
 _K3 = ("vllm.models.kimi_k3", "KimiK3ForConditionalGeneration")
 
 
-class PluginError(RuntimeError):
+class PluginError(_KimiPluginError):
     """The installed vLLM cannot host (part of) the Kimi plugin; the message says what to install."""
 
 

@@ -10,7 +10,9 @@ section 4; DeepSeek-V3.2's indexer without RoPE, Hadamard rotation and fp8, all 
     I_{t,s} = sum_h weights_proj(x_t)_h / sqrt(n_h d) * ReLU(q_{t,h} . k_s)        (fp32)
     keep_t  = the min(index_topk, t+1) visible keys with the highest I_{t,s}
 
-:meth:`KimiK31Indexer.forward` computes this for one sequence in torch. The attention that would
+:meth:`KimiK31Indexer.forward` computes this for one sequence with the oracle's functions
+(:mod:`kimi_core.reference.indexer`: ``index_keys``, ``index_scores``, ``topk_mask``); this module holds
+only the vLLM parameters. The attention that would
 consume ``keep`` is not written (see ``models/kimi_k31.py``): with ``max_model_len <= index_topk``
 every visible key is kept and the dense MLA is exact.
 """
@@ -20,10 +22,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from kimi_core.reference.indexer import INDEXER_K_NORM_EPS, index_keys, index_scores, topk_mask
+
 __all__ = ["KimiK31Indexer", "K_NORM_EPS"]
 
-#: LayerNorm eps of the index keys (DeepSeek-V3.2's reference LayerNorm) [I]
-K_NORM_EPS = 1e-6
+#: LayerNorm eps of the index keys: the oracle's (DeepSeek-V3.2's reference LayerNorm) [I]
+K_NORM_EPS = INDEXER_K_NORM_EPS
 
 
 class KimiK31Indexer(nn.Module):
@@ -48,13 +52,9 @@ class KimiK31Indexer(nn.Module):
         :returns: ``(scores [T, T] fp32 with -inf on future keys, keep [T, T] bool)``.
         """
         T = x.shape[0]
-        q = self.wq_b(qr)[0].float().view(T, self.n_heads, self.head_dim)
-        k = nn.functional.layer_norm(self.wk(x)[0].float(), (self.head_dim,), self.k_norm.weight.float(),
-                                     self.k_norm.bias.float(), self.k_norm.eps)
-        w = self.weights_proj(x)[0].float() * (self.n_heads * self.head_dim) ** -0.5
-        scores = torch.einsum("th,tsh->ts", w, torch.relu(torch.einsum("thd,sd->tsh", q, k)))
+        q = self.wq_b(qr)[0].view(1, T, self.n_heads, self.head_dim)
+        k = index_keys(self.wk(x)[0].float()[None], self.k_norm.weight, self.k_norm.bias)
+        scores = index_scores(q, k, self.weights_proj(x)[0][None])[0]
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
-        keep = torch.zeros_like(causal)
-        keep.scatter_(-1, scores.topk(min(self.topk, T), dim=-1).indices, True)
-        return scores, keep & causal
+        keep = topk_mask(scores[None], causal, self.topk)[0]
+        return scores.masked_fill(~causal, float("-inf")), keep

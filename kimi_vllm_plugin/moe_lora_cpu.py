@@ -24,9 +24,13 @@ serve (see ``docs/vllm.md``).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from kimi_core.reference.moe import route
 
 __all__ = ["KimiRouter", "KimiCpuExperts", "KimiCpuExpertsWithLoRA", "KimiCpuMoE", "EXPERT_PROJ_SHARD",
            "load_with_cpu_experts"]
@@ -36,38 +40,30 @@ EXPERT_PROJ_SHARD = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3", "w1"
 
 
 class KimiRouter(nn.Module):
-    """DeepSeek ``noaux_tc`` router. ``weight [E, H]`` (model dtype), ``e_score_correction_bias [E]`` fp32."""
+    """DeepSeek ``noaux_tc`` router. ``weight [E, H]`` (model dtype), ``e_score_correction_bias [E]`` fp32.
+
+    The routing itself is :func:`kimi_core.reference.moe.route` (the oracle's formula, not a copy): this
+    module only reads the K2.x / K3 config field names into the fields ``route`` takes and holds the weights.
+    """
 
     def __init__(self, config, params_dtype: torch.dtype):
         super().__init__()
         # K2.x (DeepSeek) field names first, then K3's ``kimi_linear`` text-config names
         E, H = _field(config, "n_routed_experts", "num_experts"), config.hidden_size
-        self.top_k = _field(config, "num_experts_per_tok", "num_experts_per_token")
-        self.n_group = _field(config, "n_group", "num_expert_group", default=1) or 1
-        self.topk_group = getattr(config, "topk_group", 1) or 1
-        self.renormalize = bool(_field(config, "norm_topk_prob", "moe_renormalize", default=True))
-        self.scale = float(getattr(config, "routed_scaling_factor", 1.0))
-        self.scoring = _field(config, "scoring_func", "moe_router_activation_func", default="sigmoid")
+        self.routing = SimpleNamespace(
+            n_routed_experts=E, num_experts_per_tok=_field(config, "num_experts_per_tok", "num_experts_per_token"),
+            n_group=_field(config, "n_group", "num_expert_group", default=1) or 1,
+            topk_group=getattr(config, "topk_group", 1) or 1,
+            norm_topk_prob=bool(_field(config, "norm_topk_prob", "moe_renormalize", default=True)),
+            routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0)),
+            scoring_func=_field(config, "scoring_func", "moe_router_activation_func", default="sigmoid"))
+        self.top_k = self.routing.num_experts_per_tok
         self.weight = nn.Parameter(torch.empty(E, H, dtype=params_dtype), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [N, H]`` -> ``(weights [N, k] fp32, experts [N, k] int64)``, scaling factor included."""
-        logits = F.linear(x.float(), self.weight.float())
-        s = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(-1)
-        choice = s + self.e_score_correction_bias
-        if self.n_group > 1 and self.topk_group < self.n_group:
-            N, E = choice.shape
-            g = choice.view(N, self.n_group, E // self.n_group)
-            gscore = g.topk(min(2, g.shape[-1]), dim=-1).values.sum(-1)
-            keep = torch.zeros_like(gscore, dtype=torch.bool)
-            keep.scatter_(-1, gscore.topk(self.topk_group, dim=-1).indices, True)
-            choice = choice.masked_fill(~keep.repeat_interleave(E // self.n_group, dim=-1), float("-inf"))
-        idx = choice.topk(self.top_k, dim=-1).indices
-        w = s.gather(-1, idx)
-        if self.renormalize:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return w * self.scale, idx
+        return route(F.linear(x.float(), self.weight.float()), self.e_score_correction_bias, self.routing)
 
 
 def _field(config, *names, default=None):

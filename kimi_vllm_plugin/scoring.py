@@ -33,12 +33,14 @@ def score(plan: dict) -> dict:
                          "reference's own bf16 error)")
 
     from kimi_vllm_plugin.client import KimiLoraClient
+    from kimi_vllm_plugin.kv_cache import cpu_kv_cache_kwargs
 
     ids = plan["ids"]
     lora = dict(enable_lora=True, max_lora_rank=plan.get("max_lora_rank", 16), max_loras=1) if plan.get("adapter") else {}
-    llm = LLM(model=plan["ckpt"], skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.05,
-              max_model_len=max(64, max(len(s) for s in ids) + 2), max_num_seqs=max(1, len(ids)),
-              dtype=plan.get("dtype", "bfloat16"), seed=0, **lora)
+    max_len, seqs = max(64, max(len(s) for s in ids) + 2), max(1, len(ids))
+    llm = LLM(model=plan["ckpt"], skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_len,
+              max_num_seqs=seqs, dtype=plan.get("dtype", "bfloat16"), seed=0, **lora,
+              **cpu_kv_cache_kwargs(plan["ckpt"], max_len, seqs))
     start_s = time.time() - t0
     req = None
     if plan.get("adapter"):
@@ -86,3 +88,8 @@ if __name__ == "__main__":
     with open(tmp, "w") as f:
         json.dump(res, f)
     os.replace(tmp, sys.argv[2])
+    # the result is complete and in place; skip interpreter teardown, where vLLM's engine threads can abort
+    # the process ("terminate called without an active exception", seen on a loaded 2-core machine)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

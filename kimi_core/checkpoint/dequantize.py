@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from kimi_core.checkpoint.reader import INDEX_NAME, CheckpointReader
 from kimi_core.checkpoint.writer import atomic_write_text, save_shard
+from kimi_core.errors import KimiError
 from kimi_core.quant import FormatError, get_format
 from kimi_core.quant.verify import check_int4, check_mxfp4
 
@@ -40,7 +41,7 @@ RTN_HINT = ("an RTN checkpoint (scale = amax/7.5, q in [-8, 7]) is not its own f
             "or pass --no-verify if you only need plain BF16 weights.")
 
 
-class VerificationError(RuntimeError):
+class VerificationError(KimiError, RuntimeError):
     """Re-quantizing dequantized tensors did not give back the checkpoint's bytes."""
 
     def __init__(self, bad: dict[str, tuple[int, int]]):

@@ -19,12 +19,13 @@ import torch
 from safetensors import safe_open
 
 from kimi_core.config import KimiConfig, load_config
+from kimi_core.errors import KimiError
 from kimi_core.quant import FormatError, get_format
 
 INDEX_NAME = "model.safetensors.index.json"
 
 
-class CheckpointError(KeyError):
+class CheckpointError(KimiError, KeyError):
     """A tensor is missing, or a checkpoint file is absent or malformed."""
 
     def __str__(self):  # KeyError quotes its message; keep it readable

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kimi_core.errors import KimiError
 from kimi_core.lora.config import AdapterConfigError, read_adapter_config, validate_adapter_config, write_adapter_config
 
 __all__ = ["Adapter", "AdapterError", "SAFETENSORS_NAME", "CONFIG_NAME"]
@@ -22,7 +23,7 @@ SAFETENSORS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
 
 
-class AdapterError(ValueError):
+class AdapterError(KimiError, ValueError):
     """An adapter's tensors are missing, malformed or do not fit the model; names file and tensor."""
 
 

@@ -23,6 +23,8 @@ factors and non-expert modules are kept. Names do not change; the range travels 
 
 from __future__ import annotations
 
+from kimi_core.errors import KimiError
+
 import hashlib
 import json
 import math
@@ -47,7 +49,7 @@ _M64 = (1 << 64) - 1
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
-class BucketChecksumError(ValueError):
+class BucketChecksumError(KimiError, ValueError):
     """A received bucket does not match its checksums; names the bucket and the tensor."""
 
 

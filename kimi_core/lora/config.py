@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kimi_core.errors import KimiError
 from kimi_core.json_file import read_json_file
 
 __all__ = [
@@ -53,7 +54,7 @@ ALL_LINEAR = "all-linear"
 META_KEY = "kimi_rl"
 
 
-class AdapterConfigError(ValueError):
+class AdapterConfigError(KimiError, ValueError):
     """An adapter config or spec is invalid; the message names the file and the field."""
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from kimi_core.errors import KimiError
 
-class FormatError(ValueError):
+
+class FormatError(KimiError, ValueError):
     """A tensor does not match the on-disk layout of its declared format."""
 
 

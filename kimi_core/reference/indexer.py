@@ -24,10 +24,29 @@ import torch
 
 from kimi_core.reference.ops import acc_dtype, layer_norm
 
-__all__ = ["INDEXER_K_NORM_EPS", "Indexer", "topk_mask"]
+__all__ = ["INDEXER_K_NORM_EPS", "Indexer", "index_keys", "index_scores", "topk_mask"]
 
 # LayerNorm eps of the indexer keys: 1e-6 as in DeepSeek-V3.2's reference LayerNorm [I].
 INDEXER_K_NORM_EPS = 1e-6
+
+
+def index_keys(wk_x: torch.Tensor, k_norm_weight: torch.Tensor, k_norm_bias: torch.Tensor) -> torch.Tensor:
+    """Index keys ``k = LayerNorm(wk x)``: ``wk_x [..., d]`` -> ``[..., d]`` in ``acc_dtype`` (fp32)."""
+    a = acc_dtype(wk_x.dtype)
+    return layer_norm(wk_x, k_norm_weight.to(a), k_norm_bias.to(a), INDEXER_K_NORM_EPS).to(a)
+
+
+def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``I [B, T, S] = sum_h w_{t,h} n_h^-1/2 d^-1/2 ReLU(q_{t,h} . k_s)`` in ``acc_dtype`` (fp32).
+
+    :param q: ``[B, T, n_h, d]`` index queries ``wq_b(qr)``; ``k``: ``[B, S, d]`` from :func:`index_keys`;
+        ``weights``: ``[B, T, n_h]`` the raw ``weights_proj(x)`` (the head scale is applied here).
+    """
+    a = acc_dtype(q.dtype)
+    nh, d = q.shape[-2], q.shape[-1]
+    wts = weights.to(a) * (nh ** -0.5) * (d ** -0.5)
+    rel = torch.relu(torch.einsum("bthd,bsd->bths", q.to(a), k.to(a)))
+    return torch.einsum("bth,bths->bts", wts, rel)
 
 
 def topk_mask(scores: torch.Tensor, causal: torch.Tensor, topk: int) -> torch.Tensor:
@@ -63,14 +82,12 @@ class Indexer:
         B, T, _ = x.shape
         a = acc_dtype(x.dtype)
         q = w.linear(qr, f"{p}.wq_b", adapter).to(a).view(B, T, self.nh, self.d)
-        k = layer_norm(w.linear(x, f"{p}.wk", adapter), w.tensor(f"{p}.k_norm.weight", a),
-                       w.tensor(f"{p}.k_norm.bias", a), INDEXER_K_NORM_EPS).to(a)
+        k = index_keys(w.linear(x, f"{p}.wk", adapter), w.tensor(f"{p}.k_norm.weight", a),
+                       w.tensor(f"{p}.k_norm.bias", a))
         if "idx_k" in cache:
             k = torch.cat([cache["idx_k"], k], dim=1)
         cache["idx_k"] = k
-        wts = w.linear(x, f"{p}.weights_proj", adapter).to(a) * (self.nh ** -0.5) * (self.d ** -0.5)
-        rel = torch.relu(torch.einsum("bthd,bsd->bths", q, k))
-        return torch.einsum("bth,bths->bts", wts, rel)
+        return index_scores(q, k, w.linear(x, f"{p}.weights_proj", adapter))
 
     def mask(self, x, qr, cache: dict, causal: torch.Tensor, adapter=None) -> torch.Tensor:
         """Boolean keep-mask ``[B, T, S]`` (see :func:`topk_mask`)."""

@@ -22,6 +22,8 @@ Example::
 
 from __future__ import annotations
 
+from kimi_core.errors import KimiError
+
 import zlib
 
 import torch
@@ -37,7 +39,7 @@ from kimi_megatron_plugin.lora.layers import LoraLinear, add_delta
 __all__ = ["KimiLora", "apply_lora", "LoraApplyError"]
 
 
-class LoraApplyError(ValueError):
+class LoraApplyError(KimiError, ValueError):
     """The spec cannot be applied to this model; names the module and the flag."""
 
 

@@ -21,10 +21,12 @@ import os
 
 import torch
 
+from kimi_core.errors import KimiError
+
 __all__ = ["save", "load", "LoraCheckpointError"]
 
 
-class LoraCheckpointError(ValueError):
+class LoraCheckpointError(KimiError, ValueError):
     """A LoRA checkpoint does not fit the running trainer; names the file and the field."""
 
 

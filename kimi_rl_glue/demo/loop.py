@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from kimi_core.errors import KimiError
 from kimi_rl_glue.losses import group_advantages, mismatch_metrics, policy_loss, score_centering_from_logits
 from kimi_rl_glue.sync import AdapterSyncError
 from kimi_vllm_plugin.client import AdapterRejected
@@ -25,7 +26,7 @@ from kimi_vllm_plugin.client import AdapterRejected
 log = logging.getLogger(__name__)
 
 
-class DemoError(RuntimeError):
+class DemoError(KimiError, RuntimeError):
     """The RL loop stopped: the rollout engine failed or an adapter version was rejected.
 
     The message names the step and the adapter the engine still serves (the last good one).
@@ -123,12 +124,13 @@ def run(cfg: LoopConfig, task, rollout, trainer, sync, out: str, progress: bool 
 
 
 def plot_rewards(records: list[dict], chance: float, path: str) -> None:
-    """``reward.png``: mean reward per step with the uniform-sampler level."""
-    import matplotlib
+    """``reward.png``: mean reward per step with the uniform-sampler level (skipped, with a warning,
+    without matplotlib: :func:`kimi_rl_glue.plotting.pyplot`)."""
+    from kimi_rl_glue.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot(path)
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([r["step"] for r in records], [r["reward"] for r in records], marker=".", label="mean reward")
     ax.axhline(chance, color="gray", ls="--", label="uniform sampler")

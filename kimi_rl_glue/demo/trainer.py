@@ -3,9 +3,9 @@
 ``Trainer`` is what the loop needs: ``logits(ids)`` with gradients into the adapter, an
 optimizer step and ``export_adapter()`` of the adapter in PEFT form. Backends:
 
-* ``megatron`` — :mod:`kimi_megatron_plugin` (one gloo process, W4A16 experts computed from the
-  checkpoint's packed bytes through ``kimi_core.kernels``), used when the plugin provides a
-  ``demo_trainer``.
+* ``megatron`` — :mod:`kimi_rl_glue.demo.megatron_trainer` on :mod:`kimi_megatron_plugin` (one gloo
+  process, W4A16 experts computed from the checkpoint's packed bytes through ``kimi_core.kernels``),
+  used when megatron-core and the plugin are installed.
 * ``reference`` — ``kimi_core.reference`` with a :class:`~kimi_core.lora.trainable.TrainableAdapter`:
   the same exactly dequantized INT4 base in fp32; the fallback where Megatron is unavailable.
 """
@@ -54,9 +54,9 @@ def make_trainer(kind: str, ckpt: str, spec: LoraSpec, lr: float, seed: int = 0)
     """``kind`` in ``auto`` (megatron if available, else reference), ``megatron``, ``reference``."""
     if kind in ("auto", "megatron"):
         try:
-            mod = importlib.import_module("kimi_megatron_plugin.demo_trainer")
+            mod = importlib.import_module("kimi_rl_glue.demo.megatron_trainer")
             return mod.MegatronLoraTrainer(ckpt, spec, lr=lr, seed=seed)
         except ImportError as e:
             if kind == "megatron":
-                raise RuntimeError(f"--trainer megatron: kimi_megatron_plugin's demo trainer is unavailable ({e})") from e
+                raise RuntimeError(f"--trainer megatron: the Megatron trainer (kimi_rl_glue.demo.megatron_trainer) is unavailable ({e})") from e
     return ReferenceTrainer(ckpt, spec, lr, seed)

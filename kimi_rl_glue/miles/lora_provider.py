@@ -39,6 +39,7 @@ from collections import OrderedDict
 
 import torch
 
+from kimi_core.errors import KimiError
 from kimi_core.lora import ALL_LINEAR, Adapter, LoraSpec
 from kimi_core.lora.naming import PEFT_PREFIX
 
@@ -60,7 +61,7 @@ _FAMILY_ALIASES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _FAMILY_ALIASES.update({v: k for k, v in _FAMILY_ALIASES.items()})
 
 
-class LoraProviderError(ValueError):
+class LoraProviderError(KimiError, ValueError):
     """A miles flag cannot be mapped onto Kimi LoRA, or a model chunk has none; names the flag."""
 
 

@@ -70,7 +70,7 @@ def sample_sequences(model_dir: str, batch: int, prompt_len: int, tokens: int, s
     return ids
 
 
-def compare(model_dir: str, adapter=None, engines=("reference", "megatron", "vllm", "sglang"), tokens: int = 32,
+def compare(model_dir: str, adapter=None, engines=("reference", "megatron", "vllm"), tokens: int = 32,
             seed: int = 0, dtype: str = "bf16", out: str | None = None, batch: int = 2, prompt_len: int = 16,
             baseline: str = "reference", tol_abs: float | None = None, layer_tol: float | None = None,
             extra_results: dict[str, EngineResult] | None = None) -> NumericsReport:
@@ -119,17 +119,18 @@ def compare(model_dir: str, adapter=None, engines=("reference", "megatron", "vll
 
 
 def write_report(rep: NumericsReport, out: str) -> None:
-    """``report.json`` and ``logprob_diff.png`` (per-position mean |dlogp| per pair) in ``out``, atomically."""
+    """``report.json`` and ``logprob_diff.png`` (per-position mean |dlogp| per pair) in ``out``, atomically;
+    the PNG only where matplotlib is installed (:func:`kimi_rl_glue.plotting.pyplot`)."""
     os.makedirs(out, exist_ok=True)
     tmp = os.path.join(out, f".report.json.tmp.{os.getpid()}")
     with open(tmp, "w") as f:
         json.dump(rep.as_dict(), f, indent=2)
     os.replace(tmp, os.path.join(out, "report.json"))
-    import matplotlib
+    from kimi_rl_glue.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot(os.path.join(out, "logprob_diff.png"))
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(7, 4))
     for k, v in rep.per_position.items():
         ax.plot(range(len(v)), [max(x, 1e-12) for x in v], label=k, marker=".")

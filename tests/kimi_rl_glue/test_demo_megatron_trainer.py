@@ -1,14 +1,15 @@
-"""MegatronLoraTrainer (the demo's ``--trainer megatron``): reference-equal logits after a step,
-PEFT export, exact save/resume, and its CPU step time."""
+"""``kimi_rl_glue.demo.megatron_trainer.MegatronLoraTrainer`` (the demo's ``--trainer megatron``):
+reference-equal logits after a step, PEFT export, exact save/resume. Timings belong in
+``benchmarks/``, not in a test."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
 
 from utils import assert_close
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (the host of the trainer)")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def test_logits_equal_reference_after_one_step_and_export_format(k2):
     (fp32 factors <= 1e-5; the bf16 export the demo ships <= 1e-4); the export is bf16, per-expert
     PEFT names, adapter_config from the spec; torch.distributed is set up and torn down."""
     from kimi_core.reference import load_reference_model
-    from kimi_megatron_plugin.demo_trainer import MegatronLoraTrainer
+    from kimi_rl_glue.demo.megatron_trainer import MegatronLoraTrainer
 
     assert not torch.distributed.is_initialized()
     tr = MegatronLoraTrainer(k2, _spec(k2), lr=2e-3, seed=0)
@@ -66,7 +67,7 @@ def test_save_resume_reproduces_next_losses_exactly(k2, tmp_path):
     """Save after two steps; a fresh trainer resumed from it gives bit-equal losses on steps 3 and 4
     (factors and AdamW state restored); the shard directory also holds the HF/PEFT export."""
     from kimi_core.lora import Adapter
-    from kimi_megatron_plugin.demo_trainer import MegatronLoraTrainer
+    from kimi_rl_glue.demo.megatron_trainer import MegatronLoraTrainer
 
     batches = [_ids(1024, 8, 12, seed=s) for s in range(4)]
     tr = MegatronLoraTrainer(k2, _spec(k2), lr=5e-3, seed=1)
@@ -100,7 +101,7 @@ def test_save_resume_reproduces_next_losses_exactly(k2, tmp_path):
 def test_resume_rejects_other_spec(k2, tmp_path):
     """Resuming with a different LoraSpec raises, naming the meta file."""
     from kimi_core.lora import LoraSpec
-    from kimi_megatron_plugin.demo_trainer import MegatronLoraTrainer
+    from kimi_rl_glue.demo.megatron_trainer import MegatronLoraTrainer
     from kimi_megatron_plugin.lora.checkpoint import LoraCheckpointError
 
     tr = MegatronLoraTrainer(k2, _spec(k2), lr=1e-3)
@@ -115,22 +116,3 @@ def test_resume_rejects_other_spec(k2, tmp_path):
     finally:
         tr.close()
 
-
-def test_cpu_step_time(k2):
-    """A tiny K2 forward + backward + step over 32 x 16 tokens is fast on CPU (median of 5 < 2 s)."""
-    from kimi_megatron_plugin.demo_trainer import MegatronLoraTrainer
-
-    tr = MegatronLoraTrainer(k2, _spec(k2), lr=1e-3)
-    try:
-        ids = _ids(tr.config.vocab_size)
-        tr.step(_loss(tr.logits(ids), ids))  # warm-up
-        ts = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            tr.step(_loss(tr.logits(ids), ids))
-            ts.append(time.perf_counter() - t0)
-    finally:
-        tr.close()
-    med = sorted(ts)[2]
-    print(f"MegatronLoraTrainer tiny K2 32x16 fwd+bwd+step: median {med * 1e3:.0f} ms, min {min(ts) * 1e3:.0f} ms")
-    assert med < 2.0

@@ -1,7 +1,8 @@
 """The ``megatron`` engine of ``kimi-rl check-numerics``: the trainer's model, with per-layer hidden states.
 
-Builds the plugin's model from the HF checkpoint exactly as the demo trainer does (one gloo
-process; routed experts as the packed 4-bit bytes), optionally loads a PEFT adapter into its LoRA
+Builds ``kimi_megatron_plugin``'s model from the HF checkpoint through the demo trainer
+(:class:`kimi_rl_glue.demo.megatron_trainer.MegatronLoraTrainer`: one gloo process, routed experts
+as the packed 4-bit bytes), optionally loads a PEFT adapter into its LoRA
 modules, and records the residual stream after the embedding and after every decoder layer
 (``[S, B, H]`` transposed to ``[B, T, H]``; for K3 the attention-residual ``prefix``, unpacked
 from the bank the layers carry), matching :meth:`kimi_core.reference.KimiReferenceModel.forward`'s
@@ -13,19 +14,18 @@ from __future__ import annotations
 import torch
 
 from kimi_core.lora import LoraSpec
+from kimi_rl_glue.numerics.engines import Engine, EngineResult
 
 
-class MegatronNumericsEngine:
+class MegatronNumericsEngine(Engine):
+    """The Megatron model of :mod:`kimi_megatron_plugin`, scored in this process (fp32 by default)."""
+
     name = "megatron"
     install_hint = 'pip install "kimi-rl-plugins[megatron]"'
 
-    def available(self):
-        return True, ""
-
     def run(self, model_dir, input_ids, adapter=None, dtype=torch.float32):
-        from kimi_rl_glue.numerics import EngineResult
-        from kimi_megatron_plugin.demo_trainer import MegatronLoraTrainer
         from kimi_megatron_plugin.pipeline import unpack_bank
+        from kimi_rl_glue.demo.megatron_trainer import MegatronLoraTrainer
 
         # the LoRA modules are shaped by the adapter's own config; without one they are removed
         spec = LoraSpec(rank=8, alpha=16, exclude_modules=("kv_b_proj",))
