@@ -7,6 +7,7 @@ so the plugin never imports the glue.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -15,6 +16,9 @@ import tempfile
 import torch
 
 from kimi_rl_glue.numerics.engines import Engine, EngineResult
+
+
+log = logging.getLogger(__name__)
 
 
 class VllmNumericsEngine(Engine):
@@ -36,8 +40,14 @@ class VllmNumericsEngine(Engine):
             out = os.path.join(d, "out.json")
             r = subprocess.run([sys.executable, "-m", "kimi_vllm_plugin.scoring", os.path.join(d, "plan.json"), out],
                                capture_output=True, text=True)
-            if r.returncode != 0 or not os.path.exists(out):
+            if not os.path.exists(out):
                 raise RuntimeError(f"vLLM scoring engine failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+            if r.returncode != 0:
+                # out.json is moved into place only after every sequence was scored: the run is complete, and
+                # what failed is the engine's teardown (seen once on a loaded 2-core machine: "terminate called
+                # without an active exception", exit -6)
+                log.warning("vLLM scoring engine exited with %d after writing its result; stderr tail:\n%s",
+                            r.returncode, r.stderr[-800:])
             res = json.load(open(out))
             hidden = _stack_hidden(plan["hidden"], len(plan["ids"]))
         return EngineResult(torch.tensor(res["logprobs"], dtype=torch.float32), torch.tensor(res["top1"]),
