@@ -75,7 +75,8 @@ def replay_linear(weights, adapter, modules: list[str], x: torch.Tensor, y: torc
     :param weights: :class:`~kimi_core.reference.weights.Weights` (dense, unquantized modules).
     :param adapter: a resolved adapter (``.dense(module)``) or ``None``.
     :param x: ``[T, in]`` the engine's input; ``y``: ``[T, out]`` its output (all ``modules`` stacked).
-    :returns: ``{"rel_err"}`` of ``y`` and, where the adapter targets one of ``modules``,
+    :returns: ``{"rel_err"}`` of ``y``, ``"dtype_floor"`` (the error of the exact output merely rounded to
+        ``y``'s dtype: what a perfect engine of that dtype would show) and, where the adapter targets one of ``modules``,
         ``"lora_rel_err"`` (the engine's ``y - x W^T`` against the reference delta) and
         ``"lora_share"`` (``||delta|| / ||x W^T||``, how much of ``y`` the delta is).
     """
@@ -88,7 +89,8 @@ def replay_linear(weights, adapter, modules: list[str], x: torch.Tensor, y: torc
     base64, delta64 = torch.cat(base, -1), torch.cat(delta, -1)
     if tuple(y.shape) != tuple(base64.shape):
         raise ValueError(f"replay_linear {modules}: engine output {tuple(y.shape)} != reference {tuple(base64.shape)}")
-    out = {"rel_err": rel_rms_error(base64 + delta64, y)}
+    exact = base64 + delta64
+    out = {"rel_err": rel_rms_error(exact, y), "dtype_floor": rel_rms_error(exact, exact.to(y.dtype))}
     if delta64.abs().max() > 0:
         out["lora_rel_err"] = rel_rms_error(delta64, y.double() - base64)
         out["lora_share"] = delta64.pow(2).mean().sqrt().item() / max(base64.pow(2).mean().sqrt().item(), 1e-30)

@@ -224,11 +224,11 @@ def _bf16_floor(refs, caps, adapter) -> list[float]:
 
 
 @pytest.mark.parametrize("tag", ADAPTERS)
-def test_lora_linears_replayed(runs, refs, tag, k2):
+def test_lora_linears_replayed(runs, refs, tag):
     """Each LoRA-wrapped linear the adapter targets computes x W^T + s (x A^T) B^T on its own input within
     4x the rounding of the exact output to bf16 (+1e-3)."""
     from kimi_core.lora import load_adapter
-    from kimi_core.reference.replay import rel_rms_error, replay_linear
+    from kimi_core.reference.replay import replay_linear
 
     from kimi_vllm_plugin.mapping import hf_modules
 
@@ -243,10 +243,8 @@ def test_lora_linears_replayed(runs, refs, tag, k2):
             continue
         x, y = caps[key], caps[f"lora_out.{name}"]
         r = replay_linear(refs["f64"].weights, ad, mods, x, y)
-        exact = torch.cat([x.double() @ refs["f64"].weights.weight(m, torch.float64).T
-                           + (ad.dense(m).delta(x.double()) if ad.dense(m) is not None else 0) for m in mods], -1)
-        floor = rel_rms_error(exact, exact.to(y.dtype))
-        rows[name] = {**r, "bf16_floor": floor}
+        floor = r["dtype_floor"]
+        rows[name] = r
         if "lora_rel_err" in r:
             print(f"k2 {tag} {name}: rel {r['rel_err']:.2e} (bf16 floor {floor:.2e}), LoRA delta rel "
                   f"{r['lora_rel_err']:.2e} at share {r['lora_share']:.2f}")
