@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -91,18 +90,7 @@ def prepare_adapter(src, model_config, out_dir: str, max_lora_rank: int) -> str:
         ad = fold_pattern_scaling(ad)
     except (AdapterError, AdapterConfigError, FileNotFoundError) as e:
         raise AdapterRejected(str(e)) from None
-    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".stage-", dir=parent)
-    try:
-        ad.save(tmp)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    return ad.save_replacing(out_dir)
 
 
 class OfflineBackend:

@@ -74,6 +74,26 @@ class Adapter:
         write_adapter_config(self.adapter_config, d)
         return d
 
+    def save_replacing(self, directory: str | os.PathLike) -> str:
+        """:meth:`save` into a new directory beside ``directory``, then swap it in: readers see the old
+        adapter or the whole new one, never a mix, and no staging folder is left behind."""
+        import shutil
+        import tempfile
+
+        d = os.fspath(directory)
+        parent = os.path.dirname(os.path.abspath(d)) or "."
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".stage-", dir=parent)
+        try:
+            self.save(tmp)
+            if os.path.exists(d):
+                shutil.rmtree(d)
+            os.replace(tmp, d)
+        finally:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+        return d
+
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "Adapter":
         """Read a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""

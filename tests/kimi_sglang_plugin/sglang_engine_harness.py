@@ -32,6 +32,33 @@ MARLIN_INTERMEDIATE_ALIGN = 128
 #: tiny K3 sizes that meet both (and keep the latent width apart from hidden_size)
 SGLANG_TINY_K3_SIZES = {"hidden_size": 512, "routed_expert_hidden_size": 256, "moe_intermediate_size": 128}
 
+def sglang_config_problems(text_config: dict) -> list[str]:
+    """Release-true readings of a K3 / K3.1 ``text_config`` that SGLang 0.5.17 takes differently from
+    ``kimi_core.reference`` when the tiny sizes make them differ (the release has them equal):
+
+    * KDA value heads: SGLang sizes them by ``v_head_dim`` (``models/kimi_k3.py:1247``, the MLA field),
+      the reference by ``linear_attn_config.head_dim`` (128 and 128 in the release);
+    * the DSA KV pool asserts ``index_head_dim == 128`` (``mem_cache/memory_pool.py:4368``; the release's).
+    """
+    out = []
+    la = text_config.get("linear_attn_config") or {}
+    if la and la.get("head_dim") != text_config.get("v_head_dim"):
+        out.append(f"linear_attn_config.head_dim {la.get('head_dim')} != v_head_dim {text_config.get('v_head_dim')} "
+                   "(SGLang sizes KDA's value heads by v_head_dim)")
+    if text_config.get("index_head_dim") not in (None, 128):
+        out.append(f"index_head_dim {text_config['index_head_dim']} != 128 (SGLang's DSA KV pool asserts 128)")
+    return out
+
+
+def _sglang_fit(text_config: dict) -> None:
+    """Set the sizes :func:`marlin_size_problems` and :func:`sglang_config_problems` name to ones that fit."""
+    text_config.update(SGLANG_TINY_K3_SIZES)
+    if text_config.get("linear_attn_config"):
+        text_config["linear_attn_config"] = {**text_config["linear_attn_config"], "head_dim": text_config["v_head_dim"]}
+    if text_config.get("index_head_dim") is not None:
+        text_config["index_head_dim"] = 128
+
+
 #: the engine flags of every run: only kernels the staged 0.5.17 has (no FA3, no sm100), the K3 H200 MoE runner
 ENGINE_KWARGS = dict(attention_backend="triton", mm_attention_backend="triton_attn", moe_runner_backend="marlin",
                      sampling_backend="pytorch", grammar_backend="none", disable_cuda_graph=True,
@@ -64,20 +91,30 @@ def marlin_size_problems(text_config: dict, moe_tp: int = 1) -> list[str]:
     return out
 
 
-def write_tiny_k3(out_dir: str) -> tuple[str, list[str]]:
-    """A tiny MXFP4 K3 checkpoint SGLang's Marlin path loads: ``kimi-rl make-tiny --model k3`` when its
-    sizes allow it, else the same generator at :data:`SGLANG_TINY_K3_SIZES`. Returns (path, the
-    problems of make-tiny's sizes, empty when make-tiny's checkpoint was used)."""
+def write_tiny(model: str, out_dir: str, overrides: dict | None = None) -> tuple[str, list[str]]:
+    """A tiny checkpoint of ``model`` (``k3``, ``k31`` MXFP4; ``k2`` INT4) that SGLang's Marlin path loads:
+    ``kimi-rl make-tiny`` when its sizes allow it, else the same generator at
+    :data:`SGLANG_TINY_K3_SIZES` with the readings of :func:`sglang_config_problems` made equal (K3 family only). ``overrides`` are set on the text config (e.g.
+    ``index_topk``). Returns (path, the problems of make-tiny's sizes, empty when its sizes were used)."""
     from kimi_core.checkpoint.tiny import make_tiny, tiny_config, tiny_state_dict
     from kimi_core.checkpoint.writer import write_checkpoint
 
-    cfg = tiny_config("k3")
-    problems = marlin_size_problems(cfg["text_config"])
-    if not problems:
-        return make_tiny("k3", out_dir), []
-    cfg["text_config"].update(SGLANG_TINY_K3_SIZES)
-    write_checkpoint(out_dir, tiny_state_dict(cfg, "mxfp4"), cfg, max_shard_bytes=2 * 2**20)
+    cfg = tiny_config(model)
+    text = cfg.get("text_config", cfg)
+    problems = marlin_size_problems(text) + sglang_config_problems(text) if model in ("k3", "k31") else []
+    if not problems and not overrides:
+        return make_tiny(model, out_dir), []
+    if problems:
+        _sglang_fit(text)
+    text.update(overrides or {})
+    write_checkpoint(out_dir, tiny_state_dict(cfg, "mxfp4" if model in ("k3", "k31") else "int4"), cfg,
+                     max_shard_bytes=2 * 2**20)
     return out_dir, problems
+
+
+def write_tiny_k3(out_dir: str) -> tuple[str, list[str]]:
+    """:func:`write_tiny` of ``k3``."""
+    return write_tiny("k3", out_dir)
 
 
 def prompt_logprobs(meta_info: dict, ids: list[int]) -> list[float]:
@@ -124,25 +161,39 @@ def parse_engine_log(log: str) -> dict:
     return out
 
 
-def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, timeout: int = 600) -> dict:
+def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, timeout: int = 180,
+               adapters: dict | None = None, tensor_versions: list | None = None, tag: str = "") -> dict:
     """One offline ``sgl.Engine`` on ``ckpt`` with ``SGLANG_PLUGINS=plugins`` (``"none"``: stock SGLang),
-    scoring :data:`PROMPTS`; returns the script's JSON plus ``log`` (its stdout and stderr)."""
-    plan = {"ckpt": ckpt, "prompts": PROMPTS, "engine_kwargs": {**ENGINE_KWARGS, **(engine_kwargs or {})}}
+    scoring :data:`PROMPTS` on the base model and with each of ``adapters`` (``{name: PEFT dir}``, loaded by
+    ``Engine.load_lora_adapter``), then loading ``tensor_versions`` through the plugin's sync payload
+    (see ``sglang_engine_script.py``). Returns the script's JSON plus ``log`` (its stdout and stderr);
+    the log is also written to ``$KIMI_TEST_OUT/sglang_<tag>.log`` when that is set."""
+    plan = {"ckpt": ckpt, "prompts": PROMPTS, "engine_kwargs": {**ENGINE_KWARGS, **(engine_kwargs or {})},
+            "adapters": [{"name": n, "path": p} for n, p in (adapters or {}).items()],
+            "score": list(adapters or {}), "tensor_versions": tensor_versions or []}
     pp, out = tmp / "plan.json", tmp / "result.json"
     pp.write_text(json.dumps(plan))
     env = dict(os.environ, SGLANG_PLUGINS=plugins)
-    r = subprocess.run([sys.executable, os.path.join(HERE, "sglang_engine_script.py"), str(pp), str(out)],
-                       capture_output=True, text=True, timeout=timeout, env=env)
-    log = r.stdout + r.stderr
-    assert r.returncode == 0 and out.exists(), f"engine (SGLANG_PLUGINS={plugins}) failed:\n{log[-8000:]}"
+    try:
+        r = subprocess.run([sys.executable, os.path.join(HERE, "sglang_engine_script.py"), str(pp), str(out)],
+                           capture_output=True, text=True, timeout=timeout, env=env)
+        log, rc = r.stdout + r.stderr, r.returncode
+    except subprocess.TimeoutExpired as e:
+        log = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+        rc = f"timeout after {timeout} s"
+    if os.environ.get("KIMI_TEST_OUT"):
+        with open(os.path.join(os.environ["KIMI_TEST_OUT"], f"sglang_{tag or plugins}.log"), "w") as f:
+            f.write(log)
+    assert rc == 0 and out.exists(), f"engine (SGLANG_PLUGINS={plugins}, {tag}) failed ({rc}):\n{log[-8000:]}"
     res = json.loads(out.read_text())
     res["log"] = log
-    print(f"[SGLANG_PLUGINS={plugins}] engine start {res['start_s']:.1f}s, generate {res['generate_s']:.1f}s")
+    print(f"[SGLANG_PLUGINS={plugins} {tag}] engine start {res['start_s']:.1f}s, generate {res['generate_s']:.1f}s")
     return res
 
 
-def reference_logprobs(ckpt: str, dtype, device: str) -> list[list[float]]:
-    """``kimi_core.reference`` prompt logprobs of :data:`PROMPTS` (one row per prompt, T-1 values)."""
+def reference_logprobs(ckpt: str, dtype, device: str, adapter=None) -> list[list[float]]:
+    """``kimi_core.reference`` prompt logprobs of :data:`PROMPTS` (one row per prompt, T-1 values), with
+    ``adapter`` (a PEFT directory or :class:`~kimi_core.lora.Adapter`) if given."""
     import torch
 
     from kimi_core.reference import load_reference_model
@@ -152,5 +203,5 @@ def reference_logprobs(ckpt: str, dtype, device: str) -> list[list[float]]:
     with torch.no_grad():
         for p in PROMPTS:
             ids = torch.tensor([p])
-            out.append(model.logprobs(ids[:, :-1], ids[:, 1:])[0].float().cpu().tolist())
+            out.append(model.logprobs(ids[:, :-1], ids[:, 1:], adapter=adapter)[0].float().cpu().tolist())
     return out

@@ -4,11 +4,18 @@ Started by :func:`sglang_engine_harness.run_engine` in a subprocess with ``SGLAN
 (``none`` for stock SGLang, ``kimi`` for the plugin); the ``__main__`` guard is required because the
 engine spawns its scheduler. ``plan.json``::
 
-    {"ckpt": DIR, "prompts": [[ids...], ...], "engine_kwargs": {...ServerArgs fields...}}
+    {"ckpt": DIR, "prompts": [[ids...], ...], "engine_kwargs": {...ServerArgs fields...},
+     "adapters": [{"name": N, "path": DIR}, ...],            # optional: Engine.load_lora_adapter from disk
+     "score": [null, N, ...],                                 # optional: base (null) and adapters to score
+     "tensor_versions": [{"name": N, "path": DIR, "flip": false, "layout": [tp, ep, E]}, ...]}
+                                                              # optional: CUDA-IPC style loads, scored after each
 
-Prompt logprobs come from ``Engine.generate(input_ids=..., return_logprob=True, logprob_start_len=0)``
-(0.5.17 ``entrypoints/engine.py:343``): ``meta_info["input_token_logprobs"]`` holds ``(logprob, id, text)``
-per prompt token. Python logging is configured at INFO before the engine starts so that this
+Prompt logprobs come from ``Engine.generate(input_ids=..., return_logprob=True, logprob_start_len=0,
+lora_path=...)`` (0.5.17 ``entrypoints/engine.py:343``): ``meta_info["input_token_logprobs"]`` holds
+``(logprob, id, text)`` per prompt token. ``tensor_versions`` go through
+:mod:`kimi_sglang_plugin.sync` (``load_lora_adapter_from_tensors``, ``flattened_bucket``, sha256
+``expected_checksums``); ``flip`` flips one byte of the payload after its checksums were taken, which
+the engine must refuse. Python logging is configured at INFO before the engine starts so that this
 process's plugin registration line reaches the log (SGLang configures logging only later).
 """
 
@@ -16,24 +23,94 @@ import json
 import logging
 import sys
 import time
+import traceback
+
+import torch
+
+
+def _score(engine, prompts, lora):
+    from sglang_engine_harness import prompt_logprobs
+
+    kw = {"lora_path": [lora] * len(prompts)} if lora else {}
+    outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                           return_logprob=True, logprob_start_len=0, **kw)
+    return [prompt_logprobs(o["meta_info"], p) for o, p in zip(outs, prompts)]
+
+
+def _tensor_version(engine, ckpt, version) -> dict:
+    """Load one adapter version through the plugin's sync payload; returns what the engine answered."""
+    from kimi_core.config import load_config
+    from kimi_core.lora import Adapter
+    from kimi_sglang_plugin.adapter_prep import prepare_adapter
+    from kimi_sglang_plugin.sync import RankLayout, StockSGLangBackend, build_payload
+
+    cfg = load_config(ckpt)
+    ad = prepare_adapter(Adapter.load(version["path"]), cfg)
+    tp, ep, experts = version.get("layout", [1, 1, 0])
+    layout = RankLayout(tp, ep, experts)
+    payload = build_payload(version["name"], ad.tensors, ad.adapter_config, cfg, layout, filter_experts=False, sha256=True)
+    if version.get("flip"):  # same checksums, one byte of one tensor changed in what is sent
+        bad = dict(ad.tensors)
+        name = sorted(bad)[len(bad) // 2]
+        raw = bad[name].detach().clone().contiguous().view(torch.uint8).view(-1)
+        raw[raw.numel() // 2] ^= 0x40
+        bad[name] = raw.view(ad.tensors[name].dtype).view(ad.tensors[name].shape)
+        sent = build_payload(version["name"], bad, ad.adapter_config, cfg, layout, filter_experts=False)
+        sent.expected_checksums = payload.expected_checksums
+        payload = sent
+    t0 = time.time()
+    try:
+        ans = StockSGLangBackend(engine=engine).load(payload, unload_first=False)
+        ok = bool(getattr(ans, "success", True))
+        msg = str(getattr(ans, "error_message", "") or "")
+    except Exception as e:  # noqa: BLE001 - recorded for the test to assert on
+        ok, msg = False, f"{type(e).__name__}: {e}"
+    return {"name": version["name"], "ok": ok, "message": msg, "load_s": time.time() - t0,
+            "nbytes": sum(b.nbytes for b in payload.buckets)}
 
 
 def main(plan_path: str, out_path: str) -> None:
     plan = json.load(open(plan_path))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from sglang_engine_harness import prompt_logprobs
 
     t0 = time.time()
     import sglang as sgl
 
+    from kimi_core.config import load_config
+    from kimi_core.lora import Adapter
+    from kimi_sglang_plugin.adapter_prep import save_prepared
+
     engine = sgl.Engine(model_path=plan["ckpt"], **plan["engine_kwargs"])
-    res = {"start_s": time.time() - t0}
+    res = {"start_s": time.time() - t0, "adapters": {}, "lps_by": {}, "versions": []}
     try:
+        for a in plan.get("adapters", []):
+            try:  # the adapter as SGLang serves it (kimi_sglang_plugin.adapter_prep), next to the original
+                prepared = save_prepared(Adapter.load(a["path"]), load_config(plan["ckpt"]), a["path"] + ".sglang")
+                ans = engine.load_lora_adapter(a["name"], prepared)
+                res["adapters"][a["name"]] = {"ok": bool(getattr(ans, "success", True)),
+                                              "message": str(getattr(ans, "error_message", "") or "")}
+            except Exception as e:  # noqa: BLE001
+                res["adapters"][a["name"]] = {"ok": False, "message": f"{type(e).__name__}: {e}"}
         t1 = time.time()
-        outs = engine.generate(input_ids=plan["prompts"], sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-                               return_logprob=True, logprob_start_len=0)
+        res["lps"] = _score(engine, plan["prompts"], None)
         res["generate_s"] = time.time() - t1
-        res["lps"] = [prompt_logprobs(o["meta_info"], p) for o, p in zip(outs, plan["prompts"])]
+        for name in plan.get("score", []):
+            if name is None:
+                continue
+            try:
+                res["lps_by"][name] = _score(engine, plan["prompts"], name)
+            except Exception as e:  # noqa: BLE001
+                res["lps_by"][name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+        for v in plan.get("tensor_versions", []):
+            rec = _tensor_version(engine, plan["ckpt"], v)
+            try:
+                rec["lps"] = _score(engine, plan["prompts"], v["name"])
+            except Exception as e:  # noqa: BLE001
+                rec["lps"] = {"error": f"{type(e).__name__}: {e}"}
+            res["versions"].append(rec)
+        good = [v["name"] for v in res["versions"] if v["ok"]]
+        if good:  # after every load (a refused one included) the last good version still serves
+            res["last_good"] = {"name": good[-1], "lps": _score(engine, plan["prompts"], good[-1])}
         try:  # informative only: the tests assert from the log
             info = engine.get_server_info()
             res["server_info"] = {k: info.get(k) for k in ("attention_backend", "moe_runner_backend", "dtype", "version")}

@@ -21,7 +21,7 @@ import torch
 
 from sglang_engine_harness import (
     BF16_RATIO, PROMPTS, SGLANG_TINY_K3_SIZES, marlin_size_problems, parse_engine_log, prompt_logprobs,
-    reference_logprobs, run_engine, write_tiny_k3,
+    reference_logprobs, run_engine, write_tiny, write_tiny_k3,
 )
 from utils import rel_rms_error
 
@@ -64,17 +64,17 @@ def reference(ckpt):
     bf16 = reference_logprobs(ckpt, torch.bfloat16, "cuda")
     err = rel_rms_error(_flat(fp32), _flat(bf16))
     print(f"reference bf16 vs fp32: rel_rms={err:.3e}")
-    return {"fp32": fp32, "bf16": bf16, "bf16_err": err}
+    return {"ckpt": ckpt, "fp32": fp32, "bf16": bf16, "bf16_err": err}
 
 
 @pytest.fixture(scope="module")
 def stock(ckpt, tmp_path_factory):
-    return run_engine(tmp_path_factory.mktemp("stock"), ckpt, plugins="none")
+    return run_engine(tmp_path_factory.mktemp("stock"), ckpt, plugins="none", tag="stock")
 
 
 @pytest.fixture(scope="module")
 def through_plugin(ckpt, tmp_path_factory):
-    return run_engine(tmp_path_factory.mktemp("plugin"), ckpt, plugins="kimi")
+    return run_engine(tmp_path_factory.mktemp("plugin"), ckpt, plugins="kimi", tag="plugin")
 
 
 def _engine_err(res, reference, what) -> float:
@@ -127,6 +127,145 @@ def test_plugin_log_names_backends(through_plugin):
     assert seen["plugin_registered"] and seen["plugin_refused"] is None, seen
     assert seen["attention_backend"] == "triton" and seen["moe_runner_backend"] == "marlin", seen
     assert seen["model_class"] == "KimiK3ForConditionalGeneration", seen
+
+
+#: the seeds' K3 recipe adapter: rank 32, alpha 64, every linear SGLang gives LoRA (MLA, dense and shared
+#: MLPs, KDA's o_proj, routed experts in the shared-outer layout)
+K3_LORA_LEAVES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj",
+                  "w1", "w3", "w2")
+#: narrowing set, scored in the same engine when the full adapter is off
+K3_LORA_PARTS = {"experts": ("w1", "w3", "w2"), "attn": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"),
+                 "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def _adapter(config, root, name, leaves, layout="shared_outer", seed=0):
+    from kimi_core.lora import LoraSpec, random_adapter
+
+    spec = LoraSpec(rank=32, alpha=64.0, target_modules=tuple(leaves), expert_layout=layout)
+    return random_adapter(config, spec, seed=seed, b_std=0.3).save(str(root / name))
+
+
+def _lora_kwargs(leaves, shared_outer=True):
+    from kimi_sglang_plugin.mapping import lora_target_modules
+
+    kw = dict(enable_lora=True, max_lora_rank=32, lora_target_modules=lora_target_modules(leaves),
+              max_loras_per_batch=4)
+    if shared_outer:
+        kw["experts_shared_outer_loras"] = True
+    return kw
+
+
+def _bar(name, engine_lps, ref, adapter=None, rows_f32=None, rows_bf16=None):
+    """Engine error vs the fp32 reference (with ``adapter``) at most 1.5x the bf16 reference's error."""
+    f32 = rows_f32 if rows_f32 is not None else reference_logprobs(ref["ckpt"], torch.float32, "cuda", adapter)
+    b16 = rows_bf16 if rows_bf16 is not None else reference_logprobs(ref["ckpt"], torch.bfloat16, "cuda", adapter)
+    assert not isinstance(engine_lps, dict), f"{name}: engine failed to score: {engine_lps}"
+    err, floor = rel_rms_error(_flat(f32), _flat(engine_lps)), rel_rms_error(_flat(f32), _flat(b16))
+    shift = (_flat(f32) - _flat(ref["fp32"])).abs().max().item() if adapter else 0.0
+    print(f"{name}: engine rel_rms={err:.3e} | bf16 reference {floor:.3e} | adapter shift max {shift:.2f}")
+    assert err <= BF16_RATIO * floor, f"{name}: engine error {err:.3e} > {BF16_RATIO} x bf16 reference {floor:.3e}"
+    return err, floor
+
+
+@pytest.fixture(scope="module")
+def k3_adapters(ckpt, tmp_path_factory):
+    from kimi_core.config import load_config
+
+    cfg, root = load_config(ckpt), tmp_path_factory.mktemp("k3_adapters")
+    out = {"full": _adapter(cfg, root, "full", K3_LORA_LEAVES, seed=1)}
+    out.update({k: _adapter(cfg, root, k, v, seed=2 + i) for i, (k, v) in enumerate(K3_LORA_PARTS.items())})
+    out.update({f"v{i}": _adapter(cfg, root, f"v{i}", K3_LORA_LEAVES, seed=10 + i) for i in (1, 2, 3)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def plugin_lora(ckpt, k3_adapters, tmp_path_factory):
+    """One plugin engine with MoE LoRA: disk adapters scored, then v1..v3 hot-loaded as tensors (the
+    CUDA-IPC path's payload) and a v3 copy with one flipped byte, which must be refused."""
+    disk = {k: k3_adapters[k] for k in ("full", *K3_LORA_PARTS)}
+    versions = [{"name": f"kimi-v{i}", "path": k3_adapters[f"v{i}"]} for i in (1, 2, 3)]
+    versions.append({"name": "kimi-v4-corrupt", "path": k3_adapters["v3"], "flip": True})
+    return run_engine(tmp_path_factory.mktemp("plugin_lora"), ckpt, plugins="kimi",
+                      engine_kwargs=_lora_kwargs(K3_LORA_LEAVES), adapters=disk, tensor_versions=versions,
+                      tag="plugin_lora")
+
+
+@gpu_test
+@pytest.mark.parametrize("name", ["full", *K3_LORA_PARTS])
+def test_plugin_k3_moe_lora_shared_outer(plugin_lora, reference, k3_adapters, name):
+    """Rank-32 alpha-64 shared-outer LoRA (the seeds' K3 recipe) through the plugin's Marlin MXFP4 runner
+    core: within 1.5x the bf16 reference with the same adapter."""
+    got = plugin_lora["adapters"].get(name)
+    assert got and got["ok"], f"adapter {name} not loaded: {got}"
+    _bar(f"k3 lora {name}", plugin_lora["lps_by"][name], reference, k3_adapters[name])
+
+
+@gpu_test
+def test_plugin_lora_log_names_moe_core(plugin_lora):
+    """SGLang's log: the plugin registered, the Marlin MoE runner with the plugin's SiTU LoRA core ran."""
+    seen = parse_engine_log(plugin_lora["log"])
+    assert seen["plugin_registered"] and seen["moe_runner_backend"] == "marlin", seen
+    assert seen["situ_moe_lora"], "no 'MarlinLoraRunnerCore runs SiTU' line: the plugin's MoE LoRA core did not run"
+
+
+@gpu_test
+def test_plugin_tensor_hot_load_versions(plugin_lora, reference, k3_adapters):
+    """v1 -> v2 -> v3 loaded as flattened-bucket tensors into the live engine each serve what the reference
+    predicts; a payload with one flipped byte is refused (sha256 per tensor) and v3 still serves."""
+    vs = plugin_lora["versions"]
+    assert [v["ok"] for v in vs] == [True, True, True, False], [(v["name"], v["ok"], v["message"]) for v in vs]
+    assert vs[3]["message"], "refusal without a reason"
+    print("corrupt payload refused:", vs[3]["message"][:300])
+    for i, v in enumerate(vs[:3], start=1):
+        print(f"kimi-v{i}: {v['nbytes'] / 2**20:.1f} MiB loaded in {v['load_s']:.2f} s")
+        _bar(f"hot-load v{i}", v["lps"], reference, k3_adapters[f"v{i}"])
+    assert plugin_lora["last_good"]["name"] == "kimi-v3", plugin_lora["last_good"]
+    assert plugin_lora["last_good"]["lps"] == vs[2]["lps"], "v3 serves differently after the refused load"
+
+
+@pytest.fixture(scope="module")
+def k31(tmp_path_factory):
+    """K3.1 tiny checkpoints with the indexer keeping every key (index_topk >= T) and keeping 4."""
+    out = {}
+    for tag, topk in (("dense", 16), ("sparse", 4)):
+        path, _ = write_tiny("k31", str(tmp_path_factory.mktemp(f"k31_{tag}")), {"index_topk": topk})
+        run = run_engine(tmp_path_factory.mktemp(f"k31_{tag}_run"), path, plugins="kimi", tag=f"k31_{tag}")
+        out[tag] = {"ckpt": path, "run": run, "fp32": reference_logprobs(path, torch.float32, "cuda")}
+    return out
+
+
+@gpu_test
+@pytest.mark.parametrize("tag", ["dense", "sparse"])
+def test_plugin_k31_matches_reference(k31, tag):
+    """K3.1 through the plugin's class (DSA indexer on every MLA layer) within 1.5x the bf16 reference:
+    with index_topk >= T (K3's dense path) and with index_topk 4 (the reference's sparse attention)."""
+    r = k31[tag]
+    seen = parse_engine_log(r["run"]["log"])
+    assert seen["plugin_registered"] and seen["model_class"] == "KimiK31ForConditionalGeneration", seen
+    _bar(f"k31 {tag}", r["run"]["lps"], {"ckpt": r["ckpt"], "fp32": r["fp32"]}, rows_f32=r["fp32"])
+
+
+@pytest.fixture(scope="module")
+def k2(tmp_path_factory):
+    """Tiny K2 INT4 (compressed-tensors) through the plugin with a per-expert LoRA."""
+    from kimi_core.config import load_config
+
+    path, _ = write_tiny("k2", str(tmp_path_factory.mktemp("k2")))
+    leaves = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj")
+    ad = _adapter(load_config(path), tmp_path_factory.mktemp("k2_ad"), "k2", leaves, layout="per_expert", seed=5)
+    run = run_engine(tmp_path_factory.mktemp("k2_run"), path, plugins="kimi",
+                     engine_kwargs=_lora_kwargs(leaves, shared_outer=False), adapters={"k2": ad}, tag="k2_lora")
+    return {"ckpt": path, "run": run, "adapter": ad, "fp32": reference_logprobs(path, torch.float32, "cuda")}
+
+
+@gpu_test
+def test_k2_int4_moe_lora(k2):
+    """K2.x INT4 (compressed-tensors Marlin MoE) with a per-expert LoRA on every linear: base and adapter
+    within 1.5x the bf16 reference."""
+    ref = {"ckpt": k2["ckpt"], "fp32": k2["fp32"]}
+    assert k2["run"]["adapters"]["k2"]["ok"], k2["run"]["adapters"]
+    _bar("k2 base", k2["run"]["lps"], ref, rows_f32=k2["fp32"])
+    _bar("k2 lora", k2["run"]["lps_by"]["k2"], ref, k2["adapter"])
 
 
 # ------------------------------------------------------------------------------------------ CPU

@@ -1,0 +1,116 @@
+"""An adapter as SGLang serves it: per-module scaling folded, ``target_modules`` in SGLang's names.
+
+SGLang (0.5.17 ``lora/lora.py:71``, ``lora/lora_config.py``; 0.5.23 the same) scales every LoRA
+module of an adapter by one ``lora_alpha / r``: it reads neither ``rank_pattern`` / ``alpha_pattern``
+nor ``use_rslora``. A capacity-normalised expert adapter (experts at rank ``r // top_k``, their
+scaling through the patterns) would be served with the experts ``top_k`` times too weak and no error
+(the same bug as vLLM 0.26, see ``kimi_core.lora.fold_scaling``). And its LoRA pool accepts an
+adapter only if the adapter's normalised ``target_modules`` are a subset of the engine's
+(``LoRAMemoryPool.can_support``): our HF leaves ``w1`` / ``w3`` / ``w2`` are not SGLang names, so the
+adapter would be refused as "incompatible" with no word on why.
+
+:func:`prepare_adapter` returns the form every checked SGLang serves as the PEFT adapter means it:
+every module at the adapter's one rank ``r`` (smaller ranks zero-padded: exact), expert factors in a layout SGLang reads (numbered ``per_expert``, ``per_expert_3d`` and ``shared_outer``
+kept; vLLM's ``stacked`` converted to ``per_expert_3d``), each
+module's scaling folded into its ``lora_B`` (patterns and rsLoRA gone), and ``target_modules`` the
+``--lora-target-modules`` values of the modules it holds (:func:`kimi_sglang_plugin.mapping.lora_target_modules`).
+A module SGLang cannot give LoRA (KDA's fused projections, the DSA indexer's ``wk``) is refused with
+its tensor name, never silently left out.
+"""
+
+from __future__ import annotations
+
+from kimi_core.errors import KimiError
+
+__all__ = ["AdapterRejected", "prepare_adapter", "save_prepared", "adapter_leaves", "UNSERVED_KDA_LEAVES"]
+
+#: leaves of K3 KDA layers that SGLang fuses (``fused_qkvg_proj``, ``f``/``b``/``g`` gates) and gives no LoRA
+UNSERVED_KDA_LEAVES = ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj",
+                       "g_b_proj")
+
+
+class AdapterRejected(KimiError, ValueError):
+    """The adapter cannot be served by SGLang as it is; the message names the tensor or field."""
+
+
+def adapter_leaves(tensor_names) -> dict[str, str]:
+    """``{module leaf: first tensor name}`` of PEFT tensor names (``...<leaf>.lora_A.weight``)."""
+    out: dict[str, str] = {}
+    for n in tensor_names:
+        if ".lora_" not in n:
+            continue
+        out.setdefault(n.split(".lora_", 1)[0].rsplit(".", 1)[-1], n)
+    return out
+
+
+def _kda_layer_leaf(name: str, leaf: str, config) -> bool:
+    import re
+
+    m = re.search(r"\.layers\.(\d+)\.", name)
+    return bool(m) and leaf in UNSERVED_KDA_LEAVES and config.is_kda_layer(int(m.group(1)))
+
+
+def _pad_to_rank(ad):
+    """Zero-pad every module's factors to the config's ``r`` (``lora_A [..., r_m, in] -> [..., r, in]``,
+    ``lora_B [..., out, r_m] -> [..., out, r]``): the delta is unchanged, and SGLang, which sizes each
+    module's pool slot by the adapter's one ``r`` (its buffers are ``max_lora_rank`` wide anyway), gets
+    factors of the rank it expects. Used after :func:`fold_pattern_scaling`, which leaves ``r`` the largest rank."""
+    import torch
+
+    r = int(ad.adapter_config["r"])
+    out = ad.copy()
+    for name, t in ad.tensors.items():
+        if name.endswith(".lora_A.weight") and t.shape[-2] < r:
+            pad = torch.zeros(*t.shape[:-2], r - t.shape[-2], t.shape[-1], dtype=t.dtype)
+            out.tensors[name] = torch.cat([t, pad], dim=-2)
+        elif name.endswith(".lora_B.weight") and t.shape[-1] < r:
+            pad = torch.zeros(*t.shape[:-1], r - t.shape[-1], dtype=t.dtype)
+            out.tensors[name] = torch.cat([t, pad], dim=-1)
+    return out
+
+
+def prepare_adapter(adapter, config):
+    """The SGLang-served form of ``adapter`` (:class:`kimi_core.lora.Adapter`) for model ``config``
+    (:class:`kimi_core.config.KimiConfig`); see the module docstring.
+
+    :raises AdapterRejected: a module SGLang gives no LoRA, or a layout it cannot take (named).
+    """
+    from kimi_core.lora import convert_layout
+    from kimi_core.lora.config import scaling_for
+    from kimi_core.lora.fold_scaling import fold_pattern_scaling
+    from kimi_core.lora.layouts import decompose, detect_layout
+
+    from kimi_sglang_plugin.mapping import LORA_TARGET_NAMES, lora_target_modules
+
+    where = getattr(adapter, "source", None) or "<adapter>"
+    for n in adapter.tensors:
+        if ".lora_" not in n:
+            continue
+        leaf = n.split(".lora_", 1)[0].rsplit(".", 1)[-1]
+        if _kda_layer_leaf(n, leaf, config):
+            raise AdapterRejected(f"{where}: {n}: SGLang fuses KDA's {leaf} into fused_qkvg_proj / its gates and "
+                                  "gives it no LoRA; train KDA layers without it (exclude_modules) or serve with vLLM")
+        if leaf not in LORA_TARGET_NAMES and leaf not in ("gate_up_proj",):
+            raise AdapterRejected(f"{where}: {n}: SGLang has no LoRA for module {leaf!r} "
+                                  f"(served: {sorted(LORA_TARGET_NAMES)})")
+    ad = adapter
+    if any(".experts." in n and ".shared_experts." not in n for n in ad.tensors):
+        layout = detect_layout(decompose(ad.tensors, config, ad.adapter_config, where))
+        if layout == "stacked":  # vLLM's form; SGLang reads numbered experts and the 3-D forms as they are
+            ad = convert_layout(ad, config, "per_expert_3d")
+    ad = _pad_to_rank(fold_pattern_scaling(ad))
+    cfg = ad.adapter_config
+    if cfg.get("use_rslora"):  # SGLang scales by lora_alpha / r: the alpha that gives the rsLoRA scaling
+        ad.adapter_config = {**cfg, "use_rslora": False,
+                             "lora_alpha": scaling_for(cfg, int(cfg["r"]), float(cfg["lora_alpha"])) * int(cfg["r"])}
+    leaves = [leaf for leaf in adapter_leaves(ad.tensors) if leaf != "gate_up_proj"]
+    if any(".experts." in n and ".shared_experts." not in n for n in ad.tensors):
+        leaves += ["w1", "w2"]
+    ad = ad.copy()
+    ad.adapter_config = {**ad.adapter_config, "target_modules": lora_target_modules(sorted(set(leaves)))}
+    return ad
+
+
+def save_prepared(adapter, config, out_dir: str) -> str:
+    """:func:`prepare_adapter`, written to ``out_dir`` atomically (:meth:`~kimi_core.lora.Adapter.save_replacing`)."""
+    return prepare_adapter(adapter, config).save_replacing(out_dir)

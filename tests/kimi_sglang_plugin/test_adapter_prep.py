@@ -1,0 +1,93 @@
+"""kimi_sglang_plugin.adapter_prep: the adapter as SGLang serves it (one lora_alpha / r, its target names).
+
+Oracles: ``kimi_core.reference`` with the original adapter (PEFT semantics: rank_pattern / alpha_pattern,
+rsLoRA) against the prepared one read with one global scaling, and SGLang's own
+``get_normalized_target_modules`` / the pool's subset rule for the target names.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kimi_core.lora import Adapter, LoraSpec, random_adapter
+from kimi_core.reference import load_reference_model
+from kimi_sglang_plugin.adapter_prep import AdapterRejected, prepare_adapter, save_prepared
+from kimi_sglang_plugin.mapping import lora_target_modules
+
+IDS = torch.tensor([[5, 17, 99, 3, 250, 511, 42, 7]])
+K3_LEAVES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj",
+             "w1", "w3", "w2")
+
+
+def _global_scaling_only(ad: Adapter) -> Adapter:
+    """What SGLang reads of an adapter config: lora_alpha and r, nothing else."""
+    out = ad.copy()
+    cfg = out.adapter_config
+    out.adapter_config = {**cfg, "rank_pattern": {}, "alpha_pattern": {}, "use_rslora": False}
+    return out
+
+
+@pytest.fixture(scope="module")
+def k3(tiny_ckpt):
+    from kimi_core.config import load_config
+
+    path = tiny_ckpt("k3")
+    return path, load_config(path), load_reference_model(path, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("layout,normalize,rslora", [("shared_outer", False, False), ("per_expert", True, False),
+                                                     ("per_expert", False, True)])
+def test_prepared_adapter_is_served_alike_by_global_scaling(k3, layout, normalize, rslora):
+    """Capacity-normalised experts (rank_pattern), rsLoRA and plain adapters: the prepared adapter read with
+    SGLang's one ``lora_alpha / r`` (no patterns, no rsLoRA, one rank) gives the logprobs of the original
+    read with PEFT's per-module scaling (float64 reference)."""
+    _, cfg, ref = k3
+    spec = LoraSpec(rank=16, alpha=32.0, target_modules=K3_LEAVES, expert_layout=layout,
+                    normalize_moe_lora=normalize, use_rslora=rslora)
+    ad = random_adapter(cfg, spec, seed=3, b_std=0.5)
+    prepared = prepare_adapter(ad, cfg)
+    want = ref.logprobs(IDS[:, :-1], IDS[:, 1:], adapter=ad)
+    got = ref.logprobs(IDS[:, :-1], IDS[:, 1:], adapter=_global_scaling_only(prepared))
+    base = ref.logprobs(IDS[:, :-1], IDS[:, 1:])
+    assert (want - base).abs().max() > 0.05, "the adapter must move logprobs for the check to mean anything"
+    assert torch.allclose(got, want, atol=1e-9, rtol=0), (got - want).abs().max()
+    cfg_out = prepared.adapter_config
+    assert not cfg_out.get("rank_pattern") and not cfg_out.get("alpha_pattern") and not cfg_out.get("use_rslora")
+    ranks = {t.shape[-2] for n, t in prepared.tensors.items() if n.endswith(".lora_A.weight")}
+    assert ranks == {cfg_out["r"]}, ranks
+
+
+def test_target_modules_pass_sglang_subset_check(k3):
+    """The prepared config's target_modules, normalised by SGLang itself, are a subset of what the engine
+    flag (lora_target_modules of the same leaves) normalises to: SGLang's pool accepts the adapter; the
+    HF leaves as written by the trainer (w1/w3/w2) would be refused."""
+    from sglang.srt.lora.utils import get_normalized_target_modules
+
+    _, cfg, _ = k3
+    ad = random_adapter(cfg, LoraSpec(rank=8, alpha=16.0, target_modules=K3_LEAVES, expert_layout="shared_outer"), seed=1)
+    engine = get_normalized_target_modules(lora_target_modules(K3_LEAVES))
+    prepared = prepare_adapter(ad, cfg).adapter_config["target_modules"]
+    assert get_normalized_target_modules(prepared) <= engine, (prepared, engine)
+    assert not get_normalized_target_modules(ad.adapter_config["target_modules"]) <= engine
+
+
+def test_kda_projection_refused_by_name(k3):
+    """LoRA on a KDA projection SGLang fuses (q_proj of a KDA layer) is refused naming the tensor."""
+    _, cfg, _ = k3
+    ad = random_adapter(cfg, LoraSpec(rank=8, alpha=8.0, target_modules=("q_proj",)), seed=0)
+    with pytest.raises(AdapterRejected, match=r"layers\.\d+\.self_attn\.q_proj\.lora_A.*fused_qkvg_proj"):
+        prepare_adapter(ad, cfg)
+
+
+def test_save_prepared_is_atomic(k3, tmp_path):
+    """save_prepared replaces a previous directory whole and leaves no staging folder behind."""
+    _, cfg, _ = k3
+    ad = random_adapter(cfg, LoraSpec(rank=8, alpha=16.0, target_modules=("o_proj",)), seed=2)
+    out = tmp_path / "v1.sglang"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    save_prepared(ad, cfg, str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".stage-")]
+    assert Adapter.load(str(out)).adapter_config["target_modules"] == ["o_proj"]
