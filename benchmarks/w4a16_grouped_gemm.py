@@ -1,19 +1,22 @@
-"""Benchmark of the W4A16 grouped GEMM (forward and dgrad) on MXFP4 and INT4 experts.
+"""Benchmark of the W4A16 grouped GEMM paths (forward and dgrad) on MXFP4 and INT4 experts against BF16.
 
-One run prints a table over the Kimi expert shapes and tokens per expert and appends it to
-``benchmarks/RESULTS.md`` with date, GPU, commit and command. Columns: our forward and dgrad
-(ms), BF16 ``torch._grouped_mm`` on bf16 copies of the same weights (ms), dequantize-then-
-``_grouped_mm`` (ms, the whole layer dequantized with ``kimi_core.quant`` torch ops), forward
-TFLOP/s, and forward / dgrad time as a percentage of the W4A16 roofline: ``max(bytes / 4.2 TB/s,
-FLOPs / 700 TFLOP/s)`` with bytes = packed weights + scales + activations in + out.
+One run times, for each Kimi expert shape and tokens per expert: BF16 ``torch._grouped_mm`` on bf16 copies of
+the same weights, the fused Triton kernels (``kimi_core.kernels.triton_w4a16``), the chunked dequantize-then-
+``_grouped_mm`` path (``kimi_core.kernels.w4a16_chunked``, with its bf16 workspace and the peak memory it adds)
+and the path the dispatcher (``kimi_core.kernels.choose_path``) picks, forward and dgrad. Speeds are BF16 time /
+our time (1.00x = BF16 speed, higher is faster). A second table gives the decode kernel's bandwidth per shape.
+The tables are printed, appended to ``benchmarks/RESULTS.md`` with date, GPU, torch, commit and command, and
+with ``--json PATH`` written as JSON as well. About two minutes on one H200.
 
-Usage: ``python benchmarks/w4a16_grouped_gemm.py [--out rows.md] [--no-append] [--quick]``
+Usage: ``python benchmarks/w4a16_grouped_gemm.py [--json rows.json] [--out rows.md] [--no-append] [--quick]
+[--tokens 8,128,512,2048] [--workspace-mib 1024] [--sweep]``
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 
@@ -22,7 +25,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from results import append, git_commit  # noqa: E402
 
+from kimi_core import kernels  # noqa: E402
 from kimi_core.kernels import triton_w4a16 as tw  # noqa: E402
+from kimi_core.kernels import w4a16_chunked as wc  # noqa: E402
 from kimi_core.quant import dequantize  # noqa: E402
 
 SHAPES = [("K3 fc1", 112, 3584, 6144), ("K3 fc2", 112, 3072, 3584), ("K2 fc1", 24, 7168, 4096),
@@ -31,11 +36,13 @@ TOKENS = [8, 128, 512, 2048]
 FORMATS = ["mxfp4-pack-quantized", "pack-quantized"]
 HBM = 4.2e12
 MMA = 700e12
+REPS = 20
+DEV = "cuda"
 
 
-def bench(fn, reps: int = 20, warmup: int = 3) -> float:
+def bench(fn, reps: int = REPS, warmup: int = 3) -> float:
     """Median ms of ``fn`` over ``reps`` CUDA-event-timed runs, L2 flushed before each."""
-    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device=DEV)
     for _ in range(warmup):
         fn()
     times = []
@@ -51,90 +58,198 @@ def bench(fn, reps: int = 20, warmup: int = 3) -> float:
     return times[len(times) // 2]
 
 
+def peak_extra(fn) -> float:
+    """GiB allocated by one call of ``fn`` at its peak, above what was allocated before it (output included)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    del out
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
 def random_weights(fmt, E, N, K):
     if fmt == "mxfp4-pack-quantized":
-        wp = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, device="cuda")
-        ws = torch.randint(118, 125, (E, N, K // 32), dtype=torch.uint8, device="cuda")
+        wp = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, device=DEV)
+        ws = torch.randint(118, 125, (E, N, K // 32), dtype=torch.uint8, device=DEV)
     else:
-        wp = torch.randint(-(2**31), 2**31 - 1, (E, N, K // 8), dtype=torch.int64, device="cuda").to(torch.int32)
-        ws = (torch.rand((E, N, K // 32), device="cuda") * 0.02 + 0.002).to(torch.bfloat16)
+        wp = torch.randint(-(2**31), 2**31 - 1, (E, N, K // 8), dtype=torch.int64, device=DEV).to(torch.int32)
+        ws = (torch.rand((E, N, K // 32), device=DEV) * 0.02 + 0.002).to(torch.bfloat16)
     return wp, ws
 
 
+def rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
 def commit() -> str:
-    return git_commit(default="uncommitted")
+    return git_commit((":/kimi_core/kernels", ":/benchmarks/w4a16_grouped_gemm.py"), "kernel", default="uncommitted")
+
+
+HEADER = ("| shape | E | K | N | tok/exp | fmt | BF16 fwd ms | fused fwd ms | chunked fwd ms | workspace GiB (chunks) "
+          "| chunked peak extra GiB | auto fwd | auto fwd speed vs BF16 | auto fwd TFLOP/s | auto fwd % roofline "
+          "| BF16 dgrad ms | fused dgrad ms | chunked dgrad ms | auto dgrad | auto dgrad speed vs BF16 |")
+DECODE_HEADER = "| shape | fmt | experts decoded | decode ms | read GB | written GB | decode TB/s |"
+
+
+def measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe, alt_bytes: int | None = None) -> dict:
+    """All timings of one (shape, format, tokens per expert) row; ``alt_bytes``: also time chunked at that bound."""
+    T = E * tpe
+    splits = [tpe] * E
+    offs = torch.arange(1, E + 1, device=DEV, dtype=torch.int32) * tpe
+    x = torch.randn(T, K, device=DEV).bfloat16()
+    dy = torch.randn(T, N, device=DEV).bfloat16()
+    fns = {
+        "bf16_fwd": lambda: torch._grouped_mm(x, w_bf16.transpose(1, 2), offs=offs, out_dtype=torch.bfloat16),
+        "fused_fwd": lambda: tw.grouped_gemm(x, wp, ws, fmt, splits),
+        "chunked_fwd": lambda: wc.grouped_gemm(x, wp, ws, fmt, splits),
+        "bf16_dgrad": lambda: torch._grouped_mm(dy, w_bf16, offs=offs, out_dtype=torch.bfloat16),
+        "fused_dgrad": lambda: tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits),
+        "chunked_dgrad": lambda: wc.grouped_gemm_dgrad(dy, wp, ws, fmt, splits),
+    }
+    row = dict(shape=name, E=E, K=K, N=N, tokens_per_expert=tpe, fmt=fmt)
+    for op in ("fwd", "dgrad"):  # correctness against BF16 on the same weights, then memory, then time
+        ref = fns[f"bf16_{op}"]()
+        row[f"fused_{op}_rel_err"] = rel_err(ref, fns[f"fused_{op}"]())
+        row[f"chunked_{op}_rel_err"] = rel_err(ref, fns[f"chunked_{op}"]())
+        del ref
+        row[f"chunked_{op}_peak_extra_gib"] = peak_extra(fns[f"chunked_{op}"])
+        plan = wc.plan_chunks(E, N, K, op)
+        row[f"chunked_{op}_workspace_gib"] = plan.workspace_bytes / 2**30
+        row[f"chunked_{op}_chunks"] = plan.num_chunks
+        for path in ("bf16", "fused", "chunked"):
+            row[f"{path}_{op}_ms"] = bench(fns[f"{path}_{op}"])
+        auto = kernels.choose_path(op, T, E, N, K, x.device)
+        row[f"auto_{op}"] = auto
+        row[f"auto_{op}_ms"] = row[f"{auto}_{op}_ms"]  # the dispatcher calls exactly this path
+        row[f"auto_{op}_speed_vs_bf16"] = row[f"bf16_{op}_ms"] / row[f"auto_{op}_ms"]
+        worst = max(row[f"fused_{op}_rel_err"], row[f"chunked_{op}_rel_err"])
+        if worst > 1e-2:
+            print(f"WARNING {name} {fmt} tpe={tpe} {op}: relative error vs BF16 {worst:.2e}", flush=True)
+    flops = 2.0 * T * N * K
+    w_bytes = wp.numel() * wp.element_size() + ws.numel() * ws.element_size()
+    row["auto_fwd_tflops"] = flops / row["auto_fwd_ms"] / 1e9
+    roof_ms = max((w_bytes + 2 * T * (K + N)) / HBM, flops / MMA) * 1e3
+    row["auto_fwd_roofline_pct"] = 100 * roof_ms / row["auto_fwd_ms"]
+    if alt_bytes:
+        row["alt_fwd_ms"] = bench(lambda: wc.grouped_gemm(x, wp, ws, fmt, splits, workspace_bytes=alt_bytes))
+        row["alt_dgrad_ms"] = bench(lambda: wc.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, workspace_bytes=alt_bytes))
+        row["alt_fwd_chunks"] = wc.plan_chunks(E, N, K, "fwd", alt_bytes).num_chunks
+    return row
+
+
+def format_row(r: dict) -> str:
+    short = "MXFP4" if r["fmt"].startswith("mxfp4") else "INT4"
+    return (f"| {r['shape']} | {r['E']} | {r['K']} | {r['N']} | {r['tokens_per_expert']} | {short} "
+            f"| {r['bf16_fwd_ms']:.3f} | {r['fused_fwd_ms']:.3f} | {r['chunked_fwd_ms']:.3f} "
+            f"| {r['chunked_fwd_workspace_gib']:.2f} ({r['chunked_fwd_chunks']}) "
+            f"| {r['chunked_fwd_peak_extra_gib']:.2f} "
+            f"| {r['auto_fwd']} | {r['auto_fwd_speed_vs_bf16']:.2f}x | {r['auto_fwd_tflops']:.0f} "
+            f"| {r['auto_fwd_roofline_pct']:.0f}% | {r['bf16_dgrad_ms']:.3f} | {r['fused_dgrad_ms']:.3f} "
+            f"| {r['chunked_dgrad_ms']:.3f} | {r['auto_dgrad']} | {r['auto_dgrad_speed_vs_bf16']:.2f}x |")
+
+
+def measure_decode(name, E, K, N, fmt, wp, ws) -> dict:
+    """Bandwidth of the decode kernel on one forward chunk (the experts one workspace buffer holds)."""
+    from kimi_core.kernels.triton_w4a16_decode import decode_experts
+
+    plan = wc.plan_chunks(E, N, K, "fwd")
+    n = plan.per_buffer
+    buf = torch.empty((n, N, K), dtype=torch.bfloat16, device=DEV)
+    ms = bench(lambda: decode_experts(wp, ws, fmt, 0, n, buf))
+    read = n * (wp[0].numel() * wp.element_size() + ws[0].numel() * ws.element_size())
+    written = buf.numel() * 2
+    return dict(shape=name, fmt=fmt, experts=n, ms=ms, read_gb=read / 1e9, written_gb=written / 1e9,
+                tb_per_s=(read + written) / ms / 1e9)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None, help="also write the table rows to this file")
+    ap.add_argument("--out", default=None, help="also write the markdown tables to this file")
+    ap.add_argument("--json", default=None, help="also write every measurement as JSON to this path")
     ap.add_argument("--no-append", action="store_true", help="do not append to benchmarks/RESULTS.md")
     ap.add_argument("--quick", action="store_true", help="K3 fc1 only")
-    ap.add_argument("--deq-reps", type=int, default=3)
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="tokens per expert, comma-separated")
+    ap.add_argument("--workspace-mib", type=int, default=None,
+                    help=f"bound of the chunked path's workspace (sets {wc.WORKSPACE_ENV}; default 1024)")
+    ap.add_argument("--alt-workspace-mib", type=int, default=None,
+                    help="also time the chunked path under this bound (e.g. 96: one expert per buffer, L2-sized)")
     ap.add_argument("--sweep", action="store_true", help="time tile configs on K3 fc1 instead of the table")
     args = ap.parse_args()
     if args.sweep:
         return sweep()
+    if args.workspace_mib is not None:
+        os.environ[wc.WORKSPACE_ENV] = str(args.workspace_mib << 20)
+    os.environ.pop(kernels.PATH_ENV, None)  # the auto column is the dispatcher's own choice
     torch.manual_seed(0)
+    tokens = [int(t) for t in args.tokens.split(",")]
     shapes = SHAPES[:1] if args.quick else SHAPES
-    rows = []
-    header = ("| shape | E | K | N | tok/exp | fmt | fwd ms | dgrad ms | bf16 grouped_mm ms | deq+grouped_mm ms "
-              "| fwd TFLOP/s | fwd % roofline | dgrad % roofline | bf16/fwd | dgrad/fwd | deq+mm/fwd |")
-    print(header, flush=True)
+    rows, decodes, lines, dlines = [], [], [], []
+    print(HEADER, flush=True)
     for name, E, K, N in shapes:
         w_bf16 = None
         for fmt in FORMATS:
             wp, ws = random_weights(fmt, E, N, K)
-            if w_bf16 is None:  # BF16 baseline: the same experts, dequantized once, [E, N, K]
-                w_bf16 = torch.empty((E, N, K), dtype=torch.bfloat16, device="cuda")
-                for e in range(E):
-                    w_bf16[e] = dequantize(fmt, wp[e], ws[e], torch.bfloat16)
-            w_bytes = wp.numel() * wp.element_size() + ws.numel() * ws.element_size()
-            for tpe in TOKENS:
-                T = E * tpe
-                splits = [tpe] * E
-                offs = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * tpe
-                x = torch.randn(T, K, device="cuda").bfloat16()
-                dy = torch.randn(T, N, device="cuda").bfloat16()
-                y = torch.empty(T, N, device="cuda", dtype=torch.bfloat16)
-                dx = torch.empty(T, K, device="cuda", dtype=torch.bfloat16)
-                t_fwd = bench(lambda: tw.grouped_gemm(x, wp, ws, fmt, splits, out=y))
-                t_dg = bench(lambda: tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, out=dx))
-                t_bf = bench(lambda: torch._grouped_mm(x, w_bf16.transpose(1, 2), offs=offs))
-
-                def deq_mm():
-                    w = dequantize(fmt, wp, ws, torch.bfloat16)
-                    return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-
-                t_dq = bench(deq_mm, reps=args.deq_reps, warmup=1)
-                flops = 2.0 * T * N * K
-                roof_f = max((w_bytes + 2 * T * (K + N)) / HBM, flops / MMA) * 1e3
-                row = (f"| {name} | {E} | {K} | {N} | {tpe} | {'MXFP4' if fmt.startswith('mxfp4') else 'INT4'} "
-                       f"| {t_fwd:.3f} | {t_dg:.3f} | {t_bf:.3f} | {t_dq:.2f} | {flops / t_fwd / 1e9:.0f} "
-                       f"| {100 * roof_f / t_fwd:.0f}% | {100 * roof_f / t_dg:.0f}% | {t_bf / t_fwd:.2f}x "
-                       f"| {t_dg / t_fwd:.2f} | {t_dq / t_fwd:.1f}x |")
-                print(row, flush=True)
-                rows.append(row)
-                del x, dy, y, dx
+            if w_bf16 is None:  # BF16 baseline: the same experts dequantized once, [E, N, K]
+                w_bf16 = torch.empty((E, N, K), dtype=torch.bfloat16, device=DEV)
+            for e in range(E):
+                w_bf16[e] = dequantize(fmt, wp[e], ws[e], torch.bfloat16)
+            for tpe in tokens:
+                r = measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe,
+                            args.alt_workspace_mib << 20 if args.alt_workspace_mib else None)
+                rows.append(r)
+                lines.append(format_row(r))
+                print(lines[-1], flush=True)
+                torch.cuda.empty_cache()
+            d = measure_decode(name, E, K, N, fmt, wp, ws)
+            decodes.append(d)
+            dlines.append(f"| {name} | {'MXFP4' if fmt.startswith('mxfp4') else 'INT4'} | {d['experts']} "
+                          f"| {d['ms']:.3f} | {d['read_gb']:.3f} | {d['written_gb']:.3f} | {d['tb_per_s']:.2f} |")
             del wp, ws
         del w_bf16
         torch.cuda.empty_cache()
-    gpu = torch.cuda.get_device_name()
-    cmd = "python " + " ".join(sys.argv)
+    print("\n" + DECODE_HEADER + "\n" + "\n".join(dlines), flush=True)
     import triton
 
-    block = [f"\n## W4A16 grouped GEMM ({datetime.date.today().isoformat()}, {gpu}, commit {commit()})\n",
-             f"Command: `{cmd}`; torch {torch.__version__}, triton {triton.__version__}. "
-             "Median of 20 runs (dequantize+mm: 3), L2 flushed before each. Random codes and scales; "
-             "roofline = max(bytes / 4.2 TB/s, FLOPs / 700 TFLOP/s).\n", header,
-             "|" + "---|" * (header.count("|") - 1)]
-    block += rows
+    gpu = torch.cuda.get_device_name()
+    cmd = "python " + " ".join(sys.argv)
+    date = datetime.date.today().isoformat()
+    bound = wc.workspace_bound()
+    block = [f"\n## W4A16 grouped GEMM: BF16 vs fused vs chunked dequant+GEMM ({date}, {gpu}, commit {commit()})\n",
+             f"Command: `{cmd}`; torch {torch.__version__}, triton {triton.__version__}. Median of {REPS} runs, "
+             f"L2 flushed before each; random codes and scales, equal tokens per expert. Chunked workspace bound "
+             f"{bound / 2**30:.2f} GiB; \"peak extra\" is what one chunked forward allocates above its inputs "
+             "(output, workspace and per-chunk GEMM outputs). Speed vs BF16 = BF16 ms / ms (higher is faster); "
+             "auto = `kimi_core.kernels.choose_path`, crossover table `W4A16_CROSSOVER` = "
+             f"`{_crossover_text()}`; roofline = max(bytes / 4.2 TB/s, FLOPs / 700 TFLOP/s).\n", HEADER,
+             "|" + "---|" * (HEADER.count("|") - 1)]
+    block += lines
+    block += ["", "Decode kernel alone (one workspace buffer of experts, bf16 written):", "", DECODE_HEADER,
+              "|" + "---|" * (DECODE_HEADER.count("|") - 1)] + dlines
+    if args.alt_workspace_mib:
+        alt = ("| shape | tok/exp | fmt | chunks | chunked fwd ms | fwd speed vs BF16 | chunked dgrad ms "
+               "| dgrad speed vs BF16 |")
+        block += ["", f"Chunked path with a {args.alt_workspace_mib} MiB workspace instead:", "", alt,
+                  "|" + "---|" * (alt.count("|") - 1)]
+        block += [f"| {r['shape']} | {r['tokens_per_expert']} | {'MXFP4' if r['fmt'].startswith('mxfp4') else 'INT4'} "
+                  f"| {r['alt_fwd_chunks']} | {r['alt_fwd_ms']:.3f} | {r['bf16_fwd_ms'] / r['alt_fwd_ms']:.2f}x "
+                  f"| {r['alt_dgrad_ms']:.3f} | {r['bf16_dgrad_ms'] / r['alt_dgrad_ms']:.2f}x |" for r in rows]
     text = "\n".join(block) + "\n"
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+    if args.json:
+        meta = dict(date=date, gpu=gpu, torch=torch.__version__, triton=triton.__version__, commit=commit(),
+                    command=cmd, workspace_bytes=bound, crossover=_crossover_text())
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows, decode=decodes), f, indent=1)
     if not args.no_append:
         append(text)
+
+
+def _crossover_text() -> str:
+    return json.dumps({op: {str(k): v for k, v in t.items()} for op, t in kernels.W4A16_CROSSOVER.items()})
 
 
 def sweep() -> None:
@@ -153,8 +268,8 @@ def sweep() -> None:
         for tpe in (8, 128, 512):
             T = E * tpe
             splits = [tpe] * E
-            x = torch.randn(T, K, device="cuda").bfloat16()
-            dy = torch.randn(T, N, device="cuda").bfloat16()
+            x = torch.randn(T, K, device=DEV).bfloat16()
+            dy = torch.randn(T, N, device=DEV).bfloat16()
             for kind, table, fn, a in (("fwd", fwd, tw.grouped_gemm, x), ("dgrad", dg, tw.grouped_gemm_dgrad, dy)):
                 for bm, bn, nw, ns in table[tpe]:
                     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)

@@ -6,12 +6,20 @@ Public ops (validated here, once):
 * :func:`w4a16_grouped_gemm_dgrad` ``(dy [T, N] bf16, w_packed, w_scale, fmt, m_splits) -> dx [T, K] bf16``
 * :class:`W4A16GroupedGemm` / :func:`w4a16_grouped_linear`: autograd tying the two (the 4-bit base
   is frozen: gradients flow to ``x`` only).
+* :func:`choose_path`: the dispatcher both ops (and so the autograd forward, its recompute and the dgrad) go through.
 * :func:`fake_quant_gpu`, :func:`fake_int4_gpu`, :func:`fake_mxfp4_gpu`: straight-through fake
   quantization, bit-exact with :mod:`kimi_core.quant`.
 
-CUDA tensors run the Triton kernels of :mod:`kimi_core.kernels.triton_w4a16`; anything else runs
-the pure-torch twin :mod:`kimi_core.kernels.reference`. Triton is imported only on first GPU use,
-so this package imports on machines without a GPU or without Triton.
+Two paths compute the grouped GEMM, chosen per call by :func:`choose_path` from the mean tokens per expert:
+
+* ``"fused"``: CUDA tensors run the Triton kernels of :mod:`kimi_core.kernels.triton_w4a16` (decode in
+  registers, no bf16 weight in HBM); anything else runs the pure-torch twin :mod:`kimi_core.kernels.reference`.
+* ``"chunked"``: :mod:`kimi_core.kernels.w4a16_chunked`, a few experts at a time decoded into a bf16 workspace
+  of at most 1 GiB (``KIMI_W4A16_WORKSPACE_BYTES``) and multiplied by ``torch._grouped_mm``, the next decode
+  overlapped on a side stream. Also runs on CPU tensors (torch decode), for tests.
+
+``KIMI_W4A16_PATH=fused|chunked|auto`` (or the ``path=`` argument, which wins) forces a path. Triton is
+imported only on first GPU use, so this package imports on machines without a GPU or without Triton.
 
 Example::
 
@@ -21,13 +29,29 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
-from kimi_core.kernels import reference
+from kimi_core.kernels import reference, w4a16_chunked
 
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 INT4_FORMAT = "pack-quantized"
 _WHERE = "kimi_core/kernels"
+PATH_ENV = "KIMI_W4A16_PATH"
+PATHS = ("fused", "chunked", "auto")
+
+#: The dispatcher's crossover: from this mean number of tokens per expert (``T / E``) on, the chunked
+#: dequantize-then-``_grouped_mm`` path is chosen over the fused kernel, per op; an ``(N, K)`` key overrides
+#: ``"default"`` for that weight shape. Source: the H200 table in benchmarks/RESULTS.md ("W4A16 grouped GEMM",
+#: 2026-11-29) and issue 21, K3 fc1 MXFP4 forward (112 experts, 3584 -> 6144): fused 0.92 / 1.93 / 6.88 / 25.6 ms
+#: at 8 / 128 / 512 / 2048 tokens per expert, BF16 ``_grouped_mm`` 1.61 / 1.49 / 3.56 / 15.0 ms, and the whole
+#: layer dequantized + ``_grouped_mm`` measured at 17.0 ms at 2048 only. So the one measured win of
+#: dequantize-then-GEMM is at 2048; at 512 it is an estimate (a decode of ~2 ms beside 3.56 ms of GEMM against
+#: 6.88 ms fused) that the chunked path has not been timed against yet, and auto keeps the fused kernel there
+#: until ``benchmarks/w4a16_grouped_gemm.py`` has measured both paths on the H200 (then lower this row).
+W4A16_CROSSOVER: dict[str, dict] = {"fwd": {"default": 2048}, "dgrad": {"default": 2048}}
 
 
 def _check(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype) -> None:
@@ -73,8 +97,45 @@ def _validate(a: torch.Tensor, a_name: str, w_packed, w_scale, fmt: str, m_split
     return E, N, K
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _forced_path(path: str | None) -> str:
+    chosen = path if path is not None else (os.environ.get(PATH_ENV, "").strip() or "auto")
+    if chosen not in PATHS:
+        src = "path" if path is not None else PATH_ENV
+        raise ValueError(f"{_WHERE}: {src} must be one of {', '.join(PATHS)}, got {chosen!r}")
+    return chosen
+
+
+def choose_path(op: str, T: int, E: int, N: int, K: int, device, path: str | None = None) -> str:
+    """``"fused"`` or ``"chunked"`` for one grouped GEMM of ``T`` rows over ``E`` experts of ``[N, K]``.
+
+    :param op: ``"fwd"`` or ``"dgrad"`` (rows of :data:`W4A16_CROSSOVER`).
+    :param device: where the operands live; ``"fused"`` on a CPU means the pure-torch reference.
+    :param path: ``"fused"`` / ``"chunked"`` forces a path, ``"auto"`` or ``None`` (then ``$KIMI_W4A16_PATH``,
+        default ``auto``) asks the table. Auto picks ``"chunked"`` only on a CUDA device of compute capability
+        9.0+ (where ``_grouped_mm`` has its CUTLASS kernel), when one expert fits the workspace bound, and when
+        ``T / E`` reaches the crossover for ``(N, K)``.
+    """
+    forced = _forced_path(path)
+    if forced != "auto":
+        return forced
+    device = torch.device(device)
+    if device.type != "cuda" or E == 0:
+        return "fused"
+    if _capability(device.index if device.index is not None else torch.cuda.current_device())[0] < 9:
+        return "fused"
+    if not w4a16_chunked.fits(N, K, op):
+        return "fused"
+    table = W4A16_CROSSOVER[op]
+    return "chunked" if T / E >= table.get((N, K), table["default"]) else "fused"
+
+
 def w4a16_grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str,
-                       m_splits) -> torch.Tensor:
+                       m_splits, *, path: str | None = None) -> torch.Tensor:
     """Grouped ``y = x . dequant(W_e)^T`` over experts, weights kept 4-bit.
 
     :param x: ``[T, K]`` bf16, rows sorted by expert.
@@ -83,9 +144,13 @@ def w4a16_grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.T
     :param w_scale: MXFP4 E8M0 uint8 ``[E, N, K/32]`` or INT4 bf16 ``[E, N, K/32]``.
     :param fmt: ``"mxfp4-pack-quantized"`` or ``"pack-quantized"``.
     :param m_splits: rows per expert, ``list[int]`` or integer tensor ``[E]``; zeros allowed.
+    :param path: ``"fused"``, ``"chunked"`` or ``"auto"`` (default: ``$KIMI_W4A16_PATH``, else auto), see
+        :func:`choose_path`.
     :returns: ``[T, N]`` bf16 (fp32 accumulation). Reference twin: ``reference.w4a16_grouped_gemm``.
     """
-    _validate(x, "x", w_packed, w_scale, fmt, m_splits, "K")
+    E, N, K = _validate(x, "x", w_packed, w_scale, fmt, m_splits, "K")
+    if choose_path("fwd", x.shape[0], E, N, K, x.device, path) == "chunked":
+        return w4a16_chunked.grouped_gemm(x, w_packed, w_scale, fmt, m_splits)
     if x.is_cuda:
         from kimi_core.kernels import triton_w4a16
 
@@ -94,13 +159,15 @@ def w4a16_grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.T
 
 
 def w4a16_grouped_gemm_dgrad(dy: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str,
-                             m_splits) -> torch.Tensor:
+                             m_splits, *, path: str | None = None) -> torch.Tensor:
     """Grouped ``dx = dy . dequant(W_e)``: the activation gradient of :func:`w4a16_grouped_gemm`.
 
     :param dy: ``[T, N]`` bf16, rows sorted by expert; other arguments as in the forward.
     :returns: ``[T, K]`` bf16 (fp32 accumulation). Reference twin: ``reference.w4a16_grouped_gemm_dgrad``.
     """
-    _validate(dy, "dy", w_packed, w_scale, fmt, m_splits, "N")
+    E, N, K = _validate(dy, "dy", w_packed, w_scale, fmt, m_splits, "N")
+    if choose_path("dgrad", dy.shape[0], E, N, K, dy.device, path) == "chunked":
+        return w4a16_chunked.grouped_gemm_dgrad(dy, w_packed, w_scale, fmt, m_splits)
     if dy.is_cuda:
         from kimi_core.kernels import triton_w4a16
 
@@ -111,28 +178,34 @@ def w4a16_grouped_gemm_dgrad(dy: torch.Tensor, w_packed: torch.Tensor, w_scale: 
 class W4A16GroupedGemm(torch.autograd.Function):
     """Autograd of the grouped W4A16 GEMM: forward :func:`w4a16_grouped_gemm`, backward its dgrad.
 
-    The 4-bit weights are frozen, so ``backward`` returns a gradient for ``x`` only.
+    The 4-bit weights are frozen, so ``backward`` returns a gradient for ``x`` only. Forward (and so an
+    activation recompute) and dgrad each ask :func:`choose_path`, with the same ``path`` override.
     """
 
     @staticmethod
-    def forward(ctx, x, w_packed, w_scale, fmt, m_splits):
+    def forward(ctx, x, w_packed, w_scale, fmt, m_splits, *path):
         ctx.save_for_backward(w_packed, w_scale)
-        ctx.fmt, ctx.m_splits = fmt, m_splits
-        return w4a16_grouped_gemm(x, w_packed, w_scale, fmt, m_splits)
+        ctx.n_inputs = 5 + len(path)  # ``path`` is optional: apply(x, w_packed, w_scale, fmt, m_splits[, path])
+        ctx.fmt, ctx.m_splits, ctx.path = fmt, m_splits, path[0] if path else None
+        return w4a16_grouped_gemm(x, w_packed, w_scale, fmt, m_splits, path=ctx.path)
 
     @staticmethod
     def backward(ctx, dy):
         w_packed, w_scale = ctx.saved_tensors
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = w4a16_grouped_gemm_dgrad(dy.to(torch.bfloat16).contiguous(), w_packed, w_scale, ctx.fmt, ctx.m_splits)
-        return dx, None, None, None, None
+            dx = w4a16_grouped_gemm_dgrad(dy.to(torch.bfloat16).contiguous(), w_packed, w_scale, ctx.fmt, ctx.m_splits,
+                                          path=ctx.path)
+        return (dx,) + (None,) * (ctx.n_inputs - 1)
 
 
 def w4a16_grouped_linear(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str,
-                         m_splits) -> torch.Tensor:
-    """Differentiable :func:`w4a16_grouped_gemm` (``[T, K] -> [T, N]``); gradients reach ``x`` only."""
-    return W4A16GroupedGemm.apply(x, w_packed, w_scale, fmt, m_splits)
+                         m_splits, path: str | None = None) -> torch.Tensor:
+    """Differentiable :func:`w4a16_grouped_gemm` (``[T, K] -> [T, N]``); gradients reach ``x`` only.
+
+    ``path`` forces ``"fused"`` / ``"chunked"`` for the forward and the dgrad (default: :func:`choose_path`).
+    """
+    return W4A16GroupedGemm.apply(x, w_packed, w_scale, fmt, m_splits, path)
 
 
 def fake_int4_gpu(w: torch.Tensor, scale_divisor: float = 7.0, q_min: int = -7) -> torch.Tensor:
@@ -169,7 +242,11 @@ def fake_quant_gpu(w: torch.Tensor, fmt: str, scale_divisor: float = 7.0, q_min:
 __all__ = [
     "INT4_FORMAT",
     "MXFP4_FORMAT",
+    "PATHS",
+    "PATH_ENV",
     "W4A16GroupedGemm",
+    "W4A16_CROSSOVER",
+    "choose_path",
     "fake_int4_gpu",
     "fake_mxfp4_gpu",
     "fake_quant_gpu",

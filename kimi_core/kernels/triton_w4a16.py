@@ -100,6 +100,17 @@ def _scale_value(s, FMT: tl.constexpr):
 
 
 @triton.jit
+def _scale_bf16(s, FMT: tl.constexpr):
+    """Group scales as the bf16 factor of the word decoders: an E8M0 byte ``s`` becomes the bf16 with bits
+    ``s << 7`` (``2^(s - 127)``; ``s = 0`` the subnormal ``2^-127``, bits ``0x40``); INT4 scales are bf16 already."""
+    if FMT == 0:
+        sb = s.to(tl.uint16)
+        return tl.where(sb == 0, 0x40, sb << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return s
+
+
+@triton.jit
 def _mxfp4_decode(b, s):
     """uint8 codes ``[R, C]`` (two E2M1 per byte) and E8M0 bytes ``[R, C // 16]`` -> bf16 ``[R, 2C]``."""
     R: tl.constexpr = b.shape[0]
@@ -271,11 +282,11 @@ def _fwd_perm_tile(wq_ptr, ws_ptr, x_rows, row_mask, offs_n, n_mask, k0, stride_
                 mask=n_mask[:, None, None], other=0)  # int32 [BN, 4, 4]
     if FMT == 0:
         sb = tl.load(ws_ptr + offs_n[:, None] * stride_sn + (k0 // 32 + wt)[None, :],
-                     mask=n_mask[:, None], other=127).to(tl.uint16)
-        sb = tl.where(sb == 0, 0x40, sb << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+                     mask=n_mask[:, None], other=127)
     else:
         sb = tl.load(ws_ptr + offs_n[:, None] * stride_sn + (k0 // 32 + wt)[None, :],
                      mask=n_mask[:, None], other=0.0)
+    sb = _scale_bf16(sb, FMT)
     s3 = tl.broadcast_to(sb[:, :, None], (BLOCK_N, 4, 4))
     o0, o1, o2, o3, o4, o5, o6, o7 = _decode_words(q, s3, FMT, USE_ASM)  # each [BN, 4(t), 4(w)]
     p = tl.join(tl.join(tl.join(o0, o4), tl.join(o1, o5)), tl.join(tl.join(o2, o6), tl.join(o3, o7)))
@@ -430,10 +441,7 @@ def w4a16_dgrad_perm_kernel(dy_ptr, wq_ptr, ws_ptr, dx_ptr, offsets_ptr, N, K, E
                     sb = tl.load(s_ptrs, mask=n_mask[:, None], other=127)
                 else:
                     sb = tl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
-            sb = sb.reshape(BLOCK_N, 4, 2)
-            if FMT == 0:
-                sb = sb.to(tl.uint16)
-                sb = tl.where(sb == 0, 0x40, sb << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            sb = _scale_bf16(sb.reshape(BLOCK_N, 4, 2), FMT)
             s4 = tl.broadcast_to(sb[:, :, :, None], (BLOCK_N, 4, 2, 4))
             o0, o1, o2, o3, o4, o5, o6, o7 = _decode_words(q, s4, FMT, USE_ASM)
             p = tl.join(tl.join(tl.join(o0, o1), tl.join(o2, o3)), tl.join(tl.join(o4, o5), tl.join(o6, o7)))
