@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from kimi_core.errors import KimiError
 
-__all__ = ["AdapterRejected", "prepare_adapter", "save_prepared", "adapter_leaves", "UNSERVED_KDA_LEAVES"]
+__all__ = ["AdapterRejected", "prepare_adapter", "save_prepared", "check_served_config", "adapter_leaves",
+           "UNSERVED_KDA_LEAVES"]
 
 #: leaves of K3 KDA layers that SGLang fuses (``fused_qkvg_proj``, ``f``/``b``/``g`` gates) and gives no LoRA
 UNSERVED_KDA_LEAVES = ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj",
@@ -109,6 +110,36 @@ def prepare_adapter(adapter, config):
     ad = ad.copy()
     ad.adapter_config = {**ad.adapter_config, "target_modules": lora_target_modules(sorted(set(leaves)))}
     return ad
+
+
+def check_served_config(adapter_config: dict, where: str = "adapter_config") -> None:
+    """Refuse an adapter config SGLang would misread or refuse without a reason: per-module scaling it
+    ignores (``rank_pattern`` / ``alpha_pattern`` / ``use_rslora``) or ``target_modules`` that are not
+    ``--lora-target-modules`` names (``"all-linear"`` / ``"all"`` pass). :func:`prepare_adapter` output passes.
+
+    :raises AdapterRejected: naming the field and the fix.
+    """
+    from kimi_sglang_plugin.mapping import LORA_TARGET_NAMES
+
+    for key in ("rank_pattern", "alpha_pattern"):
+        if adapter_config.get(key):
+            raise AdapterRejected(f"{where}: {key} is set; SGLang scales every module by lora_alpha / r and would serve "
+                                  "those modules with the wrong scaling: pass the adapter through "
+                                  "kimi_sglang_plugin.adapter_prep.prepare_adapter first")
+    if adapter_config.get("use_rslora"):
+        raise AdapterRejected(f"{where}: use_rslora is set; SGLang ignores it (scaling lora_alpha / r): "
+                              "pass the adapter through kimi_sglang_plugin.adapter_prep.prepare_adapter first")
+    targets = adapter_config.get("target_modules")
+    if isinstance(targets, str):
+        return
+    # what SGLang normalises and accepts: the flag values and the HF leaves it maps (gate_proj -> gate_up_proj),
+    # but not our expert leaves, which have no SGLang name of their own
+    accepted = (set(LORA_TARGET_NAMES) - {"w1", "w2", "w3"}) | set(LORA_TARGET_NAMES.values())
+    bad = sorted(set(targets or ()) - accepted)
+    if bad:
+        raise AdapterRejected(f"{where}: target_modules {bad} are not SGLang --lora-target-modules names; its LoRA pool "
+                              "would refuse the adapter as incompatible: pass it through "
+                              "kimi_sglang_plugin.adapter_prep.prepare_adapter first")
 
 
 def save_prepared(adapter, config, out_dir: str) -> str:

@@ -91,3 +91,20 @@ def test_save_prepared_is_atomic(k3, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".stage-")]
     assert Adapter.load(str(out)).adapter_config["target_modules"] == ["o_proj"]
+
+
+def test_unprepared_config_refused(k3):
+    """check_served_config refuses configs SGLang would misread (rank_pattern, rsLoRA) or refuse (HF expert
+    leaves, KDA projections), naming the field; a prepared adapter's config passes."""
+    from kimi_sglang_plugin.adapter_prep import check_served_config
+
+    _, cfg, _ = k3
+    ad = random_adapter(cfg, LoraSpec(rank=16, alpha=32.0, target_modules=K3_LEAVES, normalize_moe_lora=True), seed=4)
+    with pytest.raises(AdapterRejected, match="rank_pattern is set"):
+        check_served_config(ad.adapter_config)
+    with pytest.raises(AdapterRejected, match="use_rslora is set"):
+        check_served_config({"r": 8, "lora_alpha": 8, "use_rslora": True, "target_modules": ["o_proj"]})
+    plain = random_adapter(cfg, LoraSpec(rank=8, alpha=16.0, target_modules=K3_LEAVES), seed=5)
+    with pytest.raises(AdapterRejected, match=r"target_modules \['w1', 'w2', 'w3'\]"):
+        check_served_config(plain.adapter_config)
+    check_served_config(prepare_adapter(ad, cfg).adapter_config)
