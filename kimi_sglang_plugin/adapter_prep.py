@@ -34,20 +34,24 @@ class AdapterRejected(KimiError, ValueError):
     """The adapter cannot be served by SGLang as it is; the message names the tensor or field."""
 
 
+def _leaf(name: str) -> str:
+    """Module leaf of a PEFT tensor name (``...layers.3.self_attn.o_proj.lora_A.weight`` -> ``o_proj``)."""
+    return name.split(".lora_", 1)[0].rsplit(".", 1)[-1]
+
+
 def adapter_leaves(tensor_names) -> dict[str, str]:
     """``{module leaf: first tensor name}`` of PEFT tensor names (``...<leaf>.lora_A.weight``)."""
     out: dict[str, str] = {}
     for n in tensor_names:
-        if ".lora_" not in n:
-            continue
-        out.setdefault(n.split(".lora_", 1)[0].rsplit(".", 1)[-1], n)
+        if ".lora_" in n:
+            out.setdefault(_leaf(n), n)
     return out
 
 
 def _kda_layer_leaf(name: str, leaf: str, config) -> bool:
-    import re
+    from kimi_sglang_plugin.mapping import _LAYER
 
-    m = re.search(r"\.layers\.(\d+)\.", name)
+    m = _LAYER.search(name)
     return bool(m) and leaf in UNSERVED_KDA_LEAVES and config.is_kda_layer(int(m.group(1)))
 
 
@@ -87,7 +91,7 @@ def prepare_adapter(adapter, config):
     for n in adapter.tensors:
         if ".lora_" not in n:
             continue
-        leaf = n.split(".lora_", 1)[0].rsplit(".", 1)[-1]
+        leaf = _leaf(n)
         if _kda_layer_leaf(n, leaf, config):
             raise AdapterRejected(f"{where}: {n}: SGLang fuses KDA's {leaf} into fused_qkvg_proj / its gates and "
                                   "gives it no LoRA; train KDA layers without it (exclude_modules) or serve with vLLM")
@@ -95,7 +99,8 @@ def prepare_adapter(adapter, config):
             raise AdapterRejected(f"{where}: {n}: SGLang has no LoRA for module {leaf!r} "
                                   f"(served: {sorted(LORA_TARGET_NAMES)})")
     ad = adapter
-    if any(".experts." in n and ".shared_experts." not in n for n in ad.tensors):
+    has_routed_experts = any(".experts." in n and ".shared_experts." not in n for n in ad.tensors)
+    if has_routed_experts:
         layout = detect_layout(decompose(ad.tensors, config, ad.adapter_config, where))
         if layout == "stacked":  # vLLM's form; SGLang reads numbered experts and the 3-D forms as they are
             ad = convert_layout(ad, config, "per_expert_3d")
@@ -105,7 +110,7 @@ def prepare_adapter(adapter, config):
         ad.adapter_config = {**cfg, "use_rslora": False,
                              "lora_alpha": scaling_for(cfg, int(cfg["r"]), float(cfg["lora_alpha"])) * int(cfg["r"])}
     leaves = [leaf for leaf in adapter_leaves(ad.tensors) if leaf != "gate_up_proj"]
-    if any(".experts." in n and ".shared_experts." not in n for n in ad.tensors):
+    if has_routed_experts:
         leaves += ["w1", "w2"]
     ad = ad.copy()
     ad.adapter_config = {**ad.adapter_config, "target_modules": lora_target_modules(sorted(set(leaves)))}
