@@ -112,6 +112,10 @@ FACTS: dict[str, dict[str, Fact]] = {
     _S + "lora.utils.get_hidden_dim": {
         "0.5.17": fn("srt/lora/utils.py:106", *_GET_HIDDEN_DIM),
         "0.5.23": fn("srt/lora/utils.py:146", *_GET_HIDDEN_DIM)},
+    # where expected_checksums are compared (checksum_refusal.py)
+    _S + "managers.tp_worker.BaseTpWorker.load_lora_adapter_from_tensors": {
+        "0.5.17": fn("srt/managers/tp_worker.py:235", "self", "recv_req"),
+        "0.5.23": fn("srt/managers/tp_worker.py:217", "self", "recv_req")},
     _S + "lora.layers.BaseLayerWithLoRA.__init__": {
         "0.5.23": fn("srt/lora/layers.py:46", "self", "base_layer", "lora_backend")},
     _S + "models.kimi_k3.KimiK3DeltaAttention._merge_bfa_weights": {

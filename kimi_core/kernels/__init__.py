@@ -44,14 +44,11 @@ PATHS = ("fused", "chunked", "auto")
 
 #: The dispatcher's crossover: from this mean number of tokens per expert (``T / E``) on, the chunked
 #: dequantize-then-``_grouped_mm`` path is chosen over the fused kernel, per op; an ``(N, K)`` key overrides
-#: ``"default"`` for that weight shape. Source: the H200 table in benchmarks/RESULTS.md ("W4A16 grouped GEMM",
-#: 2026-11-29) and issue 21, K3 fc1 MXFP4 forward (112 experts, 3584 -> 6144): fused 0.92 / 1.93 / 6.88 / 25.6 ms
-#: at 8 / 128 / 512 / 2048 tokens per expert, BF16 ``_grouped_mm`` 1.61 / 1.49 / 3.56 / 15.0 ms, and the whole
-#: layer dequantized + ``_grouped_mm`` measured at 17.0 ms at 2048 only. So the one measured win of
-#: dequantize-then-GEMM is at 2048; at 512 it is an estimate (a decode of ~2 ms beside 3.56 ms of GEMM against
-#: 6.88 ms fused) that the chunked path has not been timed against yet, and auto keeps the fused kernel there
-#: until ``benchmarks/w4a16_grouped_gemm.py`` has measured both paths on the H200 (then lower this row).
-W4A16_CROSSOVER: dict[str, dict] = {"fwd": {"default": 2048}, "dgrad": {"default": 2048}}
+#: ``"default"`` for that weight shape. Source: benchmarks/RESULTS.md, "W4A16 grouped GEMM: BF16 vs fused vs
+#: chunked" (H200, 2026-12-02, both paths timed on every shape and format): at 512 tokens/expert chunked beats
+#: fused on all four shapes, MXFP4 and INT4, forward and dgrad (K3 fc1 MXFP4 forward 5.78 vs 6.86 ms, dgrad
+#: 5.76 vs 7.28 ms); at 128 fused wins everywhere (1.81 vs 3.71 ms). 256 is not measured yet.
+W4A16_CROSSOVER: dict[str, dict] = {"fwd": {"default": 512}, "dgrad": {"default": 512}}
 
 
 def _check(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype) -> None:

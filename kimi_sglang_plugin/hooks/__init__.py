@@ -235,6 +235,21 @@ HOOKS: tuple[HookSpec, ...] = (
         versions=("0.5.17",),
         absent_in="0.5.23: the buffers no longer depend on the weight shapes",
     ),
+    # ------------------------------------------------------------------ adapter sync
+    HookSpec(
+        name="lora_check_mismatch_refused",
+        target="sglang.srt.managers.tp_worker.BaseTpWorker.load_lora_adapter_from_tensors",
+        kind="around", fn="kimi_sglang_plugin.hooks.checksum_refusal:refuse_checksum_mismatch",
+        why="with expected_checksums, a tensor whose sha256 differs raises RuntimeError('[LORA-CHECK] ... "
+            "MISMATCH') out of the worker, which nothing catches: the scheduler exits and the engine goes "
+            "down (H200, SGLang 0.5.17, 2026-12-02, one flipped byte), instead of refusing one version",
+        how="AROUND: that RuntimeError becomes LoRAManager.create_lora_update_result(success=False, message), "
+            "the result of any other bad adapter; the tokenizer manager does not register it and the last "
+            "good adapter keeps serving. Other errors propagate unchanged",
+        upstream="not filed yet",
+        remove_when="load_lora_adapter_from_tensors returns a failed LoRAUpdateOutput on a checksum mismatch",
+        versions=BOTH,
+    ),
 )
 
 

@@ -38,13 +38,20 @@ def sglang_config_problems(text_config: dict) -> list[str]:
 
     * KDA value heads: SGLang sizes them by ``v_head_dim`` (``models/kimi_k3.py:1247``, the MLA field),
       the reference by ``linear_attn_config.head_dim`` (128 and 128 in the release);
-    * the DSA KV pool asserts ``index_head_dim == 128`` (``mem_cache/memory_pool.py:4368``; the release's).
+    * the DSA KV pool asserts ``index_head_dim == 128`` (``mem_cache/memory_pool.py:4368``; the release's);
+    * the LoRA memory pool sizes every layer's ``o_proj`` A buffer as ``num_attention_heads * v_head_dim``
+      (``lora/utils.py get_hidden_dim``, no per-model override in ``kimi_k3.py``), KDA layers included, whose
+      ``o_proj`` reads ``linear_attn_config.num_heads`` heads (96 and 96 in the release; measured on the
+      H200 2026-12-02: ``chunked_sgmv_shrink`` asserts ``x.shape[-1] == K`` at a KDA ``o_proj``).
     """
     out = []
     la = text_config.get("linear_attn_config") or {}
     if la and la.get("head_dim") != text_config.get("v_head_dim"):
         out.append(f"linear_attn_config.head_dim {la.get('head_dim')} != v_head_dim {text_config.get('v_head_dim')} "
                    "(SGLang sizes KDA's value heads by v_head_dim)")
+    if la and la.get("num_heads") != text_config.get("num_attention_heads"):
+        out.append(f"linear_attn_config.num_heads {la.get('num_heads')} != num_attention_heads "
+                   f"{text_config.get('num_attention_heads')} (SGLang's LoRA pool sizes KDA o_proj by the MLA heads)")
     if text_config.get("index_head_dim") not in (None, 128):
         out.append(f"index_head_dim {text_config['index_head_dim']} != 128 (SGLang's DSA KV pool asserts 128)")
     return out
@@ -54,7 +61,8 @@ def _sglang_fit(text_config: dict) -> None:
     """Set the sizes :func:`marlin_size_problems` and :func:`sglang_config_problems` name to ones that fit."""
     text_config.update(SGLANG_TINY_K3_SIZES)
     if text_config.get("linear_attn_config"):
-        text_config["linear_attn_config"] = {**text_config["linear_attn_config"], "head_dim": text_config["v_head_dim"]}
+        text_config["linear_attn_config"] = {**text_config["linear_attn_config"], "head_dim": text_config["v_head_dim"],
+                                             "num_heads": text_config["num_attention_heads"]}
     if text_config.get("index_head_dim") is not None:
         text_config["index_head_dim"] = 128
 
@@ -161,13 +169,16 @@ def parse_engine_log(log: str) -> dict:
     return out
 
 
-def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, timeout: int = 180,
+def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, timeout: int | None = None,
                adapters: dict | None = None, tensor_versions: list | None = None, tag: str = "") -> dict:
     """One offline ``sgl.Engine`` on ``ckpt`` with ``SGLANG_PLUGINS=plugins`` (``"none"``: stock SGLang),
     scoring :data:`PROMPTS` on the base model and with each of ``adapters`` (``{name: PEFT dir}``, loaded by
     ``Engine.load_lora_adapter``), then loading ``tensor_versions`` through the plugin's sync payload
     (see ``sglang_engine_script.py``). Returns the script's JSON plus ``log`` (its stdout and stderr);
-    the log is also written to ``$KIMI_TEST_OUT/sglang_<tag>.log`` when that is set."""
+    the log is also written to ``$KIMI_TEST_OUT/sglang_<tag>.log`` when that is set. ``timeout``
+    defaults to ``$KIMI_SGLANG_ENGINE_TIMEOUT`` or 180 s (raise it on a machine whose TVM-FFI cache is
+    cold: the first prefill nvcc-builds the Marlin MoE kernel, ``tests/gpu/sglang_jit_cache.sh``)."""
+    timeout = timeout or int(os.environ.get("KIMI_SGLANG_ENGINE_TIMEOUT", "180"))
     plan = {"ckpt": ckpt, "prompts": PROMPTS, "engine_kwargs": {**ENGINE_KWARGS, **(engine_kwargs or {})},
             "adapters": [{"name": n, "path": p} for n, p in (adapters or {}).items()],
             "score": list(adapters or {}), "tensor_versions": tensor_versions or []}

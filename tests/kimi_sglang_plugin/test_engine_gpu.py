@@ -229,7 +229,9 @@ def k31(tmp_path_factory):
     out = {}
     for tag, topk in (("dense", 16), ("sparse", 4)):
         path, _ = write_tiny("k31", str(tmp_path_factory.mktemp(f"k31_{tag}")), {"index_topk": topk})
-        run = run_engine(tmp_path_factory.mktemp(f"k31_{tag}_run"), path, plugins="kimi", tag=f"k31_{tag}")
+        # the DSA KV pool asserts page_size 64 (0.5.17 mem_cache/memory_pool.py, DSATokenToKVPool)
+        run = run_engine(tmp_path_factory.mktemp(f"k31_{tag}_run"), path, plugins="kimi", tag=f"k31_{tag}",
+                         engine_kwargs={"page_size": 64})
         out[tag] = {"ckpt": path, "run": run, "fp32": reference_logprobs(path, torch.float32, "cuda")}
     return out
 

@@ -170,3 +170,41 @@ def test_fix5_f_b_proj_keeps_its_name(plugin):
         names = dict(attn.named_parameters())
         assert "f_b_proj.weight" in names and "_bfa_f_b_w" not in names, sorted(names)
         assert attn._bfa_f_b_w is attn.f_b_proj.weight
+
+
+def test_checksum_mismatch_refused_not_fatal(plugin, monkeypatch):
+    """SGLang's own sha256 check in ``BaseTpWorker.load_lora_adapter_from_tensors`` (run here, patched) raises on
+    one flipped byte, which on the H200 killed the engine; through the hook the load fails with a message naming
+    the adapter and tensor, and a payload that matches still reaches the model runner."""
+    import hashlib
+
+    import sglang.srt.managers.tp_worker as tpw
+    from sglang.srt.lora.lora_manager import LoRAManager
+    from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
+
+    monkeypatch.setattr(tpw, "get_parallel", lambda: SimpleNamespace(tp_rank=0), raising=False)
+    good = {"base_model.model.layers.0.mlp.down_proj.lora_A.weight": torch.arange(64, dtype=torch.bfloat16).view(4, 16)}
+    sha = {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for k, v in good.items()}
+    bad = {k: v.clone() for k, v in good.items()}
+    bad_name = next(iter(bad))
+    bad[bad_name].view(torch.uint8).view(-1)[7] ^= 0x40
+    loaded = []
+    manager = SimpleNamespace(lora_refs={})
+    manager.create_lora_update_result = LoRAManager.create_lora_update_result.__get__(manager)
+    runner = SimpleNamespace(lora_manager=manager,
+                             load_lora_adapter_from_tensors=lambda ref, t, cfg, added: loaded.append(sorted(t)) or "ok")
+
+    def req(name):
+        return LoadLoRAAdapterFromTensorsReqInput(lora_name=name, lora_id=f"id-{name}", config_dict={},
+                                                  serialized_named_tensors=[b""],
+                                                  expected_checksums=sha)
+
+    for name, payload in (("kimi-v2", bad), ("kimi-v1", good)):
+        worker = SimpleNamespace(model_runner=runner, deserialize_own_rank=lambda _s, p=payload: p,
+                                 _deserialize_own_rank=lambda _s, p=payload: p)
+        out = tpw.BaseTpWorker.load_lora_adapter_from_tensors(worker, req(name))
+        if name == "kimi-v2":
+            assert out.success is False and "'kimi-v2' refused" in out.error_message, out
+            assert bad_name in out.error_message and "[LORA-CHECK]" in out.error_message
+        else:
+            assert out == "ok" and loaded == [sorted(good)]

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# One H200 lease, several calls in a row, each a phase of this script (the machine stays warm for 30 s
+# after a call, and /tmp with it, so later phases reuse what earlier ones unpacked or built):
+#
+#   bash tests/gpu/h200_session.sh sglang   # carry .gpu/sglang1 (+ .gpu/sglang_jit): SGLang 0.5.17 GPU lane
+#   bash tests/gpu/h200_session.sh bisect   # like sglang, after tests/gpu/sglang_bisect.py (which K3 piece differs)
+#   bash tests/gpu/h200_session.sh w4a16    # kernels GPU tests + benchmarks/w4a16_grouped_gemm.py
+#   bash tests/gpu/h200_session.sh vllm1    # carry .gpu/vllm1: stash part 1
+#   bash tests/gpu/h200_session.sh vllm2    # carry .gpu/vllm2: stash part 2
+#   bash tests/gpu/h200_session.sh vllm3    # carry .gpu/vllm3: unstage vLLM 0.26.0, GPU checks
+#
+# The SGLang lane runs in groups (base engines, MoE LoRA + hot load, K3.1, K2 INT4); a group that ran
+# leaves /tmp/kimi_gpu_done/<group>, so a second `sglang` call goes on where the first stopped. Each
+# phase stops its own work PHASE_LIMIT s (default 560) after it began, then packs what comes back:
+# the pytest logs, the engines' logs (logs.tgz) and SGLang's built JIT modules (tvm_ffi_cache.tar.xz,
+# bring it into .gpu/sglang_jit/ for the next session). SGLang is unpacked into /tmp/site_sgl and vLLM
+# into /tmp/site, so both can be staged on one machine.
+set -u
+phase=$1
+start=$(date +%s)
+LIMIT=${PHASE_LIMIT:-560}
+left() { echo $(( LIMIT - ($(date +%s) - start) )); }
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/kimi_gpu_done /tmp/kimi_test_out
+export PYTHONUNBUFFERED=1 KIMI_TEST_OUT=/tmp/kimi_test_out
+
+pack_logs() { tar -czf "$OUT/logs.tgz" -C /tmp/kimi_test_out . 2>/dev/null; ls -la "$OUT"; }
+
+sglang_env() {
+  if [ ! -d /tmp/site_sgl/sglang ]; then
+    [ -d .gpu/sglang1 ] || { echo "no /tmp/site_sgl and no .gpu/sglang1 carried: a new machine needs the bundle"; exit 3; }
+    SITE=/tmp/site_sgl bash .gpu/sglang1/unstage.sh > /tmp/kimi_test_out/unstage_sglang.log 2>&1
+    [ -d /tmp/site_sgl/sglang ] || { tail -40 /tmp/kimi_test_out/unstage_sglang.log; exit 3; }
+    grep -o 'CUDA_HOME=[^ ]*' /tmp/kimi_test_out/unstage_sglang.log | tail -1 | cut -d= -f2 > /tmp/site_sgl.cuda_home
+    python3 tests/gpu/write_entry_points.py /tmp/site_sgl
+    if [ -f .gpu/sglang_jit/tvm_ffi_cache.tar.xz ]; then
+      mkdir -p /tmp/tvm-ffi-cache && tar -xJf .gpu/sglang_jit/tvm_ffi_cache.tar.xz -C /tmp/tvm-ffi-cache
+      echo "JIT cache unpacked: $(find /tmp/tvm-ffi-cache -name '*.so' | wc -l) modules"
+    fi
+  fi
+  export PYTHONPATH=/tmp/site_sgl:$PWD CUDA_HOME=$(cat /tmp/site_sgl.cuda_home) TVM_FFI_CACHE_DIR=/tmp/tvm-ffi-cache
+  mkdir -p "$TVM_FFI_CACHE_DIR"
+}
+
+# group name, seconds it needs at least, pytest -k expression, engine timeout
+SGL_GROUPS=(
+  "base|300|stock or plugin_k3_matches or plugin_log_names|480"
+  "lora|200|moe_lora_shared_outer or lora_log_names or hot_load|300"
+  "k31|150|k31|240"
+  "k2|120|k2_int4|300"
+)
+
+run_sglang() {
+  sglang_env
+  for g in "${SGL_GROUPS[@]}"; do
+    IFS='|' read -r name need expr eto <<< "$g"
+    [ -f /tmp/kimi_gpu_done/$name ] && continue
+    if [ "$(left)" -lt "$need" ]; then echo "== $name: $(left) s left < $need s, left for the next call"; break; fi
+    echo "== $name ($(left) s left)"
+    KIMI_SGLANG_ENGINE_TIMEOUT=$eto timeout "$(left)" python3 -m pytest -q -m gpu -s -rfE -p no:cacheprovider \
+      tests/kimi_sglang_plugin/test_engine_gpu.py -k "$expr" > "$OUT/pytest_sglang_$name.log" 2>&1
+    echo "   rc=$? $(tail -1 "$OUT/pytest_sglang_$name.log")"
+    touch /tmp/kimi_gpu_done/$name
+  done
+  (cd /tmp/tvm-ffi-cache && find . -name '*.so' -print0 | tar --null -cJf "$OUT/tvm_ffi_cache.tar.xz" -T -)
+  pack_logs
+}
+
+run_w4a16() {
+  export PYTHONPATH=$PWD
+  timeout 240 python3 -m pytest -q -m gpu -rfE -p no:cacheprovider tests/kimi_core/kernels > "$OUT/pytest_kernels.log" 2>&1
+  echo "kernels rc=$? $(tail -1 "$OUT/pytest_kernels.log")"
+  timeout "$(left)" python3 benchmarks/w4a16_grouped_gemm.py --no-append --json "$OUT/w4a16.json" --out "$OUT/w4a16.md" \
+    > "$OUT/w4a16_bench.log" 2>&1
+  echo "bench rc=$?"; cat "$OUT/w4a16.md" 2>/dev/null | head -80
+}
+
+run_vllm3() {
+  bash .gpu/vllm3/unstage.sh > /tmp/kimi_test_out/unstage_vllm.log 2>&1
+  [ -d /tmp/site/vllm ] || { tail -40 /tmp/kimi_test_out/unstage_vllm.log; exit 3; }
+  export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
+  python3 tests/gpu/write_entry_points.py /tmp/site
+  timeout 200 python3 -m pytest -q -m gpu -s -rfE -p no:cacheprovider tests/kimi_vllm_plugin -k gpu_path_ran \
+    > "$OUT/pytest_vllm_path.log" 2>&1
+  echo "path_ran rc=$? $(tail -1 "$OUT/pytest_vllm_path.log")"
+  timeout "$(left)" python3 benchmarks/vllm_serving.py --no-results ${VLLM_SERVING_ARGS:---no-lora} \
+    --budget-s $(( $(left) - 30 )) --stack-dump-after 150 --stack-file "$OUT/stacks.txt" --json "$OUT/vllm_serving.json" \
+    > "$OUT/vllm_serving.log" 2>&1
+  echo "serving rc=$?"; tail -30 "$OUT/vllm_serving.log"
+  pack_logs
+}
+
+run_bisect() {
+  sglang_env
+  timeout "${BISECT_S:-260}" python3 tests/gpu/sglang_bisect.py /tmp/bisect > "$OUT/bisect.log" 2>&1
+  echo "bisect rc=$?"; grep -E "^ +[a-z0-9_]+: " "$OUT/bisect.log"
+  cp /tmp/bisect/bisect.json "$OUT/" 2>/dev/null
+  run_sglang
+}
+
+case "$phase" in
+  sglang) run_sglang ;;
+  bisect) run_bisect ;;
+  w4a16) run_w4a16 ;;
+  vllm1) mkdir -p /tmp/stash && cp .gpu/vllm1/* /tmp/stash/ && ls /tmp/stash ;;
+  vllm2) cp .gpu/vllm2/* /tmp/stash/ && ls /tmp/stash ;;
+  vllm3) run_vllm3 ;;
+  *) echo "usage: $0 sglang|w4a16|vllm1|vllm2|vllm3" >&2; exit 2 ;;
+esac
