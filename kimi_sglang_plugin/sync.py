@@ -137,8 +137,14 @@ def build_payload(lora_name: str, tensors: Mapping[str, torch.Tensor], adapter_c
 
     :param sha256: add ``expected_checksums`` (costs one SHA-256 pass over the adapter; only
         valid when every rank receives the same tensors, i.e. no expert filtering).
+    :raises AdapterRejected: ``adapter_config`` is one SGLang would misread or refuse
+        (:func:`~kimi_sglang_plugin.adapter_prep.check_served_config`; prepare it first).
     """
     from sglang.srt.utils import MultiprocessingSerializer
+
+    from kimi_sglang_plugin.adapter_prep import check_served_config
+
+    check_served_config(adapter_config, where=f"adapter {lora_name!r} adapter_config")
 
     buckets = build_rank_buckets(tensors, config, layout, filter_experts)
     if sha256 and len({id(b) for b in buckets}) > 1:

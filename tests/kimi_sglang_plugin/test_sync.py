@@ -8,7 +8,18 @@ import pytest
 import torch
 
 from kimi_core.lora import LoraSpec, random_adapter
+from kimi_sglang_plugin.adapter_prep import AdapterRejected, prepare_adapter
 from kimi_sglang_plugin.sync import RankLayout, build_payload, decode_payload, sha256_hex
+
+#: every linear SGLang gives a LoRA on K3.1 (KDA's fused projections have none: adapter_prep refuses them)
+SERVED = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w3", "w2")
+
+
+def served_adapter(cfg, seed: int, layout: str | None = None, **spec):
+    """A random adapter on :data:`SERVED`, in the form SGLang serves (:func:`prepare_adapter`)."""
+    kw = {"layout": layout} if layout else {}
+    ad = random_adapter(cfg, LoraSpec(target_modules=SERVED, **spec), seed=seed, dtype=torch.bfloat16, **kw)
+    return prepare_adapter(ad, cfg)
 
 _PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 _EXPERT_3D = re.compile(r"\.experts\.(w1|w3|w2)\.lora_[AB]\.weight$")
@@ -40,8 +51,7 @@ def reference_slice(tensors: dict, lo: int, hi: int, num_experts: int) -> dict:
 def test_per_rank_payloads_equal_reference_slicing(plugin, k31_config, expert_layout, file_layout, tp, ep):
     """Each TP rank's decoded payload equals the reference slice of the adapter for its EP rank, bit-exactly."""
     cfg = k31_config
-    spec = LoraSpec(rank=4, alpha=8, expert_layout=expert_layout)
-    ad = random_adapter(cfg, spec, seed=3, layout=file_layout, dtype=torch.bfloat16)
+    ad = served_adapter(cfg, 3, file_layout, rank=4, alpha=8, expert_layout=expert_layout)
     layout = RankLayout(tp_size=tp, ep_size=ep, num_experts=cfg.n_routed_experts)
     payload = build_payload("kimi", ad.tensors, ad.adapter_config, cfg, layout)
     assert payload.load_format == "flattened_bucket" and len(payload.serialized_named_tensors) == tp
@@ -61,7 +71,7 @@ def test_expected_checksums_are_sglang_sha256(plugin, k31_config):
     """Without EP filtering the payload carries SGLang's expected_checksums (sha256 per tensor)."""
     import hashlib
 
-    ad = random_adapter(k31_config, LoraSpec(rank=2, alpha=2), seed=1, dtype=torch.bfloat16)
+    ad = served_adapter(k31_config, 1, rank=2, alpha=2)
     p = build_payload("kimi", ad.tensors, ad.adapter_config, k31_config, RankLayout(tp_size=2), sha256=True)
     name, t = next(iter(ad.tensors.items()))
     assert p.expected_checksums[name] == hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
@@ -73,10 +83,26 @@ def test_request_matches_sglang_io_struct(plugin, k31_config):
     """The payload fields build SGLang's LoadLoRAAdapterFromTensorsReqInput as-is."""
     from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
 
-    ad = random_adapter(k31_config, LoraSpec(rank=2, alpha=2), seed=2)
+    ad = served_adapter(k31_config, 2, rank=2, alpha=2)
     p = build_payload("kimi", ad.tensors, ad.adapter_config, k31_config, RankLayout(tp_size=1))
     req = LoadLoRAAdapterFromTensorsReqInput(**p.request_fields())
     assert req.load_format == "flattened_bucket" and req.lora_name == "kimi"
+
+
+def test_unprepared_adapter_is_refused(plugin, k31_config):
+    """An adapter SGLang would misread (capacity-normalised experts through rank_pattern, which SGLang ignores)
+    or refuse (our expert leaves as target_modules) is refused before anything is sent, naming the field and
+    the fix; its prepared form goes through."""
+    ad = random_adapter(k31_config, LoraSpec(rank=8, alpha=16, target_modules=SERVED, normalize_moe_lora=True),
+                        seed=4, dtype=torch.bfloat16)
+    assert ad.adapter_config.get("rank_pattern"), "the normalised experts' ranks ride in rank_pattern"
+    with pytest.raises(AdapterRejected, match="adapter 'kimi' adapter_config: rank_pattern is set.*prepare_adapter"):
+        build_payload("kimi", ad.tensors, ad.adapter_config, k31_config, RankLayout(tp_size=1))
+    cfg = {**ad.adapter_config, "rank_pattern": {}, "alpha_pattern": {}}
+    with pytest.raises(AdapterRejected, match=r"target_modules \['w1', 'w2', 'w3'\]"):
+        build_payload("kimi", ad.tensors, cfg, k31_config, RankLayout(tp_size=1))
+    ok = prepare_adapter(ad, k31_config)
+    assert build_payload("kimi", ok.tensors, ok.adapter_config, k31_config, RankLayout(tp_size=1)).lora_name == "kimi"
 
 
 def test_bad_layout_is_refused():
