@@ -4,7 +4,7 @@ rank-32 adapters, and the time to hot-load a new adapter version (issue #19 item
 What a SkyRL user gets on one GPU: vLLM's offline ``LLM`` (one engine start, ``enable_lora=True``,
 ``max_loras=2``, ``max_lora_rank=32``, bf16, CUDA graphs unless ``--eager``), started with
 ``VLLM_PLUGINS=kimi`` so the plugin serves ``DeepseekV3ForCausalLM``. The checkpoint is written
-once under ``--workdir`` (reused while its config is unchanged) by ``benchmarks/int4_slice.py``:
+once under ``--workdir`` (reused while its config is unchanged) by ``benchmarks/w4_slice.py``:
 Kimi K2 widths (hidden 7168, 64 MLA heads, q_lora 1536, kv_lora 512, rope 64, nope 128, v 128;
 384 routed experts top-8 at 7168 -> 2048 in INT4 ``pack-quantized``, group 32, Kimi QAT scales;
 1 shared expert; dense MLP 18432), ``--layers`` layers (default 2: one dense, one MoE, as
@@ -64,7 +64,7 @@ from results import append, command, cpu_name, git_commit, today  # noqa: E402
 
 PHASES = ("off", "one", "two", "hotload")
 #: paths whose uncommitted changes the recorded commit mentions
-DIRTY = (":/kimi_vllm_plugin", ":/kimi_core", ":/benchmarks/vllm_serving.py", ":/benchmarks/int4_slice.py")
+DIRTY = (":/kimi_vllm_plugin", ":/kimi_core", ":/benchmarks/vllm_serving.py", ":/benchmarks/w4_slice.py")
 LORA_RANK, LORA_ALPHA = 32, 64.0
 #: sizes per mode; everything else (engine flags aside) is shared
 SIZES = {
@@ -106,9 +106,9 @@ def _write_job(out_dir: str, config: dict, device: str, queue) -> None:
     """Runs in a spawned process, so this one never holds CUDA memory when vLLM starts."""
     import torch
 
-    from int4_slice import ensure_int4_slice
+    from w4_slice import ensure_slice
 
-    info = ensure_int4_slice(out_dir, config, seed=0, device=device)
+    info = ensure_slice(out_dir, config, seed=0, device=device)
     info["device_name"] = torch.cuda.get_device_name(0) if device == "cuda" else cpu_name()
     queue.put(info)
 

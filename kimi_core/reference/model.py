@@ -193,12 +193,13 @@ class KimiReferenceModel:
 
     __call__ = forward
 
-    def logprobs(self, input_ids: torch.Tensor, target_ids: torch.Tensor, adapter=None) -> torch.Tensor:
+    def logprobs(self, input_ids: torch.Tensor, target_ids: torch.Tensor, adapter=None,
+                 routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         """``log p(target_ids[b, t] | input_ids[b, :t+1])`` ``[B, T]`` in fp32 (fp64 for an fp64 model).
 
-        ``target_ids`` are usually ``input_ids`` shifted by one.
+        ``target_ids`` are usually ``input_ids`` shifted by one; ``routed_experts``: as in :meth:`forward`.
         """
-        logits = self.forward(input_ids, adapter)
+        logits = self.forward(input_ids, adapter, routed_experts=routed_experts)
         logits = logits.to(acc_dtype(logits.dtype))
         return torch.log_softmax(logits, -1).gather(-1, target_ids.to(logits.device).unsqueeze(-1)).squeeze(-1)
 

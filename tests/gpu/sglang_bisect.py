@@ -4,8 +4,10 @@
 (each changes one piece of the config), starts one stock engine per variant (``SGLANG_PLUGINS=none``,
 several at a time on the one GPU), and prints, per variant, the engine's prompt-logprob error against the
 fp32 reference next to the bf16 reference's own error. A variant whose ratio falls back to ~1 names the
-piece the two implementations read differently. Measured 2026-12-02: the harness's tiny K3 with 4 KDA heads
-and 2 MLA heads gave rel_rms 0.14 (bf16 itself: 9.7e-4).
+piece the two implementations read differently. Measured 2026-12-02: the harness's tiny K3 at hidden 512 (4 KDA
+heads, 2 MLA heads) gave rel_rms 0.14 (bf16 itself: 9.7e-4), which is what two unrelated logprob sets score
+(std 0.745 around -7.5: sqrt(2) * 0.745 / 7.5); the cause, found by reading (sglang_engine_harness.ATTN_RES_BLOCK_H),
+is SGLang's attention-residual kernels at hidden < 1024. ``hidden512`` is the control that should still fail.
 """
 import concurrent.futures as cf
 import json
@@ -24,9 +26,10 @@ from sglang_engine_harness import reference_logprobs, run_engine, write_tiny  # 
 LA = {"num_heads": 2, "head_dim": 128, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
       "use_full_rank_gate": True, "full_attn_layers": [4, 5], "kda_layers": [1, 2, 3]}
 
-#: name -> text_config overrides on top of the harness's tiny K3 (2 MLA heads, 2 KDA heads of 128)
+#: name -> text_config overrides on top of the harness's tiny K3 (hidden 1024, 2 MLA heads, 2 KDA heads of 128)
 VARIANTS = {
     "base": {},
+    "hidden512": {"hidden_size": 512},  # the harness before 2026-12-02: attention residuals left uninitialised
     "kda4_mla2": {"linear_attn_config": {**LA, "num_heads": 4}},  # the harness before 2026-12-02
     "heads4": {"num_attention_heads": 4, "num_key_value_heads": 4, "linear_attn_config": {**LA, "num_heads": 4}},
     "all_mla": {"linear_attn_config": {**LA, "full_attn_layers": [1, 2, 3, 4, 5], "kda_layers": []}},

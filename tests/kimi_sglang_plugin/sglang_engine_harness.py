@@ -29,13 +29,22 @@ PROMPTS = [[5, 17, 99, 3, 250, 511, 42, 7, 900, 13, 64, 128], [1, 2, 3, 4, 1000,
 MARLIN_HIDDEN_ALIGN = 256
 MARLIN_INTERMEDIATE_ALIGN = 128
 
-#: tiny K3 sizes that meet both (and keep the latent width apart from hidden_size)
-SGLANG_TINY_K3_SIZES = {"hidden_size": 512, "routed_expert_hidden_size": 256, "moe_intermediate_size": 128}
+#: SGLang's attention-residual Triton kernels (0.5.17 layers/attn_residual.py:29 ``_BLOCK_H = 1024``, "H = 7168 =
+#: 7 x 1024") cover ``hidden_size // 1024`` blocks of 1024 with no mask and no remainder: below 1024 the combine
+#: kernel gets a grid of 0 and the mixture is the uninitialised ``torch.empty`` buffer (on sm90, where the
+#: SM100-only fast path is skipped; found 2026-12-02 by reading the kernels under Triton's CPU interpreter after
+#: the H200 run scored logprobs uncorrelated with the reference at hidden 512)
+ATTN_RES_BLOCK_H = 1024
+
+#: tiny K3 sizes that meet all three (and keep the latent width apart from hidden_size)
+SGLANG_TINY_K3_SIZES = {"hidden_size": 1024, "routed_expert_hidden_size": 256, "moe_intermediate_size": 128}
 
 def sglang_config_problems(text_config: dict) -> list[str]:
     """Release-true readings of a K3 / K3.1 ``text_config`` that SGLang 0.5.17 takes differently from
-    ``kimi_core.reference`` when the tiny sizes make them differ (the release has them equal):
+    ``kimi_core.reference`` when the tiny sizes make them differ (the release has them equal), and sizes its
+    kernels assume (the release meets them):
 
+    * ``hidden_size`` a multiple of :data:`ATTN_RES_BLOCK_H` (attention residuals; 7168 = 7 x 1024);
     * KDA value heads: SGLang sizes them by ``v_head_dim`` (``models/kimi_k3.py:1247``, the MLA field),
       the reference by ``linear_attn_config.head_dim`` (128 and 128 in the release);
     * the DSA KV pool asserts ``index_head_dim == 128`` (``mem_cache/memory_pool.py:4368``; the release's);
@@ -45,6 +54,9 @@ def sglang_config_problems(text_config: dict) -> list[str]:
       H200 2026-12-02: ``chunked_sgmv_shrink`` asserts ``x.shape[-1] == K`` at a KDA ``o_proj``).
     """
     out = []
+    if text_config.get("attn_res_block_size") and text_config["hidden_size"] % ATTN_RES_BLOCK_H:
+        out.append(f"hidden_size {text_config['hidden_size']} is not a multiple of {ATTN_RES_BLOCK_H} (SGLang's "
+                   "attention-residual kernels mix only whole blocks of 1024 and leave the rest uninitialised)")
     la = text_config.get("linear_attn_config") or {}
     if la and la.get("head_dim") != text_config.get("v_head_dim"):
         out.append(f"linear_attn_config.head_dim {la.get('head_dim')} != v_head_dim {text_config.get('v_head_dim')} "
@@ -143,6 +155,36 @@ def prompt_logprobs(meta_info: dict, ids: list[int]) -> list[float]:
     return [float(r[0]) for r in rows[1:]]
 
 
+def routed_experts(meta_info: dict, T: int, layers: int, k: int) -> list:
+    """The experts SGLang routed each of a ``T``-token prompt's tokens to, ``[T][layers][k]`` (int), from
+    ``meta_info["routed_experts"]`` (requested with ``return_routed_experts=True``; base64 of int32
+    ``[seqlen - 1, num_hidden_layers, k]``, ``state_capturer/routed_experts.py``; dense layers hold no choice).
+    Raises ``ValueError`` naming what does not match."""
+    import base64
+
+    import numpy as np
+
+    raw = meta_info.get("routed_experts")
+    if raw is None:
+        raise ValueError("meta_info has no routed_experts: enable_return_routed_experts=True on the engine and "
+                         "return_routed_experts=True on the request")
+    arr = np.frombuffer(base64.b64decode(raw), dtype=np.int32)
+    if arr.size % (layers * k) or arr.size // (layers * k) < T:
+        raise ValueError(f"routed_experts has {arr.size} ids, not [>= {T}, {layers}, {k}]")
+    return arr.reshape(-1, layers, k)[:T].tolist()
+
+
+def routing_flips(engine_rows: list, reference_rows: list, moe_layers: list[int]) -> tuple[int, int]:
+    """``(differing, total)`` (token, MoE layer) expert sets between two ``[prompt][token][layer][k]`` routings."""
+    diff = total = 0
+    for e_p, r_p in zip(engine_rows, reference_rows):
+        for e_t, r_t in zip(e_p, r_p):
+            for layer in moe_layers:
+                total += 1
+                diff += sorted(e_t[layer]) != sorted(r_t[layer])
+    return diff, total
+
+
 _SERVER_ARG = re.compile(r"\b(attention_backend|moe_runner_backend|dtype|quantization)=('([^']*)'|None)")
 _LOADED = re.compile(r"Load weight end\..*?type=(\w+)(?:, (quant=[^,]+))?")
 
@@ -170,16 +212,19 @@ def parse_engine_log(log: str) -> dict:
 
 
 def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, timeout: int | None = None,
-               adapters: dict | None = None, tensor_versions: list | None = None, tag: str = "") -> dict:
+               adapters: dict | None = None, tensor_versions: list | None = None, tag: str = "",
+               routed: bool = False) -> dict:
     """One offline ``sgl.Engine`` on ``ckpt`` with ``SGLANG_PLUGINS=plugins`` (``"none"``: stock SGLang),
     scoring :data:`PROMPTS` on the base model and with each of ``adapters`` (``{name: PEFT dir}``, loaded by
     ``Engine.load_lora_adapter``), then loading ``tensor_versions`` through the plugin's sync payload
     (see ``sglang_engine_script.py``). Returns the script's JSON plus ``log`` (its stdout and stderr);
     the log is also written to ``$KIMI_TEST_OUT/sglang_<tag>.log`` when that is set. ``timeout``
     defaults to ``$KIMI_SGLANG_ENGINE_TIMEOUT`` or 180 s (raise it on a machine whose TVM-FFI cache is
-    cold: the first prefill nvcc-builds the Marlin MoE kernel, ``tests/gpu/sglang_jit_cache.sh``)."""
+    cold: the first prefill nvcc-builds the Marlin MoE kernel, ``tests/gpu/sglang_jit_cache.sh``). ``routed``: the
+    base scoring also returns the experts SGLang chose (``res["routed"]``, see :func:`routed_experts`)."""
     timeout = timeout or int(os.environ.get("KIMI_SGLANG_ENGINE_TIMEOUT", "180"))
-    plan = {"ckpt": ckpt, "prompts": PROMPTS, "engine_kwargs": {**ENGINE_KWARGS, **(engine_kwargs or {})},
+    kwargs = {**ENGINE_KWARGS, **({"enable_return_routed_experts": True} if routed else {}), **(engine_kwargs or {})}
+    plan = {"ckpt": ckpt, "prompts": PROMPTS, "engine_kwargs": kwargs, "routed_experts": routed,
             "adapters": [{"name": n, "path": p} for n, p in (adapters or {}).items()],
             "score": list(adapters or {}), "tensor_versions": tensor_versions or []}
     pp, out = tmp / "plan.json", tmp / "result.json"
@@ -202,9 +247,13 @@ def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, 
     return res
 
 
-def reference_logprobs(ckpt: str, dtype, device: str, adapter=None) -> list[list[float]]:
+def reference_logprobs(ckpt: str, dtype, device: str, adapter=None, routed: list | None = None,
+                       routing_out: list | None = None) -> list[list[float]]:
     """``kimi_core.reference`` prompt logprobs of :data:`PROMPTS` (one row per prompt, T-1 values), with
-    ``adapter`` (a PEFT directory or :class:`~kimi_core.lora.Adapter`) if given."""
+    ``adapter`` (a PEFT directory or :class:`~kimi_core.lora.Adapter`) if given. ``routed``: an engine's
+    routing per prompt (:func:`routed_experts`), replayed (each MoE layer uses those experts, gate weights from
+    its own router: rollout routing replay); ``routing_out``: a list that receives the reference's own routing
+    per prompt, in the same ``[T-1][layers][k]`` form."""
     import torch
 
     from kimi_core.reference import load_reference_model
@@ -212,7 +261,10 @@ def reference_logprobs(ckpt: str, dtype, device: str, adapter=None) -> list[list
     model = load_reference_model(ckpt, dtype=dtype, device=device)
     out = []
     with torch.no_grad():
-        for p in PROMPTS:
+        for i, p in enumerate(PROMPTS):
             ids = torch.tensor([p])
-            out.append(model.logprobs(ids[:, :-1], ids[:, 1:], adapter=adapter)[0].float().cpu().tolist())
+            r = None if routed is None else torch.tensor(routed[i][: len(p) - 1], dtype=torch.long).unsqueeze(0)
+            out.append(model.logprobs(ids[:, :-1], ids[:, 1:], adapter=adapter, routed_experts=r)[0].float().cpu().tolist())
+            if routing_out is not None:
+                routing_out.append(model.last_routed_experts()[0].tolist())
     return out

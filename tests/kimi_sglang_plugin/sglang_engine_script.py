@@ -7,8 +7,11 @@ engine spawns its scheduler. ``plan.json``::
     {"ckpt": DIR, "prompts": [[ids...], ...], "engine_kwargs": {...ServerArgs fields...},
      "adapters": [{"name": N, "path": DIR}, ...],            # optional: Engine.load_lora_adapter from disk
      "score": [null, N, ...],                                 # optional: base (null) and adapters to score
-     "tensor_versions": [{"name": N, "path": DIR, "flip": false, "layout": [tp, ep, E]}, ...]}
+     "tensor_versions": [{"name": N, "path": DIR, "flip": false, "layout": [tp, ep, E]}, ...],
                                                               # optional: CUDA-IPC style loads, scored after each
+     "routed_experts": false}                                 # optional: base scoring also returns the experts
+                                                              # each prompt token was routed to (needs
+                                                              # enable_return_routed_experts in engine_kwargs)
 
 Prompt logprobs come from ``Engine.generate(input_ids=..., return_logprob=True, logprob_start_len=0,
 lora_path=...)`` (0.5.17 ``entrypoints/engine.py:343``): ``meta_info["input_token_logprobs"]`` holds
@@ -28,13 +31,20 @@ import traceback
 import torch
 
 
-def _score(engine, prompts, lora):
-    from sglang_engine_harness import prompt_logprobs
+def _score(engine, prompts, lora, routed_shape=None):
+    """Prompt logprobs of ``prompts`` (on adapter ``lora``); with ``routed_shape = (layers, k)`` also the experts
+    SGLang routed each prompt token to (``return_routed_experts``), per prompt ``[T][layers][k]``."""
+    from sglang_engine_harness import prompt_logprobs, routed_experts
 
     kw = {"lora_path": [lora] * len(prompts)} if lora else {}
+    if routed_shape:
+        kw["return_routed_experts"] = True
     outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1, "temperature": 0.0},
                            return_logprob=True, logprob_start_len=0, **kw)
-    return [prompt_logprobs(o["meta_info"], p) for o, p in zip(outs, prompts)]
+    lps = [prompt_logprobs(o["meta_info"], p) for o, p in zip(outs, prompts)]
+    if not routed_shape:
+        return lps
+    return lps, [routed_experts(o["meta_info"], len(p), *routed_shape) for o, p in zip(outs, prompts)]
 
 
 def _tensor_version(engine, ckpt, version) -> dict:
@@ -91,20 +101,38 @@ def main(plan_path: str, out_path: str) -> None:
                                               "message": str(getattr(ans, "error_message", "") or "")}
             except Exception as e:  # noqa: BLE001
                 res["adapters"][a["name"]] = {"ok": False, "message": f"{type(e).__name__}: {e}"}
+        shape = None
+        if plan.get("routed_experts"):  # the engine's expert choices, for the reference to replay
+            cfg = load_config(plan["ckpt"])
+            shape = (cfg.num_hidden_layers, cfg.num_experts_per_tok)
+            res["routed_by"] = {}
+
+        def score(lora):
+            """logprobs of the prompts on ``lora``; the routing goes to res["routed"] / res["routed_by"][lora]."""
+            out = _score(engine, plan["prompts"], lora, shape)
+            if shape is None:
+                return out
+            lps, routed = out
+            if lora is None:
+                res["routed"] = routed
+            else:
+                res["routed_by"][lora] = routed
+            return lps
+
         t1 = time.time()
-        res["lps"] = _score(engine, plan["prompts"], None)
+        res["lps"] = score(None)
         res["generate_s"] = time.time() - t1
         for name in plan.get("score", []):
             if name is None:
                 continue
             try:
-                res["lps_by"][name] = _score(engine, plan["prompts"], name)
+                res["lps_by"][name] = score(name)
             except Exception as e:  # noqa: BLE001
                 res["lps_by"][name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
         for v in plan.get("tensor_versions", []):
             rec = _tensor_version(engine, plan["ckpt"], v)
             try:
-                rec["lps"] = _score(engine, plan["prompts"], v["name"])
+                rec["lps"] = score(v["name"]) if rec["ok"] else _score(engine, plan["prompts"], v["name"])
             except Exception as e:  # noqa: BLE001
                 rec["lps"] = {"error": f"{type(e).__name__}: {e}"}
             res["versions"].append(rec)

@@ -1,16 +1,20 @@
-"""Real-width K2.x slices with every routed expert in INT4 ``pack-quantized``, written fast.
+"""Real-width slices with every routed expert 4-bit, written fast: K2.x in INT4 ``pack-quantized``, K3 / K3.1
+in MXFP4 ``mxfp4-pack-quantized`` (the release formats).
 
 ``kimi_core.checkpoint.tiny.tiny_state_dict`` draws every weight as floats and quantizes it; at
-K2 width that is 16.9 B expert parameters per MoE layer (fp32 masters of ~68 GB). Here the
+K2 width that is 16.9 B expert parameters per MoE layer (fp32 masters of ~68 GB), at K3 width 29.6 B. Here the
 packed bytes are drawn directly, on the GPU when there is one, and only the non-expert tensors
 come from ``tiny_state_dict`` (run at ``top_k`` experts, whose expert tensors are dropped and
 whose router is redrawn at the full expert count). Same names, dtypes and weight scaling as
 ``make-tiny`` (projections ~ 1/sqrt(in), ``down_proj`` further / sqrt(2 L)).
 
-Codes are uniform in ``[-7, 7]`` with one ``+-7`` in every group of 32, so ``scale`` is exactly
+INT4: codes uniform in ``[-7, 7]`` with one ``+-7`` in every group of 32, so ``scale`` is exactly
 the group's ``amax / 7`` (in exact arithmetic): the Kimi QAT convention of ``kimi_core.quant.int4``.
+MXFP4: E2M1 codes uniform over all 16, one E8M0 scale per group of 32: a power of two ``p`` or ``2p`` at
+random, ``p`` the power of two nearest ``std / (rms(E2M1 values) * sqrt(2.5))`` (2.5 = mean of 1 and 4), so
+the dequantized std is ``std`` within the sqrt(2) of rounding to a power of two.
 
-Used by ``benchmarks/vllm_serving.py``.
+Used by ``benchmarks/vllm_serving.py`` (K2) and ``benchmarks/sglang_serving.py`` (K3).
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ import torch
 from kimi_core.checkpoint.tiny import tiny_state_dict
 from kimi_core.checkpoint.writer import atomic_write_text, write_checkpoint
 from kimi_core.config import KimiConfig
-from kimi_core.quant import int4
+from kimi_core.quant import int4, mxfp4
 
-STAMP = "int4_slice.json"
-_STAMP_VERSION = 1
+STAMP = "w4_slice.json"
+_STAMP_VERSION = 2
 # rms of a code uniform in [-7, 7]: sqrt(2 * (1^2 + ... + 7^2) / 15)
 _CODE_RMS = math.sqrt(2 * sum(k * k for k in range(1, 8)) / 15)
+# rms of an E2M1 value over the 16 codes (the sign does not change the square)
+_E2M1_RMS = math.sqrt(sum(v * v for v in mxfp4.E2M1_VALUES) / len(mxfp4.E2M1_VALUES))
 
 
 def random_int4_experts(n: int, out_features: int, in_features: int, std: float, seed: int,
@@ -62,12 +68,38 @@ def random_int4_experts(n: int, out_features: int, in_features: int, std: float,
         del packed, scale
 
 
-def int4_slice_state_dict(config: dict, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Every tensor of a K2.x checkpoint for the HF ``config`` dict (INT4 routed experts), keyed by HF names."""
-    cfg = KimiConfig.from_hf(config, where="int4 slice config")
-    if cfg.is_k3_family:
-        raise ValueError("int4_slice: K2.x configs only (K3/K3.1 experts are MXFP4)")
-    E, H, I, L = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_hidden_layers
+def random_mxfp4_experts(n: int, out_features: int, in_features: int, std: float, seed: int,
+                         device: str = "cpu", chunk: int = 32) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield ``n`` random MXFP4 expert linears ``[out, in]`` in on-disk form, one CPU dict per expert:
+    ``weight_packed`` uint8 ``[out, in/2]`` (two E2M1 codes, even element low), ``weight_scale`` uint8
+    E8M0 ``[out, in/32]``.
+
+    :param std: target std of the dequantized weights (see the module docstring).
+    :param device: where codes are drawn and packed (``cuda`` for K3 sizes); results are copied to the CPU.
+    :param chunk: experts drawn per step.
+    """
+    g = mxfp4.GROUP
+    gen = torch.Generator(device=device).manual_seed(seed)
+    base = 127 + round(math.log2(std / (_E2M1_RMS * math.sqrt(2.5))))
+    for e0 in range(0, n, chunk):
+        c = min(chunk, n - e0)
+        codes = torch.randint(0, 16, (c, out_features, in_features), dtype=torch.uint8, device=device, generator=gen)
+        packed = mxfp4.pack(codes)
+        del codes
+        scale = (base + torch.randint(0, 2, (c, out_features, in_features // g), device=device, generator=gen)
+                 ).to(torch.uint8)
+        for i in range(c):  # one storage per tensor: safetensors refuses tensors that share one
+            yield {"weight_packed": packed[i].to("cpu", copy=True), "weight_scale": scale[i].to("cpu", copy=True)}
+        del packed, scale
+
+
+def slice_state_dict(config: dict, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint for the HF ``config`` dict with 4-bit routed experts in the release format
+    (K2.x INT4, K3 / K3.1 MXFP4; experts read ``routed_expert_hidden_size`` where the config has it), keyed by
+    HF names."""
+    cfg = KimiConfig.from_hf(config, where="w4 slice config")
+    E, H, I, L = cfg.n_routed_experts, cfg.expert_in_size, cfg.moe_intermediate_size, cfg.num_hidden_layers
+    draw = random_mxfp4_experts if cfg.is_k3_family else random_int4_experts
     small = copy.deepcopy(config)
     small.get("text_config", small)["n_routed_experts"] = cfg.num_experts_per_tok
     out = tiny_state_dict(small, "none", seed=seed)
@@ -80,19 +112,20 @@ def int4_slice_state_dict(config: dict, seed: int = 0, device: str = "cpu") -> d
         moe = f"{cfg.layer_prefix(layer)}{cfg.moe_prefix}"
         for k in [k for k in out if k.startswith(f"{moe}.experts.")]:
             del out[k]
-        out[f"{moe}.gate.weight"] = (torch.randn(E, H, generator=gen) / math.sqrt(H)).to(torch.bfloat16)
+        hidden = cfg.hidden_size  # the router reads the full hidden state, the experts the latent one
+        out[f"{moe}.gate.weight"] = (torch.randn(E, hidden, generator=gen) / math.sqrt(hidden)).to(torch.bfloat16)
         out[f"{moe}.gate.e_score_correction_bias"] = torch.randn(E, generator=gen) * 0.05
         for j, (name, (o, i, std)) in enumerate(((gate_n, (I, H, H ** -0.5)), (up_n, (I, H, H ** -0.5)),
                                                  (down_n, (H, I, I ** -0.5 * resid)))):
-            experts = random_int4_experts(E, o, i, std, seed=seed * 1000 + layer * 3 + j, device=device)
+            experts = draw(E, o, i, std, seed=seed * 1000 + layer * 3 + j, device=device)
             for e, tensors in enumerate(experts):
                 out.update({f"{moe}.experts.{e}.{name}.{k}": v for k, v in tensors.items()})
     return out
 
 
-def ensure_int4_slice(out_dir: str, config: dict, seed: int = 0, device: str = "cpu",
-                      max_shard_bytes: int = 4 << 30) -> dict:
-    """Write the slice of :func:`int4_slice_state_dict` to ``out_dir`` unless it is already there with the
+def ensure_slice(out_dir: str, config: dict, seed: int = 0, device: str = "cpu",
+                 max_shard_bytes: int = 4 << 30) -> dict:
+    """Write the slice of :func:`slice_state_dict` to ``out_dir`` unless it is already there with the
     same config and seed (a stamp file says so). Written to ``<out_dir>.partial``, then renamed.
 
     :returns: ``{"path", "written": bool, "seconds", "bytes"}``.
@@ -106,7 +139,7 @@ def ensure_int4_slice(out_dir: str, config: dict, seed: int = 0, device: str = "
     t = time.perf_counter()
     tmp = f"{out_dir}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
-    tensors = int4_slice_state_dict(config, seed, device)
+    tensors = slice_state_dict(config, seed, device)
     write_checkpoint(tmp, tensors, config, max_shard_bytes=max_shard_bytes)
     del tensors
     atomic_write_text(os.path.join(tmp, STAMP), json.dumps(stamp))
