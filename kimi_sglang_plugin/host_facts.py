@@ -74,6 +74,7 @@ _K3_MLA_INIT = ("self", "config", "layer_idx", "quant_config", "all_reduce_fusio
 _GET_HIDDEN_DIM = ("module_name", "config", "base_model", "layer_idx", "lora_added_vocab_size")
 _RUN_FROM_DISPATCH = ("self", "dispatch_output", "quant_info", "runner_config", "hooks")
 _SITU = ("input", "out", "beta", "linear_beta")
+_ATTN_RES_MIX = ("prefix_sum", "bank", "nvb", "score_proj", "score_norm")
 _RUNNER_FIELDS = ("activation", "is_gated", "gemm1_alpha", "gemm1_clamp_limit", "gate_up_interleaved")
 
 _S = "sglang.srt."
@@ -112,6 +113,16 @@ FACTS: dict[str, dict[str, Fact]] = {
     _S + "lora.utils.get_hidden_dim": {
         "0.5.17": fn("srt/lora/utils.py:106", *_GET_HIDDEN_DIM),
         "0.5.23": fn("srt/lora/utils.py:146", *_GET_HIDDEN_DIM)},
+    # attention residuals at widths that are not multiples of 1024 (attn_residual_width.py)
+    _S + "layers.attn_residual._mix_fused": {
+        "0.5.17": fn("srt/layers/attn_residual.py:202", *_ATTN_RES_MIX),
+        "0.5.23": fn("srt/layers/attn_residual.py:209", *_ATTN_RES_MIX)},
+    _S + "layers.attn_residual.aggregate_stream_torch": {
+        "0.5.17": fn("srt/layers/attn_residual.py:299", *_ATTN_RES_MIX),
+        "0.5.23": fn("srt/layers/attn_residual.py:318", *_ATTN_RES_MIX)},
+    _S + "layers.attn_residual._BLOCK_H": {
+        "0.5.17": attr("srt/layers/attn_residual.py:29"),
+        "0.5.23": attr("srt/layers/attn_residual.py:29")},
     # where expected_checksums are compared (checksum_refusal.py)
     _S + "managers.tp_worker.BaseTpWorker.load_lora_adapter_from_tensors": {
         "0.5.17": fn("srt/managers/tp_worker.py:235", "self", "recv_req"),

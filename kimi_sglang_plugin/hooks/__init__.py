@@ -235,6 +235,20 @@ HOOKS: tuple[HookSpec, ...] = (
         versions=("0.5.17",),
         absent_in="0.5.23: the buffers no longer depend on the weight shapes",
     ),
+    # ------------------------------------------------------------------ K3 at other widths
+    HookSpec(
+        name="attn_residual_any_width",
+        target="sglang.srt.layers.attn_residual._mix_fused",
+        kind="around", fn="kimi_sglang_plugin.hooks.attn_residual_width:mix_any_width",
+        why="the attention-residual Triton kernels cover hidden_size // 1024 blocks with no mask or remainder "
+            "(_BLOCK_H = 1024): at other widths the mixture is left uninitialised and K3 is served wrong "
+            "without an error (H200, 0.5.17, hidden 512: logprobs uncorrelated with the reference)",
+        how="AROUND: hidden_size % 1024 != 0 returns SGLang's own eager aggregate_stream_torch (what its "
+            "aggregate_stream already falls back to for those widths); multiples of 1024 keep the kernels",
+        upstream="not filed yet",
+        remove_when="_mix_fused masks its column blocks or falls back itself",
+        versions=BOTH,
+    ),
     # ------------------------------------------------------------------ adapter sync
     HookSpec(
         name="lora_check_mismatch_refused",

@@ -44,10 +44,10 @@ sglang_env() {
 
 # group name, seconds it needs at least, pytest -k expression, engine timeout
 SGL_GROUPS=(
-  "base|300|stock or plugin_k3_matches or plugin_log_names|480"
+  "base|300|stock or plugin_k3_matches or plugin_log_names or any_hidden_size|480"
   "lora|200|moe_lora_shared_outer or lora_log_names or hot_load|300"
   "k31|150|k31|240"
-  "k2|120|k2_int4|300"
+  "k2|120|k2_int4|${K2_ENGINE_TIMEOUT:-540}"
 )
 
 run_sglang() {

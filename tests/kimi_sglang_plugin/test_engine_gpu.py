@@ -155,6 +155,25 @@ def test_plugin_log_names_backends(through_plugin):
     assert seen["model_class"] == "KimiK3ForConditionalGeneration", seen
 
 
+@pytest.fixture(scope="module")
+def plugin_512(tmp_path_factory):
+    """The plugin on the tiny K3 at hidden 512, which stock SGLang serves wrong (attention residuals)."""
+    path, _ = write_tiny("k3", str(tmp_path_factory.mktemp("k3_h512")), {"hidden_size": 512})
+    routing = []
+    fp32 = reference_logprobs(path, torch.float32, "cuda", routing_out=routing)
+    run = run_engine(tmp_path_factory.mktemp("plugin_512"), path, plugins="kimi", tag="plugin_h512", routed=True)
+    return {"ckpt": path, "run": run, "ref": {"ckpt": path, "fp32": fp32, "routing": routing}}
+
+
+@gpu_test
+def test_plugin_k3_any_hidden_size(plugin_512):
+    """Through the plugin, hidden 512 (not a multiple of SGLang's 1024-wide attention-residual blocks) is within
+    1.5x the bf16 reference, and SGLang's log shows the plugin's eager mixture ran."""
+    err, floor = _replayed_err(plugin_512["run"], plugin_512["ref"], "plugin at hidden 512")
+    assert err <= BF16_RATIO * floor, f"plugin at hidden 512: error {err:.3e} > {BF16_RATIO} x bf16 reference {floor:.3e}"
+    assert "attention residuals at hidden_size 512" in plugin_512["run"]["log"], "the plugin's eager mixture did not run"
+
+
 #: the seeds' K3 recipe adapter: rank 32, alpha 64, every linear SGLang gives LoRA (MLA, dense and shared
 #: MLPs, KDA's o_proj, routed experts in the shared-outer layout)
 K3_LORA_LEAVES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj",

@@ -208,3 +208,31 @@ def test_checksum_mismatch_refused_not_fatal(plugin, monkeypatch):
             assert bad_name in out.error_message and "[LORA-CHECK]" in out.error_message
         else:
             assert out == "ok" and loaded == [sorted(good)]
+
+
+@pytest.mark.parametrize("width", [512, 1536])
+def test_attn_residual_any_width(plugin, width):
+    """At a hidden size that is not a multiple of 1024 (where SGLang's Triton kernels leave the mixture
+    uninitialised, measured on the H200) the patched ``_mix_fused`` returns the depth-softmax mixture of
+    ``kimi_core.reference.attn_res_aggregate`` in float64 (to fp32 rounding), through SGLang's own eager path; multiples of 1024
+    still reach SGLang's kernels."""
+    import sglang.srt.layers.attn_residual as ar
+
+    from kimi_core.reference.attn_res import attn_res_aggregate
+    from kimi_core.reference.ops import rms_norm
+
+    g = torch.Generator().manual_seed(width)
+    T, nvb, eps = 5, 3, 1e-5
+    prefix = torch.randn(T, width, generator=g, dtype=torch.float64)
+    bank = torch.randn(T, nvb + 1, width, generator=g, dtype=torch.float64)  # one unused row past nvb
+    norm_w, proj_w = 1 + 0.1 * torch.randn(width, generator=g, dtype=torch.float64), torch.randn(1, width, generator=g,
+                                                                                                  dtype=torch.float64)
+    norm = type("Norm", (), {"variance_epsilon": eps, "__call__": lambda self, x: rms_norm(x, norm_w, eps)})()
+    proj = type("Proj", (), {"__call__": lambda self, x: (x @ proj_w.T, None)})()
+    got = ar._mix_fused(prefix, bank, nvb, proj, norm)
+    want = attn_res_aggregate(prefix, list(bank[:, :nvb].unbind(1)), norm_w, proj_w, eps)
+    assert got.dtype == prefix.dtype
+    assert_close(f"mixture at hidden {width}", want, got, 1e-6)  # SGLang's eager path mixes in fp32
+    with pytest.raises(Exception):  # 1024 goes to the Triton kernels, which need CUDA tensors
+        ar._mix_fused(torch.zeros(T, 1024, dtype=torch.float64), torch.zeros(T, 2, 1024, dtype=torch.float64), 1,
+                      proj, norm)
