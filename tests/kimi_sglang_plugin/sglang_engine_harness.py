@@ -221,8 +221,10 @@ def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, 
     the log is also written to ``$KIMI_TEST_OUT/sglang_<tag>.log`` when that is set. ``timeout``
     defaults to ``$KIMI_SGLANG_ENGINE_TIMEOUT`` or 180 s (raise it on a machine whose TVM-FFI cache is
     cold: the first prefill nvcc-builds the Marlin MoE kernel, ``tests/gpu/sglang_jit_cache.sh``). ``routed``: the
-    base scoring also returns the experts SGLang chose (``res["routed"]``, see :func:`routed_experts`)."""
+    base scoring also returns the experts SGLang chose (``res["routed"]``, see :func:`routed_experts`; off with
+    ``KIMI_SGLANG_ROUTED=0``, then the tests compare with the reference's own routing)."""
     timeout = timeout or int(os.environ.get("KIMI_SGLANG_ENGINE_TIMEOUT", "180"))
+    routed = routed and os.environ.get("KIMI_SGLANG_ROUTED", "1") != "0"  # 0: no replay (diagnosis)
     kwargs = {**ENGINE_KWARGS, **({"enable_return_routed_experts": True} if routed else {}), **(engine_kwargs or {})}
     plan = {"ckpt": ckpt, "prompts": PROMPTS, "engine_kwargs": kwargs, "routed_experts": routed,
             "adapters": [{"name": n, "path": p} for n, p in (adapters or {}).items()],
