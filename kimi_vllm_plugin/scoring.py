@@ -33,14 +33,14 @@ def score(plan: dict) -> dict:
                          "reference's own bf16 error)")
 
     from kimi_vllm_plugin.client import KimiLoraClient
-    from kimi_vllm_plugin.kv_cache import cpu_kv_cache_kwargs
+    from kimi_vllm_plugin.cpu_engine import cpu_engine_kwargs
 
     ids = plan["ids"]
     lora = dict(enable_lora=True, max_lora_rank=plan.get("max_lora_rank", 16), max_loras=1) if plan.get("adapter") else {}
     max_len, seqs = max(64, max(len(s) for s in ids) + 2), max(1, len(ids))
+    dtype = plan.get("dtype", "bfloat16")
     llm = LLM(model=plan["ckpt"], skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_len,
-              max_num_seqs=seqs, dtype=plan.get("dtype", "bfloat16"), seed=0, **lora,
-              **cpu_kv_cache_kwargs(plan["ckpt"], max_len, seqs))
+              max_num_seqs=seqs, dtype=dtype, seed=0, **lora, **cpu_engine_kwargs(plan["ckpt"], max_len, seqs, dtype))
     start_s = time.time() - t0
     req = None
     if plan.get("adapter"):

@@ -46,13 +46,13 @@ class VllmRollout:
 
         from kimi_core.config import load_config
         from kimi_vllm_plugin.client import KimiLoraClient
-        from kimi_vllm_plugin.kv_cache import cpu_kv_cache_kwargs
+        from kimi_vllm_plugin.cpu_engine import cpu_engine_kwargs
 
         t0 = time.time()
         self.llm = LLM(model=ckpt, skip_tokenizer_init=True, enforce_eager=True,
                        max_model_len=max_model_len, max_num_seqs=max_num_seqs, dtype="bfloat16", seed=seed,
                        enable_lora=True, max_lora_rank=max_lora_rank, max_loras=2, max_logprobs=max(topk, 1),
-                       **cpu_kv_cache_kwargs(ckpt, max_model_len, max_num_seqs))
+                       **cpu_engine_kwargs(ckpt, max_model_len, max_num_seqs, "bfloat16"))
         self.start_s = time.time() - t0
         self.client = KimiLoraClient.offline(self.llm, ckpt, max_lora_rank=max_lora_rank, stage_dir=stage_dir)
         self.config = load_config(ckpt)

@@ -38,7 +38,7 @@ def main(plan_path: str, out_path: str) -> None:
     from vllm.lora.request import LoRARequest
 
     from kimi_vllm_plugin.client import AdapterRejected, KimiLoraClient
-    from kimi_vllm_plugin.kv_cache import cpu_kv_cache_kwargs
+    from kimi_vllm_plugin.cpu_engine import cpu_engine_kwargs
 
     kw = dict(model=plan["ckpt"], skip_tokenizer_init=True, enforce_eager=True,
               max_model_len=128, max_num_seqs=4, dtype=plan.get("dtype", "bfloat16"), seed=0)
@@ -46,7 +46,7 @@ def main(plan_path: str, out_path: str) -> None:
         kw.update(enable_lora=True, max_lora_rank=plan["max_lora_rank"], max_loras=2)
     kw.update(plan.get("engine_kwargs", {}))
     # sized from the final lengths; {} on a GPU, where gpu_memory_utilization (engine_kwargs) sizes the cache
-    for k, v in cpu_kv_cache_kwargs(plan["ckpt"], kw["max_model_len"], kw["max_num_seqs"]).items():
+    for k, v in cpu_engine_kwargs(plan["ckpt"], kw["max_model_len"], kw["max_num_seqs"], kw["dtype"]).items():
         kw.setdefault(k, v)
     llm = LLM(**kw)
     res = {"start_s": time.time() - t0, "steps": [], "engine_kwargs": {k: v for k, v in kw.items() if k != "model"}}

@@ -47,6 +47,15 @@ def test_generates_and_base_logprobs_match_reference_fp32(fp32_run, reference):
     check_base(res, s["base"], reference, "k2 fp32")
 
 
+def test_float32_engine_runs_cpu_mla(fp32_run):
+    """The float32 engine asked for vLLM's reference MLA (``cpu_engine_kwargs``) and vLLM's log says it ran it;
+    on an AMX host vLLM would otherwise pick AMX_MLA, which refuses float32 weights at load."""
+    res, _, _ = fp32_run
+    assert res["engine_kwargs"].get("attention_backend") == "CPU_MLA", res["engine_kwargs"]
+    assert "Using CPU_MLA backend" in res["log"], "vLLM did not log the CPU_MLA backend"
+    assert "AMX_MLA" not in res["log"]
+
+
 @pytest.mark.parametrize("tag", ["A", "B"])
 def test_adapter_logprobs_match_reference(fp32_run, reference, tag):
     """Per-expert (A) and shared-outer (B) adapters with rank_pattern-normalised expert ranks give the reference's logprobs."""

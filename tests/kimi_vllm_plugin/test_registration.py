@@ -292,9 +292,9 @@ def main():
     except Exception as e:
         print("K31", type(e).__name__, e, flush=True)
     try:
-        from kimi_vllm_plugin.kv_cache import cpu_kv_cache_kwargs
+        from kimi_vllm_plugin.cpu_engine import cpu_engine_kwargs
         LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=8, max_num_seqs=1, enforce_eager=True,
-            skip_tokenizer_init=True, **cpu_kv_cache_kwargs(sys.argv[1], 8, 1))
+            skip_tokenizer_init=True, **cpu_engine_kwargs(sys.argv[1], 8, 1, "bfloat16"))
     except Exception as e:
         print("K3", type(e).__name__, e, flush=True)
 if __name__ == "__main__":
