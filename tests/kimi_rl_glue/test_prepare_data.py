@@ -67,8 +67,8 @@ def test_errors_name_the_file(tmp_path):
 
 
 def test_parquet_input(tmp_path):
-    """A parquet file in the DAPO schema converts like its JSONL twin (needs pyarrow)."""
-    pa = pytest.importorskip("pyarrow", reason="pyarrow is not installed in this venv; parquet input is untested here")
+    """A parquet file in the DAPO schema converts like its JSONL twin (pyarrow: the root test extra)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     rows = _rows(DAPO)

@@ -147,19 +147,25 @@ def test_moe_block_matches_reference(built):
     assert d < 1e-4
 
 
-def test_k31_indexer_topk_matches_reference(built):
-    """K3.1: an indexer sits on every MLA layer and none on KDA layers; its scores and top-k keep-mask
-    equal kimi_core.reference's indexer on the same weights."""
+_INDEXER = re.compile(r"layers\.(\d+)\.self_attn\.indexer$")
+
+
+def test_indexer_placement_and_k31_topk(built):
+    """K3 builds no indexer at all; K3.1 has one on every MLA layer and none on KDA layers, and its scores and
+    top-k keep-mask equal kimi_core.reference's indexer on the same weights."""
     model, ckpt, res, files = built
-    if model != "k31":
-        pytest.skip("K3.1 only")
     from kimi_core.checkpoint.reader import CheckpointReader
     from kimi_core.config import load_config
     from kimi_core.reference.indexer import Indexer
     from kimi_core.reference.weights import Weights
 
     cfg = load_config(ckpt)
-    assert res["mla_layers"] == [i for i in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(i)]
+    with_indexer = sorted(int(m.group(1)) for n in res["modules"] if (m := _INDEXER.search(n)))
+    if model == "k3":
+        assert with_indexer == [] and "indexer_io" not in files, f"K3 built an indexer on layers {with_indexer}"
+        return
+    mla = [i for i in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(i)]
+    assert with_indexer == mla and res["mla_layers"] == mla, (with_indexer, res["mla_layers"], mla)
     io = files["indexer_io"]
     layer = res["indexer_layer"]
     ref = Indexer(cfg, Weights(CheckpointReader(ckpt), dtype=torch.float64), f"{LM}layers.{layer}.self_attn")
