@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import statistics
 import sys
@@ -61,6 +60,10 @@ PROBE_DIR = os.path.join(ROOT, "tests", "kimi_vllm_plugin")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 from results import append, command, cpu_name, git_commit, today  # noqa: E402
+import serving_bench  # noqa: E402
+from serving_bench import ServingBench, log  # noqa: E402
+
+serving_bench.TAG = "vllm_serving"
 
 PHASES = ("off", "one", "two", "hotload")
 #: paths whose uncommitted changes the recorded commit mentions
@@ -83,10 +86,6 @@ K2_WIDTH_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "q
 LOG_PATTERNS = re.compile(r"MoEMethod|Marlin|MARLIN|Punica|LoRA|lora|[Bb]ackend|kimi|CUDA graph|cudagraph|"
                           r"[Cc]ompil|Model loading took|KV cache|init engine", re.I)
 _T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[vllm_serving +{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
 
 
 # ------------------------------------------------------------------------------------ checkpoint
@@ -222,57 +221,24 @@ class TimedBackend:
         self.remove_s.append(time.perf_counter() - t)
 
 
-class Bench:
-    """One engine, the prompt generator and the timed calls."""
+class Bench(ServingBench):
+    """One vLLM engine: :class:`serving_bench.ServingBench` plus the hot-load timing."""
 
     def __init__(self, llm, vocab: int, repeats: int, deadline: float, seed: int = 0):
-        self.llm, self.vocab, self.repeats, self.deadline = llm, vocab, repeats, deadline
-        self.rng = random.Random(seed)
-
-    def out_of_time(self) -> bool:
-        return time.perf_counter() > self.deadline
-
-    def prompts(self, n: int, length: int) -> list[dict]:
-        """``n`` fresh ``{"prompt_token_ids": [length ints]}`` (ids 3.. vocab-1, never repeated prefixes)."""
-        return [{"prompt_token_ids": [self.rng.randrange(3, self.vocab) for _ in range(length)]} for _ in range(n)]
+        super().__init__(vocab, repeats, deadline, seed)
+        self.llm = llm
 
     def run(self, n: int, length: int, new: int, loras) -> tuple[float, int]:
         """One ``generate`` of ``n`` x ``length`` prompts, ``new`` tokens each; ``(wall s, tokens generated)``."""
         from vllm import SamplingParams
 
         sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, detokenize=False)
-        ps = self.prompts(n, length)
+        ps = [{"prompt_token_ids": ids} for ids in self.prompt_ids(n, length)]
         reqs = [loras[i % len(loras)] for i in range(n)] if isinstance(loras, list) else loras
         t = time.perf_counter()
         outs = self.llm.generate(ps, sp, lora_request=reqs, use_tqdm=False)
         dt = time.perf_counter() - t
         return dt, sum(len(o.outputs[0].token_ids) for o in outs)
-
-    def config(self, name: str, loras, sizes: dict) -> dict:
-        """Prefill and decode tok/s of one config (warm-up of the same batch shapes, then median of repeats;
-        at least one repeat, fewer than ``repeats`` once past the deadline)."""
-        (P, S), (D, s, T) = sizes["prefill"], sizes["decode"]
-        for args in ((P, S, 1), (D, s, 1), (D, s, min(T, 16))):  # batch shapes, graphs and kernels, not length
-            self.run(*args, loras)
-        pre, dec1, decT, gen = [], [], [], []
-        for i in range(self.repeats):
-            if i and self.out_of_time():
-                log(f"{name}: past the time budget after {i} repeat(s)")
-                break
-            pre.append(self.run(P, S, 1, loras)[0])
-            dec1.append(self.run(D, s, 1, loras)[0])
-            t, g = self.run(D, s, T, loras)
-            decT.append(t)
-            gen.append(g)
-        p, d1, dT = (statistics.median(x) for x in (pre, dec1, decT))
-        row = {"config": name, "prefill_tok_s": P * S / p, "decode_tok_s": D * (T - 1) / max(dT - d1, 1e-9),
-               "prefill_s": pre, "decode_prefill_only_s": dec1, "decode_s": decT, "generated_tokens": gen,
-               "expected_tokens": D * T, "decode_step_ms": (dT - d1) / (T - 1) * 1e3}
-        if any(g != D * T for g in gen):
-            log(f"WARNING {name}: generated {gen} tokens, expected {D * T} per run (ignore_eos)")
-        log(f"{name}: prefill {row['prefill_tok_s']:.0f} tok/s, decode {row['decode_tok_s']:.0f} tok/s "
-            f"({row['decode_step_ms']:.2f} ms/step at batch {D})")
-        return row
 
     def hot_loads(self, client, backend: TimedBackend, sources: list[str], sizes: dict) -> dict:
         """``client.load`` of each source while the previous version is loaded, then its first requests."""

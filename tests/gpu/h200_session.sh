@@ -4,6 +4,7 @@
 #
 #   bash tests/gpu/h200_session.sh sglang   # carry .gpu/sglang1 (+ .gpu/sglang_jit): SGLang 0.5.17 GPU lane
 #   bash tests/gpu/h200_session.sh bisect   # like sglang, after tests/gpu/sglang_bisect.py (which K3 piece differs)
+#   bash tests/gpu/h200_session.sh sglang_bench  # benchmarks/sglang_serving.py (K3 real-width slice), after sglang
 #   bash tests/gpu/h200_session.sh w4a16    # kernels GPU tests + benchmarks/w4a16_grouped_gemm.py
 #   bash tests/gpu/h200_session.sh vllm1    # carry .gpu/vllm1: stash part 1
 #   bash tests/gpu/h200_session.sh vllm2    # carry .gpu/vllm2: stash part 2
@@ -98,12 +99,21 @@ run_bisect() {
   run_sglang
 }
 
+run_sglang_bench() {
+  sglang_env
+  SGLANG_PLUGINS=kimi timeout "$(left)" python3 benchmarks/sglang_serving.py --no-results --json "$OUT/sglang_serving.json" \
+    --budget-s $(( $(left) - 60 )) > "$OUT/sglang_serving.log" 2>&1
+  echo "sglang_serving rc=$?"; tail -25 "$OUT/sglang_serving.log"
+  (cd /tmp/tvm-ffi-cache && find . -name '*.so' -print0 | tar --null -cJf "$OUT/tvm_ffi_cache.tar.xz" -T -)
+}
+
 case "$phase" in
   sglang) run_sglang ;;
+  sglang_bench) run_sglang_bench ;;
   bisect) run_bisect ;;
   w4a16) run_w4a16 ;;
   vllm1) mkdir -p /tmp/stash && cp .gpu/vllm1/* /tmp/stash/ && ls /tmp/stash ;;
   vllm2) cp .gpu/vllm2/* /tmp/stash/ && ls /tmp/stash ;;
   vllm3) run_vllm3 ;;
-  *) echo "usage: $0 sglang|w4a16|vllm1|vllm2|vllm3" >&2; exit 2 ;;
+  *) echo "usage: $0 sglang|bisect|sglang_bench|w4a16|vllm1|vllm2|vllm3" >&2; exit 2 ;;
 esac
