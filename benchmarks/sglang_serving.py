@@ -88,6 +88,14 @@ def write_checkpoint_once(out_dir: str, config: dict) -> dict:
     return q.get(timeout=30)
 
 
+def _save(res: dict, path: str | None) -> None:
+    """The raw numbers to ``path`` (if given), atomically: a run cut short leaves the last complete file."""
+    if path:
+        from kimi_core.checkpoint.writer import atomic_write_text
+
+        atomic_write_text(path, json.dumps(res, indent=1))
+
+
 def measure(args) -> dict:
     import sglang as sgl
     import torch
@@ -130,8 +138,7 @@ def measure(args) -> dict:
         bench = SGLangBench(engine, cfg.vocab_size, args.repeats, serving_bench.T0 + args.budget_s)
         for label, lora in (("off", None), ("one adapter", name)):
             res["configs"].append(bench.config(label, lora, SIZES))
-            if args.json:
-                json.dump(res, open(args.json, "w"), indent=1)
+            _save(res, args.json)
         nbytes = sum(b.nbytes for b in payload.buckets)
         for i in range(args.syncs):
             if i and bench.out_of_time():
@@ -181,8 +188,7 @@ def main() -> None:
         print(json.dumps(slice_config(args.vocab), indent=1))
         return
     res = measure(args)
-    if args.json:
-        json.dump(res, open(args.json, "w"), indent=1)
+    _save(res, args.json)
     text = section(res)
     print(text)
     if not args.no_results:

@@ -413,9 +413,9 @@ def measure(args, phases: list[str]) -> dict:
         res["engine_log"] = tee.matches(LOG_PATTERNS)
         res["engine_paths"] = engine_paths(res["engine_log"], res["model_info"])
         if args.json:
-            with open(args.json + ".tmp", "w") as f:
-                json.dump(res, f, indent=1)
-            os.replace(args.json + ".tmp", args.json)
+            from kimi_core.checkpoint.writer import atomic_write_text
+
+            atomic_write_text(args.json, json.dumps(res, indent=1))
 
     dump()
     for ph in phases:

@@ -19,9 +19,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kimi_sglang_plugin"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import torch  # noqa: E402
-from kimi_core.reference.replay import rel_rms_error  # noqa: E402
-from sglang_engine_harness import reference_logprobs, run_engine, write_tiny  # noqa: E402
+from sglang_engine_harness import engine_error, run_engine, write_tiny  # noqa: E402
 
 LA = {"num_heads": 2, "head_dim": 128, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
       "use_full_rank_gate": True, "full_attn_layers": [4, 5], "kda_layers": [1, 2, 3]}
@@ -30,7 +28,7 @@ LA = {"num_heads": 2, "head_dim": 128, "short_conv_kernel_size": 4, "gate_lower_
 VARIANTS = {
     "base": {},
     "hidden512": {"hidden_size": 512},  # the harness before 2026-12-02: attention residuals left uninitialised
-    "kda4_mla2": {"linear_attn_config": {**LA, "num_heads": 4}},  # the harness before 2026-12-02
+    "kda4_mla2": {"linear_attn_config": {**LA, "num_heads": 4}},  # KDA heads != MLA heads (SGLang's LoRA pool reading)
     "heads4": {"num_attention_heads": 4, "num_key_value_heads": 4, "linear_attn_config": {**LA, "num_heads": 4}},
     "all_mla": {"linear_attn_config": {**LA, "full_attn_layers": [1, 2, 3, 4, 5], "kda_layers": []}},
     "all_kda": {"linear_attn_config": {**LA, "full_attn_layers": [], "kda_layers": [1, 2, 3, 4, 5]}},
@@ -50,12 +48,9 @@ def one(name: str, root: pathlib.Path, delay: float) -> dict:
                          engine_kwargs={"mem_fraction_static": 0.1})
     except Exception as e:  # noqa: BLE001 - a variant the engine cannot load is an answer too
         return {"name": name, "error": str(e)[-1500:]}
-    f32 = reference_logprobs(ck, torch.float32, "cuda")
-    b16 = reference_logprobs(ck, torch.bfloat16, "cuda")
-    flat = lambda r: torch.tensor([v for x in r for v in x], dtype=torch.float64)  # noqa: E731
-    eng, ref = rel_rms_error(flat(f32), flat(res["lps"])), rel_rms_error(flat(f32), flat(b16))
-    return {"name": name, "engine_rel": eng, "bf16_rel": ref, "ratio": eng / ref,
-            "engine_max_abs": (flat(res["lps"]) - flat(f32)).abs().max().item()}
+    e = engine_error(ck, res["lps"])
+    return {"name": name, "engine_rel": e["err"], "bf16_rel": e["floor"], "ratio": e["err"] / e["floor"],
+            "engine_max_abs": e["max_abs"]}
 
 
 def _line(r: dict) -> str:

@@ -270,3 +270,25 @@ def reference_logprobs(ckpt: str, dtype, device: str, adapter=None, routed: list
             if routing_out is not None:
                 routing_out.append(model.last_routed_experts()[0].tolist())
     return out
+
+
+def flat_logprobs(rows) -> "torch.Tensor":
+    """Per-prompt logprob rows as one float64 vector."""
+    import torch
+
+    return torch.tensor([v for r in rows for v in r], dtype=torch.float64)
+
+
+def engine_error(ckpt: str, engine_lps, adapter=None, routed: list | None = None, device: str = "cuda") -> dict:
+    """An engine's prompt logprobs against ``kimi_core.reference`` in fp32 (with ``adapter``, replaying the
+    engine's ``routed`` experts when given), next to the bar's unit, the same reference run in bf16:
+    ``{"err", "floor"}`` (relative RMS), ``{"max_abs", "floor_max_abs"}`` and the fp32 rows ``"fp32"``."""
+    import torch
+
+    from kimi_core.reference.replay import rel_rms_error
+
+    f32 = flat_logprobs(reference_logprobs(ckpt, torch.float32, device, adapter, routed))
+    b16 = flat_logprobs(reference_logprobs(ckpt, torch.bfloat16, device, adapter, routed))
+    got = flat_logprobs(engine_lps)
+    return {"err": rel_rms_error(f32, got), "floor": rel_rms_error(f32, b16), "fp32": f32,
+            "max_abs": (got - f32).abs().max().item(), "floor_max_abs": (b16 - f32).abs().max().item()}

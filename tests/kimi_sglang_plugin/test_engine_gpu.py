@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from sglang_engine_harness import (
-    BF16_RATIO, PROMPTS, SGLANG_TINY_K3_SIZES, marlin_size_problems, parse_engine_log, prompt_logprobs,
-    reference_logprobs, routed_experts, routing_flips, run_engine, write_tiny, write_tiny_k3,
+    BF16_RATIO, PROMPTS, SGLANG_TINY_K3_SIZES, engine_error, flat_logprobs, marlin_size_problems, parse_engine_log,
+    prompt_logprobs, reference_logprobs, routed_experts, routing_flips, run_engine, write_tiny, write_tiny_k3,
 )
 from utils import rel_rms_error
 
@@ -44,10 +44,6 @@ def gpu_test(fn):
     return pytest.mark.gpu(pytest.mark.skipif(reason is not None, reason=reason or "")(fn))
 
 
-def _flat(rows) -> torch.Tensor:
-    return torch.tensor([v for r in rows for v in r], dtype=torch.float64)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path, problems = write_tiny_k3(str(tmp_path_factory.mktemp("tiny_k3_sglang")))
@@ -64,7 +60,7 @@ def reference(ckpt):
     routing = []
     fp32 = reference_logprobs(ckpt, torch.float32, "cuda", routing_out=routing)
     bf16 = reference_logprobs(ckpt, torch.bfloat16, "cuda")
-    err = rel_rms_error(_flat(fp32), _flat(bf16))
+    err = rel_rms_error(flat_logprobs(fp32), flat_logprobs(bf16))
     print(f"reference bf16 vs fp32: rel_rms={err:.3e}")
     return {"ckpt": ckpt, "fp32": fp32, "bf16": bf16, "bf16_err": err, "routing": routing}
 
@@ -90,9 +86,8 @@ def _replayed_err(res, reference, what) -> tuple[float, float]:
     from kimi_core.config import load_config
 
     ckpt, routed = reference["ckpt"], res.get("routed")  # None with KIMI_SGLANG_ROUTED=0: no replay
-    f32 = reference_logprobs(ckpt, torch.float32, "cuda", routed=routed)
-    b16 = reference_logprobs(ckpt, torch.bfloat16, "cuda", routed=routed)
-    err, floor = rel_rms_error(_flat(f32), _flat(res["lps"])), rel_rms_error(_flat(f32), _flat(b16))
+    e = engine_error(ckpt, res["lps"], routed=routed)
+    err, floor = e["err"], e["floor"]
     if routed is None:
         how = "no routing replay (KIMI_SGLANG_ROUTED=0)"
     else:
@@ -105,10 +100,16 @@ def _replayed_err(res, reference, what) -> tuple[float, float]:
     return err, floor
 
 
+@pytest.fixture(scope="module")
+def stock_replayed(stock, reference):
+    """Stock SGLang's (error, bf16 floor) with its routing replayed, computed once for the tests that use it."""
+    return _replayed_err(stock, reference, "stock SGLang")
+
+
 def _engine_err(res, reference, what) -> float:
     assert [len(r) for r in res["lps"]] == [len(p) - 1 for p in PROMPTS], f"{what}: logprob rows"
-    err = rel_rms_error(_flat(reference["fp32"]), _flat(res["lps"]))
-    max_abs = (_flat(res["lps"]) - _flat(reference["fp32"])).abs().max().item()
+    err = rel_rms_error(flat_logprobs(reference["fp32"]), flat_logprobs(res["lps"]))
+    max_abs = (flat_logprobs(res["lps"]) - flat_logprobs(reference["fp32"])).abs().max().item()
     print(f"{what} vs fp32 reference: rel_rms={err:.3e} max_abs={max_abs:.3e} "
           f"(bf16 reference {reference['bf16_err']:.3e}, bar {BF16_RATIO}x)")
     return err
@@ -116,11 +117,11 @@ def _engine_err(res, reference, what) -> float:
 
 # ------------------------------------------------------------------------------------------ GPU
 @gpu_test
-def test_stock_k3_matches_reference(stock, reference):
+def test_stock_k3_matches_reference(stock, reference, stock_replayed):
     """Stock SGLang 0.5.17's in-tree K3 loads the tiny K3 checkpoint and its prompt logprobs are within
     1.5x the bf16 reference's error of the fp32 reference."""
     _engine_err(stock, reference, "stock SGLang")  # printed: the error with the reference's own routing
-    err, floor = _replayed_err(stock, reference, "stock SGLang")
+    err, floor = stock_replayed
     assert err <= BF16_RATIO * floor, f"stock SGLang error {err:.3e} > {BF16_RATIO} x bf16 reference {floor:.3e}"
 
 
@@ -138,12 +139,12 @@ def test_stock_log_names_backends(stock):
 
 
 @gpu_test
-def test_plugin_k3_matches_reference(through_plugin, stock, reference):
+def test_plugin_k3_matches_reference(through_plugin, stock_replayed, reference):
     """Through the plugin (SGLANG_PLUGINS=kimi) the same checkpoint is within 1.5x the bf16 reference's
     error and within 1.5x stock SGLang's."""
     _engine_err(through_plugin, reference, "plugin")
     err, floor = _replayed_err(through_plugin, reference, "plugin")
-    stock_err, _ = _replayed_err(stock, reference, "stock SGLang")
+    stock_err, _ = stock_replayed
     assert err <= BF16_RATIO * floor, f"plugin error {err:.3e} > {BF16_RATIO} x bf16 reference {floor:.3e}"
     assert err <= BF16_RATIO * max(stock_err, floor), f"plugin error {err:.3e} > {BF16_RATIO} x stock SGLang {stock_err:.3e}"
 
@@ -207,11 +208,10 @@ def _lora_kwargs(leaves, shared_outer=True):
 def _bar(name, engine_lps, ref, adapter=None, routed=None):
     """Engine error vs the fp32 reference (with ``adapter``) at most 1.5x the bf16 reference's error; with
     ``routed`` (the engine's routing for these scores) both references replay it (see :func:`_replayed_err`)."""
-    f32 = reference_logprobs(ref["ckpt"], torch.float32, "cuda", adapter, routed)
-    b16 = reference_logprobs(ref["ckpt"], torch.bfloat16, "cuda", adapter, routed)
     assert not isinstance(engine_lps, dict), f"{name}: engine failed to score: {engine_lps}"
-    err, floor = rel_rms_error(_flat(f32), _flat(engine_lps)), rel_rms_error(_flat(f32), _flat(b16))
-    shift = (_flat(f32) - _flat(ref["fp32"])).abs().max().item() if adapter else 0.0
+    e = engine_error(ref["ckpt"], engine_lps, adapter, routed)
+    err, floor = e["err"], e["floor"]
+    shift = (e["fp32"] - flat_logprobs(ref["fp32"])).abs().max().item() if adapter else 0.0
     print(f"{name}: engine rel_rms={err:.3e} | bf16 reference {floor:.3e} | adapter shift max {shift:.2f}")
     assert err <= BF16_RATIO * floor, f"{name}: engine error {err:.3e} > {BF16_RATIO} x bf16 reference {floor:.3e}"
     return err, floor
@@ -378,7 +378,7 @@ def test_written_checkpoint_is_the_release_layout(tmp_path):
         assert packed.dtype == scale.dtype == torch.uint8
         assert tuple(packed.shape) == (o, i // 2) and tuple(scale.shape) == (o, i // 32), (w, packed.shape, scale.shape)
     lps = reference_logprobs(path, torch.float32, "cpu")
-    assert [len(x) for x in lps] == [len(p) - 1 for p in PROMPTS] and torch.isfinite(_flat(lps)).all()
+    assert [len(x) for x in lps] == [len(p) - 1 for p in PROMPTS] and torch.isfinite(flat_logprobs(lps)).all()
 
 
 def test_routed_experts_from_meta_info():
