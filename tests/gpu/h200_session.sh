@@ -8,7 +8,8 @@
 #   bash tests/gpu/h200_session.sh w4a16    # kernels GPU tests + benchmarks/w4a16_grouped_gemm.py
 #   bash tests/gpu/h200_session.sh vllm1    # carry .gpu/vllm1: stash part 1
 #   bash tests/gpu/h200_session.sh vllm2    # carry .gpu/vllm2: stash part 2
-#   bash tests/gpu/h200_session.sh vllm3    # carry .gpu/vllm3: unstage vLLM 0.26.0, GPU checks
+#   bash tests/gpu/h200_session.sh vllm3    # carry .gpu/vllm3 (+ .gpu/sglang1): unstage vLLM 0.26.0, the vLLM GPU lane
+#   bash tests/gpu/h200_session.sh vllm_bench  # benchmarks/vllm_serving.py (K2 real-width slice), after vllm3
 #
 # The SGLang lane runs in groups (base engines, MoE LoRA + hot load, K3.1, K2 INT4); a group that ran
 # leaves /tmp/kimi_gpu_done/<group>, so a second `sglang` call goes on where the first stopped. Each
@@ -34,10 +35,11 @@ sglang_env() {
     [ -d /tmp/site_sgl/sglang ] || { tail -40 /tmp/kimi_test_out/unstage_sglang.log; exit 3; }
     grep -o 'CUDA_HOME=[^ ]*' /tmp/kimi_test_out/unstage_sglang.log | tail -1 | cut -d= -f2 > /tmp/site_sgl.cuda_home
     python3 tests/gpu/write_entry_points.py /tmp/site_sgl
-    if [ -f .gpu/sglang_jit/tvm_ffi_cache.tar.xz ]; then
-      mkdir -p /tmp/tvm-ffi-cache && tar -xJf .gpu/sglang_jit/tvm_ffi_cache.tar.xz -C /tmp/tvm-ffi-cache
-      echo "JIT cache unpacked: $(find /tmp/tvm-ffi-cache -name '*.so' | wc -l) modules"
-    fi
+  fi
+  # the JIT cache of an earlier call (or of tests/gpu/sglang_jit_prebuild.sh on a CPU host), whenever carried
+  if [ -f .gpu/sglang_jit/tvm_ffi_cache.tar.xz ]; then
+    mkdir -p /tmp/tvm-ffi-cache && tar -xJf .gpu/sglang_jit/tvm_ffi_cache.tar.xz -C /tmp/tvm-ffi-cache
+    echo "JIT cache unpacked: $(find /tmp/tvm-ffi-cache -name '*.so' | wc -l) modules"
   fi
   export PYTHONPATH=/tmp/site_sgl:$PWD CUDA_HOME=$(cat /tmp/site_sgl.cuda_home) TVM_FFI_CACHE_DIR=/tmp/tvm-ffi-cache
   mkdir -p "$TVM_FFI_CACHE_DIR"
@@ -77,18 +79,29 @@ run_w4a16() {
 }
 
 run_vllm3() {
+  # SGLang carried too (it and vllm3 fit in one call): unpack it meanwhile, for a later phase
+  if [ -d .gpu/sglang1 ] && [ ! -d /tmp/site_sgl/sglang ]; then
+    setsid bash tests/gpu/h200_session.sh sglang_unstage > /tmp/kimi_test_out/sglang_unstage_bg.log 2>&1 < /dev/null &
+  fi
   bash .gpu/vllm3/unstage.sh > /tmp/kimi_test_out/unstage_vllm.log 2>&1
   [ -d /tmp/site/vllm ] || { tail -40 /tmp/kimi_test_out/unstage_vllm.log; exit 3; }
-  export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
+  vllm_env
   python3 tests/gpu/write_entry_points.py /tmp/site
-  timeout 200 python3 -m pytest -q -m gpu -s -rfE -p no:cacheprovider tests/kimi_vllm_plugin -k gpu_path_ran \
-    > "$OUT/pytest_vllm_path.log" 2>&1
-  echo "path_ran rc=$? $(tail -1 "$OUT/pytest_vllm_path.log")"
-  timeout "$(left)" python3 benchmarks/vllm_serving.py --no-results ${VLLM_SERVING_ARGS:---no-lora} \
+  timeout "$(left)" python3 -m pytest -q -m gpu -s -rfE -p no:cacheprovider tests/kimi_vllm_plugin \
+    -k "${VLLM_TESTS:-not k25 and not cuda_graphs}" > "$OUT/pytest_vllm.log" 2>&1
+  echo "vllm lane rc=$? $(tail -1 "$OUT/pytest_vllm.log")"
+  cp /tmp/kimi_test_out/vllm_gpu_numbers.json "$OUT/" 2>/dev/null
+  pack_logs
+}
+
+vllm_env() { export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0; }
+
+run_vllm_bench() {
+  vllm_env
+  timeout "$(left)" python3 benchmarks/vllm_serving.py --no-results ${VLLM_SERVING_ARGS:-} \
     --budget-s $(( $(left) - 30 )) --stack-dump-after 150 --stack-file "$OUT/stacks.txt" --json "$OUT/vllm_serving.json" \
     > "$OUT/vllm_serving.log" 2>&1
   echo "serving rc=$?"; tail -30 "$OUT/vllm_serving.log"
-  pack_logs
 }
 
 run_bisect() {
@@ -109,11 +122,13 @@ run_sglang_bench() {
 
 case "$phase" in
   sglang) run_sglang ;;
+  sglang_unstage) sglang_env ;;
   sglang_bench) run_sglang_bench ;;
   bisect) run_bisect ;;
   w4a16) run_w4a16 ;;
   vllm1) mkdir -p /tmp/stash && cp .gpu/vllm1/* /tmp/stash/ && ls /tmp/stash ;;
   vllm2) cp .gpu/vllm2/* /tmp/stash/ && ls /tmp/stash ;;
   vllm3) run_vllm3 ;;
-  *) echo "usage: $0 sglang|bisect|sglang_bench|w4a16|vllm1|vllm2|vllm3" >&2; exit 2 ;;
+  vllm_bench) run_vllm_bench ;;
+  *) echo "usage: $0 sglang|sglang_unstage|bisect|sglang_bench|w4a16|vllm1|vllm2|vllm3|vllm_bench" >&2; exit 2 ;;
 esac

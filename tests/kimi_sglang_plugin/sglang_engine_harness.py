@@ -72,6 +72,8 @@ def sglang_config_problems(text_config: dict) -> list[str]:
 def _sglang_fit(text_config: dict) -> None:
     """Set the sizes :func:`marlin_size_problems` and :func:`sglang_config_problems` name to ones that fit."""
     text_config.update(SGLANG_TINY_K3_SIZES)
+    if "num_experts_per_token" in text_config:  # 0.5.17's RoutedExpertsCapturer reads the DeepSeek name
+        text_config["num_experts_per_tok"] = text_config["num_experts_per_token"]
     if text_config.get("linear_attn_config"):
         text_config["linear_attn_config"] = {**text_config["linear_attn_config"], "head_dim": text_config["v_head_dim"],
                                              "num_heads": text_config["num_attention_heads"]}

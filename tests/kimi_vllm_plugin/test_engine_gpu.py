@@ -143,7 +143,9 @@ def test_gpu_path_ran(runs):
     assert info["model_class"] == "KimiDeepseekV3ForCausalLM", info
     assert "PunicaWrapperGPU" in info["punica"], info
     assert "FusedMoEWithLoRA" in info["lora_classes"] and "MergedColumnParallelLinearWithLoRA" in info["lora_classes"], info
-    assert any("Marlin" in m for m in info["moe_methods"]), info
+    # with LoRA the Marlin method is wrapped in FusedMoEModularMethod: the wrapped method and its experts
+    assert "CompressedTensorsWNA16MarlinMoEMethod" in info["moe_methods"], info["moe_methods"]
+    assert "MarlinExperts" in info["moe_methods"], info["moe_methods"]
     _record("k2_info", {k: info[k] for k in ("lora_classes", "moe_methods", "punica")})
 
 
