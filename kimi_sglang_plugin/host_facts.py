@@ -123,6 +123,11 @@ FACTS: dict[str, dict[str, Fact]] = {
     _S + "layers.attn_residual._BLOCK_H": {
         "0.5.17": attr("srt/layers/attn_residual.py:29"),
         "0.5.23": attr("srt/layers/attn_residual.py:29")},
+    # routed-experts capture on 0.5.17 (routed_experts_capture.py; KimiLinearConfig.__init__ is above); 0.5.23 has
+    # the fixes, so no row
+    _S + "models.kimi_k3.KimiK3MoE.__init__": {
+        "0.5.17": fn("srt/models/kimi_k3.py:357", "self", "config", "quant_config", "prefix", "layer_idx",
+                     "alt_stream")},
     # where expected_checksums are compared (checksum_refusal.py)
     _S + "managers.tp_worker.BaseTpWorker.load_lora_adapter_from_tensors": {
         "0.5.17": fn("srt/managers/tp_worker.py:235", "self", "recv_req"),

@@ -9,7 +9,7 @@ is checked-in data (:mod:`kimi_sglang_plugin.host_facts`); :func:`check_targets`
 running SGLang with it without patching anything, and a missing or changed target is an error
 that names it.
 
-Files: :mod:`.dsa_gates` (K3.1 gates), :mod:`.lora_fixes` (the five fixes of
+Files: :mod:`.dsa_gates` (K3.1 gates), :mod:`.routed_experts_capture` (routing replay on 0.5.17), :mod:`.lora_fixes` (the five fixes of
 sgl-project/sglang#37704, "Kimi K3 colocated RL: LoRA fixes and in-place MXFP4 Marlin reload",
 open against ``sglang-miles``), :mod:`kimi_sglang_plugin.moe_lora` (MoE LoRA on MXFP4 + SiTU).
 """
@@ -248,6 +248,32 @@ HOOKS: tuple[HookSpec, ...] = (
         upstream="not filed yet",
         remove_when="_mix_fused masks its column blocks or falls back itself",
         versions=BOTH,
+    ),
+    # ------------------------------------------------------------------ routed experts (routing replay)
+    HookSpec(
+        name="k3_routed_experts_top_k_name",
+        target="sglang.srt.configs.kimi_linear.KimiLinearConfig.__init__",
+        kind="after", fn="kimi_sglang_plugin.hooks.routed_experts_capture:alias_num_experts_per_tok",
+        why="RoutedExpertsCapturer reads hf_text_config.num_experts_per_tok, which K3's KimiLinearConfig calls "
+            "num_experts_per_token: with --enable-return-routed-experts the scheduler dies at memory pool init "
+            "(H200, 0.5.17, 2026-12-02, stock K3 too)",
+        how="AFTER: set config.num_experts_per_tok = config.num_experts_per_token",
+        upstream="fixed in 0.5.23 (KimiLinearConfig.attribute_map)",
+        remove_when="0.5.17 leaves the supported releases",
+        versions=("0.5.17",),
+        absent_in="0.5.23: KimiLinearConfig.attribute_map maps num_experts_per_tok (configs/kimi_linear.py:13)",
+    ),
+    HookSpec(
+        name="k3_routed_experts_topk_layer_id",
+        target=_M + "KimiK3MoE.__init__",
+        kind="after", fn="kimi_sglang_plugin.hooks.routed_experts_capture:topk_layer_id",
+        why="KimiK3MoE builds TopK without layer_id, so the routed-experts capture indexes its buffer with None "
+            "and the first prefill raises a shape error (H200, 0.5.17, 2026-12-02, stock K3 too)",
+        how="AFTER: moe.topk.layer_id = moe.layer_idx when it is None",
+        upstream="fixed in 0.5.23 (TopK(layer_id=self.layer_idx), models/kimi_k3.py:524)",
+        remove_when="0.5.17 leaves the supported releases",
+        versions=("0.5.17",),
+        absent_in="0.5.23: KimiK3MoE passes layer_id=self.layer_idx to TopK (models/kimi_k3.py:526)",
     ),
     # ------------------------------------------------------------------ adapter sync
     HookSpec(

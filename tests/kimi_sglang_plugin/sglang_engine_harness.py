@@ -72,8 +72,6 @@ def sglang_config_problems(text_config: dict) -> list[str]:
 def _sglang_fit(text_config: dict) -> None:
     """Set the sizes :func:`marlin_size_problems` and :func:`sglang_config_problems` name to ones that fit."""
     text_config.update(SGLANG_TINY_K3_SIZES)
-    if "num_experts_per_token" in text_config:  # 0.5.17's RoutedExpertsCapturer reads the DeepSeek name
-        text_config["num_experts_per_tok"] = text_config["num_experts_per_token"]
     if text_config.get("linear_attn_config"):
         text_config["linear_attn_config"] = {**text_config["linear_attn_config"], "head_dim": text_config["v_head_dim"],
                                              "num_heads": text_config["num_attention_heads"]}
@@ -87,6 +85,22 @@ ENGINE_KWARGS = dict(attention_backend="triton", mm_attention_backend="triton_at
                      enable_multimodal=False, skip_tokenizer_init=True, disable_radix_cache=True,
                      dtype="bfloat16", tp_size=1, context_length=512, max_running_requests=8,
                      mem_fraction_static=0.3, random_seed=0, log_level="info")
+
+def k31_engine(index_topk: int) -> tuple[dict, dict]:
+    """(engine kwargs, environment) a K3.1 engine needs on SGLang 0.5.17, which sets them only for the DeepSeek
+    architectures it knows (``server_args.py`` / ``arg_groups/overrides.py``):
+
+    * ``attention_backend="dsa"``: the triton and flashinfer backends cannot read the DSA KV pool
+      (``DSATokenToKVPool`` has no ``get_v_head_dim``; H200, 2026-12-02); ``page_size=64``: the pool asserts it;
+    * ``dsa_prefill_backend`` / ``dsa_decode_backend`` ``"flashmla_sparse"``: SGLang's Hopper bf16 default decode
+      is FA3, which the staged bundle does not carry (``flashmla_ops`` it does);
+    * ``SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=index_topk``: prefill below the threshold runs dense
+      attention, and its default (2048) would make every short prompt dense whatever ``index_topk`` is.
+    """
+    return ({"attention_backend": "dsa", "dsa_prefill_backend": "flashmla_sparse",
+             "dsa_decode_backend": "flashmla_sparse", "page_size": 64},
+            {"SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": str(index_topk)})
+
 
 #: bar of every engine comparison: error vs the fp32 reference at most this times the bf16 reference's
 BF16_RATIO = 1.5
@@ -215,7 +229,7 @@ def parse_engine_log(log: str) -> dict:
 
 def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, timeout: int | None = None,
                adapters: dict | None = None, tensor_versions: list | None = None, tag: str = "",
-               routed: bool = False) -> dict:
+               routed: bool = False, env: dict | None = None) -> dict:
     """One offline ``sgl.Engine`` on ``ckpt`` with ``SGLANG_PLUGINS=plugins`` (``"none"``: stock SGLang),
     scoring :data:`PROMPTS` on the base model and with each of ``adapters`` (``{name: PEFT dir}``, loaded by
     ``Engine.load_lora_adapter``), then loading ``tensor_versions`` through the plugin's sync payload
@@ -224,7 +238,8 @@ def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, 
     defaults to ``$KIMI_SGLANG_ENGINE_TIMEOUT`` or 180 s (raise it on a machine whose TVM-FFI cache is
     cold: the first prefill nvcc-builds the Marlin MoE kernel, ``tests/gpu/sglang_jit_cache.sh``). ``routed``: the
     base scoring also returns the experts SGLang chose (``res["routed"]``, see :func:`routed_experts`; off with
-    ``KIMI_SGLANG_ROUTED=0``, then the tests compare with the reference's own routing)."""
+    ``KIMI_SGLANG_ROUTED=0``, then the tests compare with the reference's own routing). ``env``: set for the
+    engine process on top of this one's (e.g. :func:`k31_engine`'s DSA threshold)."""
     timeout = timeout or int(os.environ.get("KIMI_SGLANG_ENGINE_TIMEOUT", "180"))
     routed = routed and os.environ.get("KIMI_SGLANG_ROUTED", "1") != "0"  # 0: no replay (diagnosis)
     kwargs = {**ENGINE_KWARGS, **({"enable_return_routed_experts": True} if routed else {}), **(engine_kwargs or {})}
@@ -233,7 +248,7 @@ def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, 
             "score": list(adapters or {}), "tensor_versions": tensor_versions or []}
     pp, out = tmp / "plan.json", tmp / "result.json"
     pp.write_text(json.dumps(plan))
-    env = dict(os.environ, SGLANG_PLUGINS=plugins)
+    env = dict(os.environ, **(env or {}), SGLANG_PLUGINS=plugins)
     try:
         r = subprocess.run([sys.executable, os.path.join(HERE, "sglang_engine_script.py"), str(pp), str(out)],
                            capture_output=True, text=True, timeout=timeout, env=env)

@@ -236,3 +236,49 @@ def test_attn_residual_any_width(plugin, width):
     with pytest.raises(Exception):  # 1024 goes to the Triton kernels, which need CUDA tensors
         ar._mix_fused(torch.zeros(T, 1024, dtype=torch.float64), torch.zeros(T, 2, 1024, dtype=torch.float64), 1,
                       proj, norm)
+
+
+def _k3_topk_call(kimi_k3_source: str) -> str:
+    """The ``TopK(...)`` call of ``KimiK3MoE.__init__`` in a release's ``models/kimi_k3.py`` source."""
+    init = kimi_k3_source[kimi_k3_source.index("class KimiK3MoE"):]
+    call = init[init.index("self.topk = TopK("):]
+    return call[:call.index("\n        )")]
+
+
+def test_routed_experts_capture_reads_k3_config(plugin):
+    """SGLang's routed-experts capturer reads ``hf_text_config.num_experts_per_tok``: a K3 config answers with
+    ``num_experts_per_token`` (0.5.23: its attribute_map; 0.5.17: hook k3_routed_experts_top_k_name)."""
+    from sglang.srt.configs.kimi_linear import KimiLinearConfig
+
+    cfg = KimiLinearConfig(hidden_size=256, num_attention_heads=2, num_experts=16, num_experts_per_token=4)
+    assert cfg.num_experts_per_tok == 4
+
+
+def test_k3_topk_gets_its_layer(plugin):
+    """The capture writes under ``TopK.layer_id``: the running release passes it to K3's TopK, or the 0.5.17
+    hook sets it (a TopK as 0.5.17 builds it, layer_id None; SGLang's own needs a server config)."""
+    import inspect
+
+    from sglang.srt.models import kimi_k3
+
+    from kimi_sglang_plugin.hooks.routed_experts_capture import topk_layer_id
+
+    if "k3_routed_experts_topk_layer_id" not in {s.name for s in LIVE}:
+        assert "layer_id=self.layer_idx" in _k3_topk_call(inspect.getsource(kimi_k3))
+    moe = SimpleNamespace(topk=SimpleNamespace(layer_id=None), layer_idx=3)
+    topk_layer_id(None, moe)
+    assert moe.topk.layer_id == 3
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("KIMI_SGLANG_SRC_0517"),
+                    reason="set KIMI_SGLANG_SRC_0517 to an unpacked sglang 0.5.17 wheel")
+def test_0517_k3_topk_has_no_layer_and_config_no_alias():
+    """Why the two routed-experts hooks apply to 0.5.17: its K3 TopK has no layer_id and its KimiLinearConfig
+    no attribute_map (read from the 0.5.17 wheel)."""
+    import os
+
+    src = os.path.join(os.environ["KIMI_SGLANG_SRC_0517"], "sglang", "srt")
+    with open(os.path.join(src, "models", "kimi_k3.py")) as f:
+        assert "layer_id" not in _k3_topk_call(f.read())
+    with open(os.path.join(src, "configs", "kimi_linear.py")) as f:
+        assert "attribute_map" not in f.read()

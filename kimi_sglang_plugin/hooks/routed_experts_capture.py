@@ -1,0 +1,33 @@
+"""K3 routed-experts capture (``--enable-return-routed-experts``, what miles' rollout routing replay reads) on
+SGLang 0.5.17.
+
+0.5.17 cannot return routed experts for the in-tree K3 at all (H200, 2026-12-02, stock and through the plugin):
+
+* ``RoutedExpertsCapturer.__init__`` (``srt/state_capturer/routed_experts.py:69``) reads
+  ``hf_text_config.num_experts_per_tok``; K3's ``KimiLinearConfig`` names it ``num_experts_per_token`` and has no
+  alias, so the memory pool init raises ``AttributeError`` and the scheduler exits;
+* ``KimiK3MoE`` builds its ``TopK`` without ``layer_id`` (``srt/models/kimi_k3.py:424``), so the capture writes
+  ``buffer[:T, None, :] = topk_ids`` and the first prefill raises "The expanded size of the tensor (5) must match
+  the existing size (19)".
+
+0.5.23 fixed both (``KimiLinearConfig.attribute_map`` maps the DeepSeek name; ``TopK(layer_id=self.layer_idx)``),
+so these hooks apply to 0.5.17 only.
+"""
+
+from __future__ import annotations
+
+
+def alias_num_experts_per_tok(result, config, *args, **kwargs):
+    """After ``KimiLinearConfig.__init__``: ``config.num_experts_per_tok`` = ``config.num_experts_per_token``
+    (int), the name SGLang's routed-experts capturer reads."""
+    if getattr(config, "num_experts_per_token", None) is not None and "num_experts_per_tok" not in vars(config):
+        config.num_experts_per_tok = config.num_experts_per_token
+    return None
+
+
+def topk_layer_id(result, moe, *args, **kwargs):
+    """After ``KimiK3MoE.__init__``: its ``TopK`` gets the layer index (``moe.layer_idx``, int) the capturer
+    writes routed experts under, as the experts already have."""
+    if getattr(moe.topk, "layer_id", None) is None:
+        moe.topk.layer_id = moe.layer_idx
+    return None
