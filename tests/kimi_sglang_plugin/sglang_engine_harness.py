@@ -15,10 +15,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(__file__)
+#: on the engine's PYTHONPATH: every process of it dumps its stacks on SIGUSR1 (see :func:`run_engine`)
+FAULTHANDLER_SITE = os.path.join(HERE, "..", "gpu", "faulthandler_site")
 
 #: token ids scored by every engine test (vocab 1024 in the tiny checkpoints)
 PROMPTS = [[5, 17, 99, 3, 250, 511, 42, 7, 900, 13, 64, 128], [1, 2, 3, 4, 1000, 77, 31]]
@@ -249,16 +253,24 @@ def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, 
     pp, out = tmp / "plan.json", tmp / "result.json"
     pp.write_text(json.dumps(plan))
     env = dict(os.environ, **(env or {}), SGLANG_PLUGINS=plugins)
-    try:
-        r = subprocess.run([sys.executable, os.path.join(HERE, "sglang_engine_script.py"), str(pp), str(out)],
-                           capture_output=True, text=True, timeout=timeout, env=env)
-        log, rc = r.stdout + r.stderr, r.returncode
-    except subprocess.TimeoutExpired as e:
-        log = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
-        rc = f"timeout after {timeout} s"
-    if os.environ.get("KIMI_TEST_OUT"):
-        with open(os.path.join(os.environ["KIMI_TEST_OUT"], f"sglang_{tag or plugins}.log"), "w") as f:
-            f.write(log)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (FAULTHANDLER_SITE, env.get("PYTHONPATH"))))
+    log_path = os.path.join(os.environ.get("KIMI_TEST_OUT") or str(tmp), f"sglang_{tag or plugins}.log")
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    # the log is written as the engine runs, so a run killed from outside (the GPU call's time limit) still
+    # leaves it; an engine past its timeout first dumps every process's stacks into it (SIGUSR1)
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, os.path.join(HERE, "sglang_engine_script.py"), str(pp), str(out)],
+                                stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGUSR1)
+            time.sleep(5)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = f"timeout after {timeout} s (every process's stacks at the end of the log)"
+    with open(log_path, errors="replace") as f:
+        log = f.read()
     assert rc == 0 and out.exists(), f"engine (SGLANG_PLUGINS={plugins}, {tag}) failed ({rc}):\n{log[-8000:]}"
     res = json.loads(out.read_text())
     res["log"] = log

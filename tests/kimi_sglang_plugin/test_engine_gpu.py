@@ -447,3 +447,27 @@ def test_engine_log_parsing():
     assert seen["quant"] == "quant=compressed-tensors" and seen["plugin_registered"] and seen["situ_moe_lora"]
     refused = parse_engine_log("ERROR kimi_sglang_plugin: SGLang 0.5.20 is not a release its hooks were checked against")
     assert refused["plugin_refused"].startswith("SGLang 0.5.20") and not refused["plugin_registered"]
+
+
+def test_engine_timeout_leaves_log_and_stacks(tmp_path, monkeypatch):
+    """An engine that hangs past its timeout: the test fails with the log written so far and the stacks of every
+    process of the engine (the script and a child it started), dumped through SIGUSR1 before the kill."""
+    import sglang_engine_harness as harness
+
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "sglang_engine_script.py").write_text(
+        "import subprocess, sys, time\n"
+        "print('engine starting', flush=True)\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time\\ndef scheduler_wait():\\n time.sleep(60)\\n"
+        "scheduler_wait()'])\n"
+        "def load_jit_forever():\n    time.sleep(60)\n"
+        "load_jit_forever()\n")
+    monkeypatch.setattr(harness, "HERE", str(fake))
+    monkeypatch.setenv("KIMI_TEST_OUT", str(tmp_path / "logs"))
+    with pytest.raises(AssertionError) as err:
+        harness.run_engine(tmp_path, "/no/ckpt", plugins="none", timeout=4, tag="hang")
+    msg = str(err.value)
+    assert "timeout after 4 s" in msg and "engine starting" in msg, msg
+    assert "load_jit_forever" in msg and "scheduler_wait" in msg, msg
+    assert "load_jit_forever" in (tmp_path / "logs" / "sglang_hang.log").read_text()
