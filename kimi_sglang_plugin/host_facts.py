@@ -123,6 +123,10 @@ FACTS: dict[str, dict[str, Fact]] = {
     _S + "layers.attn_residual._BLOCK_H": {
         "0.5.17": attr("srt/layers/attn_residual.py:29"),
         "0.5.23": attr("srt/layers/attn_residual.py:29")},
+    # the attention backends in effect, read by the K3.1 class (models/kimi_k31.check_dsa_attention_backend)
+    _S + "runtime_context.get_exec": {
+        "0.5.17": fn("srt/runtime_context.py:1103"),
+        "0.5.23": fn("srt/runtime_context.py:1318")},
     # routed-experts capture on 0.5.17 (routed_experts_capture.py; KimiLinearConfig.__init__ is above); 0.5.23 has
     # the fixes, so no row
     _S + "models.kimi_k3.KimiK3MoE.__init__": {

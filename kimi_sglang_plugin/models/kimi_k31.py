@@ -42,7 +42,7 @@ from sglang.srt.models.kimi_k3 import KimiK3ForConditionalGeneration, KimiK3MLAA
 
 from kimi_sglang_plugin.config import INDEXER_FIELDS, is_k31_config  # noqa: E402
 
-__all__ = ["KimiK31ForConditionalGeneration", "NoRope", "EntryClass"]
+__all__ = ["KimiK31ForConditionalGeneration", "NoRope", "EntryClass", "check_dsa_attention_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,33 @@ class NoRope(nn.Module):
         return query, key
 
 
+#: the attention backends that read SGLang's DSA KV pool ("nsa": 0.5.17's deprecated alias of "dsa")
+DSA_BACKENDS = ("dsa", "nsa")
+#: what a K3.1 engine on Hopper with a bf16 KV cache is started with (SGLang picks these only for the DeepSeek
+#: architectures it lists; docs/sglang.md, "engine flags")
+K31_ENGINE_FLAGS = ("--attention-backend dsa --page-size 64 --dsa-prefill-backend flashmla_sparse "
+                    "--dsa-decode-backend flashmla_sparse, and SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD="
+                    "<index_topk>")
+
+
+def check_dsa_attention_backend() -> None:
+    """Refuse, naming the flag, an engine whose attention backends cannot serve K3.1: its KV cache is SGLang's
+    DSA pool (``DSATokenToKVPool``), which only the DSA backend reads; the triton backend, for one, fails at
+    init with an ``AttributeError`` on ``get_v_head_dim`` (H200, SGLang 0.5.17, 2026-12-02). Reads the values
+    in effect, ``get_exec().kernel`` (0.5.17 and 0.5.23)."""
+    from sglang.srt.runtime_context import get_exec
+
+    kernel = get_exec().kernel
+    chosen = {f: getattr(kernel, f, None) for f in ("attention_backend", "prefill_attention_backend",
+                                                     "decode_attention_backend")}
+    wrong = {f: v for f, v in chosen.items() if v is not None and v not in DSA_BACKENDS}
+    if wrong or chosen["attention_backend"] is None:
+        flag, value = next(iter(wrong.items()), ("attention_backend", None))
+        raise PluginError(f"{K31_ARCH}: --{flag.replace('_', '-')} {value} cannot serve K3.1, whose KV cache is "
+                          f"SGLang's DSA pool (only the dsa attention backend reads it); start the engine with "
+                          f"{K31_ENGINE_FLAGS}")
+
+
 class KimiK31ForConditionalGeneration(KimiK3ForConditionalGeneration):
     """K3 + DSA indexer (see the module docstring). Constructor and forward are K3's."""
 
@@ -73,6 +100,7 @@ class KimiK31ForConditionalGeneration(KimiK3ForConditionalGeneration):
             missing = [f for f in INDEXER_FIELDS if getattr(config.text_config, f, None) is None]
             raise ValueError(f"config.json: {K31_ARCH} needs text_config.{'/'.join(INDEXER_FIELDS)} "
                              f"(missing {missing}) and model_type 'kimi_k31' (got {config.model_type!r})")
+        check_dsa_attention_backend()
         super().__init__(config, quant_config=quant_config, prefix=prefix, **kwargs)
         if self.language_model is not None:
             self._indexed_layers = self._install_nope_indexers()

@@ -47,7 +47,7 @@ def k31_model(plugin, tiny_ckpt):
     mp.setattr(dsa_indexer, "get_rope_wrapper", lambda *a, **k: NoRope())
     if not torch.distributed.is_initialized():
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
-    sa = ServerArgs(model_path=ckpt, device="cpu", tp_size=1, disable_radix_cache=True)
+    sa = ServerArgs(model_path=ckpt, device="cpu", tp_size=1, disable_radix_cache=True, attention_backend="dsa")
     reset_context()
     # 0.5.23 publishes the spawn ranks too; 0.5.17's publish takes the role only
     publish(sa, role="test", **({"ranks": rc.SpawnRanks(world_rank=0)} if hasattr(rc, "SpawnRanks") else {}))
@@ -116,3 +116,25 @@ def test_lora_target_modules_are_accepted_flag_values(plugin):
     assert lora_target_modules(["q_a_proj", "w2"]) == ["down_proj", "gate_up_proj", "q_a_proj"]
     with pytest.raises(KeyError, match="no SGLang --lora-target-modules name"):
         lora_target_modules(["f_a_proj"])
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_k31_refuses_attention_backends_without_the_dsa_pool(plugin, tiny_ckpt, backend):
+    """The K3.1 class refuses, naming the flag and the flags that work, an engine whose attention backend
+    cannot read SGLang's DSA KV pool (the value in effect, as SGLang published it)."""
+    import sglang.srt.runtime_context as rc
+    from sglang.srt.runtime_context import publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    from kimi_sglang_plugin.models.kimi_k31 import check_dsa_attention_backend
+    from kimi_sglang_plugin.registration import PluginError
+
+    sa = ServerArgs(model_path=tiny_ckpt("k31"), device="cpu", tp_size=1, disable_radix_cache=True,
+                    attention_backend=backend)
+    reset_context()
+    publish(sa, role="test", **({"ranks": rc.SpawnRanks(world_rank=0)} if hasattr(rc, "SpawnRanks") else {}))
+    try:
+        with pytest.raises(PluginError, match=f"--attention-backend {backend} cannot serve K3.1.*--attention-backend dsa"):
+            check_dsa_attention_backend()
+    finally:
+        reset_context()
