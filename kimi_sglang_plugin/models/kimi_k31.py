@@ -71,7 +71,7 @@ DSA_BACKENDS = ("dsa", "nsa")
 #: architectures it lists; docs/sglang.md, "engine flags")
 K31_ENGINE_FLAGS = ("--attention-backend dsa --page-size 64 --dsa-prefill-backend flashmla_sparse "
                     "--dsa-decode-backend flashmla_sparse, and SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD="
-                    "<index_topk>")
+                    "<index_topk> (0 where FA3 is not installed)")
 
 
 def check_dsa_attention_backend() -> None:

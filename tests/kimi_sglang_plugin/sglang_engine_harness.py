@@ -90,7 +90,7 @@ ENGINE_KWARGS = dict(attention_backend="triton", mm_attention_backend="triton_at
                      dtype="bfloat16", tp_size=1, context_length=512, max_running_requests=8,
                      mem_fraction_static=0.3, random_seed=0, log_level="info")
 
-def k31_engine(index_topk: int) -> tuple[dict, dict]:
+def k31_engine() -> tuple[dict, dict]:
     """(engine kwargs, environment) a K3.1 engine needs on SGLang 0.5.17, which sets them only for the DeepSeek
     architectures it knows (``server_args.py`` / ``arg_groups/overrides.py``):
 
@@ -98,12 +98,15 @@ def k31_engine(index_topk: int) -> tuple[dict, dict]:
       (``DSATokenToKVPool`` has no ``get_v_head_dim``; H200, 2026-12-02); ``page_size=64``: the pool asserts it;
     * ``dsa_prefill_backend`` / ``dsa_decode_backend`` ``"flashmla_sparse"``: SGLang's Hopper bf16 default decode
       is FA3, which the staged bundle does not carry (``flashmla_ops`` it does);
-    * ``SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=index_topk``: prefill below the threshold runs dense
-      attention, and its default (2048) would make every short prompt dense whatever ``index_topk`` is.
+    * ``SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0``: a prefill whose keys fit under the threshold runs
+      dense MHA instead of the indexer + sparse MLA (``dsa_backend.py:3323``), on SM90 through FA3
+      (``_forward_standard_mha``), which is not staged; the default, 2048, would send every prompt of the lane
+      there. 0 keeps every prefill on the indexer path (``index_topk >= T`` then selects every key). SGLang sets
+      it to ``index_topk`` for its own DSA models, where dense MHA equals the sparse result.
     """
     return ({"attention_backend": "dsa", "dsa_prefill_backend": "flashmla_sparse",
              "dsa_decode_backend": "flashmla_sparse", "page_size": 64},
-            {"SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": str(index_topk)})
+            {"SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"})
 
 
 #: bar of every engine comparison: error vs the fp32 reference at most this times the bf16 reference's

@@ -296,7 +296,7 @@ def k31(tmp_path_factory):
     out = {}
     for tag, topk in (("dense", 16), ("sparse", 4)):
         path, _ = write_tiny("k31", str(tmp_path_factory.mktemp(f"k31_{tag}")), {"index_topk": topk})
-        kwargs, env = k31_engine(topk)  # DSA attention, page 64, flashmla_sparse, dense-prefill threshold
+        kwargs, env = k31_engine()  # DSA attention, page 64, flashmla_sparse, every prefill on the indexer path
         run = run_engine(tmp_path_factory.mktemp(f"k31_{tag}_run"), path, plugins="kimi", tag=f"k31_{tag}",
                          engine_kwargs=kwargs, env=env, routed=True)
         out[tag] = {"ckpt": path, "run": run, "fp32": reference_logprobs(path, torch.float32, "cuda")}
