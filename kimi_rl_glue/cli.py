@@ -11,8 +11,9 @@ import sys
 def _make_tiny(a) -> int:
     from kimi_core.checkpoint.tiny import make_tiny
 
-    path = make_tiny(a.model, a.out, quant=a.quant, convention=a.convention, seed=a.seed, layers=a.layers)
-    print(f"wrote tiny {a.model} checkpoint to {path}")
+    path = make_tiny(a.model, a.out, quant=a.quant, convention=a.convention, seed=a.seed, layers=a.layers,
+                     size=a.size, max_shard_bytes=(2 if a.size == "tiny" else 256) * 2**20)
+    print(f"wrote {a.size} {a.model} checkpoint to {path}")
     return 0
 
 
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="INT4 scale convention: kimi = amax/7, q in [-7,7]; rtn = amax/7.5, q in [-8,7]")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--layers", type=int, default=None)
+    t.add_argument("--size", choices=["tiny", "small"], default="tiny",
+                   help="tiny: CPU tests (hidden 256, 16 experts); small: GPU demos (hidden 1024, release MLA "
+                        "head sizes, 64 experts top-8, widths the GPU engines' kernels take)")
     t.set_defaults(fn=_make_tiny)
 
     d = sub.add_parser("dequantize", help="write BF16 masters of an INT4/MXFP4 checkpoint, verified")

@@ -59,6 +59,18 @@ def _k3_text() -> dict:
 
 _K31_INDEXER = {"index_n_heads": 4, "index_head_dim": 32, "index_topk": 8}
 
+#: ``size="small"``: the seeds' GPU demos. The release's MLA head sizes (q_lora 1536, kv_lora 512, nope 128,
+#: rope 64, v 128), hidden 1024, 8 heads, 64 routed experts top-8, and every width a multiple of what the GPU
+#: engines' kernels assume (Marlin MoE: expert input % 256, intermediate % 128; SGLang's attention residuals:
+#: hidden % 1024; SGLang's KDA: KDA heads = MLA heads, head_dim = v_head_dim; its DSA pool: index_head_dim 128).
+SIZES = ("tiny", "small")
+_SMALL_COMMON = {"vocab_size": 4096, "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 8,
+                 "q_lora_rank": 1536, "intermediate_size": 2048, "moe_intermediate_size": 256}
+_SMALL_K2 = {**_SMALL_COMMON, "n_routed_experts": 64, "num_experts_per_tok": 8}
+_SMALL_K3 = {**_SMALL_COMMON, "num_experts": 64, "num_experts_per_token": 8, "routed_expert_hidden_size": 512}
+_SMALL_KDA = {"num_heads": 8, "head_dim": 128}
+_SMALL_K31_INDEXER = {"index_n_heads": 4, "index_head_dim": 128, "index_topk": 64}
+
 # vision fields only (no vision weights): vLLM builds the projector from them even when it
 # serves text only (``language_model_only``; on the meta device, then drops it)
 _VISION_STUB = {"patch_size": 14, "vt_hidden_size": 1152, "vt_num_hidden_layers": 1,
@@ -69,15 +81,18 @@ _MXFP4_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*\
                  "re:.*routed_expert_.*", "re:.*block_sparse_moe\\.gate$", "re:vision_tower.*", "re:mm_projector.*"]
 
 
-def tiny_config(model: str, quant: str | None = None, layers: int | None = None) -> dict:
+def tiny_config(model: str, quant: str | None = None, layers: int | None = None, size: str = "tiny") -> dict:
     """The HF ``config.json`` dict of a tiny ``model`` (k2, k25, k3, k31).
 
     :param quant: ``"int4"``, ``"mxfp4"`` or ``"none"``; default is the release's format
         (INT4 for K2.x, MXFP4 for K3/K3.1).
     :param layers: number of decoder layers (2..6).
+    :param size: ``"tiny"`` (CPU tests: hidden 256, 16 experts) or ``"small"`` (GPU demos, see :data:`_SMALL_K2`).
     """
     if model not in MODELS:
         raise ValueError(f"--model {model!r}: expected one of {MODELS}")
+    if size not in SIZES:
+        raise ValueError(f"--size {size!r}: expected one of {SIZES}")
     quant = quant or ("mxfp4" if model in ("k3", "k31") else "int4")
     if quant not in ("int4", "mxfp4", "none"):
         raise ValueError(f"--quant {quant!r}: expected int4, mxfp4 or none")
@@ -90,6 +105,14 @@ def tiny_config(model: str, quant: str | None = None, layers: int | None = None)
         text = _k3_text()
         if model == "k31":
             text.update(_K31_INDEXER)
+    if size == "small":
+        if model in ("k2", "k25"):
+            text.update(_SMALL_K2)
+        else:
+            text.update(_SMALL_K3)
+            text["linear_attn_config"].update(_SMALL_KDA)
+            if model == "k31":
+                text.update(_SMALL_K31_INDEXER)
     if layers is not None:
         if not 2 <= layers <= MAX_LAYERS:
             raise ValueError(f"--layers {layers}: tiny checkpoints have 2..{MAX_LAYERS} layers")
@@ -242,16 +265,17 @@ def tiny_state_dict(config: dict, quant: str, convention: str = "kimi", seed: in
 
 
 def make_tiny(model: str, out_dir: str | os.PathLike, quant: str | None = None, convention: str = "kimi",
-              seed: int = 0, layers: int | None = None, max_shard_bytes: int = 2 * 2**20) -> str:
+              seed: int = 0, layers: int | None = None, max_shard_bytes: int = 2 * 2**20, size: str = "tiny") -> str:
     """Write a tiny checkpoint of ``model`` to ``out_dir`` and return the directory.
 
     :param quant: ``int4`` / ``mxfp4`` / ``none``; default: the release format of ``model``.
+    :param size: ``tiny`` or ``small`` (:func:`tiny_config`).
     :param convention: INT4 scale convention, ``kimi`` (amax/7, q in [-7, 7]) or ``rtn`` (amax/7.5, [-8, 7]).
     :param max_shard_bytes: shard size; small by default so readers are exercised on several shards.
     """
     if convention not in CONVENTIONS:
         raise ValueError(f"--convention {convention!r}: expected one of {sorted(CONVENTIONS)}")
-    cfg = tiny_config(model, quant, layers)
+    cfg = tiny_config(model, quant, layers, size)
     q = quant or ("mxfp4" if model in ("k3", "k31") else "int4")
     tensors = tiny_state_dict(cfg, q, convention, seed)
     out_dir = os.fspath(out_dir)

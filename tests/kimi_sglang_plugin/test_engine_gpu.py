@@ -21,8 +21,8 @@ import torch
 
 from sglang_engine_harness import (
     BF16_RATIO, PROMPTS, SGLANG_TINY_K3_SIZES, engine_error, flat_logprobs, k31_engine, marlin_size_problems,
-    parse_engine_log, prompt_logprobs, reference_logprobs, routed_experts, routing_flips, run_engine, write_tiny,
-    write_tiny_k3,
+    parse_engine_log, prompt_logprobs, reference_logprobs, routed_experts, routing_flips, run_engine,
+    sglang_config_problems, write_tiny, write_tiny_k3,
 )
 from utils import rel_rms_error
 
@@ -355,6 +355,16 @@ def test_make_tiny_sizes_are_checked():
     assert [p.split()[0] for p in marlin_size_problems(real, moe_tp=16)] == ["moe_intermediate_size/moe_tp"]
 
 
+@pytest.mark.parametrize("model", ["k3", "k31"])
+def test_small_k3_fits_sglang(model):
+    """``make-tiny --size small`` (the GPU demos' K3 / K3.1) meets every size SGLang 0.5.17's GPU kernels assume,
+    so it needs none of the harness's fitting (hidden 1024, Marlin widths, KDA heads, DSA index_head_dim)."""
+    from kimi_core.checkpoint.tiny import tiny_config
+
+    text = tiny_config(model, size="small")["text_config"]
+    assert marlin_size_problems(text) == [] and sglang_config_problems(text) == []
+
+
 def test_sglang_readings_are_checked():
     """The release meets every size and reading SGLang 0.5.17 assumes; make-tiny's K3 / K3.1 do not, and the
     harness's fitted configs do (hidden a multiple of 1024, KDA heads and head width equal MLA's, index head 128)."""
@@ -363,7 +373,7 @@ def test_sglang_readings_are_checked():
     from kimi_core.checkpoint.tiny import tiny_config
     from kimi_core.release_configs import k3_release_config, k31_release_config
 
-    from sglang_engine_harness import _sglang_fit, sglang_config_problems
+    from sglang_engine_harness import _sglang_fit
 
     for release in (k3_release_config(), k31_release_config()):
         assert sglang_config_problems(release["text_config"]) == []

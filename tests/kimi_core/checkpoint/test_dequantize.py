@@ -20,11 +20,12 @@ def _run(*args):
     return subprocess.run([*KIMI_RL, *args], capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("model", ["k2", "k3"])
-def test_make_tiny_then_dequantize_exits_0(model, tmp_path):
-    """make-tiny (release format) then dequantize exits 0 and every master equals the exact dequantization."""
+@pytest.mark.parametrize("model, extra", [("k2", []), ("k3", []), ("k2", ["--size", "small"])])
+def test_make_tiny_then_dequantize_exits_0(model, extra, tmp_path):
+    """make-tiny (release format; also the GPU demos' small K2) then dequantize exits 0 and every master equals
+    the exact dequantization."""
     a, b = tmp_path / "A", tmp_path / "B"
-    assert _run("make-tiny", "--model", model, "--out", str(a)).returncode == 0
+    assert _run("make-tiny", "--model", model, "--out", str(a), *extra).returncode == 0
     r = _run("dequantize", "--input", str(a), "--output", str(b))
     assert r.returncode == 0, r.stderr
     ra, rb = CheckpointReader(a), CheckpointReader(b)

@@ -67,6 +67,34 @@ def test_k2_matches_transformers_deepseek_v3(tiny_ckpt, tmp_path):
     print(f"eps convention gap (rms_norm_eps vs 1e-6): {rel_rms_error(ref_1e6, ref):.2e}")
 
 
+def test_small_k2_matches_transformers_deepseek_v3(tmp_path):
+    """``make-tiny --size small`` (the GPU demos' K2: hidden 1024, the release's MLA head sizes, 64 INT4 experts
+    top-8) is a DeepseekV3 that transformers loads without a missing or extra key and whose logits ours equal
+    (<= 1e-5, fp32 masters, latent eps set alike)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from kimi_core.checkpoint.tiny import make_tiny
+    from kimi_core.release_configs import k2_release_config
+
+    ckpt = make_tiny("k2", str(tmp_path / "small"), size="small", layers=3, max_shard_bytes=256 * 2**20)
+    cfg = json.load(open(os.path.join(ckpt, "config.json")))
+    release = k2_release_config()
+    for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_experts_per_tok"):
+        assert cfg[k] == release[k], k
+    assert cfg["hidden_size"] >= 1024 and cfg["n_routed_experts"] >= 64
+    hf, info = DeepseekV3ForCausalLM.from_pretrained(_dequantized_hf_dir(ckpt, str(tmp_path / "hf")), dtype=torch.float32,
+                                                     attn_implementation="eager", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    hf.eval()
+    ours = load_reference_model(ckpt)
+    for layer in hf.model.layers:
+        layer.self_attn.q_a_layernorm.variance_epsilon = ours.config.rms_norm_eps
+        layer.self_attn.kv_a_layernorm.variance_epsilon = ours.config.rms_norm_eps
+    ids = torch.randint(0, cfg["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_close("small k2 vs transformers", hf(ids).logits, ours(ids), 1e-5)
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_decode_equals_full_forward(model, tiny_models):
     """prefill + step-by-step decode (MLA/indexer KV cache, KDA conv + recurrent state) gives the full forward's logits (<= 1e-5)."""
