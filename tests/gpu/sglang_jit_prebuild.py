@@ -7,9 +7,10 @@ and a hash of the sources (not of their location), so a module built here from t
 arch and tvm-ffi version, is the one the H200 looks up. The arch comes from SGLang's own
 ``override_jit_cuda_arch(9, 0)`` (-> ``9.0a``, what it detects on an H200).
 
-:data:`JOBS` is what the tiny K3 / K3.1 / K2 engines of the GPU lane and the real-width slices build: the 28
-measured on the H200 on 2026-12-02 (24 of them named by reading the call sites, 3 more found missing there)
-plus ``gptq_marlin``. A kernel missing here is still built on the GPU, only slower.
+:data:`JOBS` is what the tiny K3 / K3.1 / K2 engines of the GPU lane and the real-width slices build, named by
+reading the call sites: on 2026-12-02 the H200 used the 28 built here as they were and built 3 more itself
+(``activation``, ``clamp_position``, ``fused_rope``), which are listed now; ``gptq_marlin`` and the rmsnorm widths
+of the small and real-width models are added on reading. A kernel missing here is still built on the GPU, slower.
 
     python tests/gpu/sglang_jit_prebuild.py CACHE_DIR      # with SGLang 0.5.17 + apache-tvm-ffi 0.1.11 importable
 """
@@ -46,7 +47,8 @@ JOBS: list[tuple[str, str, tuple]] = [
     ("quantization.dsv32.elementwise", "_jit_k_indexer_norm_rope_module", (B,)),
     ("quantization.dsv32.elementwise", "_jit_k_indexer_norm_rope_store_module", (B, 64)),
     ("layernorm.norm", "_jit_qknorm_across_heads_module", (B,)),
-    *[("layernorm.norm", "_jit_rmsnorm_module", (h, B)) for h in (64, 128, 256, 512, 1024, 1536, 7168)],
+    # hidden, q_lora, kv_lora, head dims of the tiny, small and real-width models (K3 latent MoE norm: 3584)
+    *[("layernorm.norm", "_jit_rmsnorm_module", (h, B)) for h in (64, 128, 256, 512, 1024, 1536, 2048, 3584, 7168)],
     ("quantization.gptq_marlin", "_jit_gptq_marlin_module", (B,)),  # ~4 min on 2 cores
 ]
 
