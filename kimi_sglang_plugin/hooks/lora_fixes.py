@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kimi_sglang_plugin.hooks.config_alias import alias_field
+
 __all__ = [
     "alias_num_shared_experts", "install_o_proj_input_transform", "install_o_proj_precomputed_gate",
     "row_parallel_lora_forward", "latent_moe_hidden_dim", "mirror_params_dtype", "merge_bfa_weights_once",
@@ -23,9 +25,7 @@ TRANSFORM_ATTR = "_kimi_lora_input_transform"
 # ---------------------------------------------------------------------------------- item 1
 def alias_num_shared_experts(result, config, *args, **kwargs):
     """After ``KimiLinearConfig.__init__``: ``n_shared_experts = num_shared_experts`` when unset."""
-    n = getattr(config, "num_shared_experts", None)
-    if n is not None and getattr(config, "n_shared_experts", None) is None:
-        config.n_shared_experts = n
+    alias_field(config, "num_shared_experts", "n_shared_experts")
     return None
 
 

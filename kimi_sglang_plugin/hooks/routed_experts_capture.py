@@ -16,12 +16,13 @@ so these hooks apply to 0.5.17 only.
 
 from __future__ import annotations
 
+from kimi_sglang_plugin.hooks.config_alias import alias_field
+
 
 def alias_num_experts_per_tok(result, config, *args, **kwargs):
     """After ``KimiLinearConfig.__init__``: ``config.num_experts_per_tok`` = ``config.num_experts_per_token``
     (int), the name SGLang's routed-experts capturer reads."""
-    if getattr(config, "num_experts_per_token", None) is not None and "num_experts_per_tok" not in vars(config):
-        config.num_experts_per_tok = config.num_experts_per_token
+    alias_field(config, "num_experts_per_token", "num_experts_per_tok")
     return None
 
 

@@ -27,6 +27,8 @@ mkdir -p "$OUT" /tmp/kimi_gpu_done /tmp/kimi_test_out
 export PYTHONUNBUFFERED=1 KIMI_TEST_OUT=/tmp/kimi_test_out
 
 pack_logs() { tar -czf "$OUT/logs.tgz" -C /tmp/kimi_test_out . 2>/dev/null; ls -la "$OUT"; }
+# SGLang's built JIT modules (only the .so of each build directory), to carry into .gpu/sglang_jit/
+pack_jit() { (cd /tmp/tvm-ffi-cache && find . -name '*.so' -print0 | tar --null -cJf "$OUT/tvm_ffi_cache.tar.xz" -T -); }
 
 sglang_env() {
   if [ ! -d /tmp/site_sgl/sglang ]; then
@@ -67,7 +69,7 @@ run_sglang() {
     echo "   rc=$? $(tail -1 "$OUT/pytest_sglang_$name.log")"
     touch /tmp/kimi_gpu_done/$name
   done
-  (cd /tmp/tvm-ffi-cache && find . -name '*.so' -print0 | tar --null -cJf "$OUT/tvm_ffi_cache.tar.xz" -T -)
+  pack_jit
   pack_logs
 }
 
@@ -119,7 +121,7 @@ run_sglang_bench() {
   SGLANG_PLUGINS=kimi timeout "$(left)" python3 benchmarks/sglang_serving.py --no-results --json "$OUT/sglang_serving.json" \
     --budget-s $(( $(left) - 60 )) > "$OUT/sglang_serving.log" 2>&1
   echo "sglang_serving rc=$?"; tail -25 "$OUT/sglang_serving.log"
-  (cd /tmp/tvm-ffi-cache && find . -name '*.so' -print0 | tar --null -cJf "$OUT/tvm_ffi_cache.tar.xz" -T -)
+  pack_jit
 }
 
 case "$phase" in

@@ -25,6 +25,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _publish(server_args) -> None:
+    """Make ``server_args`` the values in effect (SGLang's runtime context), as an engine process does."""
+    import sglang.srt.runtime_context as rc
+
+    rc.reset_context()
+    # 0.5.23 publishes the spawn ranks too; 0.5.17's publish takes the role only
+    rc.publish(server_args, role="test", **({"ranks": rc.SpawnRanks(world_rank=0)} if hasattr(rc, "SpawnRanks") else {}))
+
+
 @pytest.fixture(scope="module")
 def k31_model(plugin, tiny_ckpt):
     ckpt = tiny_ckpt("k31")
@@ -32,8 +41,7 @@ def k31_model(plugin, tiny_ckpt):
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.model_loader.utils import get_model_architecture
-    import sglang.srt.runtime_context as rc
-    from sglang.srt.runtime_context import get_parallel, publish, reset_context
+    from sglang.srt.runtime_context import get_parallel, reset_context
     from sglang.srt.server_args import ServerArgs
 
     import sglang.srt.layers.attention.dsa.dsa_indexer as dsa_indexer
@@ -48,9 +56,7 @@ def k31_model(plugin, tiny_ckpt):
     if not torch.distributed.is_initialized():
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
     sa = ServerArgs(model_path=ckpt, device="cpu", tp_size=1, disable_radix_cache=True, attention_backend="dsa")
-    reset_context()
-    # 0.5.23 publishes the spawn ranks too; 0.5.17's publish takes the role only
-    publish(sa, role="test", **({"ranks": rc.SpawnRanks(world_rank=0)} if hasattr(rc, "SpawnRanks") else {}))
+    _publish(sa)
     override = getattr(get_parallel(), "override_permanently", None)  # 0.5.17 reads parallel_state's world group
     if override is not None:
         override(world_group=parallel_state._WORLD)
@@ -122,8 +128,7 @@ def test_lora_target_modules_are_accepted_flag_values(plugin):
 def test_k31_refuses_attention_backends_without_the_dsa_pool(plugin, tiny_ckpt, backend):
     """The K3.1 class refuses, naming the flag and the flags that work, an engine whose attention backend
     cannot read SGLang's DSA KV pool (the value in effect, as SGLang published it)."""
-    import sglang.srt.runtime_context as rc
-    from sglang.srt.runtime_context import publish, reset_context
+    from sglang.srt.runtime_context import reset_context
     from sglang.srt.server_args import ServerArgs
 
     from kimi_sglang_plugin.models.kimi_k31 import check_dsa_attention_backend
@@ -131,8 +136,7 @@ def test_k31_refuses_attention_backends_without_the_dsa_pool(plugin, tiny_ckpt, 
 
     sa = ServerArgs(model_path=tiny_ckpt("k31"), device="cpu", tp_size=1, disable_radix_cache=True,
                     attention_backend=backend)
-    reset_context()
-    publish(sa, role="test", **({"ranks": rc.SpawnRanks(world_rank=0)} if hasattr(rc, "SpawnRanks") else {}))
+    _publish(sa)
     try:
         with pytest.raises(PluginError, match=f"--attention-backend {backend} cannot serve K3.1.*--attention-backend dsa"):
             check_dsa_attention_backend()
