@@ -132,6 +132,16 @@ FACTS: dict[str, dict[str, Fact]] = {
     _S + "models.kimi_k3.KimiK3MoE.__init__": {
         "0.5.17": fn("srt/models/kimi_k3.py:357", "self", "config", "quant_config", "prefix", "layer_idx",
                      "alt_stream")},
+    # K3 with LoRA: the MoE front stays unmerged (lora_unfused_front.py); the server arguments it reads
+    _S + "models.kimi_k3.KimiK3MoE._merge_front_weights": {
+        "0.5.17": fn("srt/models/kimi_k3.py:593", "self"),
+        "0.5.23": fn("srt/models/kimi_k3.py:711", "self")},
+    _S + "runtime_context.get_server_args": {
+        "0.5.17": fn("srt/runtime_context.py:1074"),
+        "0.5.23": fn("srt/runtime_context.py:1289")},
+    # K3.1's indexer metadata through the hybrid backend on 0.5.17 (hybrid_indexer_metadata.py): inherited there
+    _S + "layers.attention.hybrid_linear_attn_backend.HybridLinearAttnBackend.get_indexer_metadata": {
+        "0.5.17": fn("srt/layers/attention/base_attn_backend.py:275", "self", "layer_id", "forward_batch")},
     # where expected_checksums are compared (checksum_refusal.py)
     _S + "managers.tp_worker.BaseTpWorker.load_lora_adapter_from_tensors": {
         "0.5.17": fn("srt/managers/tp_worker.py:235", "self", "recv_req"),

@@ -11,7 +11,9 @@ that names it.
 
 Files: :mod:`.dsa_gates` (K3.1 gates), :mod:`.routed_experts_capture` (routing replay on 0.5.17), :mod:`.lora_fixes` (the five fixes of
 sgl-project/sglang#37704, "Kimi K3 colocated RL: LoRA fixes and in-place MXFP4 Marlin reload",
-open against ``sglang-miles``), :mod:`kimi_sglang_plugin.moe_lora` (MoE LoRA on MXFP4 + SiTU).
+open against ``sglang-miles``), :mod:`kimi_sglang_plugin.moe_lora` (MoE LoRA on MXFP4 + SiTU),
+:mod:`.lora_unfused_front` (shared-expert LoRA under K3's merged MoE front), :mod:`.hybrid_indexer_metadata`
+(K3.1's indexer under the hybrid backend on 0.5.17).
 """
 
 from __future__ import annotations
@@ -274,6 +276,32 @@ HOOKS: tuple[HookSpec, ...] = (
         remove_when="0.5.17 leaves the supported releases",
         versions=("0.5.17",),
         absent_in="0.5.23: KimiK3MoE passes layer_id=self.layer_idx to TopK (models/kimi_k3.py:526)",
+    ),
+    HookSpec(
+        name="k3_lora_unfused_moe_front",
+        target=_M + "KimiK3MoE._merge_front_weights",
+        kind="around", fn="kimi_sglang_plugin.hooks.lora_unfused_front:merge_front_weights_unless_lora",
+        why="the merged MoE front multiplies by one buffer holding shared_experts.gate_up_proj, gate and "
+            "routed_expert_down_proj, and the shared down GEMM reads down_proj.weight directly; LoRA wraps those "
+            "modules after the merge, so shared-expert LoRA is loaded and silently not applied (H200, 0.5.17, "
+            "2026-12-02: 0.136 rel RMS vs a bf16 floor of 1.8e-3)",
+        how="AROUND: skip the merge when the server has LoRA on (or its arguments cannot be read), so every "
+            "forward takes _forward_unfused, which calls the LoRA-wrapped modules",
+        upstream="none (0.5.17 and 0.5.23 both merge)",
+        remove_when="SGLang skips or LoRA-aware-fuses the K3 MoE front when LoRA is enabled",
+        versions=BOTH,
+    ),
+    HookSpec(
+        name="k31_hybrid_indexer_metadata",
+        target="sglang.srt.layers.attention.hybrid_linear_attn_backend.HybridLinearAttnBackend.get_indexer_metadata",
+        kind="around", fn="kimi_sglang_plugin.hooks.hybrid_indexer_metadata:indexer_metadata_from_full_backend",
+        why="K3's hybrid KDA + MLA backend inherits get_indexer_metadata -> None on 0.5.17, so K3.1's DSA indexer "
+            "returns no top-k and flashmla_sparse prefill raises on None (H200, 2026-12-02)",
+        how="AROUND: for a full-attention layer with no metadata, return full_attn_backend.get_indexer_metadata",
+        upstream="fixed in 0.5.23 (layers/attention/hybrid_linear_attn_backend.py:1315)",
+        remove_when="0.5.17 leaves the supported releases",
+        versions=("0.5.17",),
+        absent_in="0.5.23: HybridLinearAttnBackend forwards get_indexer_metadata to its full-attention backend",
     ),
     # ------------------------------------------------------------------ adapter sync
     HookSpec(

@@ -10,7 +10,8 @@ arch and tvm-ffi version, is the one the H200 looks up. The arch comes from SGLa
 :data:`JOBS` is what the tiny K3 / K3.1 / K2 engines of the GPU lane and the real-width slices build, named by
 reading the call sites: on 2026-12-02 the H200 used the 28 built here as they were and built 3 more itself
 (``activation``, ``clamp_position``, ``fused_rope``), which are listed now; ``gptq_marlin`` and the rmsnorm widths
-of the small and real-width models are added on reading. A kernel missing here is still built on the GPU, slower.
+of the small and real-width models are added on reading; a second H200 session built 5 more (the biased Marlin MoE,
+``dsv3_fused_a_gemm``, ``add3``, ``topk_v2``), listed too. A kernel missing here is still built on the GPU, slower.
 
     python tests/gpu/sglang_jit_prebuild.py CACHE_DIR      # with SGLang 0.5.17 + apache-tvm-ffi 0.1.11 importable
 """
@@ -24,6 +25,7 @@ B = "torch.bfloat16"
 #: (module under sglang.kernels.ops, loader, arguments); ``torch.x`` names a dtype
 JOBS: list[tuple[str, str, tuple]] = [
     ("moe.moe_wna16_marlin", "_jit_moe_wna16_marlin_module", (B, False, False)),  # ~4 min on 2 cores
+    ("moe.moe_wna16_marlin", "_jit_moe_wna16_marlin_module", (B, False, True)),  # with bias: ~4 min
     ("quantization.gptq_marlin_repack", "_jit_gptq_marlin_repack_module", ()),
     ("quantization.awq_marlin_repack", "_jit_awq_marlin_repack_module", ()),
     ("kimi_k3.activation", "_jit_situ_and_mul_module", (B,)),
@@ -50,6 +52,13 @@ JOBS: list[tuple[str, str, tuple]] = [
     # hidden, q_lora, kv_lora, head dims of the tiny, small and real-width models (K3 latent MoE norm: 3584)
     *[("layernorm.norm", "_jit_rmsnorm_module", (h, B)) for h in (64, 128, 256, 512, 1024, 1536, 2048, 3584, 7168)],
     ("quantization.gptq_marlin", "_jit_gptq_marlin_module", (B,)),  # ~4 min on 2 cores
+    # built by the H200 itself on 2026-12-02 (6.5 min of the stock engine's first generate): K3's fused MLA
+    # A-projection at hidden 1024 / 512 (q_lora + kv_lora + rope = 704; the real width's 2112 added on reading),
+    # the bf16 3-way add of K3's MoE tail, and K3.1's DSA top-k
+    *[("gemm.dsv3_fused_a_gemm", "dsv3_fused_a_gemm_module", (h, o, True)) for h, o in ((1024, 704), (512, 704),
+                                                                                          (7168, 2112))],
+    ("elementwise.add3", "_jit_add3_module", ()),
+    ("attention.dsv4.topk", "_jit_topk_v2_module", ()),
 ]
 
 

@@ -24,8 +24,12 @@ HERE = os.path.dirname(__file__)
 #: on the engine's PYTHONPATH: every process of it dumps its stacks on SIGUSR1 (see :func:`run_engine`)
 FAULTHANDLER_SITE = os.path.join(HERE, "..", "gpu", "faulthandler_site")
 
-#: token ids scored by every engine test (vocab 1024 in the tiny checkpoints)
-PROMPTS = [[5, 17, 99, 3, 250, 511, 42, 7, 900, 13, 64, 128], [1, 2, 3, 4, 1000, 77, 31]]
+#: token ids scored by every engine test (vocab 1024 in the tiny checkpoints): 4 prompts, 127 scored positions.
+#: The first two alone (17 positions) made the 1.5x bf16 bar a coin toss: the bf16 floor itself moved by 10 %
+#: between two H200 runs of the same adapter (attention LoRA 1.59e-3 / 1.75e-3, 2026-12-02); the longer two
+#: also take KDA past one 64-token chunk.
+PROMPTS = [[5, 17, 99, 3, 250, 511, 42, 7, 900, 13, 64, 128], [1, 2, 3, 4, 1000, 77, 31],
+           [(29 * i + 7) % 1021 + 1 for i in range(40)], [(61 * i + 2) % 1019 + 1 for i in range(72)]]
 
 #: Mxfp4MoEMethod.create_weights under --moe-runner-backend marlin (0.5.17 layers/quantization/mxfp4.py:395-399,
 #: 0.5.23 :464-468) pads the experts' hidden width to a multiple of 256 and the per-rank intermediate
@@ -90,9 +94,13 @@ ENGINE_KWARGS = dict(attention_backend="triton", mm_attention_backend="triton_at
                      dtype="bfloat16", tp_size=1, context_length=512, max_running_requests=8,
                      mem_fraction_static=0.3, random_seed=0, log_level="info")
 
-def k31_engine() -> tuple[dict, dict]:
-    """(engine kwargs, environment) a K3.1 engine needs on SGLang 0.5.17, which sets them only for the DeepSeek
-    architectures it knows (``server_args.py`` / ``arg_groups/overrides.py``):
+#: the only index_topk sgl-kernel's fused DSA top-k serves (``sgl_kernel/top_k.py:72`` asserts it), DeepSeek-V3.2's
+SGL_KERNEL_INDEX_TOPK = 2048
+
+
+def k31_engine(index_topk: int = SGL_KERNEL_INDEX_TOPK) -> tuple[dict, dict]:
+    """(engine kwargs, environment) a K3.1 engine with ``index_topk`` needs on SGLang 0.5.17, which sets them only
+    for the DeepSeek architectures it knows (``server_args.py`` / ``arg_groups/overrides.py``):
 
     * ``attention_backend="dsa"``: the triton and flashinfer backends cannot read the DSA KV pool
       (``DSATokenToKVPool`` has no ``get_v_head_dim``; H200, 2026-12-02); ``page_size=64``: the pool asserts it;
@@ -102,11 +110,18 @@ def k31_engine() -> tuple[dict, dict]:
       dense MHA instead of the indexer + sparse MLA (``dsa_backend.py:3323``), on SM90 through FA3
       (``_forward_standard_mha``), which is not staged; the default, 2048, would send every prompt of the lane
       there. 0 keeps every prefill on the indexer path (``index_topk >= T`` then selects every key). SGLang sets
-      it to ``index_topk`` for its own DSA models, where dense MHA equals the sparse result.
+      it to ``index_topk`` for its own DSA models, where dense MHA equals the sparse result;
+    * an ``index_topk`` other than 2048: ``dsa_topk_backend="torch"`` with ``SGLANG_DSA_FUSE_TOPK=0`` (the
+      default sgl-kernel fused top-k asserts topk 2048, H200 2026-12-02; torch's top-k takes any k, and the
+      DSA backend then maps the indices itself).
     """
-    return ({"attention_backend": "dsa", "dsa_prefill_backend": "flashmla_sparse",
-             "dsa_decode_backend": "flashmla_sparse", "page_size": 64},
-            {"SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"})
+    kwargs = {"attention_backend": "dsa", "dsa_prefill_backend": "flashmla_sparse",
+              "dsa_decode_backend": "flashmla_sparse", "page_size": 64}
+    env = {"SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"}
+    if index_topk != SGL_KERNEL_INDEX_TOPK:
+        kwargs["dsa_topk_backend"] = "torch"
+        env["SGLANG_DSA_FUSE_TOPK"] = "0"
+    return kwargs, env
 
 
 #: bar of every engine comparison: error vs the fp32 reference at most this times the bf16 reference's
@@ -218,7 +233,7 @@ def parse_engine_log(log: str) -> dict:
     and whether the Kimi plugin registered or refused (its own log lines)."""
     out: dict = {"attention_backend": None, "moe_runner_backend": None, "dtype": None, "quantization": None,
                  "model_class": None, "quant": None, "plugin_registered": False, "plugin_refused": None,
-                 "situ_moe_lora": False}
+                 "situ_moe_lora": False, "moe_front_unmerged": False}
     line = next((ln for ln in log.splitlines() if "server_args=ServerArgs(" in ln), "")
     for key, _, value in _SERVER_ARG.findall(line):
         out.setdefault(key, None)
@@ -231,14 +246,15 @@ def parse_engine_log(log: str) -> dict:
     refused = re.search(r"kimi_sglang_plugin: (SGLang [^\n]*(?:not a release|differs)[^\n]*)", log)
     out["plugin_refused"] = refused.group(1) if refused else None
     out["situ_moe_lora"] = "MarlinLoraRunnerCore runs SiTU" in log
+    out["moe_front_unmerged"] = "K3 MoE layers keep their front unmerged" in log
     return out
 
 
 def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, timeout: int | None = None,
                adapters: dict | None = None, tensor_versions: list | None = None, tag: str = "",
-               routed: bool = False, env: dict | None = None) -> dict:
+               routed: bool = False, env: dict | None = None, prompts: list | None = None) -> dict:
     """One offline ``sgl.Engine`` on ``ckpt`` with ``SGLANG_PLUGINS=plugins`` (``"none"``: stock SGLang),
-    scoring :data:`PROMPTS` on the base model and with each of ``adapters`` (``{name: PEFT dir}``, loaded by
+    scoring ``prompts`` (default :data:`PROMPTS`) on the base model and with each of ``adapters`` (``{name: PEFT dir}``, loaded by
     ``Engine.load_lora_adapter``), then loading ``tensor_versions`` through the plugin's sync payload
     (see ``sglang_engine_script.py``). Returns the script's JSON plus ``log`` (its stdout and stderr);
     the log is also written to ``$KIMI_TEST_OUT/sglang_<tag>.log`` when that is set. ``timeout``
@@ -250,7 +266,7 @@ def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, 
     timeout = timeout or int(os.environ.get("KIMI_SGLANG_ENGINE_TIMEOUT", "180"))
     routed = routed and os.environ.get("KIMI_SGLANG_ROUTED", "1") != "0"  # 0: no replay (diagnosis)
     kwargs = {**ENGINE_KWARGS, **({"enable_return_routed_experts": True} if routed else {}), **(engine_kwargs or {})}
-    plan = {"ckpt": ckpt, "prompts": PROMPTS, "engine_kwargs": kwargs, "routed_experts": routed,
+    plan = {"ckpt": ckpt, "prompts": prompts or PROMPTS, "engine_kwargs": kwargs, "routed_experts": routed,
             "adapters": [{"name": n, "path": p} for n, p in (adapters or {}).items()],
             "score": list(adapters or {}), "tensor_versions": tensor_versions or []}
     pp, out = tmp / "plan.json", tmp / "result.json"
@@ -282,8 +298,9 @@ def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, 
 
 
 def reference_logprobs(ckpt: str, dtype, device: str, adapter=None, routed: list | None = None,
-                       routing_out: list | None = None) -> list[list[float]]:
-    """``kimi_core.reference`` prompt logprobs of :data:`PROMPTS` (one row per prompt, T-1 values), with
+                       routing_out: list | None = None, prompts: list | None = None) -> list[list[float]]:
+    """``kimi_core.reference`` prompt logprobs of ``prompts`` (default :data:`PROMPTS`; one row per prompt, T-1
+    values), with
     ``adapter`` (a PEFT directory or :class:`~kimi_core.lora.Adapter`) if given. ``routed``: an engine's
     routing per prompt (:func:`routed_experts`), replayed (each MoE layer uses those experts, gate weights from
     its own router: rollout routing replay); ``routing_out``: a list that receives the reference's own routing
@@ -295,7 +312,7 @@ def reference_logprobs(ckpt: str, dtype, device: str, adapter=None, routed: list
     model = load_reference_model(ckpt, dtype=dtype, device=device)
     out = []
     with torch.no_grad():
-        for i, p in enumerate(PROMPTS):
+        for i, p in enumerate(prompts or PROMPTS):
             ids = torch.tensor([p])
             r = None if routed is None else torch.tensor(routed[i][: len(p) - 1], dtype=torch.long).unsqueeze(0)
             out.append(model.logprobs(ids[:, :-1], ids[:, 1:], adapter=adapter, routed_experts=r)[0].float().cpu().tolist())
@@ -311,16 +328,18 @@ def flat_logprobs(rows) -> "torch.Tensor":
     return torch.tensor([v for r in rows for v in r], dtype=torch.float64)
 
 
-def engine_error(ckpt: str, engine_lps, adapter=None, routed: list | None = None, device: str = "cuda") -> dict:
-    """An engine's prompt logprobs against ``kimi_core.reference`` in fp32 (with ``adapter``, replaying the
-    engine's ``routed`` experts when given), next to the bar's unit, the same reference run in bf16:
+def engine_error(ckpt: str, engine_lps, adapter=None, routed: list | None = None, device: str = "cuda",
+                 prompts: list | None = None) -> dict:
+    """An engine's prompt logprobs of ``prompts`` (default :data:`PROMPTS`) against ``kimi_core.reference`` in
+    fp32 (with ``adapter``, replaying the engine's ``routed`` experts when given), next to the bar's unit, the
+    same reference run in bf16:
     ``{"err", "floor"}`` (relative RMS), ``{"max_abs", "floor_max_abs"}`` and the fp32 rows ``"fp32"``."""
     import torch
 
     from kimi_core.reference.replay import rel_rms_error
 
-    f32 = flat_logprobs(reference_logprobs(ckpt, torch.float32, device, adapter, routed))
-    b16 = flat_logprobs(reference_logprobs(ckpt, torch.bfloat16, device, adapter, routed))
+    f32 = flat_logprobs(reference_logprobs(ckpt, torch.float32, device, adapter, routed, prompts=prompts))
+    b16 = flat_logprobs(reference_logprobs(ckpt, torch.bfloat16, device, adapter, routed, prompts=prompts))
     got = flat_logprobs(engine_lps)
     return {"err": rel_rms_error(f32, got), "floor": rel_rms_error(f32, b16), "fp32": f32,
             "max_abs": (got - f32).abs().max().item(), "floor_max_abs": (b16 - f32).abs().max().item()}

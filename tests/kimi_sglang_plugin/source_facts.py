@@ -44,6 +44,32 @@ def _find(body: list, name: str):
     return None
 
 
+def _inherited(root: str, path: str, module, cls: ast.ClassDef, name: str, depth: int = 0):
+    """``(file, its module, node)`` of ``name`` inherited by ``cls`` (a class of ``module``, parsed from ``path``):
+    its bases looked up in the same module or through its ``from sglang... import Base``; node ``None`` if none."""
+    for base in cls.bases:
+        if not isinstance(base, ast.Name) or depth > 4:
+            continue
+        bpath, bmod = path, module
+        bnode = _find(module.body, base.id)
+        if isinstance(bnode, ast.ImportFrom) and bnode.module and bnode.module.startswith("sglang"):
+            found = _module_file(root, bnode.module.split("."))
+            if found is None or found[1]:
+                continue
+            bpath = found[0]
+            bmod = ast.parse(open(bpath).read(), bpath)
+            bnode = _find(bmod.body, base.id)
+        if not isinstance(bnode, ast.ClassDef):
+            continue
+        got = _find(bnode.body, name)
+        if got is not None:
+            return bpath, bmod, got
+        deeper = _inherited(root, bpath, bmod, bnode, name, depth + 1)
+        if deeper[2] is not None:
+            return deeper
+    return path, module, None
+
+
 def _params(node) -> tuple[str, ...]:
     a = node.args
     out = [x.arg for x in a.posonlyargs + a.args]
@@ -61,9 +87,12 @@ def source_fact(root: str, symbol: str, expect: Fact | None = None) -> Fact:
     if found is None:
         return ABSENT
     path, rest = found
-    node = ast.parse(open(path).read(), path)
+    module = node = ast.parse(open(path).read(), path)
     for name in rest:
+        owner = node
         node = _find(getattr(node, "body", []), name)
+        if node is None and isinstance(owner, ast.ClassDef):
+            path, module, node = _inherited(root, path, module, owner, name)
         if node is None:
             return ABSENT
     where = f"{os.path.relpath(path, os.path.join(root, 'sglang'))}:{getattr(node, 'lineno', 0)}"

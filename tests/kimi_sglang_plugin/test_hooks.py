@@ -282,3 +282,79 @@ def test_0517_k3_topk_has_no_layer_and_config_no_alias():
         assert "layer_id" not in _k3_topk_call(f.read())
     with open(os.path.join(src, "configs", "kimi_linear.py")) as f:
         assert "attribute_map" not in f.read()
+
+
+def _k3_moe_front(dtype=torch.bfloat16):
+    """The modules ``KimiK3MoE._merge_front_weights`` reads, at toy sizes (hidden 8, shared 2x6, 4 experts,
+    latent 4): a stand-in for a constructed layer (SGLang's own merge runs on it)."""
+    lin = lambda i, o: torch.nn.Linear(i, o, bias=False, dtype=dtype)  # noqa: E731
+    shared = SimpleNamespace(gate_up_proj=lin(8, 12), down_proj=lin(6, 8))
+    return SimpleNamespace(use_latent_moe=True, shared_experts=shared, gate=lin(8, 4),
+                           routed_expert_down_proj=lin(8, 4), _front_w=None, _front_sizes=None,
+                           _front_is_ep_pair=False, layer_idx=1)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_k3_moe_front_stays_unmerged_with_lora(plugin, tiny_ckpt, monkeypatch, lora):
+    """SGLang's merged K3 MoE front reads the shared experts' weights from one merged buffer, past their LoRA
+    wrappers. With LoRA on (hook k3_lora_unfused_moe_front) the merge leaves ``_front_w`` None and the fused
+    path is not eligible, so forwards call the (wrapped) modules; with LoRA off SGLang merges as it does stock
+    (the module weight becomes a view of the merged buffer)."""
+    from sglang.srt.models import kimi_k3
+    from sglang.srt.runtime_context import reset_context
+    from sglang.srt.server_args import ServerArgs
+    from server_context import publish
+
+    monkeypatch.setattr(kimi_k3, "get_moe_a2a_backend", lambda: SimpleNamespace(is_none=lambda: True))
+    if hasattr(kimi_k3, "get_platform"):  # 0.5.23 merges on CUDA / ROCm only
+        monkeypatch.setattr(kimi_k3, "get_platform", lambda: SimpleNamespace(is_cuda=True, is_hip=False))
+    publish(ServerArgs(model_path=tiny_ckpt("k2"), device="cpu", tp_size=1, enable_lora=lora,
+                       **({"max_lora_rank": 8, "lora_target_modules": ["gate_up_proj"]} if lora else {})))
+    try:
+        moe = _k3_moe_front()
+        kimi_k3.KimiK3MoE._merge_front_weights(moe)
+        eligible = kimi_k3.KimiK3MoE._eligible_for_fused_front.func(moe)
+    finally:
+        reset_context()
+    if lora:
+        assert moe._front_w is None and not eligible
+    else:
+        assert eligible and moe._front_w is not None
+        w = moe.shared_experts.gate_up_proj.weight
+        assert w.untyped_storage().data_ptr() == moe._front_w.untyped_storage().data_ptr()
+
+
+def test_hybrid_backend_hands_indexer_metadata_to_full_backend(plugin):
+    """K3.1's MLA indexer asks the hybrid KDA + MLA backend for its metadata: the full-attention backend's
+    for a full-attention layer, none for a KDA layer (0.5.23 does this itself; hook k31_hybrid_indexer_metadata
+    on 0.5.17, run here on the base class's method, which is what 0.5.17's hybrid backend inherits)."""
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+    from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+
+    from kimi_sglang_plugin.hooks.hybrid_indexer_metadata import indexer_metadata_from_full_backend
+
+    meta = object()
+    full = SimpleNamespace(get_indexer_metadata=lambda layer_id, fb: meta)
+    hybrid = SimpleNamespace(full_attn_layers=[3, 7], full_attn_backend=full)
+    base = AttentionBackend.get_indexer_metadata
+    assert indexer_metadata_from_full_backend(base, hybrid, 3, None) is meta
+    assert indexer_metadata_from_full_backend(base, hybrid, 2, None) is None
+    if "k31_hybrid_indexer_metadata" not in {s.name for s in LIVE}:  # 0.5.23: its own override does the same
+        assert HybridLinearAttnBackend.get_indexer_metadata(hybrid, 7, None) is meta
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("KIMI_SGLANG_SRC_0517"),
+                    reason="set KIMI_SGLANG_SRC_0517 to an unpacked sglang 0.5.17 wheel")
+def test_0517_hybrid_backend_does_not_override_indexer_metadata():
+    """Why k31_hybrid_indexer_metadata applies to 0.5.17: its HybridLinearAttnBackend inherits
+    get_indexer_metadata from AttentionBackend, which answers None (read from the 0.5.17 wheel)."""
+    import os
+
+    from source_facts import source_fact
+
+    from kimi_sglang_plugin.host_facts import FACTS
+
+    sym = "sglang.srt.layers.attention.hybrid_linear_attn_backend.HybridLinearAttnBackend.get_indexer_metadata"
+    got = source_fact(os.environ["KIMI_SGLANG_SRC_0517"], sym)
+    assert got.where.startswith("srt/layers/attention/base_attn_backend.py:"), got
+    assert got == FACTS[sym]["0.5.17"]

@@ -17,21 +17,13 @@ import socket
 
 import pytest
 import torch
+from server_context import publish
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _publish(server_args) -> None:
-    """Make ``server_args`` the values in effect (SGLang's runtime context), as an engine process does."""
-    import sglang.srt.runtime_context as rc
-
-    rc.reset_context()
-    # 0.5.23 publishes the spawn ranks too; 0.5.17's publish takes the role only
-    rc.publish(server_args, role="test", **({"ranks": rc.SpawnRanks(world_rank=0)} if hasattr(rc, "SpawnRanks") else {}))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +48,7 @@ def k31_model(plugin, tiny_ckpt):
     if not torch.distributed.is_initialized():
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
     sa = ServerArgs(model_path=ckpt, device="cpu", tp_size=1, disable_radix_cache=True, attention_backend="dsa")
-    _publish(sa)
+    publish(sa)
     override = getattr(get_parallel(), "override_permanently", None)  # 0.5.17 reads parallel_state's world group
     if override is not None:
         override(world_group=parallel_state._WORLD)
@@ -136,7 +128,7 @@ def test_k31_refuses_attention_backends_without_the_dsa_pool(plugin, tiny_ckpt, 
 
     sa = ServerArgs(model_path=tiny_ckpt("k31"), device="cpu", tp_size=1, disable_radix_cache=True,
                     attention_backend=backend)
-    _publish(sa)
+    publish(sa)
     try:
         with pytest.raises(PluginError, match=f"--attention-backend {backend} cannot serve K3.1.*--attention-backend dsa"):
             check_dsa_attention_backend()

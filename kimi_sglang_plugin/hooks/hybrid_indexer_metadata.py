@@ -1,0 +1,21 @@
+"""K3.1 on SGLang 0.5.17: the DSA indexer of the MLA layers gets its metadata through K3's hybrid backend.
+
+K3/K3.1 run their KDA and MLA layers under ``HybridLinearAttnBackend``, which hands each call to the full
+(MLA) or the linear (KDA) backend. On 0.5.17 it does not override ``get_indexer_metadata``, so the indexer
+asks the wrapper, gets the base class's ``None`` ("this backend has no indexer"), returns no top-k indices, and
+the DSA backend's ``flashmla_sparse`` prefill raises ``'NoneType' object has no attribute 'unsqueeze'``
+(``layers/attention/dsa_backend.py:2423``; H200, 2026-12-02, the K3.1 class with ``--attention-backend dsa``).
+0.5.23 forwards it to the full-attention backend for full-attention layers
+(``layers/attention/hybrid_linear_attn_backend.py:1315``); this hook does the same on 0.5.17.
+"""
+
+from __future__ import annotations
+
+
+def indexer_metadata_from_full_backend(original, backend, layer_id, forward_batch):
+    """AROUND ``HybridLinearAttnBackend.get_indexer_metadata``: the full-attention backend's metadata
+    for a full-attention layer (``layer_id`` in ``backend.full_attn_layers``), else what the original gives."""
+    got = original(backend, layer_id, forward_batch)
+    if got is None and layer_id in backend.full_attn_layers:
+        return backend.full_attn_backend.get_indexer_metadata(layer_id, forward_batch)
+    return got

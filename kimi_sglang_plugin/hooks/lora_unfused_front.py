@@ -1,0 +1,50 @@
+"""K3 with LoRA: keep the shared experts out of SGLang's merged MoE front, so their LoRA is applied.
+
+After loading, ``KimiK3MoE._merge_front_weights`` (``srt/models/kimi_k3.py``: 0.5.17 line 593, 0.5.23 line 711)
+concatenates the bf16 weights of ``shared_experts.gate_up_proj``, the router ``gate`` and
+``routed_expert_down_proj`` into one ``[gu + E + latent, H]`` buffer, and ``_forward_fused`` then multiplies the
+hidden states by that buffer and the shared experts' activations by ``shared_experts.down_proj.weight``
+directly. SGLang's LoRA wraps those modules *after* the merge, and the fused path never calls them: shared-expert
+LoRA is accepted, loaded and silently not applied (H200, 0.5.17, 2026-12-02: the gate/up/down adapter served
+0.136 relative RMS off the reference with that adapter, against a bf16 floor of 1.8e-3; the routed-expert and
+attention adapters in the same engine were within the floor). 0.5.23 merges the same way.
+
+Fix: when LoRA is enabled on the server (``--enable-lora`` or ``--lora-paths``) the merge is skipped, so
+``_front_w`` stays ``None`` and every forward takes ``_forward_unfused``, which calls the (LoRA-wrapped) modules.
+Without LoRA nothing changes. When the server arguments cannot be read the merge is skipped too: the unfused
+path is always correct, only the fused one can drop an adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+_logged = False
+
+
+def server_lora_enabled() -> bool:
+    """True when the running SGLang server has LoRA on (``enable_lora``, or ``lora_paths`` with
+    ``enable_lora`` unset, as SGLang itself decides), or when its arguments cannot be read."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+        enabled = getattr(args, "enable_lora")
+        return bool(enabled) or (enabled is None and bool(getattr(args, "lora_paths")))
+    except Exception as e:  # not published yet / another layout: be correct rather than fast
+        log.warning("kimi_sglang_plugin: cannot read SGLang's server arguments (%s); K3's MoE front stays "
+                    "unmerged", e)
+        return True
+
+
+def merge_front_weights_unless_lora(original, moe, *args, **kwargs):
+    """AROUND ``KimiK3MoE._merge_front_weights``: run it only when LoRA is off (logged once per process)."""
+    global _logged
+    if server_lora_enabled():
+        if not _logged:
+            log.info("kimi_sglang_plugin: LoRA on, K3 MoE layers keep their front unmerged (shared-expert LoRA "
+                     "applies)")
+            _logged = True
+        return None
+    return original(moe, *args, **kwargs)
