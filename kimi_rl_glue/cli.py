@@ -123,13 +123,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help="append 'put your final answer within \\boxed{}' to prompts that lack it")
     pd.set_defaults(fn=_prepare_data)
 
-    demo = sub.add_parser("demo", help="the main job: LoRA RL on a tiny Kimi model on this CPU")
+    from kimi_rl_glue.demo.recipes import RECIPES
+
+    demo = sub.add_parser("demo", help="the main job: LoRA RL on a tiny Kimi model on this CPU (or --device cuda)")
     demo.add_argument("--out", default="runs/demo")
     demo.add_argument("--steps", type=int, default=None)
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--loss", choices=["score_centering", "grpo_tis"], default="score_centering")
-    demo.add_argument("--trainer", choices=["auto", "megatron", "reference"], default="auto")
-    demo.add_argument("--rank", type=int, default=8)
+    demo.add_argument("--recipe", choices=sorted(RECIPES), default="cpu-k2",
+                      help="; ".join(f"{r.name}: {r.summary}" for r in RECIPES.values()))
+    demo.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                      help="cuda: GPU vLLM (0.26+) and the Megatron trainer share the current GPU")
+    demo.add_argument("--size", choices=["tiny", "small"], default="tiny", help="make-tiny --size of the checkpoint")
+    demo.add_argument("--loss", choices=["score_centering", "grpo_tis"], default=None, help="default: the recipe's")
+    demo.add_argument("--trainer", choices=["auto", "megatron", "reference"], default=None,
+                      help="default: the recipe's (cpu-k2: auto, skyrl-k2: megatron)")
+    demo.add_argument("--rank", type=int, default=None, help="LoRA rank (default: the recipe's, 8 / 16)")
     demo.add_argument("--lr", type=float, default=5e-3)
     demo.add_argument("--prompts", type=int, default=8, help="prompts per step")
     demo.add_argument("--group", type=int, default=4, help="samples per prompt")

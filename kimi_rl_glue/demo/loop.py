@@ -61,7 +61,9 @@ def train_step(trainer, samples, rewards: torch.Tensor, cfg: LoopConfig, topk: i
     adv = group_advantages(rewards, groups, norm_by_std=True).float()
     M = tokens.shape[1]
     logits = trainer.logits(ids[:, :-1])[:, -M:]  # positions predicting the response tokens
-    adv_t = adv[:, None].expand_as(tokens)
+    dev = logits.device  # the trainer's (rollout tensors come from the engine on the CPU)
+    tokens, rollout_lp, tids, tlp = tokens.to(dev), rollout_lp.to(dev), tids.to(dev), tlp.to(dev)
+    adv_t = adv.to(dev)[:, None].expand_as(tokens)
     if cfg.loss == "score_centering":
         loss_t, sc_metrics, lp = score_centering_from_logits(logits, tokens, tids, rollout_lp, tlp, adv_t,
                                                              importance=cfg.importance)

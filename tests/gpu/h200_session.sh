@@ -10,6 +10,8 @@
 #   bash tests/gpu/h200_session.sh vllm2    # carry .gpu/vllm2: stash part 2
 #   bash tests/gpu/h200_session.sh vllm3    # carry .gpu/vllm3 (+ .gpu/sglang1): unstage vLLM 0.26.0, the vLLM GPU lane
 #   bash tests/gpu/h200_session.sh vllm_bench  # benchmarks/vllm_serving.py (K2 real-width slice), after vllm3
+#   bash tests/gpu/h200_session.sh skyrl_demo  # carry .gpu/megatron (megatron-core 0.19.2 cp312 wheel), after vllm3:
+#                                              # kimi-rl demo --recipe skyrl-k2 --device cuda --size small
 #
 # The SGLang lane runs in groups (base engines, MoE LoRA + hot load, K3.1, K2 INT4); a group that ran
 # leaves /tmp/kimi_gpu_done/<group>, so a second `sglang` call goes on where the first stopped. Each
@@ -108,6 +110,20 @@ run_vllm_bench() {
   echo "serving rc=$?"; tail -30 "$OUT/vllm_serving.log"
 }
 
+run_skyrl_demo() {
+  # the trainer's megatron-core next to the staged vLLM (pip download --no-deps --python-version 3.12
+  # --only-binary=:all: megatron-core==0.19.2 -d .gpu/megatron on the CPU machine)
+  if [ ! -d /tmp/site_mcore/megatron ]; then
+    python3 -m pip install -q --no-deps --no-index --target /tmp/site_mcore .gpu/megatron/*.whl || exit 3
+  fi
+  vllm_env
+  export PYTHONPATH=/tmp/site_mcore:$PYTHONPATH
+  timeout "$(left)" python3 -m kimi_rl_glue.cli demo --recipe skyrl-k2 --device cuda --size small \
+    --steps "${SKYRL_STEPS:-20}" --out /tmp/kimi_test_out/skyrl_demo > "$OUT/skyrl_demo.log" 2>&1
+  echo "skyrl_demo rc=$?"; grep -E "^\[(setup|step 0|done)\]" "$OUT/skyrl_demo.log"
+  cp /tmp/kimi_test_out/skyrl_demo/summary.json /tmp/kimi_test_out/skyrl_demo/metrics.jsonl "$OUT/" 2>/dev/null
+}
+
 run_bisect() {
   sglang_env
   timeout "${BISECT_S:-260}" python3 tests/gpu/sglang_bisect.py /tmp/bisect > "$OUT/bisect.log" 2>&1
@@ -134,5 +150,6 @@ case "$phase" in
   vllm2) cp .gpu/vllm2/* /tmp/stash/ && ls /tmp/stash ;;
   vllm3) run_vllm3 ;;
   vllm_bench) run_vllm_bench ;;
-  *) echo "usage: $0 sglang|sglang_unstage|bisect|sglang_bench|w4a16|vllm1|vllm2|vllm3|vllm_bench" >&2; exit 2 ;;
+  skyrl_demo) run_skyrl_demo ;;
+  *) echo "usage: $0 sglang|sglang_unstage|bisect|sglang_bench|w4a16|vllm1|vllm2|vllm3|vllm_bench|skyrl_demo" >&2; exit 2 ;;
 esac

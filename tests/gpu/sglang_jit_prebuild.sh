@@ -12,7 +12,7 @@ if [ ! -x "$V/bin/python" ]; then
   # what importing the kernels' modules pulls in; torch only for dtypes (the build is nvcc + tvm-ffi headers).
   # torchvision is imported on the way and needs its torch (2.14.1 + 0.29.1, the pair this disk holds)
   pip install torch==2.14.1 torchvision==0.29.1 apache-tvm-ffi==0.1.11 numpy orjson psutil pybase64 requests \
-    triton packaging pillow starlette tqdm ipython pydantic aiohttp msgspec
+    triton packaging pillow starlette tqdm ipython pydantic aiohttp msgspec pyzmq
 fi
 if [ ! -d "$SRC/sglang" ]; then
   mkdir -p "$SRC" && python3 -m pip download -q --no-deps -d "$SRC" sglang==0.5.17

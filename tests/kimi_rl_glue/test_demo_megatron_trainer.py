@@ -116,3 +116,46 @@ def test_resume_rejects_other_spec(k2, tmp_path):
     finally:
         tr.close()
 
+
+
+def test_qat_on_bf16_masters_trains_the_served_grid(k2, tmp_path):
+    """The skyrl-k2 recipe's trainer: BF16 masters from ``dequantize_checkpoint`` (verified: they re-quantize to
+    the served bytes), experts in fake-INT4 QAT mode on the Kimi grid, capacity-normalised expert LoRA (rank
+    16 // top-4 = 4). The fake-quantized expert weights are the masters bit for bit (a fixed point: QAT adds no
+    error on top of the grid the engine serves, which dequantizes to the same bf16 values), and after one AdamW
+    step the logits equal ``kimi_core.reference`` on the masters with the exported adapter (fp32 factors
+    <= 1e-5); the export carries the experts' rank in ``rank_pattern``. (Against the INT4 checkpoint in exact
+    fp32 the masters differ by their bf16 rounding of q * scale: 1.2e-3 relative in the logits.)"""
+    from kimi_core.checkpoint.dequantize import dequantize_checkpoint
+    from kimi_core.config import load_config
+    from kimi_core.lora import LoraSpec
+    from kimi_core.reference import load_reference_model
+    from kimi_rl_glue.demo.megatron_trainer import MegatronLoraTrainer
+    from kimi_rl_glue.demo.recipes import KIMI_INT4_GRID
+    from kimi_megatron_plugin.experts import KimiExperts
+
+    masters = str(tmp_path / "masters")
+    dequantize_checkpoint(k2, masters, *KIMI_INT4_GRID, verify=True, progress=False)
+    spec = LoraSpec(rank=16, alpha=32, exclude_modules=("kv_b_proj",), normalize_moe_lora=True,
+                    base_model_name_or_path=k2)
+    tr = MegatronLoraTrainer(masters, spec, lr=2e-3, seed=0, expert_mode="qat", grid=KIMI_INT4_GRID,
+                             quant_format=load_config(k2).quant.format)
+    try:
+        experts = [m for m in tr.model.modules() if isinstance(m, KimiExperts)]
+        assert experts and all(m.mode == "qat" for m in experts)
+        for m in experts:
+            for p in ("gate", "up", "down"):
+                for e in range(m.E):
+                    assert torch.equal(m.expert_weight(p, e, torch.float32), getattr(m, f"{p}_weight")[e]), (p, e)
+        ids = _ids(tr.config.vocab_size)
+        assert tr.step(_loss(tr.logits(ids), ids)) > 0
+        ad = tr.lora.export(dtype=torch.float32)
+        pattern = ad.adapter_config["rank_pattern"]
+        assert pattern and set(pattern.values()) == {4}, pattern
+        assert ad.tensors["base_model.model.model.layers.1.mlp.experts.3.gate_proj.lora_A.weight"].shape[0] == 4
+        x = ids[:4]
+        with torch.no_grad():
+            assert_close("QAT trainer vs reference on the masters", load_reference_model(masters)(x, adapter=ad),
+                         tr.logits(x), 1e-5)
+    finally:
+        tr.close()

@@ -1,0 +1,52 @@
+"""The demo's recipes: which checkpoint the engine serves, what the trainer trains on, and the loss.
+
+* ``cpu-k2`` (``make demo``): the trainer computes the served INT4 experts exactly from their packed bytes
+  (``kimi_megatron_plugin`` W4A16 mode), score-centering loss, LoRA rank ``r`` everywhere.
+* ``skyrl-k2`` (seed 003, SkyRL's K2.x recipe in miniature, :mod:`kimi_rl_glue.skyrl.recipe`): the trainer
+  loads BF16 masters written by ``kimi-rl dequantize`` (verified fixed points of the served grid) and
+  fake-quantizes the frozen expert weights back onto the same INT4 grid in every forward (QAT mode,
+  straight-through); routed-expert adapters get rank ``r // top_k`` (capacity-normalised, PEFT
+  ``rank_pattern``); GRPO with token-level TIS; the adapter is hot-loaded from disk under a fresh name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DemoRecipe", "RECIPES", "KIMI_INT4_GRID"]
+
+#: the Kimi QAT convention of the served INT4 grid: (scale divisor, q_min): scale = amax / 7, q in [-7, 7]
+KIMI_INT4_GRID = (7.0, -7)
+
+
+@dataclass(frozen=True)
+class DemoRecipe:
+    """One recipe of ``kimi-rl demo --recipe NAME``.
+
+    :param trainer_base: ``"served"`` (the 4-bit checkpoint the engine serves) or ``"bf16_masters"``
+        (``kimi-rl dequantize`` of it, verified).
+    :param expert_mode: ``kimi_megatron_plugin.experts`` mode of the trainer's routed experts
+        (``"w4a16"`` from packed bytes, ``"qat"`` fake-INT4 from BF16 masters).
+    :param normalize_moe_lora: routed experts get LoRA rank ``rank // top_k``.
+    :param trainer: ``make_trainer`` kind (``"auto"`` falls back to ``kimi_core.reference``; QAT needs Megatron).
+    """
+
+    name: str
+    summary: str
+    trainer_base: str
+    expert_mode: str
+    normalize_moe_lora: bool
+    loss: str
+    rank: int
+    trainer: str
+
+
+RECIPES = {
+    "cpu-k2": DemoRecipe("cpu-k2", "LoRA RL on the served INT4 experts (W4A16 trainer), score centering",
+                         trainer_base="served", expert_mode="w4a16", normalize_moe_lora=False,
+                         loss="score_centering", rank=8, trainer="auto"),
+    "skyrl-k2": DemoRecipe("skyrl-k2", "SkyRL K2.x: BF16 masters + fake-INT4 QAT experts, capacity-normalised "
+                           "expert LoRA, GRPO + token TIS, adapter hot-loaded from disk",
+                           trainer_base="bf16_masters", expert_mode="qat", normalize_moe_lora=True,
+                           loss="grpo_tis", rank=16, trainer="megatron"),
+}
