@@ -118,10 +118,12 @@ run_skyrl_demo() {
   fi
   vllm_env
   export PYTHONPATH=/tmp/site_mcore:$PYTHONPATH
-  timeout "$(left)" python3 -m kimi_rl_glue.cli demo --recipe skyrl-k2 --device cuda --size small \
-    --steps "${SKYRL_STEPS:-20}" --out /tmp/kimi_test_out/skyrl_demo > "$OUT/skyrl_demo.log" 2>&1
-  echo "skyrl_demo rc=$?"; grep -E "^\[(setup|step 0|done)\]" "$OUT/skyrl_demo.log"
-  cp /tmp/kimi_test_out/skyrl_demo/summary.json /tmp/kimi_test_out/skyrl_demo/metrics.jsonl "$OUT/" 2>/dev/null
+  KIMI_SKYRL_TIMEOUT=$(( $(left) - 30 )) timeout "$(left)" python3 -m pytest -q -m gpu -s -rfE -p no:cacheprovider \
+    tests/kimi_rl_glue/test_demo_gpu.py > "$OUT/pytest_skyrl_demo.log" 2>&1
+  echo "skyrl_demo rc=$? $(tail -1 "$OUT/pytest_skyrl_demo.log")"
+  grep -E "^\[(setup|step 0|done)\]" /tmp/kimi_test_out/skyrl_demo_gpu.log
+  cp /tmp/kimi_test_out/skyrl_demo_gpu_* "$OUT/" 2>/dev/null
+  pack_logs
 }
 
 run_bisect() {
