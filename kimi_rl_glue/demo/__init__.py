@@ -143,15 +143,15 @@ def main(args) -> int:
         return 2
     plot_rewards(records, task.chance, os.path.join(out, "reward.png"))
     k = max(1, len(records) // 5)
-    first = sum(r["reward"] for r in records[:k]) / k
-    last = sum(r["reward"] for r in records[-k:]) / k
+    first = sum(r["rollout/raw_reward"] for r in records[:k]) / k
+    last = sum(r["rollout/raw_reward"] for r in records[-k:]) / k
     summary = {"first_20pct_reward": first, "last_20pct_reward": last, "chance": task.chance,
                "step0_logprob_abs_diff_mean": pairs[0].mean_abs, "step0_logprob_abs_diff_max": pairs[0].max_abs,
                "step0_kl": pairs[0].kl, "step0_bf16_floor_mean": pairs[1].mean_abs,
                "step0_bf16_floor_r3_mean": pairs[3].mean_abs,
                "step0_logprob_abs_diff_median": pairs[0].median_abs, "step0_bf16_floor_median": pairs[1].median_abs,
                "step0_positions": pairs[0].positions,
-               "mean_sync_s": sum(r["sync_s"] for r in records) / len(records),
+               "mean_sync_s": sum(r["perf/sync_s"] for r in records) / len(records),
                "trainer": trainer.name, "loss": cfg.loss, "steps": cfg.steps, "wall_s": time.time() - t_start,
                "recipe": recipe.name, "device": device, "size": size, "expert_mode": recipe.expert_mode,
                "expert_rank": spec.expert_rank(top_k)}

@@ -4,7 +4,9 @@ Per step: ``prompts`` prompts x ``group`` samples of ``max_tokens`` tokens from 
 (with the current adapter), rewards from :class:`~.task.TokenSetTask`, GRPO group advantages,
 the loss (score centering by default, GRPO + token TIS by flag) on the trainer's logits, one
 optimizer step, then adapter-only sync (publish checksummed buckets, verify, hot-load under a
-fresh versioned name). Metrics per step go to ``metrics.jsonl``; ``reward.png`` at the end.
+fresh versioned name). Metrics per step go to ``metrics.jsonl`` under miles' names (``rollout/raw_reward``,
+``train/train_rollout_logprob_abs_diff``, ``train/train_rollout_kl``, ``train/grad_norm``; seconds per stage as
+``perf/rollout_s``, ``perf/train_s``, ``perf/sync_s``); ``reward.png`` at the end.
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ def batch_tensors(samples, topk: int):
 
 
 def train_step(trainer, samples, rewards: torch.Tensor, cfg: LoopConfig, topk: int) -> dict:
-    """One optimizer step on ``samples``; returns the step's loss and mismatch metrics."""
+    """One optimizer step on ``samples``; returns the step's loss and mismatch metrics under miles' names
+    (``train/loss``, ``train/grad_norm``, ``train/train_rollout_logprob_abs_diff``, ``train/train_rollout_kl``,
+    ``train/<loss metric>``)."""
     ids, tokens, rollout_lp, tids, tlp, groups = batch_tensors(samples, topk)
     adv = group_advantages(rewards, groups, norm_by_std=True).float()
     M = tokens.shape[1]
@@ -76,7 +80,8 @@ def train_step(trainer, samples, rewards: torch.Tensor, cfg: LoopConfig, topk: i
         raise ValueError(f"--loss {cfg.loss!r}: expected score_centering or grpo_tis")
     mm = mismatch_metrics(lp.detach(), rollout_lp)
     gn = trainer.step(loss)
-    return {"loss": float(loss.detach()), "grad_norm": gn, **mm, **{f"loss/{k}": v for k, v in extra.items()}}
+    return {"train/loss": float(loss.detach()), "train/grad_norm": gn, **{f"train/{k}": v for k, v in mm.items()},
+            **{f"train/{k}": v for k, v in extra.items()}}
 
 
 def run(cfg: LoopConfig, task, rollout, trainer, sync, out: str, progress: bool = True) -> list[dict]:
@@ -111,17 +116,17 @@ def run(cfg: LoopConfig, task, rollout, trainer, sync, out: str, progress: bool 
             raise DemoError(f"step {step}: adapter version {step + 1} at {path} was rejected before reaching the "
                             f"engine: {e}. The engine keeps serving {serving}.") from e
         t_sync = time.perf_counter() - t2
-        rec.update(step=step, reward=float(rewards.mean()), rollout_s=t_roll, train_s=t_train, sync_s=t_sync,
-                   sync_bytes=pub["bytes"],
-                   checksum_share_of_sync=received.extra.get("sync_timings", {}).get("verify_s", 0.0) / t_sync,
-                   adapter=getattr(req, "lora_name", str(req)))
+        rec.update({"step": step, "rollout/raw_reward": float(rewards.mean()), "perf/rollout_s": t_roll,
+                    "perf/train_s": t_train, "perf/sync_s": t_sync, "perf/sync_bytes": pub["bytes"],
+                    "perf/checksum_share_of_sync": received.extra.get("sync_timings", {}).get("verify_s", 0.0) / t_sync,
+                    "rollout/adapter": getattr(req, "lora_name", str(req))})
         records.append(rec)
         with open(mpath, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        bar.set_postfix(reward=f"{rec['reward']:.3f}", lp_diff=f"{rec['train_rollout_logprob_abs_diff']:.4f}",
-                        sync=f"{t_sync:.2f}s")
-        log.info("step %d reward %.3f train/rollout |dlogp| %.4f KL %.2e sync %.2fs", step, rec["reward"],
-                 rec["train_rollout_logprob_abs_diff"], rec["train_rollout_kl"], t_sync)
+        lp_diff, kl = rec["train/train_rollout_logprob_abs_diff"], rec["train/train_rollout_kl"]
+        bar.set_postfix(reward=f"{rec['rollout/raw_reward']:.3f}", lp_diff=f"{lp_diff:.4f}", sync=f"{t_sync:.2f}s")
+        log.info("step %d reward %.3f train/rollout |dlogp| %.4f KL %.2e sync %.2fs", step, rec["rollout/raw_reward"],
+                 lp_diff, kl, t_sync)
     return records
 
 
@@ -134,7 +139,7 @@ def plot_rewards(records: list[dict], chance: float, path: str) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in records], [r["reward"] for r in records], marker=".", label="mean reward")
+    ax.plot([r["step"] for r in records], [r["rollout/raw_reward"] for r in records], marker=".", label="mean reward")
     ax.axhline(chance, color="gray", ls="--", label="uniform sampler")
     ax.set_xlabel("step")
     ax.set_ylabel("reward (fraction of target tokens)")

@@ -59,7 +59,10 @@ def test_short_demo_improves_reward(tmp_path):
     assert s["step0_bf16_floor_r3_mean"] < 1e-2, s
     assert (out / "reward.png").stat().st_size > 1000
     lines = (out / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 30 and all("train_rollout_kl" in json.loads(x) for x in lines)
+    # miles' metric names (the seeds report these)
+    names = {"rollout/raw_reward", "train/train_rollout_logprob_abs_diff", "train/train_rollout_kl", "train/grad_norm",
+             "perf/rollout_s", "perf/train_s", "perf/sync_s"}
+    assert len(lines) == 30 and all(names <= set(json.loads(x)) for x in lines), lines[0]
 
 
 def test_skyrl_recipe_demo_improves_reward(tmp_path):
@@ -79,6 +82,6 @@ def test_skyrl_recipe_demo_improves_reward(tmp_path):
     assert s["step0_logprob_abs_diff_median"] <= 1.5 * s["step0_bf16_floor_median"], s
     assert s["last_20pct_reward"] > s["first_20pct_reward"] + 0.03, s
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(recs) == 30 and all("loss/tis_token_clip_high_ratio" in x and "train_rollout_kl" in x for x in recs)
+    assert len(recs) == 30 and all({"train/tis_token_clip_high_ratio", "train/train_rollout_kl"} <= set(x) for x in recs)
     adapters = sorted(p.name for p in (out / "adapters").iterdir())
     assert len(adapters) >= 30, adapters  # a fresh version on disk per step
