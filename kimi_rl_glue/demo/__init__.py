@@ -104,7 +104,7 @@ def main(args) -> int:
     os.makedirs(out, exist_ok=True)
     t_start = time.time()
     cfg = LoopConfig(steps=args.steps or 40, seed=args.seed, loss=args.loss or recipe.loss, prompts=args.prompts,
-                     group=args.group, max_tokens=args.max_tokens)
+                     group=args.group, max_tokens=args.max_tokens, dynamic_sampling=recipe.dynamic_sampling)
     ckpt = os.path.join(out, f"{size}-k2-int4")
     if not os.path.exists(os.path.join(ckpt, "config.json")):
         make_tiny("k2", ckpt, seed=args.seed, size=size)
@@ -154,7 +154,7 @@ def main(args) -> int:
                "mean_sync_s": sum(r["perf/sync_s"] for r in records) / len(records),
                "trainer": trainer.name, "loss": cfg.loss, "steps": cfg.steps, "wall_s": time.time() - t_start,
                "recipe": recipe.name, "device": device, "size": size, "expert_mode": recipe.expert_mode,
-               "expert_rank": spec.expert_rank(top_k)}
+               "expert_rank": spec.expert_rank(top_k), "dynamic_sampling": cfg.dynamic_sampling}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(f"[done] reward first 20% of steps {first:.3f} -> last 20% {last:.3f} (uniform sampler {task.chance:.3f}); "

@@ -21,7 +21,8 @@ import torch
 from tqdm import tqdm
 
 from kimi_core.errors import KimiError
-from kimi_rl_glue.losses import group_advantages, mismatch_metrics, policy_loss, score_centering_from_logits
+from kimi_rl_glue.losses import (dynamic_sampling_keep, group_advantages, mismatch_metrics, policy_loss,
+                                 score_centering_from_logits)
 from kimi_rl_glue.sync import AdapterSyncError
 from kimi_vllm_plugin.client import AdapterRejected
 
@@ -44,6 +45,9 @@ class LoopConfig:
     loss: str = "score_centering"  # or "grpo_tis"
     importance: str = "tis"  # score centering's importance function: none | tis | mis
     seed: int = 0
+    #: DAPO dynamic sampling (grpo_tis): groups whose rewards are all equal are masked out of the loss
+    #: (no refill: the batch shrinks; ``train/dynamic_sampling_kept`` is the fraction of samples kept)
+    dynamic_sampling: bool = False
 
 
 def batch_tensors(samples, topk: int):
@@ -75,7 +79,13 @@ def train_step(trainer, samples, rewards: torch.Tensor, cfg: LoopConfig, topk: i
         extra = {k: float(v.float().mean()) for k, v in sc_metrics.items()}
     elif cfg.loss == "grpo_tis":
         lp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
-        loss, extra = policy_loss(lp, lp.detach(), adv_t, None, rollout_lp, tis_type="token")
+        mask = None
+        if cfg.dynamic_sampling:
+            keep = dynamic_sampling_keep(rewards, groups)
+            mask = keep.to(dev)[:, None].expand_as(tokens).float()
+        loss, extra = policy_loss(lp, lp.detach(), adv_t, mask, rollout_lp, tis_type="token")
+        if cfg.dynamic_sampling:
+            extra["dynamic_sampling_kept"] = float(keep.float().mean())
     else:
         raise ValueError(f"--loss {cfg.loss!r}: expected score_centering or grpo_tis")
     mm = mismatch_metrics(lp.detach(), rollout_lp)

@@ -6,7 +6,8 @@
   loads BF16 masters written by ``kimi-rl dequantize`` (verified fixed points of the served grid) and
   fake-quantizes the frozen expert weights back onto the same INT4 grid in every forward (QAT mode,
   straight-through); routed-expert adapters get rank ``r // top_k`` (capacity-normalised, PEFT
-  ``rank_pattern``); GRPO with token-level TIS; the adapter is hot-loaded from disk under a fresh name.
+  ``rank_pattern``); GRPO with DAPO's clip-higher (0.2 / 0.28) and dynamic sampling (groups with equal rewards
+  masked out) and token-level TIS; the adapter is hot-loaded from disk under a fresh name.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class DemoRecipe:
         (``"w4a16"`` from packed bytes, ``"qat"`` fake-INT4 from BF16 masters).
     :param normalize_moe_lora: routed experts get LoRA rank ``rank // top_k``.
     :param trainer: ``make_trainer`` kind (``"auto"`` falls back to ``kimi_core.reference``; QAT needs Megatron).
+    :param dynamic_sampling: DAPO's group filter on the GRPO loss (:class:`~.loop.LoopConfig`).
     """
 
     name: str
@@ -39,6 +41,7 @@ class DemoRecipe:
     loss: str
     rank: int
     trainer: str
+    dynamic_sampling: bool = False
 
 
 RECIPES = {
@@ -46,7 +49,7 @@ RECIPES = {
                          trainer_base="served", expert_mode="w4a16", normalize_moe_lora=False,
                          loss="score_centering", rank=8, trainer="auto"),
     "skyrl-k2": DemoRecipe("skyrl-k2", "SkyRL K2.x: BF16 masters + fake-INT4 QAT experts, capacity-normalised "
-                           "expert LoRA, GRPO + token TIS, adapter hot-loaded from disk",
+                           "expert LoRA, GRPO/DAPO + token TIS, adapter hot-loaded from disk",
                            trainer_base="bf16_masters", expert_mode="qat", normalize_moe_lora=True,
-                           loss="grpo_tis", rank=16, trainer="megatron"),
+                           loss="grpo_tis", rank=16, trainer="megatron", dynamic_sampling=True),
 }

@@ -68,8 +68,9 @@ def test_short_demo_improves_reward(tmp_path):
 def test_skyrl_recipe_demo_improves_reward(tmp_path):
     """`kimi-rl demo --recipe skyrl-k2` (seed 003 in miniature) for 30 steps on the same faked 8 GiB node: BF16
     masters written and verified, the Megatron trainer in fake-INT4 QAT mode with capacity-normalised expert LoRA
-    (rank 16 // top-4 = 4), GRPO + token TIS, adapters hot-loaded from disk; the step-0 mismatch on identical
-    weights within 1.5x bf16's own error on the same tokens, and the reward rises (measured 0.048 -> 0.351)."""
+    (rank 16 // top-4 = 4), GRPO/DAPO (clip-higher, dynamic sampling) + token TIS, adapters hot-loaded from disk;
+    the step-0 mismatch on identical weights within 1.5x bf16's own error on the same tokens, and the reward
+    rises."""
     out = tmp_path / "skyrl"
     r = subprocess.run([sys.executable, os.path.join(HERE, "small_node_demo.py"), "demo", "--recipe", "skyrl-k2",
                         "--steps", "30", "--out", str(out)], capture_output=True, text=True, timeout=1500)
@@ -83,5 +84,8 @@ def test_skyrl_recipe_demo_improves_reward(tmp_path):
     assert s["last_20pct_reward"] > s["first_20pct_reward"] + 0.03, s
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(recs) == 30 and all({"train/tis_token_clip_high_ratio", "train/train_rollout_kl"} <= set(x) for x in recs)
+    # DAPO's filter ran: a fraction of samples kept each step, and some steps dropped equal-reward groups
+    kept = [x["train/dynamic_sampling_kept"] for x in recs]
+    assert all(0.0 <= k <= 1.0 for k in kept) and min(kept) < 1.0, kept
     adapters = sorted(p.name for p in (out / "adapters").iterdir())
     assert len(adapters) >= 30, adapters  # a fresh version on disk per step
