@@ -122,8 +122,12 @@ class MegatronLoraTrainer:
         return float(gn)
 
     def export_adapter(self) -> Adapter:
-        """The adapter (bf16, per-expert PEFT names, ``adapter_config`` from the spec)."""
-        return self.lora.export("per_expert", torch.bfloat16)
+        """The adapter (bf16, per-expert PEFT names, ``adapter_config`` from the spec), its tensors on the CPU
+        (what the disk sync writes and vLLM loads, whichever device the trainer is on)."""
+        ad = self.lora.export("per_expert", torch.bfloat16)
+        if self.device.type != "cpu":
+            ad.tensors = {k: v.cpu() for k, v in ad.tensors.items()}
+        return ad
 
     def save(self, directory: str) -> str:
         """Adapter + optimizer shard and the HF export (:func:`kimi_megatron_plugin.lora.checkpoint.save`)."""
