@@ -71,10 +71,10 @@ def step0_mismatch(trainer, rollout, task, cfg: LoopConfig, ckpt: str):
     return pairs, format_table(pairs, {})
 
 
-def trainer_checkpoint(recipe, ckpt: str, out: str) -> str:
+def trainer_checkpoint(recipe, ckpt: str) -> str:
     """The checkpoint the trainer loads: ``ckpt`` itself, or (``bf16_masters``) its BF16 masters written once
-    by ``kimi-rl dequantize`` into ``<out>/<name>-bf16-masters`` with every expert verified as a fixed point of
-    the served grid (the check SkyRL's recipe asks of ``fake_int4_qat.bf16_base_path``)."""
+    by ``kimi-rl dequantize`` into ``<ckpt>-bf16-masters`` with every expert verified as a fixed point of the
+    served grid (the check SkyRL's recipe asks of ``fake_int4_qat.bf16_base_path``)."""
     from kimi_core.checkpoint.dequantize import dequantize_checkpoint
     from kimi_rl_glue.demo.recipes import KIMI_INT4_GRID
 
@@ -113,7 +113,7 @@ def main(args) -> int:
     # kv_b_proj is absorbed into vLLM's MLA kernel, so LoRA cannot target it (as in the SkyRL recipe)
     spec = LoraSpec(rank=rank, alpha=2 * rank, exclude_modules=("kv_b_proj",), base_model_name_or_path=ckpt,
                     normalize_moe_lora=recipe.normalize_moe_lora)
-    base = trainer_checkpoint(recipe, ckpt, out)
+    base = trainer_checkpoint(recipe, ckpt)
     qat = recipe.expert_mode == "qat"  # onto the served checkpoint's grid and format
     trainer = make_trainer(args.trainer or recipe.trainer, base, spec, lr=args.lr, seed=args.seed,
                            expert_mode=recipe.expert_mode, grid=KIMI_INT4_GRID if qat else None,
