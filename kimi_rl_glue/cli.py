@@ -53,7 +53,7 @@ def _check_numerics(a) -> int:
 
 
 def _demo(a) -> int:
-    from kimi_rl_glue.demo import main
+    from kimi_rl_glue.demo.command import main
 
     return main(a)
 
