@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One H200 lease, several calls in a row, each a phase of this script (the machine stays warm for 30 s
-# after a call, and /tmp with it, so later phases reuse what earlier ones unpacked or built):
+# after a call, and /tmp with it, so later phases reuse what earlier ones unpacked or built). Prepare what the
+# calls carry on the CPU machine first: bash tests/gpu/prepare_session.sh (~20 min, no device time).
 #
 #   bash tests/gpu/h200_session.sh sglang   # carry .gpu/sglang1 (+ .gpu/sglang_jit): SGLang 0.5.17 GPU lane
 #   bash tests/gpu/h200_session.sh bisect   # like sglang, after tests/gpu/sglang_bisect.py (which K3 piece differs)
