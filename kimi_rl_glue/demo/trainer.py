@@ -57,16 +57,17 @@ def make_trainer(kind: str, ckpt: str, spec: LoraSpec, lr: float, seed: int = 0,
     ``expert_mode`` / ``grid`` / ``quant_format``: the Megatron trainer's routed experts (``"w4a16"`` from the
     checkpoint's packed bytes, ``"qat"`` fake-INT4 of BF16 masters onto ``grid`` in ``quant_format``); the reference trainer serves only
     ``"w4a16"`` on the CPU (an exact dequantized base), so anything else needs Megatron."""
+    reference_can = expert_mode == "w4a16" and device == "cpu"
     if kind in ("auto", "megatron"):
         try:
             mod = importlib.import_module("kimi_rl_glue.demo.megatron_trainer")
             return mod.MegatronLoraTrainer(ckpt, spec, lr=lr, seed=seed, expert_mode=expert_mode, grid=grid,
                                            quant_format=quant_format, device=device)
         except ImportError as e:
-            if kind == "megatron" or expert_mode != "w4a16" or device != "cpu":
+            if kind == "megatron" or not reference_can:
                 raise RuntimeError(f"the Megatron trainer (kimi_rl_glue.demo.megatron_trainer) is unavailable ({e}); "
                                    f"expert mode {expert_mode!r} on {device} needs it (pip install megatron-core)") from e
-    if expert_mode != "w4a16" or device != "cpu":
+    if not reference_can:
         raise RuntimeError(f"--trainer reference trains only the served 4-bit base on the CPU, not expert mode "
                            f"{expert_mode!r} on {device}; use --trainer megatron")
     return ReferenceTrainer(ckpt, spec, lr, seed)

@@ -30,8 +30,7 @@ def server_lora_enabled() -> bool:
         from sglang.srt.runtime_context import get_server_args
 
         args = get_server_args()
-        enabled = getattr(args, "enable_lora")
-        return bool(enabled) or (enabled is None and bool(getattr(args, "lora_paths")))
+        return bool(args.enable_lora) or (args.enable_lora is None and bool(args.lora_paths))
     except Exception as e:  # not published yet / another layout: be correct rather than fast
         log.warning("kimi_sglang_plugin: cannot read SGLang's server arguments (%s); K3's MoE front stays "
                     "unmerged", e)
