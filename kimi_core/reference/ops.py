@@ -39,20 +39,29 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def lora_delta(x: torch.Tensor, lora: LoraLike) -> torch.Tensor:
-    """``scaling * (x @ A.T) @ B.T`` in ``acc_dtype(x.dtype)``; ``x [..., in]`` -> ``[..., out]``."""
+    """``scaling * (x @ A.T) @ B.T``; ``x [..., in]`` -> ``[..., out]`` in ``acc_dtype(x.dtype)``.
+
+    In an fp32 / fp64 model the factors and the rank-``r`` intermediate stay in that precision. In a
+    bf16 / fp16 model the factors are parameters of the model like its weights, so they are rounded to
+    its dtype, and so is the intermediate ``x @ A.T`` (what a bf16 engine's LoRA kernels store between
+    their shrink and expand GEMMs); both products accumulate in fp32 and the scaling is applied in fp32.
+    """
     a = acc_dtype(x.dtype)
-    return lora.scaling * F.linear(F.linear(x.to(a), lora.A.to(x.device, a)), lora.B.to(x.device, a))
+    if x.dtype in (torch.float32, torch.float64):
+        return lora.scaling * F.linear(F.linear(x, lora.A.to(x.device, a)), lora.B.to(x.device, a))
+    shrunk = F.linear(x, lora.A.to(x.device, x.dtype))  # bf16 out, as the shrink kernel stores it
+    return lora.scaling * F.linear(shrunk.to(a), lora.B.to(x.device, x.dtype).to(a))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, lora: LoraLike | None = None) -> torch.Tensor:
     """``x @ weight.T`` (+ the LoRA delta when ``lora`` is given). ``x [..., in]``, ``weight [out, in]``.
 
-    The product runs in ``weight.dtype``; the delta is computed in fp32 (fp64 for an fp64 model)
-    and added before the cast back, which is what merging ``W + s B A`` into fp32 weights gives.
+    The product runs in ``weight.dtype``; the delta (:func:`lora_delta`) is added in fp32 (fp64 for an
+    fp64 model) before the cast back, which in an fp32 model is what merging ``W + s B A`` gives.
     """
     y = F.linear(x.to(weight.dtype), weight)
     if lora is not None:
-        y = (y.to(acc_dtype(y.dtype)) + lora_delta(x, lora)).to(weight.dtype)
+        y = (y.to(acc_dtype(y.dtype)) + lora_delta(x.to(weight.dtype), lora)).to(weight.dtype)
     return y
 
 
