@@ -11,17 +11,18 @@
 #   bash tests/gpu/h200_session.sh vllm2    # carry .gpu/vllm2: stash part 2
 #   bash tests/gpu/h200_session.sh vllm3    # carry .gpu/vllm3 (+ .gpu/sglang1): unstage vLLM 0.26.0, the vLLM GPU lane
 #   bash tests/gpu/h200_session.sh vllm_bench  # benchmarks/vllm_serving.py (K2 real-width slice), after vllm3
+#   VLLM_TESTS=none bash tests/gpu/h200_session.sh vllm3 skyrl_demo  # phases run in order in one call
 #   bash tests/gpu/h200_session.sh skyrl_demo  # carry .gpu/megatron (megatron-core 0.19.2 cp312 wheel), after vllm3:
 #                                              # kimi-rl demo --recipe skyrl-k2 --device cuda --size small
 #
 # The SGLang lane runs in groups (base engines, MoE LoRA + hot load, K3.1, K2 INT4); a group that ran
 # leaves /tmp/kimi_gpu_done/<group>, so a second `sglang` call goes on where the first stopped. Each
-# phase stops its own work PHASE_LIMIT s (default 560) after it began, then packs what comes back:
+# call stops its work PHASE_LIMIT s (default 560) after it began (all its phases together), then packs what comes back:
 # the pytest logs, the engines' logs (logs.tgz) and SGLang's built JIT modules (tvm_ffi_cache.tar.xz,
 # bring it into .gpu/sglang_jit/ for the next session). SGLang is unpacked into /tmp/site_sgl and vLLM
 # into /tmp/site, so both can be staged on one machine.
 set -u
-phase=$1
+[ $# -ge 1 ] || { echo "usage: $0 PHASE [PHASE ...]" >&2; exit 2; }
 start=$(date +%s)
 LIMIT=${PHASE_LIMIT:-560}
 left() { echo $(( LIMIT - ($(date +%s) - start) )); }
@@ -94,6 +95,7 @@ run_vllm3() {
   [ -d /tmp/site/vllm ] || { tail -40 /tmp/kimi_test_out/unstage_vllm.log; exit 3; }
   vllm_env
   python3 tests/gpu/write_entry_points.py /tmp/site
+  [ "${VLLM_TESTS:-}" = none ] && { echo "vLLM 0.26.0 unstaged into /tmp/site (VLLM_TESTS=none: no lane)"; return; }
   timeout "$(left)" python3 -m pytest -q -m gpu -s -rfE -p no:cacheprovider tests/kimi_vllm_plugin \
     -k "${VLLM_TESTS:-not k25 and not cuda_graphs}" > "$OUT/pytest_vllm.log" 2>&1
   echo "vllm lane rc=$? $(tail -1 "$OUT/pytest_vllm.log")"
@@ -143,6 +145,7 @@ run_sglang_bench() {
   pack_jit
 }
 
+for phase in "$@"; do
 case "$phase" in
   sglang) run_sglang ;;
   sglang_unstage) sglang_env ;;
@@ -156,3 +159,4 @@ case "$phase" in
   skyrl_demo) run_skyrl_demo ;;
   *) echo "usage: $0 sglang|sglang_unstage|bisect|sglang_bench|w4a16|vllm1|vllm2|vllm3|vllm_bench|skyrl_demo" >&2; exit 2 ;;
 esac
+done
