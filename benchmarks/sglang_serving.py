@@ -43,13 +43,21 @@ SIZES = {"prefill": (8, 1024), "decode": (32, 128, 64)}
 
 
 def slice_config(vocab: int) -> dict:
-    """The release's K3 config cut to three layers (1-based: KDA + dense MLP, KDA + MoE, MLA + MoE) and ``vocab``."""
+    """``make-tiny --model k3``'s config (what the SGLang GPU lane loads: vision stub, token ids, the MXFP4
+    ``quantization_config`` with ``targets`` and an ``ignore`` list that leaves every non-expert linear bf16, as
+    :mod:`w4_slice` writes them) at the release's K3 widths, three layers (1-based: KDA + dense MLP, KDA + MoE,
+    MLA + MoE) and ``vocab``. The release config's own ``quantization_config`` (kimi_arch.md's summary) has no
+    ``targets`` (SGLang 0.5.17's compressed-tensors loader iterates them: ``TypeError`` on the H200, 2026-12-02)
+    and would quantize the bf16 attention."""
+    from kimi_core.checkpoint.tiny import tiny_config
     from kimi_core.release_configs import k3_release_config
 
-    cfg = k3_release_config()
+    cfg = tiny_config("k3", layers=3)
+    rel = k3_release_config()["text_config"]
     t = cfg["text_config"]
+    t.update({k: v for k, v in rel.items() if k not in ("num_hidden_layers", "linear_attn_config")})
     t.update(num_hidden_layers=3, vocab_size=vocab)
-    t["linear_attn_config"] = {**t["linear_attn_config"], "kda_layers": [1, 2], "full_attn_layers": [3]}
+    t["linear_attn_config"] = {**rel["linear_attn_config"], "kda_layers": [1, 2], "full_attn_layers": [3]}
     return cfg
 
 

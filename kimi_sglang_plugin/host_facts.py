@@ -75,6 +75,8 @@ _GET_HIDDEN_DIM = ("module_name", "config", "base_model", "layer_idx", "lora_add
 _RUN_FROM_DISPATCH = ("self", "dispatch_output", "quant_info", "runner_config", "hooks")
 _SITU = ("input", "out", "beta", "linear_beta")
 _ATTN_RES_MIX = ("prefix_sum", "bank", "nvb", "score_proj", "score_norm")
+_ABSORB_CORE = ("self", "q_pe", "k_pe", "q_nope_out", "k_nope", "forward_batch", "zero_allocator", "positions",
+                "topk_indices", "llama_4_scaling", "fusion_plan")
 _RUNNER_FIELDS = ("activation", "is_gated", "gemm1_alpha", "gemm1_clamp_limit", "gate_up_interleaved")
 
 _S = "sglang.srt."
@@ -127,6 +129,12 @@ FACTS: dict[str, dict[str, Fact]] = {
     _S + "runtime_context.get_exec": {
         "0.5.17": fn("srt/runtime_context.py:1103"),
         "0.5.23": fn("srt/runtime_context.py:1318")},
+    # K3.1's MLA returns its output alone when next_skip_topk is None (models/kimi_k31._install_nope_indexers;
+    # tests/kimi_sglang_plugin/test_k31_attention_return.py reads the early return in both releases)
+    _S + "models.deepseek_common.attention_forward_methods.forward_mla.DeepseekMLAForwardMixin.forward_absorb_core": {
+        "0.5.17": fn("srt/models/deepseek_common/attention_forward_methods/forward_mla.py:839", *_ABSORB_CORE),
+        "0.5.23": fn("srt/models/deepseek_common/attention_forward_methods/forward_mla.py:710", *_ABSORB_CORE,
+                     "attention_output_gate")},
     # routed-experts capture on 0.5.17 (routed_experts_capture.py; KimiLinearConfig.__init__ is above); 0.5.23 has
     # the fixes, so no row
     _S + "models.kimi_k3.KimiK3MoE.__init__": {

@@ -115,15 +115,28 @@ class KimiK31ForConditionalGeneration(KimiK3ForConditionalGeneration):
         return out
 
     def _install_nope_indexers(self) -> list[int]:
+        """Every MLA layer runs its own NoPE indexer and returns its attention output alone.
+
+        SGLang's DSA attention (``DeepseekMLAForwardMixin.forward_absorb_core``, 0.5.17 and 0.5.23) returns
+        ``(output, topk_indices)`` whenever ``next_skip_topk`` is not ``None`` (DeepSeek's "index cache",
+        where a layer reuses the previous layer's top-k), and ``use_dsa`` always sets it to a bool. DeepSeek's
+        decoder layer unpacks that pair; K3's decoder layer adds the attention output to the residual stream
+        as a tensor and passes no top-k between layers (the first K3.1 prefill on the H200 raised
+        ``TypeError: Tensor + tuple`` in ``attn_residual._aggregate_fused_add``, 2026-12-02). So
+        ``next_skip_topk`` is set to ``None`` (the early ``return output``), and a config in which a layer
+        would reuse another's top-k (``skip_topk``) is refused: K3's decoder could not hand it one."""
         ids = []
         for lid, attn in self.mla_layers():
             idx = getattr(attn, "indexer", None)
+            if getattr(attn, "skip_topk", False):
+                raise ValueError(f"config.json: {K31_ARCH} MLA layer {lid} would reuse the previous layer's DSA "
+                                 "top-k (SGLang's index cache: cli_factor / a skip-top-k pattern), which K3's "
+                                 "decoder layer cannot pass between layers; K3.1 runs an indexer on every MLA layer")
             if idx is None:
-                if getattr(attn, "skip_topk", False):
-                    continue  # reuses the previous layer's top-k (indexer_types / skip-topk config)
                 raise RuntimeError(f"{K31_ARCH}: MLA layer {lid} has no indexer; the is_deepseek_dsa hook "
                                    "is not applied in this process (kimi_sglang_plugin.register())")
             idx.rotary_emb = NoRope(getattr(idx, "rotary_emb", None))
+            attn.next_skip_topk = None
             ids.append(lid)
         return ids
 

@@ -131,8 +131,10 @@ def main(plan_path: str, out_path: str) -> None:
                 res["lps_by"][name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
         for v in plan.get("tensor_versions", []):
             good = [r["name"] for r in res["versions"] if r["ok"]]
-            if v.get("flip") and good:  # the last good version right before the bad load, scored as after it
+            if v.get("flip") and good:  # the last good version right before the bad load, scored as after it, twice:
+                # the two say how far one plain re-scoring moves on its own (0 on a deterministic engine)
                 res["last_good_before"] = {"name": good[-1], "lps": _score(engine, plan["prompts"], good[-1])}
+                res["last_good_repeat"] = {"name": good[-1], "lps": _score(engine, plan["prompts"], good[-1])}
             rec = _tensor_version(engine, plan["ckpt"], v)
             try:
                 rec["lps"] = score(v["name"]) if rec["ok"] else _score(engine, plan["prompts"], v["name"])

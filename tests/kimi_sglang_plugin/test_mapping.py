@@ -76,6 +76,7 @@ def test_k31_resolves_and_constructs(plugin, k31_model):
     assert [lid for lid, _ in mla] == model._indexed_layers == [3, 4]
     for _, attn in mla:
         assert isinstance(attn.indexer, Indexer) and isinstance(attn.indexer.rotary_emb, NoRope)
+        assert attn.next_skip_topk is None and not attn.skip_topk, "K3's decoder takes the attention output alone"
 
 
 def test_checkpoint_names_map_onto_parameters(plugin, k31_model, tiny_ckpt, k31_config):
