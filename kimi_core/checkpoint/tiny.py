@@ -62,14 +62,15 @@ _K31_INDEXER = {"index_n_heads": 4, "index_head_dim": 32, "index_topk": 8}
 #: ``size="small"``: the seeds' GPU demos. The release's MLA head sizes (q_lora 1536, kv_lora 512, nope 128,
 #: rope 64, v 128), hidden 1024, 8 heads, 64 routed experts top-8, and every width a multiple of what the GPU
 #: engines' kernels assume (Marlin MoE: expert input % 256, intermediate % 128; SGLang's attention residuals:
-#: hidden % 1024; SGLang's KDA: KDA heads = MLA heads, head_dim = v_head_dim; its DSA pool: index_head_dim 128).
+#: hidden % 1024; SGLang's KDA: KDA heads = MLA heads, head_dim = v_head_dim; its DSA pool: index_head_dim 128;
+#: DeepGEMM's indexer scores on SM90: 32 or 64 indexer heads).
 SIZES = ("tiny", "small")
 _SMALL_COMMON = {"vocab_size": 4096, "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 8,
                  "q_lora_rank": 1536, "intermediate_size": 2048, "moe_intermediate_size": 256}
 _SMALL_K2 = {**_SMALL_COMMON, "n_routed_experts": 64, "num_experts_per_tok": 8}
 _SMALL_K3 = {**_SMALL_COMMON, "num_experts": 64, "num_experts_per_token": 8, "routed_expert_hidden_size": 512}
 _SMALL_KDA = {"num_heads": 8, "head_dim": 128}
-_SMALL_K31_INDEXER = {"index_n_heads": 4, "index_head_dim": 128, "index_topk": 64}
+_SMALL_K31_INDEXER = {"index_n_heads": 32, "index_head_dim": 128, "index_topk": 64}
 
 # vision fields only (no vision weights): vLLM builds the projector from them even when it
 # serves text only (``language_model_only``; on the meta device, then drops it)

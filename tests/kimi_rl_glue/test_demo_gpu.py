@@ -40,7 +40,7 @@ def test_skyrl_recipe_on_one_gpu(tmp_path):
         os.makedirs(keep, exist_ok=True)
         with open(os.path.join(keep, "skyrl_demo_gpu.log"), "w") as f:
             f.write(log)
-        for name in ("summary.json", "metrics.jsonl"):
+        for name in ("summary.json", "metrics.jsonl", "reward.png"):
             if (out / name).exists():
                 shutil.copy(out / name, os.path.join(keep, f"skyrl_demo_gpu_{name}"))
     assert r.returncode == 0, log[-6000:]

@@ -47,6 +47,11 @@ ATTN_RES_BLOCK_H = 1024
 #: tiny K3 sizes that meet all three (and keep the latent width apart from hidden_size)
 SGLANG_TINY_K3_SIZES = {"hidden_size": 1024, "routed_expert_hidden_size": 256, "moe_intermediate_size": 128}
 
+#: the indexer head counts DeepGEMM's paged MQA logits accepts on SM90 (``csrc/apis/attention.hpp:317`` in the
+#: sgl-kernel of SGLang 0.5.17: the H200's first K3.1 prefill asserted, 2026-12-02); the release's 32 (inferred)
+DEEPGEMM_SM90_INDEX_HEADS = (32, 64)
+
+
 def sglang_config_problems(text_config: dict) -> list[str]:
     """Release-true readings of a K3 / K3.1 ``text_config`` that SGLang 0.5.17 takes differently from
     ``kimi_core.reference`` when the tiny sizes make them differ (the release has them equal), and sizes its
@@ -55,7 +60,8 @@ def sglang_config_problems(text_config: dict) -> list[str]:
     * ``hidden_size`` a multiple of :data:`ATTN_RES_BLOCK_H` (attention residuals; 7168 = 7 x 1024);
     * KDA value heads: SGLang sizes them by ``v_head_dim`` (``models/kimi_k3.py:1247``, the MLA field),
       the reference by ``linear_attn_config.head_dim`` (128 and 128 in the release);
-    * the DSA KV pool asserts ``index_head_dim == 128`` (``mem_cache/memory_pool.py:4368``; the release's);
+    * the DSA KV pool asserts ``index_head_dim == 128`` (``mem_cache/memory_pool.py:4368``; the release's), and
+      DeepGEMM's indexer scores ``index_n_heads`` in :data:`DEEPGEMM_SM90_INDEX_HEADS` (the release's 32);
     * the LoRA memory pool sizes every layer's ``o_proj`` A buffer as ``num_attention_heads * v_head_dim``
       (``lora/utils.py get_hidden_dim``, no per-model override in ``kimi_k3.py``), KDA layers included, whose
       ``o_proj`` reads ``linear_attn_config.num_heads`` heads (96 and 96 in the release; measured on the
@@ -74,6 +80,9 @@ def sglang_config_problems(text_config: dict) -> list[str]:
                    f"{text_config.get('num_attention_heads')} (SGLang's LoRA pool sizes KDA o_proj by the MLA heads)")
     if text_config.get("index_head_dim") not in (None, 128):
         out.append(f"index_head_dim {text_config['index_head_dim']} != 128 (SGLang's DSA KV pool asserts 128)")
+    if text_config.get("index_n_heads") not in (None, *DEEPGEMM_SM90_INDEX_HEADS):
+        out.append(f"index_n_heads {text_config['index_n_heads']} not in {DEEPGEMM_SM90_INDEX_HEADS} (DeepGEMM's "
+                   "paged MQA logits, the DSA indexer's decode/prefill scores on SM90, asserts it)")
     return out
 
 
@@ -85,6 +94,8 @@ def _sglang_fit(text_config: dict) -> None:
                                              "num_heads": text_config["num_attention_heads"]}
     if text_config.get("index_head_dim") is not None:
         text_config["index_head_dim"] = 128
+    if text_config.get("index_n_heads") is not None:
+        text_config["index_n_heads"] = DEEPGEMM_SM90_INDEX_HEADS[0]
 
 
 #: the engine flags of every run: only kernels the staged 0.5.17 has (no FA3, no sm100), the K3 H200 MoE runner

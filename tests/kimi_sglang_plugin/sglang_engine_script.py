@@ -119,6 +119,14 @@ def main(plan_path: str, out_path: str) -> None:
                 res["routed_by"][lora] = routed
             return lps
 
+        def rescore(lora):
+            """{"name", "lps", "routed"}: one more scoring of ``lora``, its routing kept beside it (None without
+            routed_experts), so the refused-load check compares like with like and replays each one's own routing."""
+            t = time.time()
+            out = _score(engine, plan["prompts"], lora, shape)
+            lps, routed = out if shape else (out, None)
+            return {"name": lora, "lps": lps, "routed": routed, "seconds": time.time() - t}
+
         t1 = time.time()
         res["lps"] = score(None)
         res["generate_s"] = time.time() - t1
@@ -132,9 +140,9 @@ def main(plan_path: str, out_path: str) -> None:
         for v in plan.get("tensor_versions", []):
             good = [r["name"] for r in res["versions"] if r["ok"]]
             if v.get("flip") and good:  # the last good version right before the bad load, scored as after it, twice:
-                # the two say how far one plain re-scoring moves on its own (0 on a deterministic engine)
-                res["last_good_before"] = {"name": good[-1], "lps": _score(engine, plan["prompts"], good[-1])}
-                res["last_good_repeat"] = {"name": good[-1], "lps": _score(engine, plan["prompts"], good[-1])}
+                # the two say how far one re-scoring moves on its own (0 on a deterministic engine)
+                res["last_good_before"] = rescore(good[-1])
+                res["last_good_repeat"] = rescore(good[-1])
             rec = _tensor_version(engine, plan["ckpt"], v)
             try:
                 rec["lps"] = score(v["name"]) if rec["ok"] else _score(engine, plan["prompts"], v["name"])
@@ -143,7 +151,7 @@ def main(plan_path: str, out_path: str) -> None:
             res["versions"].append(rec)
         good = [v["name"] for v in res["versions"] if v["ok"]]
         if good:  # after every load (a refused one included) the last good version still serves
-            res["last_good"] = {"name": good[-1], "lps": _score(engine, plan["prompts"], good[-1])}
+            res["last_good"] = rescore(good[-1])
         try:  # informative only: the tests assert from the log
             info = engine.get_server_info()
             res["server_info"] = {k: info.get(k) for k in ("attention_backend", "moe_runner_backend", "dtype", "version")}
