@@ -36,8 +36,6 @@ from results import append, command, git_commit, today  # noqa: E402
 from serving_bench import ServingBench, log  # noqa: E402
 
 serving_bench.TAG = "sglang_serving"
-#: every linear SGLang gives LoRA on K3 (KDA's fused projections have none: adapter_prep refuses them)
-LEAVES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w3", "w2")
 RANK, ALPHA = 32, 64.0
 SIZES = {"prefill": (8, 1024), "decode": (32, 128, 64)}
 
@@ -111,7 +109,7 @@ def measure(args) -> dict:
     from kimi_core.config import load_config
     from kimi_core.lora import LoraSpec, random_adapter
     from kimi_sglang_plugin.adapter_prep import prepare_adapter
-    from kimi_sglang_plugin.mapping import lora_target_modules
+    from kimi_sglang_plugin.mapping import K3_LORA_LEAVES, lora_target_modules
     from kimi_sglang_plugin.sync import RankLayout, StockSGLangBackend, build_payload
     from sglang_engine_harness import ENGINE_KWARGS, marlin_size_problems, sglang_config_problems
 
@@ -126,10 +124,10 @@ def measure(args) -> dict:
     log(f"checkpoint {ckpt_dir}: {res['checkpoint']['bytes'] / 2**30:.1f} GiB "
         f"({'written in %.0f s' % res['checkpoint']['seconds'] if res['checkpoint']['written'] else 'reused'})")
     cfg = load_config(ckpt_dir)
-    spec = LoraSpec(rank=RANK, alpha=ALPHA, target_modules=LEAVES, expert_layout="shared_outer")
+    spec = LoraSpec(rank=RANK, alpha=ALPHA, target_modules=K3_LORA_LEAVES, expert_layout="shared_outer")
     adapter = prepare_adapter(random_adapter(cfg, spec, seed=1, dtype=torch.bfloat16), cfg)
     kw = {**ENGINE_KWARGS, "context_length": 2048, "max_running_requests": 64, "mem_fraction_static": 0.85,
-          "enable_lora": True, "max_lora_rank": RANK, "lora_target_modules": lora_target_modules(LEAVES),
+          "enable_lora": True, "max_lora_rank": RANK, "lora_target_modules": lora_target_modules(K3_LORA_LEAVES),
           "experts_shared_outer_loras": True, "max_loras_per_batch": 2}
     t = time.perf_counter()
     engine = sgl.Engine(model_path=ckpt_dir, **kw)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["PARAM_RULES", "RENAMES", "LORA_MODULES", "LORA_TARGET_NAMES", "hf_to_sglang", "sglang_param_names",
-           "lora_target_modules"]
+__all__ = ["PARAM_RULES", "RENAMES", "LORA_MODULES", "LORA_TARGET_NAMES", "K3_LORA_LEAVES", "hf_to_sglang",
+           "sglang_param_names", "lora_target_modules"]
 
 # (HF suffix, SGLang suffix, shard, where). Experts: ``weight_packed`` is renamed ``weight`` first.
 PARAM_RULES: tuple[tuple[str, str, object, str], ...] = (
@@ -61,6 +61,11 @@ PARAM_RULES: tuple[tuple[str, str, object, str], ...] = (
 RENAMES: tuple[tuple[str, str], ...] = (
     (".block_sparse_moe.", ".mlp."),
 )
+
+#: every K3 linear SGLang gives LoRA, as HF leaves: MLA, dense and shared MLPs, KDA's ``o_proj`` and the routed
+#: experts (the seeds' K3 recipe adapter; KDA's fused projections have none, ``adapter_prep`` refuses them)
+K3_LORA_LEAVES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj",
+                  "w1", "w3", "w2")
 
 #: HF LoRA leaf -> SGLang LoRA module (memory-pool buffer) name
 LORA_MODULES: dict[str, str] = {

@@ -83,9 +83,12 @@ def build_rank_buckets(tensors: Mapping[str, torch.Tensor], config, layout: Rank
                        filter_experts: bool = True) -> list[Bucket]:
     """One verified :class:`Bucket` per TP rank (``[tp_size]``); ranks of one EP rank share it.
 
-    :param tensors: PEFT-named adapter tensors (any file layout of ``kimi_core.lora``).
+    :param tensors: PEFT-named adapter tensors (any file layout of ``kimi_core.lora``). The buckets live where
+        the tensors do: on a GPU, SGLang's ``MultiprocessingSerializer`` then pickles them as CUDA-IPC handles
+        (its colocated ``update_weights_from_tensor`` path), which the engine's worker opens on the same GPU.
     :param config: the ``KimiConfig`` (expert count, names).
     """
+    device = next(iter(tensors.values())).device if tensors else None
     if filter_experts and layout.ep_size > 1 and layout.num_experts != config.n_routed_experts:
         raise ValueError(f"RankLayout.num_experts={layout.num_experts} but the model has "
                          f"{config.n_routed_experts} routed experts")
@@ -95,7 +98,7 @@ def build_rank_buckets(tensors: Mapping[str, torch.Tensor], config, layout: Rank
         e = layout.ep_rank(r) if filter_experts and layout.ep_size > 1 else 0
         if e not in by_ep:
             rng = layout.expert_range(r) if filter_experts and layout.ep_size > 1 else None
-            buckets = list(iter_buckets(tensors, _NO_LIMIT, config=config, experts=rng))
+            buckets = list(iter_buckets(tensors, _NO_LIMIT, config=config, experts=rng, device=device))
             if len(buckets) != 1:
                 raise ValueError(f"adapter produced {len(buckets)} buckets for TP rank {r}; expected 1")
             buckets[0].verify()

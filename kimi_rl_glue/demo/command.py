@@ -89,30 +89,47 @@ def trainer_checkpoint(recipe, ckpt: str) -> str:
     return masters
 
 
+def lora_spec(recipe, rank: int, ckpt: str):
+    """The recipe's :class:`~kimi_core.lora.LoraSpec`, alpha ``2 * rank``. vLLM (K2.x): every linear but
+    ``kv_b_proj``, absorbed into vLLM's MLA kernel (as in the SkyRL recipe); SGLang (K3): every linear it gives
+    LoRA (``kimi_sglang_plugin.mapping.K3_LORA_LEAVES``)."""
+    from kimi_core.lora import LoraSpec
+
+    if recipe.engine == "sglang":
+        from kimi_sglang_plugin.mapping import K3_LORA_LEAVES
+
+        return LoraSpec(rank=rank, alpha=2.0 * rank, target_modules=K3_LORA_LEAVES,
+                        expert_layout=recipe.expert_layout, base_model_name_or_path=ckpt)
+    return LoraSpec(rank=rank, alpha=2 * rank, exclude_modules=("kv_b_proj",), base_model_name_or_path=ckpt,
+                    normalize_moe_lora=recipe.normalize_moe_lora)
+
+
 def main(args) -> int:
     from kimi_core.checkpoint.tiny import make_tiny
     from kimi_core.config import load_config
-    from kimi_core.lora import LoraSpec
     from kimi_rl_glue.demo.recipes import KIMI_INT4_GRID, RECIPES
     from kimi_rl_glue.demo.rollout import VllmRollout
     from kimi_rl_glue.demo.trainer import make_trainer
     from kimi_rl_glue.sync import DiskAdapterSync
 
     recipe, device, size = RECIPES[args.recipe], args.device, args.size
+    if recipe.engine == "sglang" and device != "cuda":
+        print(f"error: --recipe {recipe.name} serves with SGLang's GPU kernels (KDA, attention residuals, Marlin "
+              "MXFP4 MoE), which have no CPU path; run it with --device cuda (--size small on one GPU)")
+        return 2
     rank = args.rank or recipe.rank
     out = args.out
     os.makedirs(out, exist_ok=True)
     t_start = time.time()
     cfg = LoopConfig(steps=args.steps or 40, seed=args.seed, loss=args.loss or recipe.loss, prompts=args.prompts,
                      group=args.group, max_tokens=args.max_tokens, dynamic_sampling=recipe.dynamic_sampling)
-    ckpt = os.path.join(out, f"{size}-k2-int4")
+    fmt = "int4" if recipe.model == "k2" else "mxfp4"
+    ckpt = os.path.join(out, f"{size}-{recipe.model}-{fmt}")
     if not os.path.exists(os.path.join(ckpt, "config.json")):
-        make_tiny("k2", ckpt, seed=args.seed, size=size)
+        make_tiny(recipe.model, ckpt, seed=args.seed, size=size)
     print(f"[setup] recipe {recipe.name}: {recipe.summary}; device {device}")
-    print(f"[setup] {size} Kimi K2.x checkpoint, INT4 experts (Kimi QAT convention): {ckpt}")
-    # kv_b_proj is absorbed into vLLM's MLA kernel, so LoRA cannot target it (as in the SkyRL recipe)
-    spec = LoraSpec(rank=rank, alpha=2 * rank, exclude_modules=("kv_b_proj",), base_model_name_or_path=ckpt,
-                    normalize_moe_lora=recipe.normalize_moe_lora)
+    print(f"[setup] {size} Kimi {recipe.model.upper()} checkpoint, {fmt.upper()} experts: {ckpt}")
+    spec = lora_spec(recipe, rank, ckpt)
     base = trainer_checkpoint(recipe, ckpt)
     qat = recipe.expert_mode == "qat"  # onto the served checkpoint's grid and format
     trainer = make_trainer(args.trainer or recipe.trainer, base, spec, lr=args.lr, seed=args.seed,
@@ -120,10 +137,21 @@ def main(args) -> int:
                            quant_format=load_config(ckpt).quant.format if qat else None, device=device)
     top_k = trainer.config.num_experts_per_tok
     print(f"[setup] trainer: {trainer.name} ({recipe.expert_mode} experts) on {device}; LoRA rank {spec.rank}, "
-          f"alpha {spec.alpha}, routed experts rank {spec.expert_rank(top_k)}, all linears but kv_b_proj")
-    rollout = VllmRollout(ckpt, max_lora_rank=max(8, rank), stage_dir=os.path.join(out, "stage"), seed=args.seed,
-                          device=device)
-    print(f"[setup] {rollout.label} engine through kimi_vllm_plugin started in {rollout.start_s:.1f}s")
+          f"alpha {spec.alpha}, routed experts rank {spec.expert_rank(top_k)} ({recipe.expert_layout}), "
+          f"{'every linear SGLang gives LoRA' if recipe.engine == 'sglang' else 'all linears but kv_b_proj'}")
+    if recipe.engine == "sglang":
+        from kimi_rl_glue.demo.sglang_rollout import SglangRollout, SglangTensorSync
+        from kimi_sglang_plugin.mapping import lora_target_modules
+
+        trainer.export_layout, trainer.export_to_cpu = recipe.expert_layout, False  # CUDA-IPC handles, not bytes
+        rollout = SglangRollout(ckpt, max_lora_rank=rank, lora_target_modules=lora_target_modules(spec.target_modules),
+                                seed=args.seed, device=device)
+        print(f"[setup] {rollout.label} engine through kimi_sglang_plugin started in {rollout.start_s:.1f}s; its "
+              "routed experts are replayed in the trainer (R3)")
+    else:
+        rollout = VllmRollout(ckpt, max_lora_rank=max(8, rank), stage_dir=os.path.join(out, "stage"), seed=args.seed,
+                              device=device)
+        print(f"[setup] {rollout.label} engine through kimi_vllm_plugin started in {rollout.start_s:.1f}s")
     task = TokenSetTask(rollout.config.vocab_size, seed=args.seed)
     pairs, table = step0_mismatch(trainer, rollout, task, cfg, ckpt)
     print("[step 0] train/rollout mismatch on identical weights:\n" + table)
@@ -135,7 +163,7 @@ def main(args) -> int:
     if os.path.isdir(adapters):
         shutil.rmtree(adapters)  # a previous demo run's versions 1..N, written by this function
         print(f"[setup] removed the previous run's adapter versions in {adapters}")
-    sync = DiskAdapterSync(adapters)
+    sync = SglangTensorSync(trainer.config) if recipe.engine == "sglang" else DiskAdapterSync(adapters)
     try:
         records = run(cfg, task, rollout, trainer, sync, out)
     except DemoError as e:

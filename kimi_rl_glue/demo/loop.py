@@ -62,13 +62,16 @@ def batch_tensors(samples, topk: int):
 
 
 def train_step(trainer, samples, rewards: torch.Tensor, cfg: LoopConfig, topk: int) -> dict:
-    """One optimizer step on ``samples``; returns the step's loss and mismatch metrics under miles' names
+    """One optimizer step on ``samples`` (replaying the engine's routing when the samples carry it); returns the
+    step's loss and mismatch metrics under miles' names
     (``train/loss``, ``train/grad_norm``, ``train/train_rollout_logprob_abs_diff``, ``train/train_rollout_kl``,
     ``train/<loss metric>``)."""
     ids, tokens, rollout_lp, tids, tlp, groups = batch_tensors(samples, topk)
     adv = group_advantages(rewards, groups, norm_by_std=True).float()
     M = tokens.shape[1]
-    logits = trainer.logits(ids[:, :-1])[:, -M:]  # positions predicting the response tokens
+    # R3: where the engine returned its routing, the trainer replays it (``[N, P + M - 1, layers, k]``)
+    routed = torch.tensor([s.routed for s in samples]) if all(s.routed is not None for s in samples) else None
+    logits = trainer.logits(ids[:, :-1], routed_experts=routed)[:, -M:]  # positions predicting the response tokens
     dev = logits.device  # the trainer's (rollout tensors come from the engine on the CPU)
     tokens, rollout_lp, tids, tlp = tokens.to(dev), rollout_lp.to(dev), tids.to(dev), tlp.to(dev)
     adv_t = adv.to(dev)[:, None].expand_as(tokens)

@@ -121,11 +121,17 @@ class MegatronLoraTrainer:
         self.steps += 1
         return float(gn)
 
+    #: file layout of :meth:`export_adapter` (``"shared_outer"`` for SGLang's ``--experts-shared-outer-loras``)
+    export_layout = "per_expert"
+    #: :meth:`export_adapter` copies the tensors to the CPU (the disk sync); ``False`` keeps them on the
+    #: trainer's device (a tensor sync to a colocated engine sends CUDA-IPC handles instead)
+    export_to_cpu = True
+
     def export_adapter(self) -> Adapter:
-        """The adapter (bf16, per-expert PEFT names, ``adapter_config`` from the spec), its tensors on the CPU
-        (what the disk sync writes and vLLM loads, whichever device the trainer is on)."""
-        ad = self.lora.export("per_expert", torch.bfloat16)
-        if self.device.type != "cpu":
+        """The adapter (bf16, PEFT names in :attr:`export_layout`, ``adapter_config`` from the spec), its tensors on
+        the CPU unless :attr:`export_to_cpu` is off (what the disk sync writes and vLLM loads)."""
+        ad = self.lora.export(self.export_layout, torch.bfloat16)
+        if self.device.type != "cpu" and self.export_to_cpu:
             ad.tensors = {k: v.cpu() for k, v in ad.tensors.items()}
         return ad
 

@@ -8,6 +8,11 @@
   straight-through); routed-expert adapters get rank ``r // top_k`` (capacity-normalised, PEFT
   ``rank_pattern``); GRPO with DAPO's clip-higher (0.2 / 0.28) and dynamic sampling (groups with equal rewards
   masked out) and token-level TIS; the adapter is hot-loaded from disk under a fresh name.
+* ``miles-k3`` (seeds 000 / 001, miles' K3 recipe in miniature, ``--device cuda`` only): SGLang serves the MXFP4
+  K3 checkpoint through ``kimi_sglang_plugin``; the trainer computes the served MXFP4 experts from their packed
+  bytes (W4A16, no BF16 copy), LoRA rank 32 alpha 64 on every linear SGLang gives LoRA, experts shared-outer;
+  score-centering loss; the engine's routed experts are replayed in the trainer (R3); each version goes to the
+  live engine as tensors (CUDA-IPC handles, sha256 per tensor checked by SGLang).
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ class DemoRecipe:
     :param normalize_moe_lora: routed experts get LoRA rank ``rank // top_k``.
     :param trainer: ``make_trainer`` kind (``"auto"`` falls back to ``kimi_core.reference``; QAT needs Megatron).
     :param dynamic_sampling: DAPO's group filter on the GRPO loss (:class:`~.loop.LoopConfig`).
+    :param model: the ``make-tiny`` family served (``"k2"``: INT4 experts, ``"k3"``: MXFP4 experts).
+    :param engine: ``"vllm"`` (adapters hot-loaded from disk) or ``"sglang"`` (GPU only; adapters as tensors
+        over CUDA IPC into the live engine, its routed experts replayed in the trainer, R3).
+    :param expert_layout: the LoRA expert layout trained and served (``"shared_outer"``: SGLang's
+        ``--experts-shared-outer-loras``).
     """
 
     name: str
@@ -42,6 +52,9 @@ class DemoRecipe:
     rank: int
     trainer: str
     dynamic_sampling: bool = False
+    model: str = "k2"
+    engine: str = "vllm"
+    expert_layout: str = "per_expert"
 
 
 RECIPES = {
@@ -52,4 +65,10 @@ RECIPES = {
                            "expert LoRA, GRPO/DAPO + token TIS, adapter hot-loaded from disk",
                            trainer_base="bf16_masters", expert_mode="qat", normalize_moe_lora=True,
                            loss="grpo_tis", rank=16, trainer="megatron", dynamic_sampling=True),
+    "miles-k3": DemoRecipe("miles-k3", "miles K3: SGLang rollouts on the MXFP4 checkpoint, W4A16 trainer (no BF16 "
+                           "copy of the experts), shared-outer expert LoRA, score centering, R3 routing replay, "
+                           "adapter over CUDA IPC into the live engine",
+                           trainer_base="served", expert_mode="w4a16", normalize_moe_lora=False,
+                           loss="score_centering", rank=32, trainer="megatron", model="k3", engine="sglang",
+                           expert_layout="shared_outer"),
 }

@@ -26,7 +26,9 @@ class EngineDeadError(KimiError, RuntimeError):
 
 @dataclass
 class Sample:
-    """One response: ``prompt`` and ``tokens`` ids, ``logprobs [T]`` (fp32), ``topk_ids``/``topk_logprobs`` ``[T, K]``."""
+    """One response: ``prompt`` and ``tokens`` ids, ``logprobs [T]`` (fp32), ``topk_ids``/``topk_logprobs`` ``[T, K]``;
+    ``routed``: the experts the engine routed ``prompt + tokens[:-1]`` to, ``[P + T - 1][layers][k]``, when it
+    returns them (SGLang; the trainer replays them, R3), else ``None``."""
 
     prompt: list[int]
     tokens: list[int]
@@ -34,6 +36,7 @@ class Sample:
     topk_ids: torch.Tensor
     topk_logprobs: torch.Tensor
     group: int
+    routed: list | None = None
 
 
 #: share of the GPU's memory the rollout engine takes on ``device="cuda"`` (the trainer shares the GPU)

@@ -14,6 +14,8 @@
 #   VLLM_TESTS=none bash tests/gpu/h200_session.sh vllm3 skyrl_demo  # phases run in order in one call
 #   bash tests/gpu/h200_session.sh skyrl_demo  # carry .gpu/megatron (megatron-core 0.19.2 cp312 wheel), after vllm3:
 #                                              # kimi-rl demo --recipe skyrl-k2 --device cuda --size small
+#   bash tests/gpu/h200_session.sh miles_demo  # carry .gpu/sglang1 .gpu/sglang_jit .gpu/megatron:
+#                                              # kimi-rl demo --recipe miles-k3 --device cuda --size small
 #
 # The SGLang lane runs in groups (base engines, MoE LoRA + hot load, K3.1, K2 INT4); a group that ran
 # leaves /tmp/kimi_gpu_done/<group>, so a second `sglang` call goes on where the first stopped. Each
@@ -113,19 +115,27 @@ run_vllm_bench() {
   echo "serving rc=$?"; tail -30 "$OUT/vllm_serving.log"
 }
 
-run_skyrl_demo() {
-  # the trainer's megatron-core next to the staged vLLM (pip download --no-deps --python-version 3.12
+mcore_env() {
+  # the trainer's megatron-core next to the staged engine (pip download --no-deps --python-version 3.12
   # --only-binary=:all: megatron-core==0.19.2 -d .gpu/megatron on the CPU machine)
   if [ ! -d /tmp/site_mcore/megatron ]; then
     python3 -m pip install -q --no-deps --no-index --target /tmp/site_mcore .gpu/megatron/*.whl || exit 3
   fi
-  vllm_env
   export PYTHONPATH=/tmp/site_mcore:$PYTHONPATH
-  KIMI_SKYRL_TIMEOUT=$(( $(left) - 30 )) timeout "$(left)" python3 -m pytest -q -m gpu -s -rfE -p no:cacheprovider \
-    tests/kimi_rl_glue/test_demo_gpu.py > "$OUT/pytest_skyrl_demo.log" 2>&1
-  echo "skyrl_demo rc=$? $(tail -1 "$OUT/pytest_skyrl_demo.log")"
-  grep -E "^\[(setup|step 0|done)\]" /tmp/kimi_test_out/skyrl_demo_gpu.log
-  cp /tmp/kimi_test_out/skyrl_demo_gpu_* "$OUT/" 2>/dev/null
+}
+
+# one GPU demo test of tests/kimi_rl_glue/test_demo_gpu.py: $1 = the engine's env function (vllm_env / sglang_env),
+# $2 = tag (skyrl / miles)
+run_demo() {
+  $1
+  mcore_env
+  local up; up=$(echo "$2" | tr a-z A-Z)
+  env "KIMI_${up}_TIMEOUT=$(( $(left) - 30 ))" timeout "$(left)" python3 -m pytest -q -m gpu -s -rfE -p no:cacheprovider \
+    tests/kimi_rl_glue/test_demo_gpu.py -k "$2" > "$OUT/pytest_$2_demo.log" 2>&1
+  echo "$2_demo rc=$? $(tail -1 "$OUT/pytest_$2_demo.log")"
+  grep -E "^\[(setup|step 0|done)\]" "/tmp/kimi_test_out/$2_demo_gpu.log"
+  cp /tmp/kimi_test_out/$2_demo_gpu_* "$OUT/" 2>/dev/null
+  [ "$1" = sglang_env ] && pack_jit
   pack_logs
 }
 
@@ -156,7 +166,8 @@ case "$phase" in
   vllm2) cp .gpu/vllm2/* /tmp/stash/ && ls /tmp/stash ;;
   vllm3) run_vllm3 ;;
   vllm_bench) run_vllm_bench ;;
-  skyrl_demo) run_skyrl_demo ;;
-  *) echo "usage: $0 sglang|sglang_unstage|bisect|sglang_bench|w4a16|vllm1|vllm2|vllm3|vllm_bench|skyrl_demo" >&2; exit 2 ;;
+  skyrl_demo) run_demo vllm_env skyrl ;;
+  miles_demo) run_demo sglang_env miles ;;
+  *) echo "usage: $0 sglang|sglang_unstage|bisect|sglang_bench|w4a16|vllm1|vllm2|vllm3|vllm_bench|skyrl_demo|miles_demo" >&2; exit 2 ;;
 esac
 done

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from kimi_sglang_plugin.outputs import prompt_logprobs, routed_experts  # noqa: F401 (re-exported for the lane)
+
 HERE = os.path.dirname(__file__)
 #: on the engine's PYTHONPATH: every process of it dumps its stacks on SIGUSR1 (see :func:`run_engine`)
 FAULTHANDLER_SITE = os.path.join(HERE, "..", "gpu", "faulthandler_site")
@@ -184,43 +186,6 @@ def write_tiny(model: str, out_dir: str, overrides: dict | None = None) -> tuple
 def write_tiny_k3(out_dir: str) -> tuple[str, list[str]]:
     """:func:`write_tiny` of ``k3``."""
     return write_tiny("k3", out_dir)
-
-
-def prompt_logprobs(meta_info: dict, ids: list[int]) -> list[float]:
-    """``log p(ids[t] | ids[:t])`` for t = 1..T-1 from SGLang's ``meta_info["input_token_logprobs"]``
-    (``(logprob, token id, text)`` per prompt token, logprob ``None`` for the first), requested with
-    ``return_logprob=True, logprob_start_len=0``. Raises ``ValueError`` naming what does not match."""
-    rows = meta_info.get("input_token_logprobs")
-    if rows is None:
-        raise ValueError("meta_info has no input_token_logprobs: generate(..., return_logprob=True, logprob_start_len=0)")
-    if len(rows) != len(ids):
-        raise ValueError(f"input_token_logprobs has {len(rows)} rows for a {len(ids)}-token prompt "
-                         "(logprob_start_len must be 0)")
-    got_ids = [int(r[1]) for r in rows]
-    if got_ids != list(ids):
-        raise ValueError(f"input_token_logprobs token ids {got_ids} are not the prompt {list(ids)}")
-    if rows[0][0] is not None:
-        raise ValueError(f"first prompt token has logprob {rows[0][0]}, expected None")
-    return [float(r[0]) for r in rows[1:]]
-
-
-def routed_experts(meta_info: dict, T: int, layers: int, k: int) -> list:
-    """The experts SGLang routed each of a ``T``-token prompt's tokens to, ``[T][layers][k]`` (int), from
-    ``meta_info["routed_experts"]`` (requested with ``return_routed_experts=True``; base64 of int32
-    ``[seqlen - 1, num_hidden_layers, k]``, ``state_capturer/routed_experts.py``; dense layers hold no choice).
-    Raises ``ValueError`` naming what does not match."""
-    import base64
-
-    import numpy as np
-
-    raw = meta_info.get("routed_experts")
-    if raw is None:
-        raise ValueError("meta_info has no routed_experts: enable_return_routed_experts=True on the engine and "
-                         "return_routed_experts=True on the request")
-    arr = np.frombuffer(base64.b64decode(raw), dtype=np.int32)
-    if arr.size % (layers * k) or arr.size // (layers * k) < T:
-        raise ValueError(f"routed_experts has {arr.size} ids, not [>= {T}, {layers}, {k}]")
-    return arr.reshape(-1, layers, k)[:T].tolist()
 
 
 def routing_flips(engine_rows: list, reference_rows: list, moe_layers: list[int]) -> tuple[int, int]:

@@ -26,6 +26,8 @@ from sglang_engine_harness import (
 )
 from utils import rel_rms_error
 
+from kimi_sglang_plugin.mapping import K3_LORA_LEAVES
+
 GPU_RELEASE = "0.5.17"
 
 
@@ -195,10 +197,8 @@ def test_plugin_k3_any_hidden_size(plugin_512):
     assert "attention residuals at hidden_size 512" in plugin_512["run"]["log"], "the plugin's eager mixture did not run"
 
 
-#: the seeds' K3 recipe adapter: rank 32, alpha 64, every linear SGLang gives LoRA (MLA, dense and shared
-#: MLPs, KDA's o_proj, routed experts in the shared-outer layout)
-K3_LORA_LEAVES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj",
-                  "w1", "w3", "w2")
+#: the seeds' K3 recipe adapter: rank 32, alpha 64, every linear SGLang gives LoRA (``K3_LORA_LEAVES``: MLA, dense
+#: and shared MLPs, KDA's o_proj, routed experts in the shared-outer layout)
 #: narrowing set, scored in the same engine when the full adapter is off
 K3_LORA_PARTS = {"experts": ("w1", "w3", "w2"), "attn": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"),
                  "mlp": ("gate_proj", "up_proj", "down_proj")}

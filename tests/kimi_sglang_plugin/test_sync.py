@@ -9,10 +9,8 @@ import torch
 
 from kimi_core.lora import LoraSpec, random_adapter
 from kimi_sglang_plugin.adapter_prep import AdapterRejected, prepare_adapter
+from kimi_sglang_plugin.mapping import K3_LORA_LEAVES as SERVED
 from kimi_sglang_plugin.sync import RankLayout, build_payload, decode_payload, sha256_hex
-
-#: every linear SGLang gives a LoRA on K3.1 (KDA's fused projections have none: adapter_prep refuses them)
-SERVED = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w3", "w2")
 
 
 def served_adapter(cfg, seed: int, layout: str | None = None, **spec):
@@ -111,3 +109,25 @@ def test_bad_layout_is_refused():
         RankLayout(tp_size=4, ep_size=3)
     with pytest.raises(ValueError, match="num_experts"):
         RankLayout(tp_size=4, ep_size=4, num_experts=6)
+
+
+def test_glue_tensor_sync_sends_the_prepared_adapter(plugin, k31_config):
+    """``kimi_rl_glue``'s SGLang sync (the miles-k3 loop): version k goes out as ``policy-v<k>``, its one payload
+    decodes bit-exactly to what :func:`prepare_adapter` makes of the trainer's adapter, with SGLang's sha256 per
+    tensor; only the last version is held, and an unpublished one is an ``AdapterSyncError``."""
+    from kimi_rl_glue.demo.sglang_rollout import SglangTensorSync
+    from kimi_rl_glue.sync import AdapterSyncError
+
+    raw = random_adapter(k31_config, LoraSpec(target_modules=SERVED, rank=4, alpha=8, expert_layout="shared_outer"),
+                         seed=5, dtype=torch.bfloat16, layout="shared_outer")
+    want = prepare_adapter(raw, k31_config).tensors
+    sync = SglangTensorSync(k31_config)
+    name, pub = sync.publish(raw, 3)
+    got = sync.receive(3)
+    assert name == got.name == got.payload.lora_name == "policy-v3" and pub["bytes"] > 0
+    tensors = decode_payload(got.payload.serialized_named_tensors[0])
+    assert sorted(tensors) == sorted(want) and all(torch.equal(tensors[k], want[k]) for k in want)
+    assert got.payload.expected_checksums == {k: sha256_hex(v) for k, v in want.items()}
+    sync.publish(raw, 4)
+    with pytest.raises(AdapterSyncError, match="adapter version 3 was not published"):
+        sync.receive(3)
