@@ -10,7 +10,8 @@
   masked out) and token-level TIS; the adapter is hot-loaded from disk under a fresh name.
 * ``miles-k3`` (seeds 000 / 001, miles' K3 recipe in miniature, ``--device cuda`` only): SGLang serves the MXFP4
   K3 checkpoint through ``kimi_sglang_plugin``; the trainer computes the served MXFP4 experts from their packed
-  bytes (W4A16, no BF16 copy), LoRA rank 32 alpha 64 on every linear SGLang gives LoRA, experts shared-outer;
+  bytes (W4A16 mode, no BF16 copy; with the demo trainer's fp32 activations each expert is dequantized exactly
+  as it is used, not by the bf16 fused grouped GEMM), LoRA rank 32 alpha 64 on every linear SGLang gives LoRA, experts shared-outer;
   score-centering loss; the engine's routed experts are replayed in the trainer (R3); each version goes to the
   live engine as tensors (CUDA-IPC handles, sha256 per tensor checked by SGLang).
 """
