@@ -26,8 +26,8 @@ from kimi_rl_glue.sync import AdapterSyncError
 
 __all__ = ["SglangRollout", "SglangTensorSync", "TensorVersion", "samples_from_outputs", "ENGINE_FLAGS"]
 
-#: engine flags of the recipe on one H200 with the staged SGLang 0.5.17 (what its GPU lane runs: no FA3, no sm100
-#: kernels; ``tests/kimi_sglang_plugin/sglang_engine_harness.ENGINE_KWARGS``)
+#: engine flags of the recipe on one H200 with the staged SGLang 0.5.17: no FA3, no sm100 kernels (the GPU lane's
+#: ``tests/kimi_sglang_plugin/sglang_engine_harness.ENGINE_KWARGS`` are these at its sizes)
 ENGINE_FLAGS = dict(attention_backend="triton", mm_attention_backend="triton_attn", moe_runner_backend="marlin",
                     sampling_backend="pytorch", grammar_backend="none", disable_cuda_graph=True,
                     enable_multimodal=False, skip_tokenizer_init=True, disable_radix_cache=True, dtype="bfloat16",
@@ -72,7 +72,7 @@ class SglangTensorSync:
 
     def __init__(self, config, base_name: str = "policy"):
         self.config, self.base_name = config, base_name
-        self._versions: dict[int, TensorVersion] = {}
+        self._last: tuple[int, TensorVersion] | None = None  # (version, what was sent): only the latest is held
 
     def publish(self, adapter, version: int) -> tuple[str, dict]:
         from kimi_sglang_plugin.adapter_prep import prepare_adapter
@@ -83,13 +83,14 @@ class SglangTensorSync:
         name = f"{self.base_name}-v{version}"
         payload = build_payload(name, served.tensors, served.adapter_config, self.config, RankLayout(1, 1, 0),
                                 filter_experts=False, sha256=True)
-        self._versions = {version: TensorVersion(name, payload, {"sync_timings": {"build_s": time.perf_counter() - t}})}
+        self._last = (version, TensorVersion(name, payload, {"sync_timings": {"build_s": time.perf_counter() - t}}))
         return name, {"bytes": sum(b.nbytes for b in payload.buckets)}
 
     def receive(self, version: int) -> TensorVersion:
-        if version not in self._versions:
-            raise AdapterSyncError(f"adapter version {version} was not published (have {sorted(self._versions)})")
-        return self._versions[version]
+        if self._last is None or self._last[0] != version:
+            held = "none" if self._last is None else self._last[0]
+            raise AdapterSyncError(f"adapter version {version} was not published (the last published is {held})")
+        return self._last[1]
 
 
 @dataclass
@@ -131,7 +132,6 @@ class SglangRollout:
         self.client = _Client()
         self.topk = topk
         self.routing = (self.config.num_hidden_layers, self.config.num_experts_per_tok) if routing else None
-        self._seed = seed
 
     def load_adapter(self, version: TensorVersion):
         """Load ``version`` into the live engine; raises ``AdapterSyncError`` when SGLang refuses it (the

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from kimi_rl_glue.demo.sglang_rollout import ENGINE_FLAGS
 from kimi_sglang_plugin.outputs import prompt_logprobs, routed_experts  # noqa: F401 (re-exported for the lane)
 
 HERE = os.path.dirname(__file__)
@@ -100,12 +101,10 @@ def _sglang_fit(text_config: dict) -> None:
         text_config["index_n_heads"] = DEEPGEMM_SM90_INDEX_HEADS[0]
 
 
-#: the engine flags of every run: only kernels the staged 0.5.17 has (no FA3, no sm100), the K3 H200 MoE runner
-ENGINE_KWARGS = dict(attention_backend="triton", mm_attention_backend="triton_attn", moe_runner_backend="marlin",
-                     sampling_backend="pytorch", grammar_backend="none", disable_cuda_graph=True,
-                     enable_multimodal=False, skip_tokenizer_init=True, disable_radix_cache=True,
-                     dtype="bfloat16", tp_size=1, context_length=512, max_running_requests=8,
-                     mem_fraction_static=0.3, random_seed=0, log_level="info")
+#: the engine flags of every run: the miles-k3 demo's (only kernels the staged 0.5.17 has: no FA3, no sm100; the
+#: K3 H200 MoE runner) at the lane's sizes
+ENGINE_KWARGS = {**ENGINE_FLAGS, "context_length": 512, "max_running_requests": 8, "mem_fraction_static": 0.3,
+                 "random_seed": 0}
 
 #: the only index_topk sgl-kernel's fused DSA top-k serves (``sgl_kernel/top_k.py:72`` asserts it), DeepSeek-V3.2's
 SGL_KERNEL_INDEX_TOPK = 2048

@@ -107,25 +107,23 @@ def main(plan_path: str, out_path: str) -> None:
             shape = (cfg.num_hidden_layers, cfg.num_experts_per_tok)
             res["routed_by"] = {}
 
-        def score(lora):
-            """logprobs of the prompts on ``lora``; the routing goes to res["routed"] / res["routed_by"][lora]."""
-            out = _score(engine, plan["prompts"], lora, shape)
-            if shape is None:
-                return out
-            lps, routed = out
-            if lora is None:
-                res["routed"] = routed
-            else:
-                res["routed_by"][lora] = routed
-            return lps
-
         def rescore(lora):
-            """{"name", "lps", "routed"}: one more scoring of ``lora``, its routing kept beside it (None without
-            routed_experts), so the refused-load check compares like with like and replays each one's own routing."""
+            """{"name", "lps", "routed", "seconds"}: one scoring of the prompts on ``lora``, its routing beside it
+            (None without routed_experts), so the refused-load check compares like with like."""
             t = time.time()
             out = _score(engine, plan["prompts"], lora, shape)
             lps, routed = out if shape else (out, None)
             return {"name": lora, "lps": lps, "routed": routed, "seconds": time.time() - t}
+
+        def score(lora):
+            """logprobs of the prompts on ``lora``; the routing goes to res["routed"] / res["routed_by"][lora]."""
+            r = rescore(lora)
+            if shape is not None:
+                if lora is None:
+                    res["routed"] = r["routed"]
+                else:
+                    res["routed_by"][lora] = r["routed"]
+            return r["lps"]
 
         t1 = time.time()
         res["lps"] = score(None)
