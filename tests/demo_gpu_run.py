@@ -20,8 +20,13 @@ def run_demo_on_gpu(recipe: str, out, tag: str, gpu_path_lines: tuple[str, ...],
     steps = int(os.environ.get(f"KIMI_{env}_STEPS", str(default_steps)))
     cmd = [sys.executable, "-m", "kimi_rl_glue.cli", "demo", "--recipe", recipe, "--device", "cuda", "--size",
            "small", "--steps", str(steps), "--out", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=int(os.environ.get(f"KIMI_{env}_TIMEOUT", "900")))
-    log = r.stdout + r.stderr
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True,
+                           timeout=int(os.environ.get(f"KIMI_{env}_TIMEOUT", "900")))
+        log, rc = r.stdout + r.stderr, r.returncode
+    except subprocess.TimeoutExpired as e:  # keep what it printed, so a run cut short still says where it was
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        log, rc = text(e.stdout) + text(e.stderr) + f"\n[timed out after {e.timeout} s]", None
     keep = os.environ.get("KIMI_TEST_OUT")
     if keep:
         os.makedirs(keep, exist_ok=True)
@@ -30,7 +35,7 @@ def run_demo_on_gpu(recipe: str, out, tag: str, gpu_path_lines: tuple[str, ...],
         for name in ("summary.json", "metrics.jsonl", "reward.png"):
             if os.path.exists(os.path.join(out, name)):
                 shutil.copy(os.path.join(out, name), os.path.join(keep, f"{tag}_{name}"))
-    assert r.returncode == 0, log[-6000:]
+    assert rc == 0, log[-6000:]
     missing = [line for line in gpu_path_lines if line not in log]
     assert not missing, f"the engine's log lacks {missing}: its GPU path did not run"
     assert f"[setup] trainer: megatron ({expert_mode} experts) on cuda" in r.stdout, r.stdout[-3000:]

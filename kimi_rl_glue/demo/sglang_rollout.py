@@ -159,9 +159,11 @@ class SglangRollout:
         kw = {"lora_path": [self.client.current.lora_name] * len(ids)} if self.client.current.lora_name else {}
         if self.routing is not None:
             kw["return_routed_experts"] = True
+        # ignore_eos alone makes every answer max_tokens long; min_new_tokens needs the tokenizer's EOS, which an
+        # engine started with skip_tokenizer_init has not (SGLang refuses the request; H200, 2026-12-02)
         outs = self.engine.generate(
-            input_ids=ids, sampling_params={"max_new_tokens": max_tokens, "min_new_tokens": max_tokens,
-                                            "ignore_eos": True, "temperature": 1.0, "top_p": 1.0},
+            input_ids=ids, sampling_params={"max_new_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0,
+                                            "top_p": 1.0},
             return_logprob=True, top_logprobs_num=self.topk, **kw)
         return samples_from_outputs(outs, prompts, n, self.topk, self.routing)
 

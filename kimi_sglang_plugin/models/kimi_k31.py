@@ -29,7 +29,8 @@ from typing import Iterable, Tuple
 import torch
 from torch import nn
 
-from kimi_sglang_plugin.registration import K31_ARCH, PluginError, refuse_kimi, register_config, register_hooks
+from kimi_sglang_plugin.registration import (K31_ARCH, PluginError, refuse_kimi, register_config, register_hooks,
+                                             running_sglang)
 
 try:
     register_config()
@@ -42,7 +43,8 @@ from sglang.srt.models.kimi_k3 import KimiK3ForConditionalGeneration, KimiK3MLAA
 
 from kimi_sglang_plugin.config import INDEXER_FIELDS, is_k31_config  # noqa: E402
 
-__all__ = ["KimiK31ForConditionalGeneration", "NoRope", "EntryClass", "check_dsa_attention_backend"]
+__all__ = ["KimiK31ForConditionalGeneration", "NoRope", "EntryClass", "check_dsa_attention_backend",
+           "check_index_topk", "INDEX_TOPK_SERVED"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,24 @@ def check_dsa_attention_backend() -> None:
                           f"{K31_ENGINE_FLAGS}")
 
 
+#: the ``index_topk`` values each release's DSA prefill serves with a bf16 KV cache (absent: any). SGLang 0.5.17's
+#: ``transform_index_page_table_prefill_fast`` (``kernels/ops/attention/dsa/transform_index.py:168``, the only
+#: prefill index transform there) asserts a top-k width of 2048, DeepSeek-V3.2's and the K3.1 release's value
+#: (H200, 2026-12-02: an engine at 128 died on that assert at its first prefill); 0.5.23 has a general path
+#: (``:286``). ``tests/kimi_sglang_plugin/test_k31_attention_return.py`` reads both sources.
+INDEX_TOPK_SERVED = {"0.5.17": (2048,)}
+
+
+def check_index_topk(index_topk: int, release: str | None = None) -> None:
+    """Refuse, naming the release and the field, an ``index_topk`` the running SGLang's DSA prefill cannot serve."""
+    release = release or running_sglang()
+    served = INDEX_TOPK_SERVED.get(release)
+    if served is not None and index_topk not in served:
+        raise ValueError(f"config.json: text_config.index_topk {index_topk} cannot be served by SGLang {release}, "
+                         f"whose DSA prefill index transform serves only {list(served)} (the K3.1 release's value "
+                         f"is 2048); use SGLang 0.5.23 for another top-k")
+
+
 class KimiK31ForConditionalGeneration(KimiK3ForConditionalGeneration):
     """K3 + DSA indexer (see the module docstring). Constructor and forward are K3's."""
 
@@ -101,6 +121,7 @@ class KimiK31ForConditionalGeneration(KimiK3ForConditionalGeneration):
             raise ValueError(f"config.json: {K31_ARCH} needs text_config.{'/'.join(INDEXER_FIELDS)} "
                              f"(missing {missing}) and model_type 'kimi_k31' (got {config.model_type!r})")
         check_dsa_attention_backend()
+        check_index_topk(config.text_config.index_topk)
         super().__init__(config, quant_config=quant_config, prefix=prefix, **kwargs)
         if self.language_model is not None:
             self._indexed_layers = self._install_nope_indexers()

@@ -118,7 +118,7 @@ run_vllm_bench() {
 mcore_env() {
   # the trainer's megatron-core next to the staged engine (pip download --no-deps --python-version 3.12
   # --only-binary=:all: megatron-core==0.19.2 -d .gpu/megatron on the CPU machine)
-  if [ ! -d /tmp/site_mcore/megatron ]; then
+  if [ ! -d /tmp/site_mcore/megatron ] || [ ! -d /tmp/site_mcore/fla ]; then  # megatron-core, fla-core, einops
     python3 -m pip install -q --no-deps --no-index --target /tmp/site_mcore .gpu/megatron/*.whl || exit 3
   fi
   export PYTHONPATH=/tmp/site_mcore:$PYTHONPATH

@@ -13,9 +13,9 @@ pids=()
 [ -d .gpu/sglang1 ] || { bash "$SHARED/stage_sglang.sh" > .gpu/prepare_sglang.log 2>&1 & pids+=($!); }
 [ -f .gpu/sglang_jit/tvm_ffi_cache.tar.xz ] || { bash tests/gpu/sglang_jit_prebuild.sh > .gpu/prepare_jit.log 2>&1 & pids+=($!); }
 [ -d .gpu/vllm3 ] || { bash "$SHARED/stage_vllm.sh" > .gpu/prepare_vllm.log 2>&1 & pids+=($!); }
-if ! ls .gpu/megatron/megatron_core-*.whl > /dev/null 2>&1; then
+if ! ls .gpu/megatron/fla_core-*.whl > /dev/null 2>&1; then  # the trainer's KDA kernels (fla) too
   python3 -m pip download -q --no-deps --python-version 3.12 --only-binary=:all: \
-    --platform manylinux_2_28_x86_64 megatron-core==0.19.2 -d .gpu/megatron > .gpu/prepare_megatron.log 2>&1 & pids+=($!)
+    --platform manylinux_2_28_x86_64 megatron-core==0.19.2 fla-core==0.6.0 einops==0.8.2 -d .gpu/megatron > .gpu/prepare_megatron.log 2>&1 & pids+=($!)
 fi
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=1; done

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from sglang_engine_harness import (
-    BF16_RATIO, PROMPTS, SGLANG_TINY_K3_SIZES, engine_error, flat_logprobs, k31_engine, marlin_size_problems,
-    parse_engine_log, prompt_logprobs, reference_logprobs, routed_experts, routing_flips, run_engine,
+    BF16_RATIO, PROMPTS, SGL_KERNEL_INDEX_TOPK, SGLANG_TINY_K3_SIZES, engine_error, flat_logprobs, k31_engine,
+    marlin_size_problems, parse_engine_log, prompt_logprobs, reference_logprobs, routed_experts, routing_flips, run_engine,
     sglang_config_problems, write_tiny, write_tiny_k3,
 )
 from utils import rel_rms_error
@@ -315,32 +315,32 @@ def assert_unchanged_by_refused_load(res: dict, name: str) -> None:
         assert moved <= 2.0 * spread, f"{name} moved {moved:.3e} after the refused load, re-scoring spread {spread:.3e}"
 
 
-#: K3.1 sparse case: index_topk 128 (a whole FlashMLA top-k block) under prompts of 160 and 200 tokens
-K31_SPARSE_TOPK = 128
-K31_LONG_PROMPTS = [[(37 * i + 11) % 997 + 1 for i in range(160)], [(53 * i + 5) % 991 + 1 for i in range(200)]]
+#: K3.1 sparse case: the release's index_topk 2048 (the only one SGLang 0.5.17's DSA prefill serves,
+#: ``kimi_k31.INDEX_TOPK_SERVED``) under prompts of 2100 and 2200 tokens, so the indexer drops up to 152 keys
+K31_LONG_PROMPTS = [[(37 * i + 11) % 997 + 1 for i in range(2100)], [(53 * i + 5) % 991 + 1 for i in range(2200)]]
+K31_CASES = {"dense": None, "sparse": K31_LONG_PROMPTS}
 
 
-@pytest.fixture(scope="module")
-def k31(tmp_path_factory):
-    """K3.1 tiny checkpoints with the indexer keeping every key (the release's index_topk 2048 >= T, sgl-kernel's
-    fused top-k) and keeping 128 of up to 200 (torch's top-k, see :func:`k31_engine`)."""
-    out = {}
-    for tag, topk, prompts in (("dense", 2048, None), ("sparse", K31_SPARSE_TOPK, K31_LONG_PROMPTS)):
-        path, _ = write_tiny("k31", str(tmp_path_factory.mktemp(f"k31_{tag}")), {"index_topk": topk})
-        kwargs, env = k31_engine(topk)  # DSA attention, page 64, flashmla_sparse, every prefill on the indexer path
-        run = run_engine(tmp_path_factory.mktemp(f"k31_{tag}_run"), path, plugins="kimi", tag=f"k31_{tag}",
-                         engine_kwargs=kwargs, env=env, routed=True, prompts=prompts)
-        out[tag] = {"ckpt": path, "run": run, "prompts": prompts,
-                    "fp32": reference_logprobs(path, torch.float32, "cuda", prompts=prompts)}
-    return out
+@pytest.fixture(scope="module", params=sorted(K31_CASES))
+def k31(request, tmp_path_factory):
+    """A K3.1 tiny checkpoint at the release's index_topk 2048 served through the plugin: ``dense`` under the
+    lane's short prompts (the indexer keeps every key), ``sparse`` under prompts longer than 2048 tokens."""
+    tag, prompts = request.param, K31_CASES[request.param]
+    path, _ = write_tiny("k31", str(tmp_path_factory.mktemp(f"k31_{tag}")), {"index_topk": SGL_KERNEL_INDEX_TOPK})
+    kwargs, env = k31_engine()  # DSA attention, page 64, flashmla_sparse, every prefill on the indexer path
+    if prompts:
+        kwargs["context_length"] = 4096
+    run = run_engine(tmp_path_factory.mktemp(f"k31_{tag}_run"), path, plugins="kimi", tag=f"k31_{tag}",
+                     engine_kwargs=kwargs, env=env, routed=True, prompts=prompts)
+    return {"tag": tag, "ckpt": path, "run": run, "prompts": prompts,
+            "fp32": reference_logprobs(path, torch.float32, "cuda", prompts=prompts)}
 
 
 @gpu_test
-@pytest.mark.parametrize("tag", ["dense", "sparse"])
-def test_plugin_k31_matches_reference(k31, tag):
+def test_plugin_k31_matches_reference(k31):
     """K3.1 through the plugin's class (DSA indexer on every MLA layer) within 1.5x the bf16 reference:
-    with index_topk >= T (K3's dense path) and with index_topk 128 < T (the reference's sparse attention)."""
-    r = k31[tag]
+    with T <= index_topk (K3's dense path) and with T > index_topk (the reference's sparse attention)."""
+    r, tag = k31, k31["tag"]
     seen = parse_engine_log(r["run"]["log"])
     assert seen["plugin_registered"] and seen["model_class"] == "KimiK31ForConditionalGeneration", seen
     _bar(f"k31 {tag}", r["run"]["lps"], {"ckpt": r["ckpt"], "fp32": r["fp32"], "prompts": r["prompts"]},

@@ -73,3 +73,36 @@ def test_k31_refuses_a_layer_that_reuses_another_layers_topk(plugin):
     fake = SimpleNamespace(mla_layers=lambda: [(4, attn)])
     with pytest.raises(ValueError, match="MLA layer 4 would reuse the previous layer's DSA top-k"):
         KimiK31ForConditionalGeneration._install_nope_indexers(fake)
+
+
+TRANSFORM_INDEX = "sglang/kernels/ops/attention/dsa/transform_index.py"
+
+
+def _prefill_asserts_topk_2048(path: str) -> bool:
+    """Whether a prefill index transform of ``path`` (``transform_index_page_table_prefill*``, what the DSA
+    backend's ``forward_extend`` calls, and what that delegates to) asserts ``topk_indices.shape[1] == 2048``."""
+    tree = ast.parse(open(path).read())
+    prefill = [n for n in tree.body if isinstance(n, ast.FunctionDef)
+               and n.name.startswith("transform_index_page_table_prefill")]
+    assert prefill, f"{path}: no transform_index_page_table_prefill*"
+    return any(isinstance(n, ast.Assert) and "2048" in ast.unparse(n.test) and "shape[1]" in ast.unparse(n.test)
+               for f in prefill for n in ast.walk(f))
+
+
+@pytest.mark.parametrize("where,root", _roots())
+def test_index_topk_served_follows_the_release_source(where, root):
+    """``INDEX_TOPK_SERVED`` lists a release exactly where its prefill index transform asserts top-k 2048."""
+    from kimi_sglang_plugin.models.kimi_k31 import INDEX_TOPK_SERVED
+
+    release = "0.5.17" if where == "0.5.17 wheel" else where.split()[-1]
+    asserts = _prefill_asserts_topk_2048(os.path.join(root, TRANSFORM_INDEX))
+    assert asserts == (release in INDEX_TOPK_SERVED), f"{where}: prefill transform asserts 2048: {asserts}"
+
+
+def test_k31_refuses_an_index_topk_the_release_cannot_serve(plugin):
+    from kimi_sglang_plugin.models.kimi_k31 import check_index_topk
+
+    with pytest.raises(ValueError, match=r"index_topk 128 cannot be served by SGLang 0\.5\.17.*0\.5\.23"):
+        check_index_topk(128, release="0.5.17")
+    check_index_topk(2048, release="0.5.17")
+    check_index_topk(128, release="0.5.23")
