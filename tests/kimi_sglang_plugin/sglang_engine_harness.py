@@ -106,12 +106,13 @@ def _sglang_fit(text_config: dict) -> None:
 ENGINE_KWARGS = {**ENGINE_FLAGS, "context_length": 512, "max_running_requests": 8, "mem_fraction_static": 0.3,
                  "random_seed": 0}
 
-#: the only index_topk sgl-kernel's fused DSA top-k serves (``sgl_kernel/top_k.py:72`` asserts it), DeepSeek-V3.2's
+#: the only index_topk SGLang 0.5.17 serves (sgl-kernel's fused DSA top-k, ``sgl_kernel/top_k.py:72``, and the
+#: prefill index transform assert it; the plugin refuses another, ``kimi_k31.INDEX_TOPK_SERVED``), DeepSeek-V3.2's
 SGL_KERNEL_INDEX_TOPK = 2048
 
 
-def k31_engine(index_topk: int = SGL_KERNEL_INDEX_TOPK) -> tuple[dict, dict]:
-    """(engine kwargs, environment) a K3.1 engine with ``index_topk`` needs on SGLang 0.5.17, which sets them only
+def k31_engine() -> tuple[dict, dict]:
+    """(engine kwargs, environment) a K3.1 engine (``index_topk`` 2048) needs on SGLang 0.5.17, which sets them only
     for the DeepSeek architectures it knows (``server_args.py`` / ``arg_groups/overrides.py``):
 
     * ``attention_backend="dsa"``: the triton and flashinfer backends cannot read the DSA KV pool
@@ -122,17 +123,11 @@ def k31_engine(index_topk: int = SGL_KERNEL_INDEX_TOPK) -> tuple[dict, dict]:
       dense MHA instead of the indexer + sparse MLA (``dsa_backend.py:3323``), on SM90 through FA3
       (``_forward_standard_mha``), which is not staged; the default, 2048, would send every prompt of the lane
       there. 0 keeps every prefill on the indexer path (``index_topk >= T`` then selects every key). SGLang sets
-      it to ``index_topk`` for its own DSA models, where dense MHA equals the sparse result;
-    * an ``index_topk`` other than 2048: ``dsa_topk_backend="torch"`` with ``SGLANG_DSA_FUSE_TOPK=0`` (the
-      default sgl-kernel fused top-k asserts topk 2048, H200 2026-12-02; torch's top-k takes any k, and the
-      DSA backend then maps the indices itself).
+      it to ``index_topk`` for its own DSA models, where dense MHA equals the sparse result.
     """
     kwargs = {"attention_backend": "dsa", "dsa_prefill_backend": "flashmla_sparse",
               "dsa_decode_backend": "flashmla_sparse", "page_size": 64}
     env = {"SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"}
-    if index_topk != SGL_KERNEL_INDEX_TOPK:
-        kwargs["dsa_topk_backend"] = "torch"
-        env["SGLANG_DSA_FUSE_TOPK"] = "0"
     return kwargs, env
 
 

@@ -21,8 +21,8 @@ import torch
 
 from sglang_engine_harness import (
     BF16_RATIO, PROMPTS, SGL_KERNEL_INDEX_TOPK, SGLANG_TINY_K3_SIZES, engine_error, flat_logprobs, k31_engine,
-    marlin_size_problems, parse_engine_log, prompt_logprobs, reference_logprobs, routed_experts, routing_flips, run_engine,
-    sglang_config_problems, write_tiny, write_tiny_k3,
+    marlin_size_problems, parse_engine_log, prompt_logprobs, reference_logprobs, routed_experts, routing_flips,
+    run_engine, sglang_config_problems, write_tiny, write_tiny_k3,
 )
 from utils import rel_rms_error
 
