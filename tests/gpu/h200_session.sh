@@ -14,15 +14,17 @@
 #   VLLM_TESTS=none bash tests/gpu/h200_session.sh vllm3 skyrl_demo  # phases run in order in one call
 #   bash tests/gpu/h200_session.sh skyrl_demo  # carry .gpu/megatron (megatron-core 0.19.2 cp312 wheel), after vllm3:
 #                                              # kimi-rl demo --recipe skyrl-k2 --device cuda --size small
-#   bash tests/gpu/h200_session.sh miles_demo  # carry .gpu/sglang1 .gpu/sglang_jit .gpu/megatron:
+#   bash tests/gpu/h200_session.sh miles_demo  # carry .gpu/sglang1 .gpu/sglang_jit .gpu/megatron (+ .gpu/triton):
 #                                              # kimi-rl demo --recipe miles-k3 --device cuda --size small
 #
 # The SGLang lane runs in groups (base engines, MoE LoRA + hot load, K3.1, K2 INT4); a group that ran
 # leaves /tmp/kimi_gpu_done/<group>, so a second `sglang` call goes on where the first stopped. Each
 # call stops its work PHASE_LIMIT s (default 560) after it began (all its phases together), then packs what comes back:
 # the pytest logs, the engines' logs (logs.tgz) and SGLang's built JIT modules (tvm_ffi_cache.tar.xz,
-# bring it into .gpu/sglang_jit/ for the next session). SGLang is unpacked into /tmp/site_sgl and vLLM
-# into /tmp/site, so both can be staged on one machine.
+# bring it into .gpu/sglang_jit/ for the next session); a demo call also packs Triton's cache (triton_cache.tar.xz:
+# compiled kernels and autotuning results, fla's KDA backward autotunes for minutes cold; bring it into .gpu/triton/).
+# SGLang is unpacked into /tmp/site_sgl and vLLM into /tmp/site, so both can be staged on one machine. A phase
+# ends by killing whatever still holds the GPU (a timed-out engine's scheduler would hold its memory otherwise).
 set -u
 [ $# -ge 1 ] || { echo "usage: $0 PHASE [PHASE ...]" >&2; exit 2; }
 start=$(date +%s)
@@ -31,6 +33,19 @@ left() { echo $(( LIMIT - ($(date +%s) - start) )); }
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/kimi_gpu_done /tmp/kimi_test_out
 export PYTHONUNBUFFERED=1 KIMI_TEST_OUT=/tmp/kimi_test_out
+
+# Triton's cache (/tmp/triton-cache), unpacked from .gpu/triton when carried, packed back after a demo
+export TRITON_CACHE_DIR=/tmp/triton-cache
+if [ -f .gpu/triton/triton_cache.tar.xz ] && [ ! -d "$TRITON_CACHE_DIR" ]; then
+  mkdir -p "$TRITON_CACHE_DIR" && tar -xJf .gpu/triton/triton_cache.tar.xz -C "$TRITON_CACHE_DIR"
+  echo "Triton cache unpacked: $(find "$TRITON_CACHE_DIR" -name '*.json' | wc -l) entries"
+fi
+pack_triton() { [ -d "$TRITON_CACHE_DIR" ] && XZ_OPT=-T0 tar -cJf "$OUT/triton_cache.tar.xz" -C "$TRITON_CACHE_DIR" .; }
+free_gpu() {
+  local pids; pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')
+  [ -n "$pids" ] && { echo "killing what still holds the GPU: $pids"; kill -9 $pids 2>/dev/null; sleep 2; }
+  return 0
+}
 
 pack_logs() { tar -czf "$OUT/logs.tgz" -C /tmp/kimi_test_out . 2>/dev/null; ls -la "$OUT"; }
 # SGLang's built JIT modules (only the .so of each build directory), to carry into .gpu/sglang_jit/
@@ -75,6 +90,7 @@ run_sglang() {
     echo "   rc=$? $(tail -1 "$OUT/pytest_sglang_$name.log")"
     touch /tmp/kimi_gpu_done/$name
   done
+  free_gpu
   pack_jit
   pack_logs
 }
@@ -135,7 +151,9 @@ run_demo() {
   echo "$2_demo rc=$? $(tail -1 "$OUT/pytest_$2_demo.log")"
   grep -E "^\[(setup|step 0|done)\]" "/tmp/kimi_test_out/$2_demo_gpu.log"
   cp /tmp/kimi_test_out/$2_demo_gpu_* "$OUT/" 2>/dev/null
+  free_gpu
   [ "$1" = sglang_env ] && pack_jit
+  pack_triton
   pack_logs
 }
 
@@ -152,6 +170,7 @@ run_sglang_bench() {
   SGLANG_PLUGINS=kimi timeout "$(left)" python3 benchmarks/sglang_serving.py --no-results --json "$OUT/sglang_serving.json" \
     --budget-s $(( $(left) - 60 )) > "$OUT/sglang_serving.log" 2>&1
   echo "sglang_serving rc=$?"; tail -25 "$OUT/sglang_serving.log"
+  free_gpu
   pack_jit
 }
 
