@@ -23,6 +23,12 @@ whose names carry the expert id); sglang-miles' per-rank chunks take filtered ro
 
 The payload bytes are our ``kimi_core.lora.Bucket`` (64-byte aligned, per-tensor checksums,
 verified before anything is sent); :func:`decode_payload` is the receiving side, used by tests.
+
+A serialized payload can be received once: a CPU bucket travels as a file descriptor that
+``multiprocessing.resource_sharer`` hands out a single time (a second receive of the same bytes is
+``KeyError`` in the sender and ``EOFError`` in SGLang's scheduler, which then dies: H200, 2026-12-03).
+The backends therefore send :meth:`LoraSyncPayload.fields_for_send`, which serializes the buckets again
+for every send after the first; a CUDA bucket gets fresh IPC handles the same way.
 """
 
 from __future__ import annotations
@@ -127,11 +133,23 @@ class LoraSyncPayload:
     load_format: str = LOAD_FORMAT
     expected_checksums: dict | None = None
     buckets: list = field(default_factory=list, repr=False)  # our buckets, for logging/tests
+    sends: int = field(default=0, repr=False, compare=False)  # how many times fields_for_send handed it out
 
     def request_fields(self) -> dict:
         return {"lora_name": self.lora_name, "config_dict": self.config_dict,
                 "serialized_named_tensors": self.serialized_named_tensors, "load_format": self.load_format,
                 "expected_checksums": self.expected_checksums}
+
+    def fields_for_send(self) -> dict:
+        """:meth:`request_fields` for one send: from the second send on, ``serialized_named_tensors`` is
+        serialized again from :attr:`buckets` (the bytes of an earlier send may already have been received)."""
+        if self.sends:
+            if not self.buckets:
+                raise ValueError(f"adapter {self.lora_name!r}: this payload was sent already and holds no buckets "
+                                 "to serialize again (build it with build_payload)")
+            self.serialized_named_tensors = _serialize(self.buckets)
+        self.sends += 1
+        return self.request_fields()
 
 
 def build_payload(lora_name: str, tensors: Mapping[str, torch.Tensor], adapter_config: dict, config,
@@ -143,8 +161,6 @@ def build_payload(lora_name: str, tensors: Mapping[str, torch.Tensor], adapter_c
     :raises AdapterRejected: ``adapter_config`` is one SGLang would misread or refuse
         (:func:`~kimi_sglang_plugin.adapter_prep.check_served_config`; prepare it first).
     """
-    from sglang.srt.utils import MultiprocessingSerializer
-
     from kimi_sglang_plugin.adapter_prep import check_served_config
 
     check_served_config(adapter_config, where=f"adapter {lora_name!r} adapter_config")
@@ -153,10 +169,17 @@ def build_payload(lora_name: str, tensors: Mapping[str, torch.Tensor], adapter_c
     if sha256 and len({id(b) for b in buckets}) > 1:
         raise ValueError("expected_checksums is one dict for all ranks; it cannot describe expert-filtered "
                          "payloads (pass sha256=False, our bucket checksums are verified instead)")
-    payloads = [MultiprocessingSerializer.serialize(_sglang_bucket_dict(b)) for b in buckets]
+    payloads = _serialize(buckets)
     checks = {m.name: sha256_hex(t) for m, t in zip(buckets[0].metas, buckets[0].tensors().values())} \
         if sha256 else None
     return LoraSyncPayload(lora_name, dict(adapter_config), payloads, LOAD_FORMAT, checks, buckets)
+
+
+def _serialize(buckets: list) -> list:
+    """One ``MultiprocessingSerializer`` pickle per rank's bucket (shared memory / CUDA-IPC handles, no copy)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    return [MultiprocessingSerializer.serialize(_sglang_bucket_dict(b)) for b in buckets]
 
 
 def decode_payload(payload: bytes) -> dict[str, torch.Tensor]:
@@ -186,12 +209,12 @@ class StockSGLangBackend:
                     pass
             from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
 
-            req = LoadLoRAAdapterFromTensorsReqInput(**payload.request_fields())
+            req = LoadLoRAAdapterFromTensorsReqInput(**payload.fields_for_send())
             return self.engine.loop.run_until_complete(
                 self.engine.tokenizer_manager.load_lora_adapter_from_tensors(req, None))
         import base64
 
-        body = payload.request_fields()
+        body = payload.fields_for_send()
         body["serialized_named_tensors"] = [base64.b64encode(b).decode() for b in body["serialized_named_tensors"]]
         if unload_first:
             _post(self.url, "/unload_lora_adapter", {"lora_name": payload.lora_name}, self.timeout, ok_fail=True)
@@ -213,7 +236,8 @@ class MilesRegisterBackend:
     def update_body(payload: LoraSyncPayload, weight_version: str | None = None) -> dict:
         import base64
 
-        return {"serialized_named_tensors": [base64.b64encode(b).decode() for b in payload.serialized_named_tensors],
+        sent = payload.fields_for_send()["serialized_named_tensors"]
+        return {"serialized_named_tensors": [base64.b64encode(b).decode() for b in sent],
                 "load_format": LOAD_FORMAT, "flush_cache": True, "weight_version": weight_version}
 
     def load(self, payload: LoraSyncPayload, weight_version: str | None = None):

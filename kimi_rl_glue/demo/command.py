@@ -169,7 +169,8 @@ def main(args) -> int:
     except DemoError as e:
         print(f"error: {e}")
         return 2
-    plot_rewards(records, task.chance, os.path.join(out, "reward.png"))
+    plot_rewards(records, task.chance, os.path.join(out, "reward.png"),
+                 f"kimi-rl demo {recipe.name}: LoRA RL on a {size} Kimi {recipe.model.upper()} ({fmt.upper()} experts)")
     k = max(1, len(records) // 5)
     first = sum(r["rollout/raw_reward"] for r in records[:k]) / k
     last = sum(r["rollout/raw_reward"] for r in records[-k:]) / k

@@ -143,9 +143,9 @@ def run(cfg: LoopConfig, task, rollout, trainer, sync, out: str, progress: bool 
     return records
 
 
-def plot_rewards(records: list[dict], chance: float, path: str) -> None:
-    """``reward.png``: mean reward per step with the uniform-sampler level (skipped, with a warning,
-    without matplotlib: :func:`kimi_rl_glue.plotting.pyplot`)."""
+def plot_rewards(records: list[dict], chance: float, path: str, title: str) -> None:
+    """``reward.png``: mean reward per step with the uniform-sampler level, under ``title`` (what was trained;
+    skipped, with a warning, without matplotlib: :func:`kimi_rl_glue.plotting.pyplot`)."""
     from kimi_rl_glue.plotting import pyplot
 
     plt = pyplot(path)
@@ -156,7 +156,7 @@ def plot_rewards(records: list[dict], chance: float, path: str) -> None:
     ax.axhline(chance, color="gray", ls="--", label="uniform sampler")
     ax.set_xlabel("step")
     ax.set_ylabel("reward (fraction of target tokens)")
-    ax.set_title("kimi-rl demo: LoRA RL on a tiny Kimi K2.x (INT4 experts)")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     tmp = path + ".tmp.png"

@@ -131,3 +131,23 @@ def test_glue_tensor_sync_sends_the_prepared_adapter(plugin, k31_config):
     sync.publish(raw, 4)
     with pytest.raises(AdapterSyncError, match="adapter version 3 was not published"):
         sync.receive(3)
+
+
+def test_a_payload_sent_twice_is_serialized_again(plugin, k31_config):
+    """A CPU bucket travels as a file descriptor that ``multiprocessing.resource_sharer`` hands out once: SGLang's
+    own deserializer cannot receive the same bytes twice (on the H200 this killed the scheduler). Each send after
+    the first (``fields_for_send``) serializes the buckets again, and SGLang's deserializer (``decode_payload``)
+    gets back the adapter bit-exactly every time."""
+    ad = served_adapter(k31_config, 6, rank=2, alpha=2)
+    p = build_payload("kimi", ad.tensors, ad.adapter_config, k31_config, RankLayout(tp_size=1))
+    first = p.fields_for_send()["serialized_named_tensors"][0]
+    got = decode_payload(first)
+    assert all(torch.equal(got[k], v) for k, v in ad.tensors.items())
+    with pytest.raises(EOFError):  # what SGLang's scheduler hit: the same bytes received a second time
+        decode_payload(first)
+    for _ in range(2):
+        again = p.fields_for_send()["serialized_named_tensors"][0]
+        assert again is not first
+        got = decode_payload(again)
+        assert sorted(got) == sorted(ad.tensors) and all(torch.equal(got[k], v) for k, v in ad.tensors.items())
+    assert p.sends == 3
