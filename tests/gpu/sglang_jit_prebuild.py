@@ -11,7 +11,8 @@ arch and tvm-ffi version, is the one the H200 looks up. The arch comes from SGLa
 reading the call sites: on 2026-12-02 the H200 used the 28 built here as they were and built 3 more itself
 (``activation``, ``clamp_position``, ``fused_rope``), which are listed now; ``gptq_marlin`` and the rmsnorm widths
 of the small and real-width models are added on reading; a second H200 session built 5 more (the biased Marlin MoE,
-``dsv3_fused_a_gemm``, ``add3``, ``topk_v2``), a third K3.1's index-K store and Hadamard transform, all listed now.
+``dsv3_fused_a_gemm``, ``add3``, ``topk_v2``), a third K3.1's index-K store and Hadamard transform, a fourth
+MLA's KV-cache store, all listed now.
 A kernel missing here is still built on the GPU, slower.
 
     python tests/gpu/sglang_jit_prebuild.py CACHE_DIR      # with SGLang 0.5.17 + apache-tvm-ffi 0.1.11 importable
@@ -64,6 +65,9 @@ JOBS: list[tuple[str, str, tuple]] = [
     # the indexer's Hadamard transform
     ("attention.fused_store_index_cache", "_jit_dsa_fused_store_module", (B, "torch.int64", 64)),
     ("quantization.hadamard", "_jit_hadamard_module", (B,)),
+    # built by the H200 in the K2 group (seventh session, 2026-12-03): MLA's TMA KV-cache store, rows of
+    # kv_lora 512 + rope 64 in bf16 (every K3 / K3.1 / K2 width), with PDL on SM90
+    ("kvcache.set_mla_kv_buffer", "set_mla_kv_buffer_module", (1024, 128, True)),
 ]
 
 
