@@ -121,6 +121,7 @@ def run(cfg: LoopConfig, task, rollout, trainer, sync, out: str, progress: bool 
         t_train = time.perf_counter() - t1
         t2 = time.perf_counter()
         adapter = trainer.export_adapter()
+        t_export = time.perf_counter() - t2
         path, pub = sync.publish(adapter, step + 1)
         try:
             received = sync.receive(step + 1)
@@ -132,7 +133,9 @@ def run(cfg: LoopConfig, task, rollout, trainer, sync, out: str, progress: bool 
         rec.update({"step": step, "rollout/raw_reward": float(rewards.mean()), "perf/rollout_s": t_roll,
                     "perf/train_s": t_train, "perf/sync_s": t_sync, "perf/sync_bytes": pub["bytes"],
                     "perf/checksum_share_of_sync": received.extra.get("sync_timings", {}).get("verify_s", 0.0) / t_sync,
-                    "rollout/adapter": getattr(req, "lora_name", str(req))})
+                    "rollout/adapter": getattr(req, "lora_name", str(req)), "perf/sync_export_s": t_export,
+                    # where the sync's seconds went, as the transport timed them (build_s, verify_s, load_s, ...)
+                    **{f"perf/sync_{k}": v for k, v in received.extra.get("sync_timings", {}).items() if k != "bytes"}})
         records.append(rec)
         with open(mpath, "a") as f:
             f.write(json.dumps(rec) + "\n")
