@@ -3,7 +3,7 @@
 # after a call, and /tmp with it, so later phases reuse what earlier ones unpacked or built). Prepare what the
 # calls carry on the CPU machine first: bash tests/gpu/prepare_session.sh (~20 min, no device time).
 #
-#   bash tests/gpu/h200_session.sh sglang   # carry .gpu/sglang1 (+ .gpu/sglang_jit): SGLang 0.5.17 GPU lane
+#   bash tests/gpu/h200_session.sh sglang   # carry .gpu/sglang1 (+ .gpu/sglang_jit, .gpu/triton): SGLang 0.5.17 GPU lane
 #   bash tests/gpu/h200_session.sh bisect   # like sglang, after tests/gpu/sglang_bisect.py (which K3 piece differs)
 #   bash tests/gpu/h200_session.sh sglang_bench  # benchmarks/sglang_serving.py (K3 real-width slice), after sglang
 #   bash tests/gpu/h200_session.sh w4a16    # kernels GPU tests + benchmarks/w4a16_grouped_gemm.py
@@ -21,8 +21,9 @@
 # leaves /tmp/kimi_gpu_done/<group>, so a second `sglang` call goes on where the first stopped. Each
 # call stops its work PHASE_LIMIT s (default 560) after it began (all its phases together), then packs what comes back:
 # the pytest logs, the engines' logs (logs.tgz) and SGLang's built JIT modules (tvm_ffi_cache.tar.xz,
-# bring it into .gpu/sglang_jit/ for the next session); a demo call also packs Triton's cache (triton_cache.tar.xz:
-# compiled kernels and autotuning results, fla's KDA backward autotunes for minutes cold; bring it into .gpu/triton/).
+# bring it into .gpu/sglang_jit/ for the next session); a demo or sglang call also packs Triton's cache
+# (triton_cache.tar.xz: compiled kernels and autotuning results, fla's KDA backward autotunes for minutes cold, the
+# stock engine's first generate took 84 s; bring it into .gpu/triton/).
 # SGLang is unpacked into /tmp/site_sgl and vLLM into /tmp/site, so both can be staged on one machine. A phase
 # ends by killing whatever still holds the GPU (a timed-out engine's scheduler would hold its memory otherwise).
 set -u
@@ -92,6 +93,7 @@ run_sglang() {
   done
   free_gpu
   pack_jit
+  pack_triton  # the engines' Triton kernels (attention, KDA, LoRA): the stock engine's first generate took 84 s cold
   pack_logs
 }
 

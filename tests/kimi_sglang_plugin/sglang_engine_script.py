@@ -56,15 +56,17 @@ def _tensor_version(engine, ckpt, version) -> dict:
 
     cfg = load_config(ckpt)
     ad = prepare_adapter(Adapter.load(version["path"]), cfg)
+    # on this process's GPU, as a colocated trainer holds its adapter: the payload carries CUDA-IPC handles
+    tensors = {k: v.to("cuda") for k, v in ad.tensors.items()}
     tp, ep, experts = version.get("layout", [1, 1, 0])
     layout = RankLayout(tp, ep, experts)
-    payload = build_payload(version["name"], ad.tensors, ad.adapter_config, cfg, layout, filter_experts=False, sha256=True)
+    payload = build_payload(version["name"], tensors, ad.adapter_config, cfg, layout, filter_experts=False, sha256=True)
     if version.get("flip"):  # same checksums, one byte of one tensor changed in what is sent
-        bad = dict(ad.tensors)
+        bad = dict(tensors)
         name = sorted(bad)[len(bad) // 2]
         raw = bad[name].detach().clone().contiguous().view(torch.uint8).view(-1)
         raw[raw.numel() // 2] ^= 0x40
-        bad[name] = raw.view(ad.tensors[name].dtype).view(ad.tensors[name].shape)
+        bad[name] = raw.view(tensors[name].dtype).view(tensors[name].shape)
         sent = build_payload(version["name"], bad, ad.adapter_config, cfg, layout, filter_experts=False)
         sent.expected_checksums = payload.expected_checksums
         payload = sent
@@ -76,7 +78,7 @@ def _tensor_version(engine, ckpt, version) -> dict:
     except Exception as e:  # noqa: BLE001 - recorded for the test to assert on
         ok, msg = False, f"{type(e).__name__}: {e}"
     return {"name": version["name"], "ok": ok, "message": msg, "load_s": time.time() - t0,
-            "nbytes": sum(b.nbytes for b in payload.buckets)}
+            "nbytes": sum(b.nbytes for b in payload.buckets), "sent_from": str(payload.buckets[0].buffer.device)}
 
 
 def main(plan_path: str, out_path: str) -> None:

@@ -280,14 +280,16 @@ def test_plugin_lora_log_names_moe_core(plugin_lora):
 
 @gpu_test
 def test_plugin_tensor_hot_load_versions(plugin_lora, reference, k3_adapters):
-    """v1 -> v2 -> v3 loaded as flattened-bucket tensors into the live engine each serve what the reference
-    predicts; a payload with one flipped byte is refused (sha256 per tensor) and v3 still serves."""
+    """v1 -> v2 -> v3 loaded as flattened-bucket tensors from this process's GPU (CUDA-IPC handles) into the live
+    engine each serve what the reference predicts; a payload with one flipped byte is refused (sha256 per tensor)
+    and v3 still serves."""
     vs = plugin_lora["versions"]
     assert [v["ok"] for v in vs] == [True, True, True, False], [(v["name"], v["ok"], v["message"]) for v in vs]
     assert vs[3]["message"], "refusal without a reason"
     print("corrupt payload refused:", vs[3]["message"][:300])
     for i, v in enumerate(vs[:3], start=1):
-        print(f"kimi-v{i}: {v['nbytes'] / 2**20:.1f} MiB loaded in {v['load_s']:.2f} s")
+        print(f"kimi-v{i}: {v['nbytes'] / 2**20:.1f} MiB loaded from {v['sent_from']} in {v['load_s']:.2f} s")
+        assert v["sent_from"].startswith("cuda"), f"kimi-v{i} was sent from {v['sent_from']}, not as CUDA-IPC handles"
         _bar(f"hot-load v{i}", v["lps"], reference, k3_adapters[f"v{i}"], routed=plugin_lora.get("routed_by", {}).get(v["name"]))
     assert plugin_lora["last_good"]["name"] == "kimi-v3", plugin_lora["last_good"]
     assert_unchanged_by_refused_load(plugin_lora, vs[2]["name"])
