@@ -14,7 +14,7 @@ colocated trainer holds it, synced ``--syncs`` times: ``kimi_sglang_plugin.sync.
 CUDA-IPC handles) + unload + ``load_lora_adapter_from_tensors``, GB/s = payload bytes / wall of all of it.
 
     SGLANG_PLUGINS=kimi python benchmarks/sglang_serving.py [--workdir /tmp/kimi_sglang_bench] [--json out.json]
-        [--repeats 3] [--syncs 3] [--budget-s 420] [--no-results]
+        [--repeats 5] [--syncs 3] [--budget-s 420] [--no-results]
     python benchmarks/sglang_serving.py --print-config        # the slice's config, no engine
 """
 
@@ -38,7 +38,9 @@ from serving_bench import ServingBench, log  # noqa: E402
 
 serving_bench.TAG = "sglang_serving"
 RANK, ALPHA = 32, 64.0
-SIZES = {"prefill": (8, 1024), "decode": (32, 128, 64)}
+#: decode runs 192 new tokens: without CUDA graphs a step is host-bound (~13 ms at three layers) and 64-token runs of
+#: the same config spread 0.73-1.44 s on the H200 (2026-12-03), too much for a LoRA-on / off ratio
+SIZES = {"prefill": (8, 1024), "decode": (32, 128, 192)}
 
 
 def slice_config(vocab: int) -> dict:
@@ -200,7 +202,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/kimi_sglang_bench")
     ap.add_argument("--json", help="write the raw numbers here (after every config)")
     ap.add_argument("--vocab", type=int, default=32768, help="vocabulary of the slice (K3 has 163840)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--syncs", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=420.0, help="no repeat or sync starts after this many seconds")
     ap.add_argument("--commit", help="commit to record (default: git rev-parse here)")
