@@ -1,0 +1,51 @@
+"""Compile a Gluon (Triton's explicit-layout dialect) Hopper wgmma kernel for the H200 (sm_90a) on a CPU machine.
+
+Issue #21 needs a W4A16 grouped GEMM that decodes 4-bit weights in some warps while others run wgmma; Triton's
+Gluon (``triton.experimental.gluon``: shared-memory layouts, ``warpgroup_mma``, mbarriers, ``warp_specialize``)
+writes that in Python. The H200's torch 2.11 ships Triton 3.6.0, and its wheel bundles ``ptxas``, so a kernel's
+layouts, PTX and cubin can be checked here without device time. This script is that check on a one-tile bf16
+wgmma (``wgmma.mma_async`` must appear in the PTX for ``.target sm_90a``); it printed, on 2026-12-03:
+``triton 3.6.0 | wgmma in PTX: True | .target ['.target sm_90a'] | cubin bytes 23824`` (about 24 kB).
+
+    python3 -m pip download --no-deps --only-binary=:all: triton==3.6.0 -d /tmp/tri36   # the H200's Triton
+    python3 -m venv /tmp/tri36/venv && /tmp/tri36/venv/bin/pip install /tmp/tri36/triton-3.6.0-*.whl
+    /tmp/tri36/venv/bin/python tests/gpu/gluon_sm90_compile_check.py
+"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+
+@gluon.jit
+def tile_mma(a_ptr, b_ptr, c_ptr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, blocked))
+    cols = gl.arange(0, BK, layout=gl.SliceLayout(0, blocked))
+    a = gl.load(a_ptr + rows[:, None] * BK + cols[None, :])
+    krow = gl.arange(0, BK, layout=gl.SliceLayout(1, blocked))
+    ncol = gl.arange(0, BN, layout=gl.SliceLayout(0, blocked))
+    b = gl.load(b_ptr + krow[:, None] * BN + ncol[None, :])
+    a_s = gl.allocate_shared_memory(gl.bfloat16, [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16))
+    b_s = gl.allocate_shared_memory(gl.bfloat16, [BK, BN], gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16))
+    a_s.store(a)
+    b_s.store(b)
+    fence_async_shared()
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_l)
+    acc = warpgroup_mma(a_s, b_s, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    out = gl.convert_layout(acc, blocked)
+    orow = gl.arange(0, BM, layout=gl.SliceLayout(1, blocked))
+    gl.store(c_ptr + orow[:, None] * BN + ncol[None, :], out)
+
+
+src = GluonASTSource(tile_mma, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32", "BM": "constexpr",
+                                "BN": "constexpr", "BK": "constexpr"}, constexprs={"BM": 64, "BN": 64, "BK": 64})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+ptx = k.asm["ptx"]
+targets = [line for line in ptx.splitlines() if line.startswith(".target")]
+print("triton", triton.__version__, "| wgmma in PTX:", "wgmma.mma_async" in ptx, "| .target", targets,
+      "| cubin bytes", len(k.asm["cubin"]))
