@@ -93,8 +93,9 @@ HEADER = ("| shape | E | K | N | tok/exp | fmt | BF16 fwd ms | fused fwd ms | ch
 DECODE_HEADER = "| shape | fmt | experts decoded | decode ms | read GB | written GB | decode TB/s |"
 
 
-def measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe, alt_bytes: int | None = None) -> dict:
-    """All timings of one (shape, format, tokens per expert) row; ``alt_bytes``: also time chunked at that bound."""
+def measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe, alt_bytes: int | None = None, gluon: bool = False) -> dict:
+    """All timings of one (shape, format, tokens per expert) row; ``alt_bytes``: also time chunked at that bound;
+    ``gluon``: also the experimental warp-specialised forward (``kimi_core.kernels.gluon_w4a16``, issue #21)."""
     T = E * tpe
     splits = [tpe] * E
     offs = torch.arange(1, E + 1, device=DEV, dtype=torch.int32) * tpe
@@ -136,6 +137,17 @@ def measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe, alt_bytes: int | None = Non
         row["alt_fwd_ms"] = bench(lambda: wc.grouped_gemm(x, wp, ws, fmt, splits, workspace_bytes=alt_bytes))
         row["alt_dgrad_ms"] = bench(lambda: wc.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, workspace_bytes=alt_bytes))
         row["alt_fwd_chunks"] = wc.plan_chunks(E, N, K, "fwd", alt_bytes).num_chunks
+    if gluon:
+        from kimi_core.kernels import gluon_w4a16 as gw
+
+        try:  # experimental: a failure is a row of the table, not the end of the benchmark
+            ref = fns["bf16_fwd"]()
+            row["gluon_fwd_rel_err"] = rel_err(ref, gw.grouped_gemm(x, wp, ws, fmt, splits))
+            del ref
+            row["gluon_fwd_ms"] = bench(lambda: gw.grouped_gemm(x, wp, ws, fmt, splits))
+            row["gluon_fwd_tflops"] = flops / row["gluon_fwd_ms"] / 1e9
+        except Exception as e:  # noqa: BLE001 - recorded in the table
+            row["gluon_fwd_error"] = f"{type(e).__name__}: {e}"[:200]
     return row
 
 
@@ -176,6 +188,9 @@ def main() -> None:
     ap.add_argument("--alt-workspace-mib", type=int, default=None,
                     help="also time the chunked path under this bound (e.g. 96: one expert per buffer, L2-sized)")
     ap.add_argument("--sweep", action="store_true", help="time tile configs on K3 fc1 instead of the table")
+    ap.add_argument("--gluon", action="store_true",
+                    help="also time the experimental warp-specialised Gluon forward (issue #21; Hopper, "
+                         "Triton >= 3.5)")
     args = ap.parse_args()
     if args.sweep:
         return sweep()
@@ -197,7 +212,7 @@ def main() -> None:
                 w_bf16[e] = dequantize(fmt, wp[e], ws[e], torch.bfloat16)
             for tpe in tokens:
                 r = measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe,
-                            args.alt_workspace_mib << 20 if args.alt_workspace_mib else None)
+                            args.alt_workspace_mib << 20 if args.alt_workspace_mib else None, args.gluon)
                 rows.append(r)
                 lines.append(format_row(r))
                 print(lines[-1], flush=True)
@@ -235,6 +250,19 @@ def main() -> None:
         block += [f"| {r['shape']} | {r['tokens_per_expert']} | {'MXFP4' if r['fmt'].startswith('mxfp4') else 'INT4'} "
                   f"| {r['alt_fwd_chunks']} | {r['alt_fwd_ms']:.3f} | {r['bf16_fwd_ms'] / r['alt_fwd_ms']:.2f}x "
                   f"| {r['alt_dgrad_ms']:.3f} | {r['bf16_dgrad_ms'] / r['alt_dgrad_ms']:.2f}x |" for r in rows]
+    if args.gluon:
+        head = "| shape | tok/exp | fmt | BF16 fwd ms | gluon fwd ms | speed vs BF16 | TFLOP/s | rel err vs BF16 |"
+        block += ["", "Experimental warp-specialised Gluon forward (`kimi_core.kernels.gluon_w4a16`, "
+                  "not dispatched):", "", head, "|" + "---|" * (head.count("|") - 1)]
+        for r in rows:
+            short = "MXFP4" if r["fmt"].startswith("mxfp4") else "INT4"
+            if "gluon_fwd_ms" in r:
+                block.append(f"| {r['shape']} | {r['tokens_per_expert']} | {short} | {r['bf16_fwd_ms']:.3f} "
+                             f"| {r['gluon_fwd_ms']:.3f} | {r['bf16_fwd_ms'] / r['gluon_fwd_ms']:.2f}x "
+                             f"| {r['gluon_fwd_tflops']:.0f} | {r['gluon_fwd_rel_err']:.1e} |")
+            else:
+                block.append(f"| {r['shape']} | {r['tokens_per_expert']} | {short} | {r['bf16_fwd_ms']:.3f} "
+                             f"| {r.get('gluon_fwd_error', 'not run')} | | | |")
     text = "\n".join(block) + "\n"
     if args.out:
         with open(args.out, "w") as f:

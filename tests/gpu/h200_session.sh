@@ -7,6 +7,7 @@
 #   bash tests/gpu/h200_session.sh bisect   # like sglang, after tests/gpu/sglang_bisect.py (which K3 piece differs)
 #   bash tests/gpu/h200_session.sh sglang_bench  # benchmarks/sglang_serving.py (K3 real-width slice), after sglang
 #   bash tests/gpu/h200_session.sh w4a16    # kernels GPU tests + benchmarks/w4a16_grouped_gemm.py
+#   bash tests/gpu/h200_session.sh gluon    # the experimental Gluon W4A16 forward (#21): its GPU test, then its table
 #   bash tests/gpu/h200_session.sh vllm1    # carry .gpu/vllm1: stash part 1
 #   bash tests/gpu/h200_session.sh vllm2    # carry .gpu/vllm2: stash part 2
 #   bash tests/gpu/h200_session.sh vllm3    # carry .gpu/vllm3 (+ .gpu/sglang1): unstage vLLM 0.26.0, the vLLM GPU lane
@@ -99,11 +100,25 @@ run_sglang() {
 
 run_w4a16() {
   export PYTHONPATH=$PWD
-  timeout 240 python3 -m pytest -q -m gpu -rfE -p no:cacheprovider tests/kimi_core/kernels > "$OUT/pytest_kernels.log" 2>&1
+  timeout 240 python3 -m pytest -q -m gpu -rfE -p no:cacheprovider tests/kimi_core/kernels -k "not gluon" \
+    > "$OUT/pytest_kernels.log" 2>&1
   echo "kernels rc=$? $(tail -1 "$OUT/pytest_kernels.log")"
   timeout "$(left)" python3 benchmarks/w4a16_grouped_gemm.py --no-append --json "$OUT/w4a16.json" --out "$OUT/w4a16.md" \
     > "$OUT/w4a16_bench.log" 2>&1
   echo "bench rc=$?"; cat "$OUT/w4a16.md" 2>/dev/null | head -80
+}
+
+# the experimental warp-specialised Gluon forward (issue #21) alone: its GPU test under a short timeout (a barrier
+# bug hangs rather than fails), then, if it passed, its table next to BF16 on K3 fc1
+run_gluon() {
+  export PYTHONPATH=$PWD
+  timeout 150 python3 -m pytest -q -m gpu -rfE -p no:cacheprovider tests/kimi_core/kernels/test_gluon_w4a16_gpu.py \
+    > "$OUT/pytest_gluon.log" 2>&1
+  local rc=$?; echo "gluon tests rc=$rc $(tail -1 "$OUT/pytest_gluon.log")"
+  [ $rc -eq 0 ] || { tail -30 "$OUT/pytest_gluon.log"; return; }
+  timeout "$(left)" python3 benchmarks/w4a16_grouped_gemm.py --quick --gluon --no-append --json "$OUT/gluon.json" \
+    --out "$OUT/gluon.md" > "$OUT/gluon_bench.log" 2>&1
+  echo "bench rc=$?"; grep -A12 "Experimental" "$OUT/gluon.md" 2>/dev/null
 }
 
 run_vllm3() {
@@ -183,12 +198,13 @@ case "$phase" in
   sglang_bench) run_sglang_bench ;;
   bisect) run_bisect ;;
   w4a16) run_w4a16 ;;
+  gluon) run_gluon ;;
   vllm1) mkdir -p /tmp/stash && cp .gpu/vllm1/* /tmp/stash/ && ls /tmp/stash ;;
   vllm2) cp .gpu/vllm2/* /tmp/stash/ && ls /tmp/stash ;;
   vllm3) run_vllm3 ;;
   vllm_bench) run_vllm_bench ;;
   skyrl_demo) run_demo vllm_env skyrl ;;
   miles_demo) run_demo sglang_env miles ;;
-  *) echo "usage: $0 sglang|sglang_unstage|bisect|sglang_bench|w4a16|vllm1|vllm2|vllm3|vllm_bench|skyrl_demo|miles_demo" >&2; exit 2 ;;
+  *) echo "usage: $0 sglang|sglang_unstage|bisect|sglang_bench|w4a16|gluon|vllm1|vllm2|vllm3|vllm_bench|skyrl_demo|miles_demo" >&2; exit 2 ;;
 esac
 done

@@ -1,0 +1,27 @@
+"""CPU checks of the experimental Gluon W4A16 kernel's host side (its GPU test: test_gluon_w4a16_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kimi_core.kernels.gluon_w4a16 import tile_table
+
+
+@pytest.mark.parametrize("splits,block", [([0, 70, 1, 129], 64), ([5], 64), ([0, 0, 3], 16), ([0, 0], 64)])
+def test_tile_table_covers_each_experts_rows_once(splits, block):
+    """Every row of every expert lies in exactly one tile of that expert, no tile spans more than ``block`` rows
+    or crosses into the next expert, and empty experts get none."""
+    tiles = tile_table(splits, block, "cpu")
+    assert tiles.dtype == torch.int32 and tiles.shape[1] == 3
+    owner = []
+    for e, m in enumerate(splits):
+        owner += [e] * m
+    seen = [0] * len(owner)
+    for e, lo, end in tiles.tolist():
+        hi = min(lo + block, end)
+        assert 0 < hi - lo <= block and end == sum(splits[:e + 1]), (e, lo, end)
+        for r in range(lo, hi):
+            assert owner[r] == e
+            seen[r] += 1
+    assert seen == [1] * len(owner)
