@@ -74,6 +74,7 @@ if HAVE_GLUON:
         """bf16 ``[BN, BK]`` of expert ``expert``'s weight at rows ``ns`` and columns ``ks`` (both in the
         tile's blocked layout); rows past ``N`` read as 0."""
         nmask = (ns < N)[:, None]
+        expert = expert.to(gl.int64)  # expert * stride_we passes 2^31 bytes on real widths
         if FMT == 0:
             byte = gl.load(wq_ptr + expert * stride_we + ns[:, None] * stride_wn + (ks // 2)[None, :], mask=nmask,
                            other=0).to(gl.int32) & 0xFF
@@ -102,7 +103,8 @@ if HAVE_GLUON:
             # stage s is free once the consumer's wgmma of step i - STAGES retired (a fresh barrier passes parity 1)
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             k = i * BK + ks
-            x = gl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows < row_end)[:, None], other=0.0)
+            x = gl.load(x_ptr + rows.to(gl.int64)[:, None] * stride_xm + k[None, :], mask=(rows < row_end)[:, None],
+                        other=0.0)
             x_ring.index(s).store(x)
             w_ring.index(s).store(_decode_tile(wq_ptr, ws_ptr, expert, ns, k, N, stride_we, stride_wn, stride_se,
                                                stride_sn, FMT))
@@ -129,7 +131,7 @@ if HAVE_GLUON:
         out = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
         cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-        gl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], out,
+        gl.store(y_ptr + rows.to(gl.int64)[:, None] * stride_ym + cols[None, :], out,
                  mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
     @gluon.jit
