@@ -140,14 +140,17 @@ def measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe, alt_bytes: int | None = Non
     if gluon:
         from kimi_core.kernels import gluon_w4a16 as gw
 
-        try:  # experimental: a failure is a row of the table, not the end of the benchmark
-            ref = fns["bf16_fwd"]()
-            row["gluon_fwd_rel_err"] = rel_err(ref, gw.grouped_gemm(x, wp, ws, fmt, splits))
-            del ref
-            row["gluon_fwd_ms"] = bench(lambda: gw.grouped_gemm(x, wp, ws, fmt, splits))
-            row["gluon_fwd_tflops"] = flops / row["gluon_fwd_ms"] / 1e9
-        except Exception as e:  # noqa: BLE001 - recorded in the table
-            row["gluon_fwd_error"] = f"{type(e).__name__}: {e}"[:200]
+        gluon_fns = {"fwd": lambda: gw.grouped_gemm(x, wp, ws, fmt, splits),
+                     "dgrad": lambda: gw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits)}
+        for op, fn in gluon_fns.items():
+            try:  # experimental: a failure is a row of the table, not the end of the benchmark
+                ref = fns[f"bf16_{op}"]()
+                row[f"gluon_{op}_rel_err"] = rel_err(ref, fn())
+                del ref
+                row[f"gluon_{op}_ms"] = bench(fn)
+                row[f"gluon_{op}_tflops"] = flops / row[f"gluon_{op}_ms"] / 1e9
+            except Exception as e:  # noqa: BLE001 - recorded in the table
+                row[f"gluon_{op}_error"] = f"{type(e).__name__}: {e}"[:200]
     return row
 
 
@@ -174,6 +177,24 @@ def measure_decode(name, E, K, N, fmt, wp, ws) -> dict:
     written = buf.numel() * 2
     return dict(shape=name, fmt=fmt, experts=n, ms=ms, read_gb=read / 1e9, written_gb=written / 1e9,
                 tb_per_s=(read + written) / ms / 1e9)
+
+
+def gluon_table(rows: list[dict]) -> list[str]:
+    """Markdown lines of the experimental Gluon kernels' rows (``--gluon``); a failed run shows its error."""
+    head = "| shape | tok/exp | fmt | op | BF16 ms | gluon ms | speed vs BF16 | TFLOP/s | rel err vs BF16 |"
+    lines = ["", "Experimental warp-specialised Gluon kernels (`kimi_core.kernels.gluon_w4a16`, not dispatched):", "",
+             head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        short = "MXFP4" if r["fmt"].startswith("mxfp4") else "INT4"
+        for op in ("fwd", "dgrad"):
+            lead = f"| {r['shape']} | {r['tokens_per_expert']} | {short} | {op} | {r[f'bf16_{op}_ms']:.3f} "
+            if f"gluon_{op}_ms" in r:
+                ms = r[f"gluon_{op}_ms"]
+                lines.append(lead + f"| {ms:.3f} | {r[f'bf16_{op}_ms'] / ms:.2f}x | {r[f'gluon_{op}_tflops']:.0f} "
+                             f"| {r[f'gluon_{op}_rel_err']:.1e} |")
+            else:
+                lines.append(lead + f"| {r.get(f'gluon_{op}_error', 'not run')} | | | |")
+    return lines
 
 
 def main() -> None:
@@ -251,18 +272,7 @@ def main() -> None:
                   f"| {r['alt_fwd_chunks']} | {r['alt_fwd_ms']:.3f} | {r['bf16_fwd_ms'] / r['alt_fwd_ms']:.2f}x "
                   f"| {r['alt_dgrad_ms']:.3f} | {r['bf16_dgrad_ms'] / r['alt_dgrad_ms']:.2f}x |" for r in rows]
     if args.gluon:
-        head = "| shape | tok/exp | fmt | BF16 fwd ms | gluon fwd ms | speed vs BF16 | TFLOP/s | rel err vs BF16 |"
-        block += ["", "Experimental warp-specialised Gluon forward (`kimi_core.kernels.gluon_w4a16`, "
-                  "not dispatched):", "", head, "|" + "---|" * (head.count("|") - 1)]
-        for r in rows:
-            short = "MXFP4" if r["fmt"].startswith("mxfp4") else "INT4"
-            if "gluon_fwd_ms" in r:
-                block.append(f"| {r['shape']} | {r['tokens_per_expert']} | {short} | {r['bf16_fwd_ms']:.3f} "
-                             f"| {r['gluon_fwd_ms']:.3f} | {r['bf16_fwd_ms'] / r['gluon_fwd_ms']:.2f}x "
-                             f"| {r['gluon_fwd_tflops']:.0f} | {r['gluon_fwd_rel_err']:.1e} |")
-            else:
-                block.append(f"| {r['shape']} | {r['tokens_per_expert']} | {short} | {r['bf16_fwd_ms']:.3f} "
-                             f"| {r.get('gluon_fwd_error', 'not run')} | | | |")
+        block += gluon_table(rows)
     text = "\n".join(block) + "\n"
     if args.out:
         with open(args.out, "w") as f:

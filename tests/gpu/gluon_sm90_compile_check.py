@@ -50,22 +50,23 @@ targets = [line for line in ptx.splitlines() if line.startswith(".target")]
 print("triton", triton.__version__, "| wgmma in PTX:", "wgmma.mma_async" in ptx, "| .target", targets,
       "| cubin bytes", len(k.asm["cubin"]))
 
-# the experimental warp-specialised W4A16 forward of issue #21, both formats (needs torch importable, as
+# the experimental warp-specialised W4A16 kernel of issue #21, forward and dgrad, both formats (needs torch importable, as
 # kimi_core.kernels is; run from the project root)
 import sys  # noqa: E402
 
 sys.path.insert(0, ".")
-from kimi_core.kernels.gluon_w4a16 import BK, BM, BN, INT4, MXFP4, STAGES, w4a16_ws_fwd_kernel  # noqa: E402
+from kimi_core.kernels.gluon_w4a16 import BK, BM, BN, INT4, MXFP4, STAGES, w4a16_ws_kernel  # noqa: E402
 
 for fmt, wq, ws in ((MXFP4, "*u8", "*u8"), (INT4, "*i32", "*bf16")):
-    sig = {"x_ptr": "*bf16", "wq_ptr": wq, "ws_ptr": ws, "y_ptr": "*bf16", "tiles_ptr": "*i32", "N": "i32",
-           "K": "i32", **{n: "i32" for n in ("stride_xm", "stride_we", "stride_wn", "stride_se", "stride_sn",
-                                             "stride_ym")},
-           **{n: "constexpr" for n in ("FMT", "BM", "BN", "BK", "STAGES")}}
-    src = GluonASTSource(w4a16_ws_fwd_kernel, sig, constexprs={"FMT": fmt, "BM": BM, "BN": BN, "BK": BK,
-                                                               "STAGES": STAGES})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    ptx = k.asm["ptx"]
-    print("w4a16_ws_fwd", "mxfp4" if fmt == MXFP4 else "int4", "| wgmma:", "wgmma.mma_async" in ptx,
-          "| mbarrier waits:", ptx.count("mbarrier.try_wait"), "| shared bytes:", k.metadata.shared,
-          "| cubin bytes", len(k.asm["cubin"]))
+    for dgrad in (False, True):
+        sig = {"a_ptr": "*bf16", "wq_ptr": wq, "ws_ptr": ws, "out_ptr": "*bf16", "tiles_ptr": "*i32", "N": "i32",
+               "K": "i32", **{n: "i32" for n in ("stride_am", "stride_we", "stride_wn", "stride_se", "stride_sn",
+                                                 "stride_om")},
+               **{n: "constexpr" for n in ("FMT", "DGRAD", "BM", "BN", "BK", "STAGES")}}
+        src = GluonASTSource(w4a16_ws_kernel, sig, constexprs={"FMT": fmt, "DGRAD": dgrad, "BM": BM, "BN": BN,
+                                                               "BK": BK, "STAGES": STAGES})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        ptx = k.asm["ptx"]
+        print("w4a16_ws", "dgrad" if dgrad else "fwd", "mxfp4" if fmt == MXFP4 else "int4", "| wgmma:",
+              "wgmma.mma_async" in ptx, "| mbarrier waits:", ptx.count("mbarrier.try_wait"), "| shared bytes:",
+              k.metadata.shared, "| cubin bytes", len(k.asm["cubin"]))

@@ -118,7 +118,7 @@ run_gluon() {
   [ $rc -eq 0 ] || { tail -30 "$OUT/pytest_gluon.log"; return; }
   timeout "$(left)" python3 benchmarks/w4a16_grouped_gemm.py --quick --gluon --no-append --json "$OUT/gluon.json" \
     --out "$OUT/gluon.md" > "$OUT/gluon_bench.log" 2>&1
-  echo "bench rc=$?"; grep -A12 "Experimental" "$OUT/gluon.md" 2>/dev/null
+  echo "bench rc=$?"; grep -A20 "Experimental" "$OUT/gluon.md" 2>/dev/null
 }
 
 run_vllm3() {
