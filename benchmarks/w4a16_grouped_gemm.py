@@ -95,7 +95,7 @@ DECODE_HEADER = "| shape | fmt | experts decoded | decode ms | read GB | written
 
 def measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe, alt_bytes: int | None = None, gluon: bool = False) -> dict:
     """All timings of one (shape, format, tokens per expert) row; ``alt_bytes``: also time chunked at that bound;
-    ``gluon``: also the experimental warp-specialised forward (``kimi_core.kernels.gluon_w4a16``, issue #21)."""
+    ``gluon``: also the experimental warp-specialised forward and dgrad (``kimi_core.kernels.gluon_w4a16``, #21)."""
     T = E * tpe
     splits = [tpe] * E
     offs = torch.arange(1, E + 1, device=DEV, dtype=torch.int32) * tpe
@@ -210,7 +210,7 @@ def main() -> None:
                     help="also time the chunked path under this bound (e.g. 96: one expert per buffer, L2-sized)")
     ap.add_argument("--sweep", action="store_true", help="time tile configs on K3 fc1 instead of the table")
     ap.add_argument("--gluon", action="store_true",
-                    help="also time the experimental warp-specialised Gluon forward (issue #21; Hopper, "
+                    help="also time the experimental warp-specialised Gluon forward and dgrad (issue #21; Hopper, "
                          "Triton >= 3.5)")
     args = ap.parse_args()
     if args.sweep:

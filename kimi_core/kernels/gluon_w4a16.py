@@ -21,7 +21,8 @@ program per (``BN`` output columns, ``BM`` rows of one expert), from a host-buil
 
 Status (2026-12-03): compiles for sm_90a with Triton 3.6.0 on the CPU
 (``tests/gpu/gluon_sm90_compile_check.py``); not yet run on a GPU. Its GPU test
-(``tests/kimi_core/kernels/test_gluon_w4a16_gpu.py``) checks it against the torch reference. Until that passes
+(``tests/kimi_core/kernels/test_gluon_w4a16_gpu.py``) checks it against the float32 oracle of exactly
+dequantized weights. Until that passes
 and ``benchmarks/w4a16_grouped_gemm.py`` shows it faster, :func:`kimi_core.kernels.choose_path` never picks it.
 """
 
@@ -41,7 +42,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 __all__ = ["HAVE_GLUON", "tile_table", "grouped_gemm", "grouped_gemm_dgrad"]
 
 BM, BN, BK, STAGES = 64, 128, 64, 3
-MXFP4, INT4 = 0, 1
+# FMT: triton_w4a16's format ids (FMT_MXFP4 = 0, FMT_INT4 = 1, from its _fmt_id)
 
 
 def tile_table(m_splits, block_m: int, device) -> torch.Tensor:
@@ -191,7 +192,8 @@ if HAVE_GLUON:
 
 
 def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: str) -> torch.Tensor:
-    from kimi_core.kernels import MXFP4_FORMAT, _validate
+    from kimi_core.kernels import _validate
+    from kimi_core.kernels.triton_w4a16 import _fmt_id
 
     if not HAVE_GLUON:
         raise RuntimeError("kimi_core.kernels.gluon_w4a16 needs Triton >= 3.5 (triton.experimental.gluon)")
@@ -206,8 +208,8 @@ def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: s
     a, w_packed, w_scale = a.contiguous(), w_packed.contiguous(), w_scale.contiguous()
     grid = (-(-out_cols // BN), tiles.shape[0])
     w4a16_ws_kernel[grid](a, w_packed, w_scale, y, tiles, N, K, a.stride(0), w_packed.stride(0), w_packed.stride(1),
-                          w_scale.stride(0), w_scale.stride(1), y.stride(0), MXFP4 if fmt == MXFP4_FORMAT else INT4,
-                          dgrad, BM, BN, BK, STAGES, num_warps=4)
+                          w_scale.stride(0), w_scale.stride(1), y.stride(0), _fmt_id(fmt), dgrad, BM, BN, BK, STAGES,
+                          num_warps=4)
     return y
 
 

@@ -50,12 +50,13 @@ targets = [line for line in ptx.splitlines() if line.startswith(".target")]
 print("triton", triton.__version__, "| wgmma in PTX:", "wgmma.mma_async" in ptx, "| .target", targets,
       "| cubin bytes", len(k.asm["cubin"]))
 
-# the experimental warp-specialised W4A16 kernel of issue #21, forward and dgrad, both formats (needs torch importable, as
-# kimi_core.kernels is; run from the project root)
+# the experimental warp-specialised W4A16 kernel of issue #21, forward and dgrad, both formats (needs torch
+# importable, as kimi_core.kernels is; run from the project root)
 import sys  # noqa: E402
 
 sys.path.insert(0, ".")
-from kimi_core.kernels.gluon_w4a16 import BK, BM, BN, INT4, MXFP4, STAGES, w4a16_ws_kernel  # noqa: E402
+from kimi_core.kernels.gluon_w4a16 import BK, BM, BN, STAGES, w4a16_ws_kernel  # noqa: E402
+from kimi_core.kernels.triton_w4a16 import FMT_INT4 as INT4, FMT_MXFP4 as MXFP4  # noqa: E402
 
 for fmt, wq, ws in ((MXFP4, "*u8", "*u8"), (INT4, "*i32", "*bf16")):
     for dgrad in (False, True):

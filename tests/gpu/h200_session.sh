@@ -7,7 +7,7 @@
 #   bash tests/gpu/h200_session.sh bisect   # like sglang, after tests/gpu/sglang_bisect.py (which K3 piece differs)
 #   bash tests/gpu/h200_session.sh sglang_bench  # benchmarks/sglang_serving.py (K3 real-width slice), after sglang
 #   bash tests/gpu/h200_session.sh w4a16    # kernels GPU tests + benchmarks/w4a16_grouped_gemm.py
-#   bash tests/gpu/h200_session.sh gluon    # the experimental Gluon W4A16 forward (#21): its GPU test, then its table
+#   bash tests/gpu/h200_session.sh gluon    # the experimental Gluon W4A16 fwd + dgrad (#21): GPU test, then table
 #   bash tests/gpu/h200_session.sh vllm1    # carry .gpu/vllm1: stash part 1
 #   bash tests/gpu/h200_session.sh vllm2    # carry .gpu/vllm2: stash part 2
 #   bash tests/gpu/h200_session.sh vllm3    # carry .gpu/vllm3 (+ .gpu/sglang1): unstage vLLM 0.26.0, the vLLM GPU lane
@@ -108,7 +108,7 @@ run_w4a16() {
   echo "bench rc=$?"; cat "$OUT/w4a16.md" 2>/dev/null | head -80
 }
 
-# the experimental warp-specialised Gluon forward (issue #21) alone: its GPU test under a short timeout (a barrier
+# the experimental warp-specialised Gluon forward and dgrad (issue #21) alone: its GPU test under a short timeout (a barrier
 # bug hangs rather than fails), then, if it passed, its table next to BF16 on K3 fc1
 run_gluon() {
   export PYTHONPATH=$PWD
