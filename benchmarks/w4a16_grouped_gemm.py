@@ -93,9 +93,19 @@ HEADER = ("| shape | E | K | N | tok/exp | fmt | BF16 fwd ms | fused fwd ms | ch
 DECODE_HEADER = "| shape | fmt | experts decoded | decode ms | read GB | written GB | decode TB/s |"
 
 
-def measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe, alt_bytes: int | None = None, gluon: bool = False) -> dict:
+def parse_gluon_config(text: str) -> dict:
+    """``auto`` (the kernel's own tile choice) or ``<block_m>x<decode_warps>``, e.g. ``64x4`` -> keyword arguments."""
+    if text == "auto":
+        return {}
+    bm, warps = text.split("x")
+    return dict(block_m=int(bm), decode_warps=int(warps))
+
+
+def measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe, alt_bytes: int | None = None, gluon: list[str] | None = None,
+            gluon_only: bool = False) -> dict:
     """All timings of one (shape, format, tokens per expert) row; ``alt_bytes``: also time chunked at that bound;
-    ``gluon``: also the experimental warp-specialised forward and dgrad (``kimi_core.kernels.gluon_w4a16``, #21)."""
+    ``gluon``: also the experimental warp-specialised forward and dgrad (``kimi_core.kernels.gluon_w4a16``, #21) in
+    each of these configs (:func:`parse_gluon_config`); ``gluon_only``: BF16 and those alone."""
     T = E * tpe
     splits = [tpe] * E
     offs = torch.arange(1, E + 1, device=DEV, dtype=torch.int32) * tpe
@@ -110,6 +120,12 @@ def measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe, alt_bytes: int | None = Non
         "chunked_dgrad": lambda: wc.grouped_gemm_dgrad(dy, wp, ws, fmt, splits),
     }
     row = dict(shape=name, E=E, K=K, N=N, tokens_per_expert=tpe, fmt=fmt)
+    flops = 2.0 * T * N * K
+    if gluon_only:
+        for op in ("fwd", "dgrad"):
+            row[f"bf16_{op}_ms"] = bench(fns[f"bf16_{op}"])
+        row["gluon"] = measure_gluon(fns, x, dy, wp, ws, fmt, splits, flops, gluon)
+        return row
     for op in ("fwd", "dgrad"):  # correctness against BF16 on the same weights, then memory, then time
         ref = fns[f"bf16_{op}"]()
         row[f"fused_{op}_rel_err"] = rel_err(ref, fns[f"fused_{op}"]())
@@ -128,7 +144,6 @@ def measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe, alt_bytes: int | None = Non
         worst = max(row[f"fused_{op}_rel_err"], row[f"chunked_{op}_rel_err"])
         if worst > 1e-2:
             print(f"WARNING {name} {fmt} tpe={tpe} {op}: relative error vs BF16 {worst:.2e}", flush=True)
-    flops = 2.0 * T * N * K
     w_bytes = wp.numel() * wp.element_size() + ws.numel() * ws.element_size()
     row["auto_fwd_tflops"] = flops / row["auto_fwd_ms"] / 1e9
     roof_ms = max((w_bytes + 2 * T * (K + N)) / HBM, flops / MMA) * 1e3
@@ -138,20 +153,32 @@ def measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe, alt_bytes: int | None = Non
         row["alt_dgrad_ms"] = bench(lambda: wc.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, workspace_bytes=alt_bytes))
         row["alt_fwd_chunks"] = wc.plan_chunks(E, N, K, "fwd", alt_bytes).num_chunks
     if gluon:
-        from kimi_core.kernels import gluon_w4a16 as gw
+        row["gluon"] = measure_gluon(fns, x, dy, wp, ws, fmt, splits, flops, gluon)
+    return row
 
-        gluon_fns = {"fwd": lambda: gw.grouped_gemm(x, wp, ws, fmt, splits),
-                     "dgrad": lambda: gw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits)}
+
+def measure_gluon(fns, x, dy, wp, ws, fmt, splits, flops, configs: list[str]) -> list[dict]:
+    """The experimental Gluon forward and dgrad in each config: one dict per (config, op) with ms, TFLOP/s and the
+    relative error against BF16 on the same weights, or the error that stopped it."""
+    from kimi_core.kernels import gluon_w4a16 as gw
+
+    out = []
+    for config in configs:
+        kw = parse_gluon_config(config)
+        gluon_fns = {"fwd": lambda: gw.grouped_gemm(x, wp, ws, fmt, splits, **kw),
+                     "dgrad": lambda: gw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, **kw)}
         for op, fn in gluon_fns.items():
+            r = dict(config=config if kw else f"auto ({gw.pick_block_m(splits)}x{gw.DECODE_WARPS})", op=op)
             try:  # experimental: a failure is a row of the table, not the end of the benchmark
                 ref = fns[f"bf16_{op}"]()
-                row[f"gluon_{op}_rel_err"] = rel_err(ref, fn())
+                r["rel_err"] = rel_err(ref, fn())
                 del ref
-                row[f"gluon_{op}_ms"] = bench(fn)
-                row[f"gluon_{op}_tflops"] = flops / row[f"gluon_{op}_ms"] / 1e9
+                r["ms"] = bench(fn)
+                r["tflops"] = flops / r["ms"] / 1e9
             except Exception as e:  # noqa: BLE001 - recorded in the table
-                row[f"gluon_{op}_error"] = f"{type(e).__name__}: {e}"[:200]
-    return row
+                r["error"] = f"{type(e).__name__}: {e}"[:200]
+            out.append(r)
+    return out
 
 
 def format_row(r: dict) -> str:
@@ -181,19 +208,21 @@ def measure_decode(name, E, K, N, fmt, wp, ws) -> dict:
 
 def gluon_table(rows: list[dict]) -> list[str]:
     """Markdown lines of the experimental Gluon kernels' rows (``--gluon``); a failed run shows its error."""
-    head = "| shape | tok/exp | fmt | op | BF16 ms | gluon ms | speed vs BF16 | TFLOP/s | rel err vs BF16 |"
+    head = ("| shape | tok/exp | fmt | op | config (block_m x decode warps) | BF16 ms | gluon ms | speed vs BF16 "
+            "| TFLOP/s | rel err vs BF16 |")
     lines = ["", "Experimental warp-specialised Gluon kernels (`kimi_core.kernels.gluon_w4a16`, not dispatched):", "",
              head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         short = "MXFP4" if r["fmt"].startswith("mxfp4") else "INT4"
-        for op in ("fwd", "dgrad"):
-            lead = f"| {r['shape']} | {r['tokens_per_expert']} | {short} | {op} | {r[f'bf16_{op}_ms']:.3f} "
-            if f"gluon_{op}_ms" in r:
-                ms = r[f"gluon_{op}_ms"]
-                lines.append(lead + f"| {ms:.3f} | {r[f'bf16_{op}_ms'] / ms:.2f}x | {r[f'gluon_{op}_tflops']:.0f} "
-                             f"| {r[f'gluon_{op}_rel_err']:.1e} |")
+        for g in r.get("gluon", []):
+            op = g["op"]
+            lead = (f"| {r['shape']} | {r['tokens_per_expert']} | {short} | {op} | {g['config']} "
+                    f"| {r[f'bf16_{op}_ms']:.3f} ")
+            if "ms" in g:
+                lines.append(lead + f"| {g['ms']:.3f} | {r[f'bf16_{op}_ms'] / g['ms']:.2f}x | {g['tflops']:.0f} "
+                             f"| {g['rel_err']:.1e} |")
             else:
-                lines.append(lead + f"| {r.get(f'gluon_{op}_error', 'not run')} | | | |")
+                lines.append(lead + f"| {g.get('error', 'not run')} | | | |")
     return lines
 
 
@@ -212,6 +241,9 @@ def main() -> None:
     ap.add_argument("--gluon", action="store_true",
                     help="also time the experimental warp-specialised Gluon forward and dgrad (issue #21; Hopper, "
                          "Triton >= 3.5)")
+    ap.add_argument("--gluon-configs", default="auto",
+                    help="with --gluon: comma-separated configs, 'auto' or <block_m>x<decode_warps> (e.g. 128x8)")
+    ap.add_argument("--gluon-only", action="store_true", help="with --gluon: time BF16 and the Gluon kernels only")
     args = ap.parse_args()
     if args.sweep:
         return sweep()
@@ -220,6 +252,7 @@ def main() -> None:
     os.environ.pop(kernels.PATH_ENV, None)  # the auto column is the dispatcher's own choice
     torch.manual_seed(0)
     tokens = [int(t) for t in args.tokens.split(",")]
+    gluon = args.gluon_configs.split(",") if args.gluon or args.gluon_only else None
     shapes = SHAPES[:1] if args.quick else SHAPES
     rows, decodes, lines, dlines = [], [], [], []
     print(HEADER, flush=True)
@@ -233,11 +266,17 @@ def main() -> None:
                 w_bf16[e] = dequantize(fmt, wp[e], ws[e], torch.bfloat16)
             for tpe in tokens:
                 r = measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe,
-                            args.alt_workspace_mib << 20 if args.alt_workspace_mib else None, args.gluon)
+                            args.alt_workspace_mib << 20 if args.alt_workspace_mib else None, gluon, args.gluon_only)
                 rows.append(r)
-                lines.append(format_row(r))
-                print(lines[-1], flush=True)
+                if args.gluon_only:
+                    print("\n".join(gluon_table([r])[5:]), flush=True)
+                else:
+                    lines.append(format_row(r))
+                    print(lines[-1], flush=True)
                 torch.cuda.empty_cache()
+            if args.gluon_only:
+                del wp, ws
+                continue
             d = measure_decode(name, E, K, N, fmt, wp, ws)
             decodes.append(d)
             dlines.append(f"| {name} | {'MXFP4' if fmt.startswith('mxfp4') else 'INT4'} | {d['experts']} "
@@ -260,6 +299,12 @@ def main() -> None:
              "auto = `kimi_core.kernels.choose_path`, crossover table `W4A16_CROSSOVER` = "
              f"`{_crossover_text()}`; roofline = max(bytes / 4.2 TB/s, FLOPs / 700 TFLOP/s).\n", HEADER,
              "|" + "---|" * (HEADER.count("|") - 1)]
+    if args.gluon_only:  # the Gluon table alone
+        block = [f"\n## W4A16 grouped GEMM: BF16 vs the experimental Gluon kernel ({date}, {gpu}, commit {commit()})\n",
+                 f"Command: `{cmd}`; torch {torch.__version__}, triton {triton.__version__}. Median of "
+                             f"{REPS} runs, L2 flushed before each; random codes and scales, equal tokens per expert."]
+        text = "\n".join(block + gluon_table(rows)) + "\n"
+        return finish(args, text, rows, [], date, gpu, cmd, bound)
     block += lines
     block += ["", "Decode kernel alone (one workspace buffer of experts, bf16 written):", "", DECODE_HEADER,
               "|" + "---|" * (DECODE_HEADER.count("|") - 1)] + dlines
@@ -274,6 +319,13 @@ def main() -> None:
     if args.gluon:
         block += gluon_table(rows)
     text = "\n".join(block) + "\n"
+    finish(args, text, rows, decodes, date, gpu, cmd, bound)
+
+
+def finish(args, text: str, rows: list[dict], decodes: list[dict], date: str, gpu: str, cmd: str, bound: int) -> None:
+    """Write the markdown (``--out``), the JSON (``--json``) and append to RESULTS.md unless ``--no-append``."""
+    import triton
+
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)

@@ -2,28 +2,35 @@
 
 The fused Triton kernel (:mod:`.triton_w4a16`) decodes each 4-bit weight tile in the same warps that then
 wait on its wgmma, so decode and MMA never overlap (340-390 TFLOP/s on K3 fc1 against BF16's ~700). Here
-the two run in different warps of one CTA (Gluon's ``warp_specialize``):
+three partitions of one CTA (Gluon's ``warp_specialize``) each do one job, handing stages of shared-memory rings
+to each other through mbarriers:
 
-* the **producer** partition (4 warps) loads a ``[BM, BK]`` tile of the activations (``x``, or ``dy`` for dgrad,
-  whose contraction runs over ``N``) and decodes the matching weight tile (``[BN, BK]``, or ``[BK, BN]`` for dgrad)
-  of the expert (MXFP4: E2M1 codes x E8M0 group scales; INT4: offset-binary nibbles x bf16 group scales,
-  the same exact arithmetic as :func:`kimi_core.quant.dequantize`), writes both into stage ``s`` of a
-  ``STAGES``-deep shared-memory ring and arrives on ``ready[s]``;
-* the **consumer** (default partition, one warpgroup) waits ``ready[s]``, runs ``warpgroup_mma`` from shared
-  memory into an fp32 accumulator, and once that wgmma has retired arrives on ``empty[s]``, which the producer
-  waits on before it refills the stage.
+* the **loader** (1 warp) issues TMA copies: the packed weight bytes of each K step (``[BN, BK / 2]``; dgrad
+  ``[BK, BN / 2]``) into ``p_ring[s]`` (arrives ``p_ready[s]``), and the activation tile ``[BM, BK]`` (``x``, or
+  ``dy`` for dgrad, whose contraction runs over ``N``) into ``a_ring[s]`` (``a_ready[s]``);
+* the **decoder** (``DECODE_WARPS`` warps) reads the bytes from shared memory, turns two 4-bit codes at a time
+  into a bf16x2 pair with integer ops and two ``mul.rn.bf16x2`` (MXFP4: E2M1 codes x E8M0 group scales; INT4:
+  offset-binary nibbles x bf16 group scales; the scales come from global memory one step ahead), the same exact
+  arithmetic as :func:`kimi_core.quant.dequantize`, writes the bf16 tile into ``w_ring[s]`` and arrives
+  ``w_ready[s]``;
+* the **consumer** (default partition, one warpgroup) runs ``warpgroup_mma`` from ``a_ring[s]`` and ``w_ring[s]``
+  into an fp32 ``[BM, BN]`` accumulator and arrives ``free[s]`` once that wgmma has retired (loader and decoder
+  wait on it before they refill stage ``s``), then writes the masked bf16 tile.
 
 Shapes and dtypes: ``x`` bf16 ``[T, K]`` with rows sorted by expert; ``w_packed`` ``[E, N, K/2]`` uint8 (MXFP4,
-element ``2j`` in the low nibble) or ``[E, N, K/8]`` int32 (INT4, element ``8m + j`` in nibble ``j``); ``w_scale``
-``[E, N, K/32]`` uint8 E8M0 or bf16; ``y`` bf16 ``[T, N]`` (dgrad: ``dy`` ``[T, N]`` -> ``dx`` ``[T, K]``). One
-program per (``BN`` output columns, ``BM`` rows of one expert), from a host-built tile table ``[tiles, 3]`` int32 =
-(expert, first row, end row).
+element ``2j`` in the low nibble) or ``[E, N, K/8]`` int32 (INT4, element ``8m + j`` in nibble ``j``: the same
+bytes); ``w_scale`` ``[E, N, K/32]`` uint8 E8M0 or bf16; ``y`` bf16 ``[T, N]`` (dgrad: ``dy`` ``[T, N]`` ->
+``dx`` ``[T, K]``). One program per (``BN`` output columns, ``BM`` rows of one expert), from a host-built tile
+table ``[tiles, 3]`` int32 = (expert, first row, end row); ``BM`` is 64 or 128 (:func:`pick_block_m`). Rows of a
+tile past its expert's end are computed and not stored; weight rows past ``N`` (dgrad's contraction) are zeroed.
+Extra memory: none beyond the output and the tile table.
 
-Status (2026-12-03): compiles for sm_90a with Triton 3.6.0 on the CPU
-(``tests/gpu/gluon_sm90_compile_check.py``); not yet run on a GPU. Its GPU test
-(``tests/kimi_core/kernels/test_gluon_w4a16_gpu.py``) checks it against the float32 oracle of exactly
-dequantized weights. Until that passes
-and ``benchmarks/w4a16_grouped_gemm.py`` shows it faster, :func:`kimi_core.kernels.choose_path` never picks it.
+Status (2026-12-04): the first version (producer decoding from global memory, no TMA, BM 64) was correct on the
+H200 but ran at 0.09-0.37x BF16; this is the second (TMA, a decoder fed from shared memory, BM 128), compiled for
+sm_90a with Triton 3.6.0 on the CPU (``tests/gpu/gluon_sm90_compile_check.py``). Its GPU tests
+(``tests/kimi_core/kernels/test_gluon_w4a16_gpu.py``) check it against the float32 oracle of exactly dequantized
+weights and the decoded weights bit for bit. Until ``benchmarks/w4a16_grouped_gemm.py --gluon`` shows it faster,
+:func:`kimi_core.kernels.choose_path` never picks it.
 """
 
 from __future__ import annotations
@@ -33,16 +40,34 @@ import torch
 try:  # Triton >= 3.5 ships Gluon; older Tritons (and CPU-only installs) have no such module
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "tile_table", "grouped_gemm", "grouped_gemm_dgrad"]
+__all__ = ["HAVE_GLUON", "pick_block_m", "tile_table", "grouped_gemm", "grouped_gemm_dgrad"]
 
-BM, BN, BK, STAGES = 64, 128, 64, 3
+BM, BN, BK = 128, 128, 64  # BM: rows of one expert per tile; 64 where experts get few tokens (see pick_block_m)
+STAGES = 4          # shared ring depth: (x 16 KB + decoded weight 16 KB + packed bytes 4 KB) per stage at BM 128
+DECODE_WARPS = 4    # warps of the decode partition (4 or 8)
+SMALL_M = 64        # mean rows per non-empty expert at or below which a tile has 64 rows (half the MMA of 128)
+
+
+def decode_regs(decode_warps: int) -> int:
+    """Registers per thread of the decode partition (``setmaxnreg``), so that consumer (4 warps, 128 fp32
+    accumulator registers each), loader (1 warp, 40) and decoders fit one SM's 64 K registers."""
+    return 160 if decode_warps <= 4 else 120
 # FMT: triton_w4a16's format ids (FMT_MXFP4 = 0, FMT_INT4 = 1, from its _fmt_id)
+
+
+def pick_block_m(m_splits) -> int:
+    """Rows per tile: 64 when the non-empty experts average at most :data:`SMALL_M` rows (a 128-row wgmma would
+    spend most of its work on the next expert's rows there), else :data:`BM`."""
+    splits = [int(v) for v in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)]
+    busy = [m for m in splits if m]
+    return 64 if busy and sum(busy) <= SMALL_M * len(busy) else BM
 
 
 def tile_table(m_splits, block_m: int, device) -> torch.Tensor:
@@ -59,90 +84,133 @@ def tile_table(m_splits, block_m: int, device) -> torch.Tensor:
 if HAVE_GLUON:
 
     @gluon.jit
-    def _code_value(nib, FMT: gl.constexpr):
-        """4-bit codes (int32, 0..15) -> fp32: E2M1 ``(1 + m/2) * 2^(e-1)`` (``e = 0``: ``m/2``) or ``nib - 8``;
-        the arithmetic of :func:`.triton_w4a16._code_value`, restated because Gluon cannot call Triton JIT code."""
+    def _bf16x2_decode(pairs, scale2, FMT: gl.constexpr):
+        """int32 lanes of two 4-bit codes (``0x000c000c``-shaped: code of element ``2j`` in bits 0-3, of ``2j + 1``
+        in bits 16-19) and a bf16x2 scale pair -> int32 holding the two dequantized bf16 (element ``2j`` low).
+
+        MXFP4: the E2M1 code ``s|e e m`` placed as bf16 bits ``s << 15 | eem << 6`` is the code's value times
+        ``2^-126`` (``e = 0`` lands on bf16 subnormals, exactly ``m/2 * 2^-126``); one bf16x2 multiply by ``2^126``
+        and one by the E8M0 scale ``2^(s - 127)``. INT4: ``0x4300 | nib`` is bf16 ``128 + nib``, minus 136 is
+        ``nib - 8`` exactly, times the bf16 scale. Each product is rounded once to nearest even (bf16 keeps
+        subnormals), the rounding of ``kimi_core.quant.dequantize``'s float32 product, so the weights are
+        bit-exact."""
         if FMT == 0:
-            mag = nib & 0x7
-            ex = mag >> 1
-            normal = ((ex + 126) << 23) | ((mag & 1) << 22)
-            v = gl.where(ex == 0, (mag & 1).to(gl.float32) * 0.5, normal.to(gl.float32, bitcast=True))
-            return gl.where((nib & 0x8) != 0, -v, v)
+            u = pairs << 6
+            bits = (u & 0x01C001C0) | ((u << 6) & -0x7FFF8000)  # 0x80008000: both sign bits
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 c; mov.b32 c, 0x7E807E80; mul.rn.bf16x2 $0, $1, c; mul.rn.bf16x2 $0, $0, $2; }",
+                "=r,r,r", [bits, scale2], dtype=gl.int32, is_pure=True, pack=1)
         else:
-            return (nib - 8).to(gl.float32)
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 c; mov.b32 c, 0x43084308; sub.rn.bf16x2 $0, $1, c; mul.rn.bf16x2 $0, $0, $2; }",
+                "=r,r,r", [pairs | 0x43004300, scale2], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _decode_tile(wq_ptr, ws_ptr, expert, ns, ks, N, K, stride_we, stride_wn, stride_se, stride_sn,
-                     FMT: gl.constexpr):
-        """bf16 ``[len(ns), len(ks)]``: expert ``expert``'s weight ``W[ns, ks]`` (``ns`` along dim 0, ``ks`` along
-        dim 1 of one blocked layout); entries past ``N`` rows or ``K`` columns read as 0."""
-        mask = (ns < N)[:, None] & (ks < K)[None, :]
-        expert = expert.to(gl.int64)  # expert * stride_we passes 2^31 bytes on real widths
+    def _scale_pairs(ws_ptr, expert, r0, g0, N, KG, stride_se, stride_sn, R: gl.constexpr, G: gl.constexpr,
+                     layout: gl.constexpr, FMT: gl.constexpr):
+        """int32 ``[R, G]`` bf16x2 pairs (the same scale in both halves) of scale groups ``g0 .. g0 + G`` of weight
+        rows ``r0 .. r0 + R`` (rows past ``N`` or groups past ``KG`` read as 0)."""
+        rows = r0 + gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+        groups = g0 + gl.arange(0, G, layout=gl.SliceLayout(0, layout))
+        ptrs = ws_ptr + expert.to(gl.int64) * stride_se + rows[:, None] * stride_sn + groups[None, :]
+        mask = (rows < N)[:, None] & (groups < KG)[None, :]
         if FMT == 0:
-            byte = gl.load(wq_ptr + expert * stride_we + ns[:, None] * stride_wn + (ks // 2)[None, :], mask=mask,
-                           other=0).to(gl.int32) & 0xFF
-            nib = (byte >> ((ks & 1) * 4)[None, :]) & 0xF
-            sb = gl.load(ws_ptr + expert * stride_se + ns[:, None] * stride_sn + (ks // 32)[None, :], mask=mask,
-                         other=0).to(gl.int32) & 0xFF
-            scale = gl.where(sb == 0, 0x00400000, sb << 23).to(gl.float32, bitcast=True)  # 2^(s - 127)
+            sb = gl.load(ptrs, mask=mask, other=0).to(gl.int32) & 0xFF
+            sb = gl.where(sb == 0, 0x40, sb << 7)  # bf16 bits of 2^(s - 127); s = 0 is the subnormal 2^-127
         else:
-            word = gl.load(wq_ptr + expert * stride_we + ns[:, None] * stride_wn + (ks // 8)[None, :], mask=mask,
-                           other=0)
-            nib = (word >> ((ks & 7) * 4)[None, :]) & 0xF
-            scale = gl.load(ws_ptr + expert * stride_se + ns[:, None] * stride_sn + (ks // 32)[None, :], mask=mask,
-                            other=0.0).to(gl.float32)
-        return (_code_value(nib, FMT) * scale).to(gl.bfloat16)
+            sb = gl.load(ptrs, mask=mask, other=0.0).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        return sb | (sb << 16)
 
     @gluon.jit
-    def _producer(a_ptr, wq_ptr, ws_ptr, a_ring, w_ring, ready, empty, expert, row0, row_end, col0, N, K,
-                  stride_am, stride_we, stride_wn, stride_se, stride_sn, FMT: gl.constexpr, DGRAD: gl.constexpr,
-                  BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
-        """Per step ``i`` (``BK`` of the contraction): ``a[rows, step]`` into ``a_ring[s]`` and the weight tile into
-        ``w_ring[s]``: ``W[cols, step]`` ``[BN, BK]`` (forward) or ``W[step, cols]`` ``[BK, BN]`` (dgrad)."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-        step = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))  # contraction offsets, as a tile's columns
-        if DGRAD:
-            extent = N
-            step_rows = gl.arange(0, BK, layout=gl.SliceLayout(1, layout))  # ... and as a tile's rows
-            cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
-        else:
-            extent = K
-            cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
-        for i in range(gl.cdiv(extent, BK)):
+    def _loader(a_desc, p_desc, a_ring, p_ring, a_ready, p_ready, p_free, free, row0, expert, col0, N, steps,
+                DGRAD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                STAGES: gl.constexpr):
+        """One warp: TMA copies of the activation tile ``[BM, BK]`` and of the packed weight bytes of each step into
+        the rings (forward: bytes ``[BN rows, BK / 2]``; dgrad: ``[BK rows, BN / 2]``)."""
+        for i in range(steps):
             s = i % STAGES
-            # stage s is free once the consumer's wgmma of step i - STAGES retired (a fresh barrier passes parity 1)
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-            c = i * BK + step
-            a = gl.load(a_ptr + rows.to(gl.int64)[:, None] * stride_am + c[None, :],
-                        mask=(rows < row_end)[:, None] & (c < extent)[None, :], other=0.0)
-            a_ring.index(s).store(a)
+            phase = ((i // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
+            mbarrier.wait(p_free.index(s), phase)
+            mbarrier.expect(p_ready.index(s), p_desc.block_type.nbytes)
             if DGRAD:
-                w = _decode_tile(wq_ptr, ws_ptr, expert, i * BK + step_rows, cols, N, K, stride_we, stride_wn,
-                                 stride_se, stride_sn, FMT)
+                tma.async_copy_global_to_shared(p_desc, [expert * N + i * BK, col0 // 2], p_ready.index(s),
+                                                p_ring.index(s))
             else:
-                w = _decode_tile(wq_ptr, ws_ptr, expert, cols, c, N, K, stride_we, stride_wn, stride_se, stride_sn,
-                                 FMT)
+                tma.async_copy_global_to_shared(p_desc, [expert * N + col0, i * (BK // 2)], p_ready.index(s),
+                                                p_ring.index(s))
+            mbarrier.wait(free.index(s), phase)
+            mbarrier.expect(a_ready.index(s), a_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [row0, i * BK], a_ready.index(s), a_ring.index(s))
+
+    @gluon.jit
+    def _decoder(ws_ptr, p_ring, w_ring, p_ready, p_free, w_ready, free, expert, col0, N, K, steps,
+                 stride_se, stride_sn, FMT: gl.constexpr, DGRAD: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                 STAGES: gl.constexpr, DECODE_WARPS: gl.constexpr):
+        """``DECODE_WARPS`` warps: packed bytes ``[R, C]`` of stage ``s`` (byte ``c`` = elements ``2c``, ``2c + 1``
+        in its low / high nibble, MXFP4 and INT4 alike) -> bf16 ``[R, 2C]`` weight tile in ``w_ring[s]``."""
+        if DGRAD:  # W[step rows (n), output cols (k)]
+            R: gl.constexpr = BK
+            C: gl.constexpr = BN // 2
+            L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 4, 1], [DECODE_WARPS, 1, 1], [2, 1, 0])
+            L2: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [DECODE_WARPS, 1], [1, 0])
+        else:  # W[output cols (n), step (k)]
+            R: gl.constexpr = BN
+            C: gl.constexpr = BK // 2
+            L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [16, 2, 1], [DECODE_WARPS, 1, 1], [2, 1, 0])
+            L2: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [DECODE_WARPS, 1], [1, 0])
+        G: gl.constexpr = C // 16  # 32-element scale groups per tile row
+        SL: gl.constexpr = gl.SliceLayout(2, L3)
+        KG = K // 32
+        if DGRAD:
+            sc = _scale_pairs(ws_ptr, expert, 0, col0 // 32, N, KG, stride_se, stride_sn, R, G, SL, FMT)
+        else:
+            sc = _scale_pairs(ws_ptr, expert, col0, 0, N, KG, stride_se, stride_sn, R, G, SL, FMT)
+        for i in range(steps):
+            s = i % STAGES
+            # the next step's scales are loaded while this one decodes (a global load's latency is ~1 us)
+            if DGRAD:
+                sc_next = _scale_pairs(ws_ptr, expert, (i + 1) * BK, col0 // 32, N, KG, stride_se, stride_sn,
+                                       R, G, SL, FMT)
+            else:
+                sc_next = _scale_pairs(ws_ptr, expert, col0, (i + 1) * (BK // 32), N, KG, stride_se, stride_sn,
+                                       R, G, SL, FMT)
+            mbarrier.wait(p_ready.index(s), (i // STAGES) & 1)
+            b = p_ring.index(s).load(L2)
+            mbarrier.arrive(p_free.index(s), count=1)
+            b = gl.convert_layout(gl.reshape(b.to(gl.int32) & 0xFF, [R, G, 16]), L3, assert_trivial=True)
+            pairs = (b | (b << 12)) & 0x000F000F
+            pairs = _bf16x2_decode(pairs, gl.expand_dims(sc, 2), FMT)
+            if DGRAD:  # step rows past N belong to the next expert (or are TMA zero-fill): their weights are 0
+                n = i * BK + gl.arange(0, R, layout=gl.SliceLayout(1, SL))
+                pairs = gl.where(gl.expand_dims(gl.expand_dims(n < N, 1), 2), pairs, 0)
+            lo = (pairs & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+            hi = (pairs >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+            w = gl.reshape(gl.join(lo, hi), [R, 2 * C])
+            mbarrier.wait(free.index(s), ((i // STAGES) & 1) ^ 1)
             w_ring.index(s).store(w)
             fence_async_shared()  # the generic-proxy stores before the async-proxy (wgmma) reads
-            mbarrier.arrive(ready.index(s), count=1)
+            mbarrier.arrive(w_ready.index(s), count=1)
+            sc = sc_next
 
     @gluon.jit
-    def _consumer(a_ring, w_ring, ready, empty, out_ptr, row0, row_end, col0, steps, out_cols, stride_om,
-                  DGRAD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    def _consumer(a_ring, w_ring, a_ready, w_ready, free, out_ptr, row0, row_end, col0, steps, out_cols, stride_om,
+                  DGRAD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+        """Default partition (one warpgroup): wgmma from the rings into an fp32 ``[BM, BN]`` accumulator, a stage
+        released (``free[s]``) once its wgmma has retired; then the masked bf16 epilogue."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BN, 16])
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
         for i in range(steps):
             s = i % STAGES
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            mbarrier.wait(a_ready.index(s), (i // STAGES) & 1)
+            mbarrier.wait(w_ready.index(s), (i // STAGES) & 1)
             if DGRAD:
                 acc = warpgroup_mma(a_ring.index(s), w_ring.index(s), acc, is_async=True)
             else:
                 acc = warpgroup_mma(a_ring.index(s), w_ring.index(s).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # step i - 1's wgmma has retired
             if i > 0:
-                mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)
+                mbarrier.arrive(free.index((i - 1) % STAGES), count=1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         # epilogue here (Triton 3.6's warp_specialize cannot return the default partition's tensors)
         out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -153,77 +221,105 @@ if HAVE_GLUON:
                  mask=(rows < row_end)[:, None] & (cols < out_cols)[None, :])
 
     @gluon.jit
-    def w4a16_ws_kernel(a_ptr, wq_ptr, ws_ptr, out_ptr, tiles_ptr, N, K,
-                        stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    def w4a16_ws_kernel(a_desc, p_desc, ws_ptr, out_ptr, tiles_ptr, N, K, stride_se, stride_sn, stride_om,
                         FMT: gl.constexpr, DGRAD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                        BK: gl.constexpr, STAGES: gl.constexpr):
+                        BK: gl.constexpr, STAGES: gl.constexpr, DECODE_WARPS: gl.constexpr,
+                        DECODE_REGS: gl.constexpr):
         """Forward (``a = x [T, K]``, ``out = y [T, N]``) or dgrad (``a = dy [T, N]``, ``out = dx [T, K]``) of
-        one ``[BM, BN]`` output tile: program (column tile, row tile of one expert)."""
+        one ``[BM, BN]`` output tile: program (column tile, row tile of one expert). ``a_desc``: TMA descriptor of
+        ``a`` with block ``[BM, BK]``; ``p_desc``: of the packed bytes as ``[E * N, K / 2]`` uint8 with block
+        ``[BN, BK / 2]`` (dgrad ``[BK, BN / 2]``)."""
         col0 = gl.program_id(0) * BN
         tile = gl.program_id(1)
         expert = gl.load(tiles_ptr + tile * 3)
         row0 = gl.load(tiles_ptr + tile * 3 + 1)
         row_end = gl.load(tiles_ptr + tile * 3 + 2)
-
-        a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK],
-                                           gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16))
         if DGRAD:
-            w_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN],
-                                               gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16))
             steps = gl.cdiv(N, BK)
             out_cols = K
+            w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16)
+            w_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN], w_layout)
         else:
-            w_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK],
-                                               gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16))
-            steps = gl.cdiv(K, BK)
+            steps = K // BK
             out_cols = N
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
+            w_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], w_layout)
+        a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        p_ring = gl.allocate_shared_memory(p_desc.dtype, [STAGES] + p_desc.block_type.shape, p_desc.layout)
+        a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        w_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
+            mbarrier.init(a_ready.index(s), count=1)
+            mbarrier.init(p_ready.index(s), count=1)
+            mbarrier.init(p_free.index(s), count=1)
+            mbarrier.init(w_ready.index(s), count=1)
+            mbarrier.init(free.index(s), count=1)
 
         gl.warp_specialize([
-            (_consumer, (a_ring, w_ring, ready, empty, out_ptr, row0, row_end, col0, steps, out_cols, stride_om,
-                         DGRAD, BM, BN, BK, STAGES)),
-            (_producer, (a_ptr, wq_ptr, ws_ptr, a_ring, w_ring, ready, empty, expert, row0, row_end, col0, N, K,
-                         stride_am, stride_we, stride_wn, stride_se, stride_sn, FMT, DGRAD, BM, BN, BK, STAGES)),
-        ], [4], [128])
+            (_consumer, (a_ring, w_ring, a_ready, w_ready, free, out_ptr, row0, row_end, col0, steps, out_cols,
+                         stride_om, DGRAD, BM, BN, STAGES)),
+            (_loader, (a_desc, p_desc, a_ring, p_ring, a_ready, p_ready, p_free, free, row0, expert, col0, N, steps,
+                       DGRAD, BM, BN, BK, STAGES)),
+            (_decoder, (ws_ptr, p_ring, w_ring, p_ready, p_free, w_ready, free, expert, col0, N, K, steps,
+                        stride_se, stride_sn, FMT, DGRAD, BN, BK, STAGES, DECODE_WARPS)),
+        ], [1, DECODE_WARPS], [40, DECODE_REGS])
 
 
-def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: str) -> torch.Tensor:
+def descriptor_blocks(dgrad: bool, block_m: int = BM) -> tuple[list[int], list[int]]:
+    """TMA block shapes: (activation ``[block_m, BK]``, packed bytes ``[BN, BK / 2]`` or dgrad ``[BK, BN / 2]``)."""
+    return [block_m, BK], ([BK, BN // 2] if dgrad else [BN, BK // 2])
+
+
+def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: str, block_m: int | None,
+            decode_warps: int) -> torch.Tensor:
     from kimi_core.kernels import _validate
     from kimi_core.kernels.triton_w4a16 import _fmt_id
 
     if not HAVE_GLUON:
         raise RuntimeError("kimi_core.kernels.gluon_w4a16 needs Triton >= 3.5 (triton.experimental.gluon)")
     E, N, K = _validate(a, "dy" if dgrad else "x", w_packed, w_scale, fmt, m_splits, "N" if dgrad else "K")
-    if K % BK:
-        raise ValueError(f"gluon_w4a16.{where}: K={K} is not a multiple of {BK}")
+    if K % BK or N % 8:
+        raise ValueError(f"gluon_w4a16.{where}: needs K a multiple of {BK} and N of 8 (TMA rows of 16 bytes), "
+                         f"got K={K}, N={N}")
+    if decode_warps not in (4, 8):
+        raise ValueError(f"gluon_w4a16.{where}: decode_warps must be 4 or 8, got {decode_warps}")
+    block_m = pick_block_m(m_splits) if block_m is None else block_m
+    if block_m not in (64, 128):
+        raise ValueError(f"gluon_w4a16.{where}: block_m must be 64 or 128, got {block_m}")
     out_cols = K if dgrad else N
-    tiles = tile_table(m_splits, BM, a.device)
+    tiles = tile_table(m_splits, block_m, a.device)
     y = torch.empty((a.shape[0], out_cols), dtype=torch.bfloat16, device=a.device) if out is None else out
     if tiles.shape[0] == 0 or out_cols == 0:
         return y
-    a, w_packed, w_scale = a.contiguous(), w_packed.contiguous(), w_scale.contiguous()
+    a, w_scale = a.contiguous(), w_scale.contiguous()
+    packed = w_packed.contiguous().view(torch.uint8).reshape(E * N, K // 2)  # INT4 words are the same bytes
+    a_block, p_block = descriptor_blocks(dgrad, block_m)
+    a_desc = TensorDescriptor.from_tensor(a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl.bfloat16))
+    p_desc = TensorDescriptor.from_tensor(packed, p_block, gl.NVMMASharedLayout.get_default_for(p_block, gl.uint8))
     grid = (-(-out_cols // BN), tiles.shape[0])
-    w4a16_ws_kernel[grid](a, w_packed, w_scale, y, tiles, N, K, a.stride(0), w_packed.stride(0), w_packed.stride(1),
-                          w_scale.stride(0), w_scale.stride(1), y.stride(0), _fmt_id(fmt), dgrad, BM, BN, BK, STAGES,
+    w4a16_ws_kernel[grid](a_desc, p_desc, w_scale, y, tiles, N, K, w_scale.stride(0), w_scale.stride(1), y.stride(0),
+                          _fmt_id(fmt), dgrad, block_m, BN, BK, STAGES, decode_warps, decode_regs(decode_warps),
                           num_warps=4)
     return y
 
 
 def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str, m_splits,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, block_m: int | None = None,
+                 decode_warps: int = DECODE_WARPS) -> torch.Tensor:
     """``y[T, N]`` bf16, ``y[rows_e] = x[rows_e] . dequant(W_e)^T`` with fp32 accumulation, for ``fmt`` one of
     :data:`kimi_core.kernels.MXFP4_FORMAT` / ``INT4_FORMAT`` (layouts in the module docstring; inputs checked as
     :func:`kimi_core.kernels.w4a16_grouped_gemm` checks them). Needs a Hopper GPU and Triton with Gluon; ``K`` a
-    multiple of 64; ``m_splits`` is read on the host; ``out``: a bf16 ``[T, N]`` to write into."""
-    return _launch(x, w_packed, w_scale, fmt, m_splits, out, False, "grouped_gemm")
+    multiple of 64; ``m_splits`` is read on the host; ``out``: a bf16 ``[T, N]`` to write into; ``block_m``: 64 or
+    128 rows per tile (default :func:`pick_block_m`); ``decode_warps``: 4 or 8 warps decode the weights."""
+    return _launch(x, w_packed, w_scale, fmt, m_splits, out, False, "grouped_gemm", block_m, decode_warps)
 
 
 def grouped_gemm_dgrad(dy: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str, m_splits,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, block_m: int | None = None,
+                       decode_warps: int = DECODE_WARPS) -> torch.Tensor:
     """``dx[T, K]`` bf16, ``dx[rows_e] = dy[rows_e] . dequant(W_e)`` with fp32 accumulation (``dy`` bf16
     ``[T, N]``; otherwise as :func:`grouped_gemm`)."""
-    return _launch(dy, w_packed, w_scale, fmt, m_splits, out, True, "grouped_gemm_dgrad")
+    return _launch(dy, w_packed, w_scale, fmt, m_splits, out, True, "grouped_gemm_dgrad", block_m, decode_warps)

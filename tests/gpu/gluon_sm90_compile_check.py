@@ -52,22 +52,42 @@ print("triton", triton.__version__, "| wgmma in PTX:", "wgmma.mma_async" in ptx,
 
 # the experimental warp-specialised W4A16 kernel of issue #21, forward and dgrad, both formats (needs torch
 # importable, as kimi_core.kernels is; run from the project root)
+import os  # noqa: E402
 import sys  # noqa: E402
 
 sys.path.insert(0, ".")
-from kimi_core.kernels.gluon_w4a16 import BK, BM, BN, STAGES, w4a16_ws_kernel  # noqa: E402
+from kimi_core.kernels import gluon_w4a16 as gw  # noqa: E402
 from kimi_core.kernels.triton_w4a16 import FMT_INT4 as INT4, FMT_MXFP4 as MXFP4  # noqa: E402
 
-for fmt, wq, ws in ((MXFP4, "*u8", "*u8"), (INT4, "*i32", "*bf16")):
-    for dgrad in (False, True):
-        sig = {"a_ptr": "*bf16", "wq_ptr": wq, "ws_ptr": ws, "out_ptr": "*bf16", "tiles_ptr": "*i32", "N": "i32",
-               "K": "i32", **{n: "i32" for n in ("stride_am", "stride_we", "stride_wn", "stride_se", "stride_sn",
-                                                 "stride_om")},
-               **{n: "constexpr" for n in ("FMT", "DGRAD", "BM", "BN", "BK", "STAGES")}}
-        src = GluonASTSource(w4a16_ws_kernel, sig, constexprs={"FMT": fmt, "DGRAD": dgrad, "BM": BM, "BN": BN,
-                                                               "BK": BK, "STAGES": STAGES})
+
+def desc_sig(dtype: str, block: list[int], gl_dtype) -> str:
+    """The launcher's signature string of a host TensorDescriptor argument (``tensordesc<dtype[block],layout>``)."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+    return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
+
+
+configs = [(fmt, ws, dgrad, gw.DECODE_WARPS, gw.BM) for fmt, ws in ((MXFP4, "*u8"), (INT4, "*bf16"))
+           for dgrad in (0, 1)]
+configs += [(MXFP4, "*u8", dgrad, 8, gw.BM) for dgrad in (0, 1)]  # the 8-warp decode partition too
+configs += [(fmt, ws, dgrad, gw.DECODE_WARPS, 64) for fmt, ws in ((MXFP4, "*u8"), (INT4, "*bf16"))
+            for dgrad in (0, 1)]  # 64-row tiles (few tokens per expert)
+for fmt, ws, dgrad, warps, bm in configs:
+    if True:
+        a_block, p_block = gw.descriptor_blocks(dgrad, bm)
+        sig = {"a_desc": desc_sig("bf16", a_block, gl.bfloat16), "p_desc": desc_sig("u8", p_block, gl.uint8),
+               "ws_ptr": ws, "out_ptr": "*bf16", "tiles_ptr": "*i32", "N": "i32", "K": "i32",
+               **{n: "i32" for n in ("stride_se", "stride_sn", "stride_om")},
+               **{n: "constexpr" for n in ("FMT", "DGRAD", "BM", "BN", "BK", "STAGES", "DECODE_WARPS", "DECODE_REGS")}}
+        src = GluonASTSource(gw.w4a16_ws_kernel, sig, constexprs={
+            "FMT": fmt, "DGRAD": dgrad, "BM": bm, "BN": gw.BN, "BK": gw.BK, "STAGES": gw.STAGES,
+            "DECODE_WARPS": warps, "DECODE_REGS": gw.decode_regs(warps)})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         ptx = k.asm["ptx"]
-        print("w4a16_ws", "dgrad" if dgrad else "fwd", "mxfp4" if fmt == MXFP4 else "int4", "| wgmma:",
-              "wgmma.mma_async" in ptx, "| mbarrier waits:", ptx.count("mbarrier.try_wait"), "| shared bytes:",
-              k.metadata.shared, "| cubin bytes", len(k.asm["cubin"]))
+        print("w4a16_ws", "dgrad" if dgrad else "fwd", "mxfp4" if fmt == MXFP4 else "int4", f"decode warps {warps} BM {bm}",
+              "| wgmma:",
+              "wgmma.mma_async" in ptx, "| TMA loads:", ptx.count("cp.async.bulk.tensor"), "| bf16x2 muls:",
+              ptx.count("mul.rn.bf16x2"), "| shared bytes:", k.metadata.shared, "| cubin bytes", len(k.asm["cubin"]))
+        if os.environ.get("GLUON_DUMP"):
+            name = f"{os.environ['GLUON_DUMP']}_{'dgrad' if dgrad else 'fwd'}_{fmt}_w{warps}_m{bm}"
+            open(name + ".ptx", "w").write(ptx)
+            open(name + ".ttgir", "w").write(k.asm["ttgir"])

@@ -112,13 +112,17 @@ run_w4a16() {
 # bug hangs rather than fails), then, if it passed, its table next to BF16 on K3 fc1
 run_gluon() {
   export PYTHONPATH=$PWD
-  timeout 150 python3 -m pytest -q -m gpu -rfE -p no:cacheprovider tests/kimi_core/kernels/test_gluon_w4a16_gpu.py \
+  # each variant alone on a small case in its own process first: a hang in one leaves the others' numbers
+  GLUON_PROBE_TIMEOUT=50 timeout 230 python3 tests/gpu/gluon_probe.py 2>&1 | tee "$OUT/gluon_probe.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gluon probe failed: no test or table"; return; }
+  timeout 200 python3 -m pytest -q -m gpu -rfE -p no:cacheprovider tests/kimi_core/kernels/test_gluon_w4a16_gpu.py \
     > "$OUT/pytest_gluon.log" 2>&1
   local rc=$?; echo "gluon tests rc=$rc $(tail -1 "$OUT/pytest_gluon.log")"
   [ $rc -eq 0 ] || { tail -30 "$OUT/pytest_gluon.log"; return; }
-  timeout "$(left)" python3 benchmarks/w4a16_grouped_gemm.py --quick --gluon --no-append --json "$OUT/gluon.json" \
-    --out "$OUT/gluon.md" > "$OUT/gluon_bench.log" 2>&1
-  echo "bench rc=$?"; grep -A20 "Experimental" "$OUT/gluon.md" 2>/dev/null
+  # every benchmark shape, BF16 and the Gluon kernel alone, in each tile config (GLUON_BENCH_ARGS: e.g. --quick)
+  timeout "$(left)" python3 benchmarks/w4a16_grouped_gemm.py --gluon-only --gluon-configs "${GLUON_CONFIGS:-64x4,64x8,128x4,128x8}" \
+    ${GLUON_BENCH_ARGS:-} --no-append --json "$OUT/gluon.json" --out "$OUT/gluon.md" 2>&1 | tee "$OUT/gluon_bench.log" | grep '^|'
+  echo "bench rc=${PIPESTATUS[0]}"
 }
 
 run_vllm3() {

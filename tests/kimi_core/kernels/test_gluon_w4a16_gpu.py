@@ -45,3 +45,61 @@ def test_gluon_fwd_and_dgrad_match_oracle(fmt, E, K, N, mean):
     torch.cuda.synchronize()
     assert_close(f"gluon fwd {fmt} E{E} K{K} N{N} T{T}", oracle_fwd(x, wp, ws, fmt, splits), y.float(), 1e-2)
     assert_close(f"gluon dgrad {fmt} E{E} K{K} N{N} T{T}", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("block_m,decode_warps", [(64, 8), (128, 8), (64, 4)])
+def test_gluon_tile_configs_match_oracle(fmt, block_m, decode_warps):
+    """The configs the defaults above do not reach (8 decode warps; 64-row tiles on experts of ~70 rows, so tiles
+    end inside an expert and past it), fwd and dgrad, masked N."""
+    from kimi_core.kernels import gluon_w4a16 as gw
+
+    if not gw.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    E, K, N = 7, 512, 200
+    splits = ragged_splits(E, 70, seed=E)
+    wp, ws = random_packed(fmt, E, N, K, seed=2, device="cuda")
+    T = sum(splits)
+    x = torch.randn(T, K, device="cuda").bfloat16()
+    dy = torch.randn(T, N, device="cuda").bfloat16()
+    kw = dict(block_m=block_m, decode_warps=decode_warps)
+    y = gw.grouped_gemm(x, wp, ws, fmt, splits, out=torch.full((T, N), float("nan"), dtype=torch.bfloat16,
+                                                                 device="cuda"), **kw)
+    dx = gw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, out=torch.full((T, K), float("nan"), dtype=torch.bfloat16,
+                                                                         device="cuda"), **kw)
+    name = f"gluon {fmt} block_m {block_m} decode warps {decode_warps}"
+    assert_close(name + " fwd", oracle_fwd(x, wp, ws, fmt, splits), y.float(), 1e-2)
+    assert_close(name + " dgrad", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gluon_decoded_weights_are_bit_exact_over_every_scale(fmt):
+    """An identity activation reads the decoded weights back exactly (one product per output, ``1 * w``): forward
+    gives ``W^T``, dgrad ``W``; both must equal :func:`kimi_core.quant.dequantize` over E8M0 bytes 0..250 (0 is
+    the subnormal 2^-127; above 250 a code times its scale overflows bf16 and ``0 * inf`` poisons the identity
+    product) and INT4 scales down to bf16 subnormals. Exact equality (``==``: the fp32 sum of the identity row
+    cannot keep a weight's sign of zero, so -0 reads back as +0)."""
+    from kimi_core.kernels import gluon_w4a16 as gw
+    from kimi_core.quant import dequantize
+
+    if not gw.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    E, N, K = 2, 256, 512
+    wp, ws = random_packed(fmt, E, N, K, seed=3, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    if ws.dtype == torch.uint8:
+        ws = torch.randint(0, 251, ws.shape, dtype=torch.uint8, device="cuda", generator=g)
+    else:  # magnitudes 2^-133 .. 2^20: bf16 subnormals, normals, both signs
+        ws = (torch.randn(ws.shape, device="cuda", generator=g) * torch.exp2(
+            torch.randint(-133, 20, ws.shape, device="cuda", generator=g).float())).bfloat16()
+    for e in range(E):
+        splits = [0] * E
+        want = dequantize(fmt, wp[e], ws[e], torch.bfloat16)  # [N, K]
+        splits[e] = K
+        wt = gw.grouped_gemm(torch.eye(K, device="cuda").bfloat16(), wp, ws, fmt, splits)  # [K, N] = W^T
+        splits[e] = N
+        w = gw.grouped_gemm_dgrad(torch.eye(N, device="cuda").bfloat16(), wp, ws, fmt, splits)  # [N, K] = W
+        for name, got in (("fwd", wt.t()), ("dgrad", w)):
+            same = got == want
+            assert bool(same.all()), (f"gluon {name} {fmt} expert {e}: {int((~same).sum())} decoded weights differ "
+                                      f"from kimi_core.quant.dequantize, first at {(~same).nonzero()[0].tolist()}")
