@@ -122,6 +122,18 @@ if HAVE_GLUON:
         return sb | (sb << 16)
 
     @gluon.jit
+    def _step_scales(ws_ptr, expert, col0, step, N, K, stride_se, stride_sn, R: gl.constexpr, G: gl.constexpr,
+                     layout: gl.constexpr, FMT: gl.constexpr, DGRAD: gl.constexpr, BK: gl.constexpr):
+        """:func:`_scale_pairs` of K step ``step`` of the tile: forward, weight rows ``col0 ..`` and the step's
+        ``BK / 32`` groups; dgrad, the step's ``BK`` weight rows and the groups of output columns ``col0 ..``."""
+        if DGRAD:
+            return _scale_pairs(ws_ptr, expert, step * BK, col0 // 32, N, K // 32, stride_se, stride_sn, R, G,
+                                layout, FMT)
+        else:
+            return _scale_pairs(ws_ptr, expert, col0, step * (BK // 32), N, K // 32, stride_se, stride_sn, R, G,
+                                layout, FMT)
+
+    @gluon.jit
     def _loader(a_desc, p_desc, a_ring, p_ring, a_ready, p_ready, p_free, free, row0, expert, col0, N, steps,
                 DGRAD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                 STAGES: gl.constexpr):
@@ -160,26 +172,21 @@ if HAVE_GLUON:
             L2: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [DECODE_WARPS, 1], [1, 0])
         G: gl.constexpr = C // 16  # 32-element scale groups per tile row
         SL: gl.constexpr = gl.SliceLayout(2, L3)
-        KG = K // 32
-        if DGRAD:
-            sc = _scale_pairs(ws_ptr, expert, 0, col0 // 32, N, KG, stride_se, stride_sn, R, G, SL, FMT)
-        else:
-            sc = _scale_pairs(ws_ptr, expert, col0, 0, N, KG, stride_se, stride_sn, R, G, SL, FMT)
+        # the scales of step i + 4 are loaded while step i decodes: a global load's latency (~1000 cycles under
+        # load) is longer than a step (~500 cycles of wgmma), so a load one step ahead would set the pace
+        sc0 = _step_scales(ws_ptr, expert, col0, 0, N, K, stride_se, stride_sn, R, G, SL, FMT, DGRAD, BK)
+        sc1 = _step_scales(ws_ptr, expert, col0, 1, N, K, stride_se, stride_sn, R, G, SL, FMT, DGRAD, BK)
+        sc2 = _step_scales(ws_ptr, expert, col0, 2, N, K, stride_se, stride_sn, R, G, SL, FMT, DGRAD, BK)
+        sc3 = _step_scales(ws_ptr, expert, col0, 3, N, K, stride_se, stride_sn, R, G, SL, FMT, DGRAD, BK)
         for i in range(steps):
             s = i % STAGES
-            # the next step's scales are loaded while this one decodes (a global load's latency is ~1 us)
-            if DGRAD:
-                sc_next = _scale_pairs(ws_ptr, expert, (i + 1) * BK, col0 // 32, N, KG, stride_se, stride_sn,
-                                       R, G, SL, FMT)
-            else:
-                sc_next = _scale_pairs(ws_ptr, expert, col0, (i + 1) * (BK // 32), N, KG, stride_se, stride_sn,
-                                       R, G, SL, FMT)
+            sc4 = _step_scales(ws_ptr, expert, col0, i + 4, N, K, stride_se, stride_sn, R, G, SL, FMT, DGRAD, BK)
             mbarrier.wait(p_ready.index(s), (i // STAGES) & 1)
             b = p_ring.index(s).load(L2)
             mbarrier.arrive(p_free.index(s), count=1)
             b = gl.convert_layout(gl.reshape(b.to(gl.int32) & 0xFF, [R, G, 16]), L3, assert_trivial=True)
             pairs = (b | (b << 12)) & 0x000F000F
-            pairs = _bf16x2_decode(pairs, gl.expand_dims(sc, 2), FMT)
+            pairs = _bf16x2_decode(pairs, gl.expand_dims(sc0, 2), FMT)
             if DGRAD:  # step rows past N belong to the next expert (or are TMA zero-fill): their weights are 0
                 n = i * BK + gl.arange(0, R, layout=gl.SliceLayout(1, SL))
                 pairs = gl.where(gl.expand_dims(gl.expand_dims(n < N, 1), 2), pairs, 0)
@@ -190,7 +197,7 @@ if HAVE_GLUON:
             w_ring.index(s).store(w)
             fence_async_shared()  # the generic-proxy stores before the async-proxy (wgmma) reads
             mbarrier.arrive(w_ready.index(s), count=1)
-            sc = sc_next
+            sc0, sc1, sc2, sc3 = sc1, sc2, sc3, sc4
 
     @gluon.jit
     def _consumer(a_ring, w_ring, a_ready, w_ready, free, out_ptr, row0, row_end, col0, steps, out_cols, stride_om,
