@@ -106,58 +106,49 @@ if HAVE_GLUON:
                 "=r,r,r", [pairs | 0x43004300, scale2], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _scale_pairs(ws_ptr, expert, r0, g0, N, KG, stride_se, stride_sn, R: gl.constexpr, G: gl.constexpr,
-                     layout: gl.constexpr, FMT: gl.constexpr):
-        """int32 ``[R, G]`` bf16x2 pairs (the same scale in both halves) of scale groups ``g0 .. g0 + G`` of weight
-        rows ``r0 .. r0 + R`` (rows past ``N`` or groups past ``KG`` read as 0)."""
-        rows = r0 + gl.arange(0, R, layout=gl.SliceLayout(1, layout))
-        groups = g0 + gl.arange(0, G, layout=gl.SliceLayout(0, layout))
-        ptrs = ws_ptr + expert.to(gl.int64) * stride_se + rows[:, None] * stride_sn + groups[None, :]
-        mask = (rows < N)[:, None] & (groups < KG)[None, :]
+    def _scale_pairs(s_tile, R: gl.constexpr, G: gl.constexpr, layout: gl.constexpr, FMT: gl.constexpr):
+        """int32 ``[R, G]`` bf16x2 pairs (the same scale in both halves) from the first ``G`` scale groups of the
+        ``[R, >= G]`` shared tile ``s_tile`` (E8M0 bytes for MXFP4, bf16 for INT4; TMA zero-fills rows past the
+        tensor)."""
+        v = s_tile.slice(0, G, dim=1).load(layout)
         if FMT == 0:
-            sb = gl.load(ptrs, mask=mask, other=0).to(gl.int32) & 0xFF
+            sb = v.to(gl.int32) & 0xFF
             sb = gl.where(sb == 0, 0x40, sb << 7)  # bf16 bits of 2^(s - 127); s = 0 is the subnormal 2^-127
         else:
-            sb = gl.load(ptrs, mask=mask, other=0.0).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+            sb = v.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
         return sb | (sb << 16)
 
     @gluon.jit
-    def _step_scales(ws_ptr, expert, col0, step, N, K, stride_se, stride_sn, R: gl.constexpr, G: gl.constexpr,
-                     layout: gl.constexpr, FMT: gl.constexpr, DGRAD: gl.constexpr, BK: gl.constexpr):
-        """:func:`_scale_pairs` of K step ``step`` of the tile: forward, weight rows ``col0 ..`` and the step's
-        ``BK / 32`` groups; dgrad, the step's ``BK`` weight rows and the groups of output columns ``col0 ..``."""
-        if DGRAD:
-            return _scale_pairs(ws_ptr, expert, step * BK, col0 // 32, N, K // 32, stride_se, stride_sn, R, G,
-                                layout, FMT)
-        else:
-            return _scale_pairs(ws_ptr, expert, col0, step * (BK // 32), N, K // 32, stride_se, stride_sn, R, G,
-                                layout, FMT)
-
-    @gluon.jit
-    def _loader(a_desc, p_desc, a_ring, p_ring, a_ready, p_ready, p_free, free, row0, expert, col0, N, steps,
-                DGRAD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+    def _loader(a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, p_ready, p_free, free, row0, expert, col0,
+                N, steps, DGRAD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                 STAGES: gl.constexpr):
-        """One warp: TMA copies of the activation tile ``[BM, BK]`` and of the packed weight bytes of each step into
-        the rings (forward: bytes ``[BN rows, BK / 2]``; dgrad: ``[BK rows, BN / 2]``)."""
+        """One warp: TMA copies of the activation tile ``[BM, BK]``, the packed weight bytes and the scales of each
+        step into the rings (forward: bytes ``[BN rows, BK / 2]``, scales of those rows from group ``BK / 32 * i``;
+        dgrad: bytes ``[BK rows, BN / 2]``, scales of those rows from group ``col0 / 32``). The scales go by TMA,
+        not by the decoder's own loads: its fence before each wgmma hand-off (``MEMBAR``) would wait for them."""
         for i in range(steps):
             s = i % STAGES
             phase = ((i // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
             mbarrier.wait(p_free.index(s), phase)
-            mbarrier.expect(p_ready.index(s), p_desc.block_type.nbytes)
+            mbarrier.expect(p_ready.index(s), p_desc.block_type.nbytes + s_desc.block_type.nbytes)
             if DGRAD:
                 tma.async_copy_global_to_shared(p_desc, [expert * N + i * BK, col0 // 2], p_ready.index(s),
                                                 p_ring.index(s))
+                tma.async_copy_global_to_shared(s_desc, [expert * N + i * BK, col0 // 32], p_ready.index(s),
+                                                s_ring.index(s))
             else:
                 tma.async_copy_global_to_shared(p_desc, [expert * N + col0, i * (BK // 2)], p_ready.index(s),
                                                 p_ring.index(s))
+                tma.async_copy_global_to_shared(s_desc, [expert * N + col0, i * (BK // 32)], p_ready.index(s),
+                                                s_ring.index(s))
             mbarrier.wait(free.index(s), phase)
             mbarrier.expect(a_ready.index(s), a_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(a_desc, [row0, i * BK], a_ready.index(s), a_ring.index(s))
 
     @gluon.jit
-    def _decoder(ws_ptr, p_ring, w_ring, p_ready, p_free, w_ready, free, expert, col0, N, K, steps,
-                 stride_se, stride_sn, FMT: gl.constexpr, DGRAD: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                 STAGES: gl.constexpr, DECODE_WARPS: gl.constexpr):
+    def _decoder(p_ring, s_ring, w_ring, p_ready, p_free, w_ready, free, N, steps, FMT: gl.constexpr,
+                 DGRAD: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                 DECODE_WARPS: gl.constexpr):
         """``DECODE_WARPS`` warps: packed bytes ``[R, C]`` of stage ``s`` (byte ``c`` = elements ``2c``, ``2c + 1``
         in its low / high nibble, MXFP4 and INT4 alike) -> bf16 ``[R, 2C]`` weight tile in ``w_ring[s]``."""
         if DGRAD:  # W[step rows (n), output cols (k)]
@@ -172,21 +163,15 @@ if HAVE_GLUON:
             L2: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [DECODE_WARPS, 1], [1, 0])
         G: gl.constexpr = C // 16  # 32-element scale groups per tile row
         SL: gl.constexpr = gl.SliceLayout(2, L3)
-        # the scales of step i + 4 are loaded while step i decodes: a global load's latency (~1000 cycles under
-        # load) is longer than a step (~500 cycles of wgmma), so a load one step ahead would set the pace
-        sc0 = _step_scales(ws_ptr, expert, col0, 0, N, K, stride_se, stride_sn, R, G, SL, FMT, DGRAD, BK)
-        sc1 = _step_scales(ws_ptr, expert, col0, 1, N, K, stride_se, stride_sn, R, G, SL, FMT, DGRAD, BK)
-        sc2 = _step_scales(ws_ptr, expert, col0, 2, N, K, stride_se, stride_sn, R, G, SL, FMT, DGRAD, BK)
-        sc3 = _step_scales(ws_ptr, expert, col0, 3, N, K, stride_se, stride_sn, R, G, SL, FMT, DGRAD, BK)
         for i in range(steps):
             s = i % STAGES
-            sc4 = _step_scales(ws_ptr, expert, col0, i + 4, N, K, stride_se, stride_sn, R, G, SL, FMT, DGRAD, BK)
             mbarrier.wait(p_ready.index(s), (i // STAGES) & 1)
             b = p_ring.index(s).load(L2)
+            sc = _scale_pairs(s_ring.index(s), R, G, SL, FMT)
             mbarrier.arrive(p_free.index(s), count=1)
             b = gl.convert_layout(gl.reshape(b.to(gl.int32) & 0xFF, [R, G, 16]), L3, assert_trivial=True)
             pairs = (b | (b << 12)) & 0x000F000F
-            pairs = _bf16x2_decode(pairs, gl.expand_dims(sc0, 2), FMT)
+            pairs = _bf16x2_decode(pairs, gl.expand_dims(sc, 2), FMT)
             if DGRAD:  # step rows past N belong to the next expert (or are TMA zero-fill): their weights are 0
                 n = i * BK + gl.arange(0, R, layout=gl.SliceLayout(1, SL))
                 pairs = gl.where(gl.expand_dims(gl.expand_dims(n < N, 1), 2), pairs, 0)
@@ -197,7 +182,6 @@ if HAVE_GLUON:
             w_ring.index(s).store(w)
             fence_async_shared()  # the generic-proxy stores before the async-proxy (wgmma) reads
             mbarrier.arrive(w_ready.index(s), count=1)
-            sc0, sc1, sc2, sc3 = sc1, sc2, sc3, sc4
 
     @gluon.jit
     def _consumer(a_ring, w_ring, a_ready, w_ready, free, out_ptr, row0, row_end, col0, steps, out_cols, stride_om,
@@ -228,14 +212,15 @@ if HAVE_GLUON:
                  mask=(rows < row_end)[:, None] & (cols < out_cols)[None, :])
 
     @gluon.jit
-    def w4a16_ws_kernel(a_desc, p_desc, ws_ptr, out_ptr, tiles_ptr, N, K, stride_se, stride_sn, stride_om,
+    def w4a16_ws_kernel(a_desc, p_desc, s_desc, out_ptr, tiles_ptr, N, K, stride_om,
                         FMT: gl.constexpr, DGRAD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                         BK: gl.constexpr, STAGES: gl.constexpr, DECODE_WARPS: gl.constexpr,
                         DECODE_REGS: gl.constexpr):
         """Forward (``a = x [T, K]``, ``out = y [T, N]``) or dgrad (``a = dy [T, N]``, ``out = dx [T, K]``) of
         one ``[BM, BN]`` output tile: program (column tile, row tile of one expert). ``a_desc``: TMA descriptor of
         ``a`` with block ``[BM, BK]``; ``p_desc``: of the packed bytes as ``[E * N, K / 2]`` uint8 with block
-        ``[BN, BK / 2]`` (dgrad ``[BK, BN / 2]``)."""
+        ``[BN, BK / 2]`` (dgrad ``[BK, BN / 2]``); ``s_desc``: of the scales as ``[E * N, K / 32]`` with block
+        ``[BN, 16 bytes]`` (dgrad ``[BK, 16 bytes]``: TMA's narrowest row)."""
         col0 = gl.program_id(0) * BN
         tile = gl.program_id(1)
         expert = gl.load(tiles_ptr + tile * 3)
@@ -253,6 +238,7 @@ if HAVE_GLUON:
             w_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], w_layout)
         a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         p_ring = gl.allocate_shared_memory(p_desc.dtype, [STAGES] + p_desc.block_type.shape, p_desc.layout)
+        s_ring = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
         a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         p_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -268,16 +254,19 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_consumer, (a_ring, w_ring, a_ready, w_ready, free, out_ptr, row0, row_end, col0, steps, out_cols,
                          stride_om, DGRAD, BM, BN, STAGES)),
-            (_loader, (a_desc, p_desc, a_ring, p_ring, a_ready, p_ready, p_free, free, row0, expert, col0, N, steps,
-                       DGRAD, BM, BN, BK, STAGES)),
-            (_decoder, (ws_ptr, p_ring, w_ring, p_ready, p_free, w_ready, free, expert, col0, N, K, steps,
-                        stride_se, stride_sn, FMT, DGRAD, BN, BK, STAGES, DECODE_WARPS)),
+            (_loader, (a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, p_ready, p_free, free, row0, expert,
+                       col0, N, steps, DGRAD, BM, BN, BK, STAGES)),
+            (_decoder, (p_ring, s_ring, w_ring, p_ready, p_free, w_ready, free, N, steps, FMT, DGRAD, BN, BK,
+                        STAGES, DECODE_WARPS)),
         ], [1, DECODE_WARPS], [40, DECODE_REGS])
 
 
-def descriptor_blocks(dgrad: bool, block_m: int = BM) -> tuple[list[int], list[int]]:
-    """TMA block shapes: (activation ``[block_m, BK]``, packed bytes ``[BN, BK / 2]`` or dgrad ``[BK, BN / 2]``)."""
-    return [block_m, BK], ([BK, BN // 2] if dgrad else [BN, BK // 2])
+def descriptor_blocks(dgrad: bool, block_m: int = BM, scale_bytes: int = 1) -> tuple[list[int], list[int], list[int]]:
+    """TMA block shapes: activation ``[block_m, BK]``; packed bytes ``[BN, BK / 2]`` (dgrad ``[BK, BN / 2]``); scales
+    ``[BN, 16 / scale_bytes]`` (dgrad ``[BK, ..]``): 16 bytes per row, TMA's narrowest, of which a step uses
+    ``BK / 32`` (dgrad ``BN / 32``) groups."""
+    rows = BK if dgrad else BN
+    return [block_m, BK], ([BK, BN // 2] if dgrad else [BN, BK // 2]), [rows, 16 // scale_bytes]
 
 
 def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: str, block_m: int | None,
@@ -288,9 +277,10 @@ def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: s
     if not HAVE_GLUON:
         raise RuntimeError("kimi_core.kernels.gluon_w4a16 needs Triton >= 3.5 (triton.experimental.gluon)")
     E, N, K = _validate(a, "dy" if dgrad else "x", w_packed, w_scale, fmt, m_splits, "N" if dgrad else "K")
-    if K % BK or N % 8:
-        raise ValueError(f"gluon_w4a16.{where}: needs K a multiple of {BK} and N of 8 (TMA rows of 16 bytes), "
-                         f"got K={K}, N={N}")
+    scale_bytes = w_scale.element_size()
+    if K % BK or N % 8 or (K // 32 * scale_bytes) % 16:
+        raise ValueError(f"gluon_w4a16.{where}: needs K a multiple of {BK} and of {512 // scale_bytes} and N of 8 "
+                         f"(TMA rows of 16 bytes for x, dy and the {fmt} scales), got K={K}, N={N}")
     if decode_warps not in (4, 8):
         raise ValueError(f"gluon_w4a16.{where}: decode_warps must be 4 or 8, got {decode_warps}")
     block_m = pick_block_m(m_splits) if block_m is None else block_m
@@ -303,11 +293,14 @@ def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: s
         return y
     a, w_scale = a.contiguous(), w_scale.contiguous()
     packed = w_packed.contiguous().view(torch.uint8).reshape(E * N, K // 2)  # INT4 words are the same bytes
-    a_block, p_block = descriptor_blocks(dgrad, block_m)
+    scales = w_scale.reshape(E * N, K // 32)
+    a_block, p_block, s_block = descriptor_blocks(dgrad, block_m, scale_bytes)
+    s_dtype = gl.uint8 if scale_bytes == 1 else gl.bfloat16
     a_desc = TensorDescriptor.from_tensor(a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl.bfloat16))
     p_desc = TensorDescriptor.from_tensor(packed, p_block, gl.NVMMASharedLayout.get_default_for(p_block, gl.uint8))
+    s_desc = TensorDescriptor.from_tensor(scales, s_block, gl.NVMMASharedLayout.get_default_for(s_block, s_dtype))
     grid = (-(-out_cols // BN), tiles.shape[0])
-    w4a16_ws_kernel[grid](a_desc, p_desc, w_scale, y, tiles, N, K, w_scale.stride(0), w_scale.stride(1), y.stride(0),
+    w4a16_ws_kernel[grid](a_desc, p_desc, s_desc, y, tiles, N, K, y.stride(0),
                           _fmt_id(fmt), dgrad, block_m, BN, BK, STAGES, decode_warps, decode_regs(decode_warps),
                           num_warps=4)
     return y

@@ -26,7 +26,7 @@ def one(fmt_name: str, op: str) -> None:
     from kimi_core.kernels import gluon_w4a16 as gw
 
     fmt = {"mxfp4": MXFP4, "int4": INT4}[fmt_name]
-    E, N, K, splits = 3, 256, 256, [70, 0, 130]
+    E, N, K, splits = 3, 256, 512, [70, 0, 130]
     wp, ws = random_packed(fmt, E, N, K, seed=1, device="cuda")
     T = sum(splits)
     a = torch.randn(T, N if op == "dgrad" else K, device="cuda").bfloat16()

@@ -66,17 +66,17 @@ def desc_sig(dtype: str, block: list[int], gl_dtype) -> str:
     return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
 
 
-configs = [(fmt, ws, dgrad, gw.DECODE_WARPS, gw.BM) for fmt, ws in ((MXFP4, "*u8"), (INT4, "*bf16"))
+configs = [(fmt, ws, dgrad, gw.DECODE_WARPS, gw.BM) for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16"))
            for dgrad in (0, 1)]
-configs += [(MXFP4, "*u8", dgrad, 8, gw.BM) for dgrad in (0, 1)]  # the 8-warp decode partition too
-configs += [(fmt, ws, dgrad, gw.DECODE_WARPS, 64) for fmt, ws in ((MXFP4, "*u8"), (INT4, "*bf16"))
+configs += [(MXFP4, "u8", dgrad, 8, gw.BM) for dgrad in (0, 1)]  # the 8-warp decode partition too
+configs += [(fmt, ws, dgrad, gw.DECODE_WARPS, 64) for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16"))
             for dgrad in (0, 1)]  # 64-row tiles (few tokens per expert)
 for fmt, ws, dgrad, warps, bm in configs:
     if True:
-        a_block, p_block = gw.descriptor_blocks(dgrad, bm)
+        a_block, p_block, s_block = gw.descriptor_blocks(dgrad, bm, 1 if ws == "u8" else 2)
         sig = {"a_desc": desc_sig("bf16", a_block, gl.bfloat16), "p_desc": desc_sig("u8", p_block, gl.uint8),
-               "ws_ptr": ws, "out_ptr": "*bf16", "tiles_ptr": "*i32", "N": "i32", "K": "i32",
-               **{n: "i32" for n in ("stride_se", "stride_sn", "stride_om")},
+               "s_desc": desc_sig(ws, s_block, gl.uint8 if ws == "u8" else gl.bfloat16),
+               "out_ptr": "*bf16", "tiles_ptr": "*i32", "N": "i32", "K": "i32", "stride_om": "i32",
                **{n: "constexpr" for n in ("FMT", "DGRAD", "BM", "BN", "BK", "STAGES", "DECODE_WARPS", "DECODE_REGS")}}
         src = GluonASTSource(gw.w4a16_ws_kernel, sig, constexprs={
             "FMT": fmt, "DGRAD": dgrad, "BM": bm, "BN": gw.BN, "BK": gw.BK, "STAGES": gw.STAGES,
@@ -91,3 +91,4 @@ for fmt, ws, dgrad, warps, bm in configs:
             name = f"{os.environ['GLUON_DUMP']}_{'dgrad' if dgrad else 'fwd'}_{fmt}_w{warps}_m{bm}"
             open(name + ".ptx", "w").write(ptx)
             open(name + ".ttgir", "w").write(k.asm["ttgir"])
+            open(name + ".cubin", "wb").write(k.asm["cubin"])
