@@ -87,6 +87,8 @@ for fmt, ws, dgrad, warps, bm in configs:
               "| wgmma:",
               "wgmma.mma_async" in ptx, "| TMA loads:", ptx.count("cp.async.bulk.tensor"), "| bf16x2 muls:",
               ptx.count("mul.rn.bf16x2"), "| shared bytes:", k.metadata.shared, "| cubin bytes", len(k.asm["cubin"]))
+        if os.environ.get("GLUON_META"):
+            print("  TMA metadata:", k.metadata.tensordesc_meta, "| warps:", k.metadata.num_warps)
         if os.environ.get("GLUON_DUMP"):
             name = f"{os.environ['GLUON_DUMP']}_{'dgrad' if dgrad else 'fwd'}_{fmt}_w{warps}_m{bm}"
             open(name + ".ptx", "w").write(ptx)
