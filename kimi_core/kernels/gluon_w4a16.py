@@ -106,16 +106,46 @@ if HAVE_GLUON:
                 "=r,r,r", [pairs | 0x43004300, scale2], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _scale_pairs(s_tile, R: gl.constexpr, G: gl.constexpr, layout: gl.constexpr, FMT: gl.constexpr):
-        """int32 ``[R, G]`` bf16x2 pairs (the same scale in both halves) from the first ``G`` scale groups of the
-        ``[R, >= G]`` shared tile ``s_tile`` (E8M0 bytes for MXFP4, bf16 for INT4; TMA zero-fills rows past the
-        tensor)."""
-        v = s_tile.slice(0, G, dim=1).load(layout)
-        if FMT == 0:
-            sb = v.to(gl.int32) & 0xFF
-            sb = gl.where(sb == 0, 0x40, sb << 7)  # bf16 bits of 2^(s - 127); s = 0 is the subnormal 2^-127
+    def _scale_box(step, col0, DGRAD: gl.constexpr, BK: gl.constexpr, SB: gl.constexpr):
+        """(first scale group of the 16-byte TMA box, byte offset of the step's groups inside it). TMA needs the
+        innermost coordinate 16-byte aligned, so the box starts at the aligned group at or below the step's first
+        (forward: group ``BK / 32 * step``; dgrad: ``col0 / 32``, the same every step)."""
+        if DGRAD:
+            g0 = col0 // 32
         else:
-            sb = v.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+            g0 = step * (BK // 32)
+        box0 = g0 // (16 // SB) * (16 // SB)
+        return box0, (g0 - box0) * SB
+
+    @gluon.jit
+    def _pick_scale(words, cols, byte, MASK: gl.constexpr):
+        """``[R]`` int32: the scale at byte offset ``byte`` of each row of ``words`` (``[R, 4]`` int32 = the 16
+        bytes of a row's TMA box, little-endian)."""
+        w = gl.sum(gl.where(gl.expand_dims(cols, 0) == byte // 4, words, 0), axis=1)
+        return (w >> ((byte % 4) * 8)) & MASK
+
+    @gluon.jit
+    def _scale_pairs(s_tile, off, R: gl.constexpr, G: gl.constexpr, layout: gl.constexpr, FMT: gl.constexpr,
+                     DECODE_WARPS: gl.constexpr):
+        """int32 ``[R, G]`` bf16x2 pairs (the same scale in both halves) of the ``G`` scale groups at byte ``off``
+        of each row of ``s_tile`` (``[R, 16 bytes]`` row-major: E8M0 bytes for MXFP4, bf16 for INT4; TMA
+        zero-fills rows past the tensor)."""
+        SB: gl.constexpr = 1 if FMT == 0 else 2
+        MASK: gl.constexpr = 0xFF if FMT == 0 else 0xFFFF
+        LW: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [DECODE_WARPS, 1], [1, 0])
+        words = s_tile._reinterpret(gl.int32, [R, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(LW)
+        cols = gl.arange(0, 4, layout=gl.SliceLayout(0, LW))
+        v0 = _pick_scale(words, cols, off, MASK)
+        v1 = _pick_scale(words, cols, off + SB, MASK)
+        if G == 2:
+            v = gl.join(v0, v1)
+        else:  # G == 4: join(join(v0, v2), join(v1, v3))[r, i, k] = v[2 i + k]
+            v2 = _pick_scale(words, cols, off + 2 * SB, MASK)
+            v3 = _pick_scale(words, cols, off + 3 * SB, MASK)
+            v = gl.reshape(gl.join(gl.join(v0, v2), gl.join(v1, v3)), [R, 4])
+        sb = gl.convert_layout(v, layout)
+        if FMT == 0:
+            sb = gl.where(sb == 0, 0x40, sb << 7)  # bf16 bits of 2^(s - 127); s = 0 is the subnormal 2^-127
         return sb | (sb << 16)
 
     @gluon.jit
@@ -131,22 +161,23 @@ if HAVE_GLUON:
             phase = ((i // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
             mbarrier.wait(p_free.index(s), phase)
             mbarrier.expect(p_ready.index(s), p_desc.block_type.nbytes + s_desc.block_type.nbytes)
+            box0, _ = _scale_box(i, col0, DGRAD, BK, 16 // s_desc.block_type.shape[1])
             if DGRAD:
                 tma.async_copy_global_to_shared(p_desc, [expert * N + i * BK, col0 // 2], p_ready.index(s),
                                                 p_ring.index(s))
-                tma.async_copy_global_to_shared(s_desc, [expert * N + i * BK, col0 // 32], p_ready.index(s),
+                tma.async_copy_global_to_shared(s_desc, [expert * N + i * BK, box0], p_ready.index(s),
                                                 s_ring.index(s))
             else:
                 tma.async_copy_global_to_shared(p_desc, [expert * N + col0, i * (BK // 2)], p_ready.index(s),
                                                 p_ring.index(s))
-                tma.async_copy_global_to_shared(s_desc, [expert * N + col0, i * (BK // 32)], p_ready.index(s),
+                tma.async_copy_global_to_shared(s_desc, [expert * N + col0, box0], p_ready.index(s),
                                                 s_ring.index(s))
             mbarrier.wait(free.index(s), phase)
             mbarrier.expect(a_ready.index(s), a_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(a_desc, [row0, i * BK], a_ready.index(s), a_ring.index(s))
 
     @gluon.jit
-    def _decoder(p_ring, s_ring, w_ring, p_ready, p_free, w_ready, free, N, steps, FMT: gl.constexpr,
+    def _decoder(p_ring, s_ring, w_ring, p_ready, p_free, w_ready, free, col0, N, steps, FMT: gl.constexpr,
                  DGRAD: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                  DECODE_WARPS: gl.constexpr):
         """``DECODE_WARPS`` warps: packed bytes ``[R, C]`` of stage ``s`` (byte ``c`` = elements ``2c``, ``2c + 1``
@@ -167,7 +198,8 @@ if HAVE_GLUON:
             s = i % STAGES
             mbarrier.wait(p_ready.index(s), (i // STAGES) & 1)
             b = p_ring.index(s).load(L2)
-            sc = _scale_pairs(s_ring.index(s), R, G, SL, FMT)
+            _, off = _scale_box(i, col0, DGRAD, BK, 1 if FMT == 0 else 2)
+            sc = _scale_pairs(s_ring.index(s), off, R, G, SL, FMT, DECODE_WARPS)
             mbarrier.arrive(p_free.index(s), count=1)
             b = gl.convert_layout(gl.reshape(b.to(gl.int32) & 0xFF, [R, G, 16]), L3, assert_trivial=True)
             pairs = (b | (b << 12)) & 0x000F000F
@@ -256,7 +288,7 @@ if HAVE_GLUON:
                          stride_om, DGRAD, BM, BN, STAGES)),
             (_loader, (a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, p_ready, p_free, free, row0, expert,
                        col0, N, steps, DGRAD, BM, BN, BK, STAGES)),
-            (_decoder, (p_ring, s_ring, w_ring, p_ready, p_free, w_ready, free, N, steps, FMT, DGRAD, BN, BK,
+            (_decoder, (p_ring, s_ring, w_ring, p_ready, p_free, w_ready, free, col0, N, steps, FMT, DGRAD, BN, BK,
                         STAGES, DECODE_WARPS)),
         ], [1, DECODE_WARPS], [40, DECODE_REGS])
 
