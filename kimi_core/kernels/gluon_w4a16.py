@@ -25,12 +25,14 @@ table ``[tiles, 3]`` int32 = (expert, first row, end row); ``BM`` is 64 or 128 (
 tile past its expert's end are computed and not stored; weight rows past ``N`` (dgrad's contraction) are zeroed.
 Extra memory: none beyond the output and the tile table.
 
-Status (2026-12-04): the first version (producer decoding from global memory, no TMA, BM 64) was correct on the
-H200 but ran at 0.09-0.37x BF16; this is the second (TMA, a decoder fed from shared memory, BM 128), compiled for
-sm_90a with Triton 3.6.0 on the CPU (``tests/gpu/gluon_sm90_compile_check.py``). Its GPU tests
-(``tests/kimi_core/kernels/test_gluon_w4a16_gpu.py``) check it against the float32 oracle of exactly dequantized
-weights and the decoded weights bit for bit. Until ``benchmarks/w4a16_grouped_gemm.py --gluon`` shows it faster,
-:func:`kimi_core.kernels.choose_path` never picks it.
+Status (2026-12-04, H200, Triton 3.6.0): correct (fwd and dgrad vs the fp32 oracle, decoded weights bit for bit;
+``tests/kimi_core/kernels/test_gluon_w4a16_gpu.py``) and ~410 TFLOP/s at most: 0.5-0.66x BF16 ``_grouped_mm`` at
+512-2048 tokens per expert, 0.8-1.1x at 8 (benchmarks/RESULTS.md "the warp-specialised Gluon kernel"). The limit
+measured there is data movement, not decode: a 128-wide column tile re-reads the activation rows N / 128 times (L2
+bandwidth), and a 64/128-row tile of a small expert reads rows it does not need. The next version puts the weights
+on the MMA's M side (tokens as wgmma N) with 256-wide tiles. Until it is faster than the dispatcher's paths,
+:func:`kimi_core.kernels.choose_path` never picks it. Compile check on the CPU:
+``tests/gpu/gluon_sm90_compile_check.py``.
 """
 
 from __future__ import annotations
