@@ -21,7 +21,7 @@ Shapes and dtypes: ``x`` bf16 ``[T, K]`` with rows sorted by expert; ``w_packed`
 element ``2j`` in the low nibble) or ``[E, N, K/8]`` int32 (INT4, element ``8m + j`` in nibble ``j``: the same
 bytes); ``w_scale`` ``[E, N, K/32]`` uint8 E8M0 or bf16; ``y`` bf16 ``[T, N]`` (dgrad: ``dy`` ``[T, N]`` ->
 ``dx`` ``[T, K]``). One program per (``BN`` output columns, ``BM`` rows of one expert), from a host-built tile
-table ``[tiles, 3]`` int32 = (expert, first row, end row); ``BM`` is 64 or 128 (:func:`pick_block_m`). Rows of a
+table ``[tiles, 3]`` int32 = (expert, first row, end row); ``BM`` is 8 to 128 (:func:`pick_block_m`). Rows of a
 tile past its expert's end are computed and not stored; weight rows past ``N`` (dgrad's contraction) are zeroed.
 Extra memory: none beyond the output and the tile table.
 
@@ -51,10 +51,10 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 __all__ = ["HAVE_GLUON", "pick_block_m", "tile_table", "grouped_gemm", "grouped_gemm_dgrad"]
 
-BM, BN, BK = 128, 128, 64  # BM: rows of one expert per tile; 64 where experts get few tokens (see pick_block_m)
+BM, BN, BK = 128, 128, 64  # BM: rows of one expert per tile (fewer where experts have few rows: pick_block_m)
 STAGES = 4          # shared ring depth: (x 16 KB + decoded weight 16 KB + packed bytes 4 KB) per stage at BM 128
 DECODE_WARPS = 4    # warps of the decode partition (4 or 8)
-SMALL_M = 64        # mean rows per non-empty expert at or below which a tile has 64 rows (half the MMA of 128)
+BLOCK_M_CHOICES = (8, 16, 32, 64, 128)  # activation rows per tile: the wgmma's N (see pick_block_m)
 
 
 def decode_regs(decode_warps: int) -> int:
@@ -65,11 +65,13 @@ def decode_regs(decode_warps: int) -> int:
 
 
 def pick_block_m(m_splits) -> int:
-    """Rows per tile: 64 when the non-empty experts average at most :data:`SMALL_M` rows (a 128-row wgmma would
-    spend most of its work on the next expert's rows there), else :data:`BM`."""
+    """Activation rows per tile (the wgmma's N side): the smallest of 8, 16, 32, 64, 128 at or above the mean rows
+    of the non-empty experts, 128 above that: a tile of an expert with few rows then reads and multiplies about
+    the rows it has."""
     splits = [int(v) for v in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)]
     busy = [m for m in splits if m]
-    return 64 if busy and sum(busy) <= SMALL_M * len(busy) else BM
+    mean = sum(busy) / len(busy) if busy else BM
+    return next((b for b in BLOCK_M_CHOICES if b >= mean), BM)
 
 
 def tile_table(m_splits, block_m: int, device) -> torch.Tensor:
@@ -220,30 +222,34 @@ if HAVE_GLUON:
     @gluon.jit
     def _consumer(a_ring, w_ring, a_ready, w_ready, free, out_ptr, row0, row_end, col0, steps, out_cols, stride_om,
                   DGRAD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
-        """Default partition (one warpgroup): wgmma from the rings into an fp32 ``[BM, BN]`` accumulator, a stage
-        released (``free[s]``) once its wgmma has retired; then the masked bf16 epilogue."""
+        """Default partition (one warpgroup): the transposed tile ``out^T [BN, BM] = W_tile . a_tile^T`` by wgmma with
+        the weights as its M side (two m64 instructions) and the ``BM`` activation rows as its N side (8 to 128), so
+        a tile of a small expert reads only about the rows it has. A stage is released (``free[s]``) once its wgmma
+        has retired; then the masked bf16 epilogue writes the tile back transposed."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BN, 16])
-        acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
+                                                             instr_shape=[16, BM, 16])
+        acc = gl.zeros((BN, BM), dtype=gl.float32, layout=acc_layout)
         for i in range(steps):
             s = i % STAGES
             mbarrier.wait(a_ready.index(s), (i // STAGES) & 1)
             mbarrier.wait(w_ready.index(s), (i // STAGES) & 1)
-            if DGRAD:
-                acc = warpgroup_mma(a_ring.index(s), w_ring.index(s), acc, is_async=True)
-            else:
-                acc = warpgroup_mma(a_ring.index(s), w_ring.index(s).permute((1, 0)), acc, is_async=True)
+            if DGRAD:  # W tile [BK (n), BN (k)] -> A operand [BN, BK]
+                acc = warpgroup_mma(w_ring.index(s).permute((1, 0)), a_ring.index(s).permute((1, 0)), acc,
+                                    is_async=True)
+            else:  # W tile [BN (n), BK (k)]
+                acc = warpgroup_mma(w_ring.index(s), a_ring.index(s).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # step i - 1's wgmma has retired
             if i > 0:
                 mbarrier.arrive(free.index((i - 1) % STAGES), count=1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        # epilogue here (Triton 3.6's warp_specialize cannot return the default partition's tensors)
-        out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        # epilogue here (Triton 3.6's warp_specialize cannot return the default partition's tensors): out[row, col]
+        # = acc[col, row], eight consecutive output columns per thread (one 16-byte store)
+        out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 4], [0, 1])
         out = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
-        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
-        cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-        gl.store(out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :], out,
-                 mask=(rows < row_end)[:, None] & (cols < out_cols)[None, :])
+        cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
+        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
+        gl.store(out_ptr + rows.to(gl.int64)[None, :] * stride_om + cols[:, None], out,
+                 mask=(cols < out_cols)[:, None] & (rows < row_end)[None, :])
 
     @gluon.jit
     def w4a16_ws_kernel(a_desc, p_desc, s_desc, out_ptr, tiles_ptr, N, K, stride_om,
@@ -318,8 +324,8 @@ def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: s
     if decode_warps not in (4, 8):
         raise ValueError(f"gluon_w4a16.{where}: decode_warps must be 4 or 8, got {decode_warps}")
     block_m = pick_block_m(m_splits) if block_m is None else block_m
-    if block_m not in (64, 128):
-        raise ValueError(f"gluon_w4a16.{where}: block_m must be 64 or 128, got {block_m}")
+    if block_m not in BLOCK_M_CHOICES:
+        raise ValueError(f"gluon_w4a16.{where}: block_m must be one of {BLOCK_M_CHOICES}, got {block_m}")
     out_cols = K if dgrad else N
     tiles = tile_table(m_splits, block_m, a.device)
     y = torch.empty((a.shape[0], out_cols), dtype=torch.bfloat16, device=a.device) if out is None else out
@@ -346,8 +352,9 @@ def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     """``y[T, N]`` bf16, ``y[rows_e] = x[rows_e] . dequant(W_e)^T`` with fp32 accumulation, for ``fmt`` one of
     :data:`kimi_core.kernels.MXFP4_FORMAT` / ``INT4_FORMAT`` (layouts in the module docstring; inputs checked as
     :func:`kimi_core.kernels.w4a16_grouped_gemm` checks them). Needs a Hopper GPU and Triton with Gluon; ``K`` a
-    multiple of 64; ``m_splits`` is read on the host; ``out``: a bf16 ``[T, N]`` to write into; ``block_m``: 64 or
-    128 rows per tile (default :func:`pick_block_m`); ``decode_warps``: 4 or 8 warps decode the weights."""
+    multiple of 64 (and of 512 for MXFP4 / 256 for INT4 scale rows); ``m_splits`` is read on the host; ``out``: a
+    bf16 ``[T, N]`` to write into; ``block_m``: rows per tile, one of :data:`BLOCK_M_CHOICES` (default
+    :func:`pick_block_m`); ``decode_warps``: 4 or 8 warps decode the weights."""
     return _launch(x, w_packed, w_scale, fmt, m_splits, out, False, "grouped_gemm", block_m, decode_warps)
 
 

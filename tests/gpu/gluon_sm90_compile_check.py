@@ -69,8 +69,8 @@ def desc_sig(dtype: str, block: list[int], gl_dtype) -> str:
 configs = [(fmt, ws, dgrad, gw.DECODE_WARPS, gw.BM) for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16"))
            for dgrad in (0, 1)]
 configs += [(MXFP4, "u8", dgrad, 8, gw.BM) for dgrad in (0, 1)]  # the 8-warp decode partition too
-configs += [(fmt, ws, dgrad, gw.DECODE_WARPS, 64) for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16"))
-            for dgrad in (0, 1)]  # 64-row tiles (few tokens per expert)
+configs += [(fmt, ws, dgrad, gw.DECODE_WARPS, bm) for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16"))
+            for dgrad in (0, 1) for bm in gw.BLOCK_M_CHOICES[:-1]]  # fewer rows per tile (few tokens per expert)
 for fmt, ws, dgrad, warps, bm in configs:
     if True:
         a_block, p_block, s_block = gw.descriptor_blocks(dgrad, bm, 1 if ws == "u8" else 2)

@@ -25,3 +25,17 @@ def test_tile_table_covers_each_experts_rows_once(splits, block):
             assert owner[r] == e
             seen[r] += 1
     assert seen == [1] * len(owner)
+
+
+@pytest.mark.parametrize("splits", [[8] * 4, [0, 9, 7], [70, 0, 130], [128] * 3, [2048, 1], [0, 0]])
+def test_pick_block_m_is_a_kernel_tile_at_or_above_the_mean_expert(splits):
+    """The rows per tile are one of the kernel's compiled choices, at least the mean rows of the non-empty experts
+    (or the largest choice), and the smallest such choice."""
+    from kimi_core.kernels.gluon_w4a16 import BLOCK_M_CHOICES, pick_block_m
+
+    bm = pick_block_m(splits)
+    busy = [m for m in splits if m]
+    mean = sum(busy) / len(busy) if busy else max(BLOCK_M_CHOICES)
+    assert bm in BLOCK_M_CHOICES
+    assert bm >= mean or bm == max(BLOCK_M_CHOICES)
+    assert all(b < mean for b in BLOCK_M_CHOICES if b < bm)

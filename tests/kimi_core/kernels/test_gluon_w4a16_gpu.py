@@ -48,10 +48,10 @@ def test_gluon_fwd_and_dgrad_match_oracle(fmt, E, K, N, mean):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("block_m,decode_warps", [(64, 8), (128, 8), (64, 4)])
+@pytest.mark.parametrize("block_m,decode_warps", [(8, 4), (16, 8), (32, 4), (64, 8), (128, 8)])
 def test_gluon_tile_configs_match_oracle(fmt, block_m, decode_warps):
-    """The configs the defaults above do not reach (8 decode warps; 64-row tiles on experts of ~70 rows, so tiles
-    end inside an expert and past it), fwd and dgrad, masked N."""
+    """Tile configs the defaults above do not reach (8 decode warps; 8- to 64-row tiles on experts of ~70 rows, so
+    tiles end inside an expert and past it), fwd and dgrad, masked N."""
     from kimi_core.kernels import gluon_w4a16 as gw
 
     if not gw.HAVE_GLUON:
