@@ -27,12 +27,11 @@ Extra memory: none beyond the output and the tile table.
 
 Status (2026-12-04, H200, Triton 3.6.0): correct (fwd and dgrad vs the fp32 oracle, decoded weights bit for bit;
 ``tests/kimi_core/kernels/test_gluon_w4a16_gpu.py``) and ~410 TFLOP/s at most: 0.5-0.66x BF16 ``_grouped_mm`` at
-512-2048 tokens per expert, 0.8-1.1x at 8 (benchmarks/RESULTS.md "the warp-specialised Gluon kernel"). The limit
-measured there is data movement, not decode: a 128-wide column tile re-reads the activation rows N / 128 times (L2
-bandwidth), and a 64/128-row tile of a small expert reads rows it does not need. The next version puts the weights
-on the MMA's M side (tokens as wgmma N) with 256-wide tiles. Until it is faster than the dispatcher's paths,
-:func:`kimi_core.kernels.choose_path` never picks it. Compile check on the CPU:
-``tests/gpu/gluon_sm90_compile_check.py``.
+512-2048 tokens per expert, 0.8-1.0x at 8 (benchmarks/RESULTS.md "the warp-specialised Gluon kernel"). Each
+64-wide K step of a tile costs ~700 ns whatever its rows or decode warps, 350 ns of it with neither decode nor MMA:
+a fixed hand-off cost (TMA, the decoder's store and fence, mbarrier round trips) that wider K steps would amortise.
+Until it is faster than the dispatcher's paths, :func:`kimi_core.kernels.choose_path` never picks it. Compile check
+on the CPU: ``tests/gpu/gluon_sm90_compile_check.py``.
 """
 
 from __future__ import annotations
