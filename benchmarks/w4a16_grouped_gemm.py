@@ -94,11 +94,13 @@ DECODE_HEADER = "| shape | fmt | experts decoded | decode ms | read GB | written
 
 
 def parse_gluon_config(text: str) -> dict:
-    """``auto`` (the kernel's own tile choice) or ``<block_m>x<decode_warps>``, e.g. ``64x4`` -> keyword arguments."""
+    """``auto`` (the kernel's own tile choice) or ``<block_m>x<decode_warps>[s<load_stages>]``, e.g. ``64x4`` or
+    ``128x4s4`` -> keyword arguments."""
     if text == "auto":
         return {}
-    bm, warps = text.split("x")
-    return dict(block_m=int(bm), decode_warps=int(warps))
+    bm, rest = text.split("x")
+    warps, _, stages = rest.partition("s")
+    return dict(block_m=int(bm), decode_warps=int(warps), load_stages=int(stages) if stages else None)
 
 
 def measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe, alt_bytes: int | None = None, gluon: list[str] | None = None,

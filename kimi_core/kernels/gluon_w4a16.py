@@ -5,17 +5,18 @@ wait on its wgmma, so decode and MMA never overlap (340-390 TFLOP/s on K3 fc1 ag
 three partitions of one CTA (Gluon's ``warp_specialize``) each do one job, handing stages of shared-memory rings
 to each other through mbarriers:
 
-* the **loader** (1 warp) issues TMA copies: the packed weight bytes of each K step (``[BN, BK / 2]``; dgrad
-  ``[BK, BN / 2]``) into ``p_ring[s]`` (arrives ``p_ready[s]``), and the activation tile ``[BM, BK]`` (``x``, or
-  ``dy`` for dgrad, whose contraction runs over ``N``) into ``a_ring[s]`` (``a_ready[s]``);
-* the **decoder** (``DECODE_WARPS`` warps) reads the bytes from shared memory, turns two 4-bit codes at a time
-  into a bf16x2 pair with integer ops and two ``mul.rn.bf16x2`` (MXFP4: E2M1 codes x E8M0 group scales; INT4:
-  offset-binary nibbles x bf16 group scales; the scales come from global memory one step ahead), the same exact
-  arithmetic as :func:`kimi_core.quant.dequantize`, writes the bf16 tile into ``w_ring[s]`` and arrives
-  ``w_ready[s]``;
-* the **consumer** (default partition, one warpgroup) runs ``warpgroup_mma`` from ``a_ring[s]`` and ``w_ring[s]``
-  into an fp32 ``[BM, BN]`` accumulator and arrives ``free[s]`` once that wgmma has retired (loader and decoder
-  wait on it before they refill stage ``s``), then writes the masked bf16 tile.
+* the **loader** (1 warp) issues TMA copies into ``LOAD_STAGES``-deep rings: the packed weight bytes of each K
+  step (``[BN, BK / 2]``; dgrad ``[BK, BN / 2]``) and their scales into ``p_ring`` / ``s_ring`` (arrive
+  ``p_ready``), the activation tile ``[BM, BK]`` (``x``, or ``dy`` for dgrad, whose contraction runs over ``N``)
+  into ``a_ring`` (``a_ready``);
+* the **decoder** (``DECODE_WARPS`` warps) reads bytes and scales from shared memory (arrives ``p_free``), turns
+  two 4-bit codes at a time into a bf16x2 pair with integer ops and two ``mul.rn.bf16x2`` (MXFP4: E2M1 codes x
+  E8M0 group scales; INT4: offset-binary nibbles x bf16 group scales), the same exact arithmetic as
+  :func:`kimi_core.quant.dequantize`, and writes the bf16 tile into the ``W_STAGES``-deep ``w_ring`` (``w_ready``);
+* the **consumer** (default partition, one warpgroup) runs ``warpgroup_mma`` with the weight tile as its M side
+  and the activation tile as its N side into an fp32 ``[BN, BM]`` accumulator, arrives ``a_free`` / ``w_free`` once
+  that wgmma has retired (loader and decoder wait on them before they refill a stage), then writes the masked bf16
+  tile back transposed.
 
 Shapes and dtypes: ``x`` bf16 ``[T, K]`` with rows sorted by expert; ``w_packed`` ``[E, N, K/2]`` uint8 (MXFP4,
 element ``2j`` in the low nibble) or ``[E, N, K/8]`` int32 (INT4, element ``8m + j`` in nibble ``j``: the same
@@ -51,7 +52,9 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 __all__ = ["HAVE_GLUON", "pick_block_m", "tile_table", "grouped_gemm", "grouped_gemm_dgrad"]
 
 BM, BN, BK = 128, 128, 64  # BM: rows of one expert per tile (fewer where experts have few rows: pick_block_m)
-STAGES = 4          # shared ring depth: (x 16 KB + decoded weight 16 KB + packed bytes 4 KB) per stage at BM 128
+W_STAGES = 3        # decoded bf16 weight tiles in flight: how far the decoder may run ahead of the wgmma
+MAX_LOAD_STAGES = 8  # TMA ring depth cap (activation tile + packed bytes + scales per stage)
+RING_BUDGET = 200 * 1024  # shared bytes for the rings; the epilogue's scratch and the barriers take the rest of 227 KB
 DECODE_WARPS = 4    # warps of the decode partition (4 or 8)
 BLOCK_M_CHOICES = (8, 16, 32, 64, 128)  # activation rows per tile: the wgmma's N (see pick_block_m)
 
@@ -61,6 +64,15 @@ def decode_regs(decode_warps: int) -> int:
     accumulator registers each), loader (1 warp, 40) and decoders fit one SM's 64 K registers."""
     return 160 if decode_warps <= 4 else 120
 # FMT: triton_w4a16's format ids (FMT_MXFP4 = 0, FMT_INT4 = 1, from its _fmt_id)
+
+
+def default_load_stages(block_m: int, dgrad: bool) -> int:
+    """Depth of the TMA rings: as many stages (2 to :data:`MAX_LOAD_STAGES`) as fit :data:`RING_BUDGET` beside
+    :data:`W_STAGES` decoded tiles. A stage is released only when its wgmma has retired, so the loads lead the MMA by
+    about ``LOAD_STAGES - 1`` steps; with one 4-deep ring for everything, that lead against a TMA round trip of
+    about a microsecond set the pace (~700 ns per step whatever the tile, benchmarks/RESULTS.md)."""
+    stage = block_m * BK * 2 + BN * BK // 2 + (BK if dgrad else BN) * 16  # activation, packed bytes, scale box
+    return max(2, min(MAX_LOAD_STAGES, (RING_BUDGET - W_STAGES * BN * BK * 2) // stage))
 
 
 def pick_block_m(m_splits) -> int:
@@ -152,16 +164,15 @@ if HAVE_GLUON:
         return sb | (sb << 16)
 
     @gluon.jit
-    def _loader(a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, p_ready, p_free, free, row0, expert, col0,
-                N, steps, DGRAD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                STAGES: gl.constexpr):
+    def _loader(a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, row0, expert, col0,
+                N, steps, DGRAD: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr):
         """One warp: TMA copies of the activation tile ``[BM, BK]``, the packed weight bytes and the scales of each
-        step into the rings (forward: bytes ``[BN rows, BK / 2]``, scales of those rows from group ``BK / 32 * i``;
-        dgrad: bytes ``[BK rows, BN / 2]``, scales of those rows from group ``col0 / 32``). The scales go by TMA,
-        not by the decoder's own loads: its fence before each wgmma hand-off (``MEMBAR``) would wait for them."""
+        step into the ``LOAD_STAGES``-deep load rings (forward: bytes ``[BN rows, BK / 2]``, scales of those rows;
+        dgrad: bytes ``[BK rows, BN / 2]``, scales of those rows). The scales go by TMA, not by the decoder's own
+        loads: its fence before each wgmma hand-off (``MEMBAR``) would wait for them."""
         for i in range(steps):
-            s = i % STAGES
-            phase = ((i // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
+            s = i % LOAD_STAGES
+            phase = ((i // LOAD_STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
             mbarrier.wait(p_free.index(s), phase)
             mbarrier.expect(p_ready.index(s), p_desc.block_type.nbytes + s_desc.block_type.nbytes)
             box0, _ = _scale_box(i, col0, DGRAD, BK, 16 // s_desc.block_type.shape[1])
@@ -175,16 +186,17 @@ if HAVE_GLUON:
                                                 p_ring.index(s))
                 tma.async_copy_global_to_shared(s_desc, [expert * N + col0, box0], p_ready.index(s),
                                                 s_ring.index(s))
-            mbarrier.wait(free.index(s), phase)
+            mbarrier.wait(a_free.index(s), phase)
             mbarrier.expect(a_ready.index(s), a_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(a_desc, [row0, i * BK], a_ready.index(s), a_ring.index(s))
 
     @gluon.jit
-    def _decoder(p_ring, s_ring, w_ring, p_ready, p_free, w_ready, free, col0, N, steps, FMT: gl.constexpr,
-                 DGRAD: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                 DECODE_WARPS: gl.constexpr):
+    def _decoder(p_ring, s_ring, w_ring, p_ready, p_free, w_ready, w_free, col0, N, steps, FMT: gl.constexpr,
+                 DGRAD: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr,
+                 W_STAGES: gl.constexpr, DECODE_WARPS: gl.constexpr):
         """``DECODE_WARPS`` warps: packed bytes ``[R, C]`` of stage ``s`` (byte ``c`` = elements ``2c``, ``2c + 1``
-        in its low / high nibble, MXFP4 and INT4 alike) -> bf16 ``[R, 2C]`` weight tile in ``w_ring[s]``."""
+        in its low / high nibble, MXFP4 and INT4 alike) of load stage ``i % LOAD_STAGES`` -> bf16 ``[R, 2C]`` weight
+        tile in ``w_ring[i % W_STAGES]``."""
         if DGRAD:  # W[step rows (n), output cols (k)]
             R: gl.constexpr = BK
             C: gl.constexpr = BN // 2
@@ -198,8 +210,8 @@ if HAVE_GLUON:
         G: gl.constexpr = C // 16  # 32-element scale groups per tile row
         SL: gl.constexpr = gl.SliceLayout(2, L3)
         for i in range(steps):
-            s = i % STAGES
-            mbarrier.wait(p_ready.index(s), (i // STAGES) & 1)
+            s = i % LOAD_STAGES
+            mbarrier.wait(p_ready.index(s), (i // LOAD_STAGES) & 1)
             b = p_ring.index(s).load(L2)
             _, off = _scale_box(i, col0, DGRAD, BK, 1 if FMT == 0 else 2)
             sc = _scale_pairs(s_ring.index(s), off, R, G, SL, FMT, DECODE_WARPS)
@@ -213,33 +225,38 @@ if HAVE_GLUON:
             lo = (pairs & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
             hi = (pairs >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
             w = gl.reshape(gl.join(lo, hi), [R, 2 * C])
-            mbarrier.wait(free.index(s), ((i // STAGES) & 1) ^ 1)
-            w_ring.index(s).store(w)
+            ws = i % W_STAGES
+            mbarrier.wait(w_free.index(ws), ((i // W_STAGES) & 1) ^ 1)
+            w_ring.index(ws).store(w)
             fence_async_shared()  # the generic-proxy stores before the async-proxy (wgmma) reads
-            mbarrier.arrive(w_ready.index(s), count=1)
+            mbarrier.arrive(w_ready.index(ws), count=1)
 
     @gluon.jit
-    def _consumer(a_ring, w_ring, a_ready, w_ready, free, out_ptr, row0, row_end, col0, steps, out_cols, stride_om,
-                  DGRAD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    def _consumer(a_ring, w_ring, a_ready, a_free, w_ready, w_free, out_ptr, row0, row_end, col0, steps, out_cols,
+                  stride_om, DGRAD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, LOAD_STAGES: gl.constexpr,
+                  W_STAGES: gl.constexpr):
         """Default partition (one warpgroup): the transposed tile ``out^T [BN, BM] = W_tile . a_tile^T`` by wgmma with
         the weights as its M side (two m64 instructions) and the ``BM`` activation rows as its N side (8 to 128), so
-        a tile of a small expert reads only about the rows it has. A stage is released (``free[s]``) once its wgmma
-        has retired; then the masked bf16 epilogue writes the tile back transposed."""
+        a tile of a small expert reads only about the rows it has. A step's activation and weight stages are released
+        (``a_free``, ``w_free``) once its wgmma has retired; then the masked bf16 epilogue writes the tile back
+        transposed."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BM, 16])
         acc = gl.zeros((BN, BM), dtype=gl.float32, layout=acc_layout)
         for i in range(steps):
-            s = i % STAGES
-            mbarrier.wait(a_ready.index(s), (i // STAGES) & 1)
-            mbarrier.wait(w_ready.index(s), (i // STAGES) & 1)
+            s = i % LOAD_STAGES
+            ws = i % W_STAGES
+            mbarrier.wait(a_ready.index(s), (i // LOAD_STAGES) & 1)
+            mbarrier.wait(w_ready.index(ws), (i // W_STAGES) & 1)
             if DGRAD:  # W tile [BK (n), BN (k)] -> A operand [BN, BK]
-                acc = warpgroup_mma(w_ring.index(s).permute((1, 0)), a_ring.index(s).permute((1, 0)), acc,
+                acc = warpgroup_mma(w_ring.index(ws).permute((1, 0)), a_ring.index(s).permute((1, 0)), acc,
                                     is_async=True)
             else:  # W tile [BN (n), BK (k)]
-                acc = warpgroup_mma(w_ring.index(s), a_ring.index(s).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma(w_ring.index(ws), a_ring.index(s).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # step i - 1's wgmma has retired
             if i > 0:
-                mbarrier.arrive(free.index((i - 1) % STAGES), count=1)
+                mbarrier.arrive(a_free.index((i - 1) % LOAD_STAGES), count=1)
+                mbarrier.arrive(w_free.index((i - 1) % W_STAGES), count=1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         # epilogue here (Triton 3.6's warp_specialize cannot return the default partition's tensors): out[row, col]
         # = acc[col, row], eight consecutive output columns per thread (one 16-byte store)
@@ -253,8 +270,8 @@ if HAVE_GLUON:
     @gluon.jit
     def w4a16_ws_kernel(a_desc, p_desc, s_desc, out_ptr, tiles_ptr, N, K, stride_om,
                         FMT: gl.constexpr, DGRAD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                        BK: gl.constexpr, STAGES: gl.constexpr, DECODE_WARPS: gl.constexpr,
-                        DECODE_REGS: gl.constexpr):
+                        BK: gl.constexpr, LOAD_STAGES: gl.constexpr, W_STAGES: gl.constexpr,
+                        DECODE_WARPS: gl.constexpr, DECODE_REGS: gl.constexpr):
         """Forward (``a = x [T, K]``, ``out = y [T, N]``) or dgrad (``a = dy [T, N]``, ``out = dx [T, K]``) of
         one ``[BM, BN]`` output tile: program (column tile, row tile of one expert). ``a_desc``: TMA descriptor of
         ``a`` with block ``[BM, BK]``; ``p_desc``: of the packed bytes as ``[E * N, K / 2]`` uint8 with block
@@ -269,34 +286,37 @@ if HAVE_GLUON:
             steps = gl.cdiv(N, BK)
             out_cols = K
             w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16)
-            w_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN], w_layout)
+            w_ring = gl.allocate_shared_memory(gl.bfloat16, [W_STAGES, BK, BN], w_layout)
         else:
             steps = K // BK
             out_cols = N
             w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
-            w_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], w_layout)
-        a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-        p_ring = gl.allocate_shared_memory(p_desc.dtype, [STAGES] + p_desc.block_type.shape, p_desc.layout)
-        s_ring = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
-        a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        p_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        w_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
+            w_ring = gl.allocate_shared_memory(gl.bfloat16, [W_STAGES, BN, BK], w_layout)
+        a_ring = gl.allocate_shared_memory(a_desc.dtype, [LOAD_STAGES] + a_desc.block_type.shape, a_desc.layout)
+        p_ring = gl.allocate_shared_memory(p_desc.dtype, [LOAD_STAGES] + p_desc.block_type.shape, p_desc.layout)
+        s_ring = gl.allocate_shared_memory(s_desc.dtype, [LOAD_STAGES] + s_desc.block_type.shape, s_desc.layout)
+        a_ready = gl.allocate_shared_memory(gl.int64, [LOAD_STAGES, 1], mbarrier.MBarrierLayout())
+        a_free = gl.allocate_shared_memory(gl.int64, [LOAD_STAGES, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [LOAD_STAGES, 1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [LOAD_STAGES, 1], mbarrier.MBarrierLayout())
+        w_ready = gl.allocate_shared_memory(gl.int64, [W_STAGES, 1], mbarrier.MBarrierLayout())
+        w_free = gl.allocate_shared_memory(gl.int64, [W_STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(LOAD_STAGES):
             mbarrier.init(a_ready.index(s), count=1)
+            mbarrier.init(a_free.index(s), count=1)
             mbarrier.init(p_ready.index(s), count=1)
             mbarrier.init(p_free.index(s), count=1)
+        for s in gl.static_range(W_STAGES):
             mbarrier.init(w_ready.index(s), count=1)
-            mbarrier.init(free.index(s), count=1)
+            mbarrier.init(w_free.index(s), count=1)
 
         gl.warp_specialize([
-            (_consumer, (a_ring, w_ring, a_ready, w_ready, free, out_ptr, row0, row_end, col0, steps, out_cols,
-                         stride_om, DGRAD, BM, BN, STAGES)),
-            (_loader, (a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, p_ready, p_free, free, row0, expert,
-                       col0, N, steps, DGRAD, BM, BN, BK, STAGES)),
-            (_decoder, (p_ring, s_ring, w_ring, p_ready, p_free, w_ready, free, col0, N, steps, FMT, DGRAD, BN, BK,
-                        STAGES, DECODE_WARPS)),
+            (_consumer, (a_ring, w_ring, a_ready, a_free, w_ready, w_free, out_ptr, row0, row_end, col0, steps,
+                         out_cols, stride_om, DGRAD, BM, BN, LOAD_STAGES, W_STAGES)),
+            (_loader, (a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, row0, expert,
+                       col0, N, steps, DGRAD, BK, LOAD_STAGES)),
+            (_decoder, (p_ring, s_ring, w_ring, p_ready, p_free, w_ready, w_free, col0, N, steps, FMT, DGRAD, BN, BK,
+                        LOAD_STAGES, W_STAGES, DECODE_WARPS)),
         ], [1, DECODE_WARPS], [40, DECODE_REGS])
 
 
@@ -309,7 +329,7 @@ def descriptor_blocks(dgrad: bool, block_m: int = BM, scale_bytes: int = 1) -> t
 
 
 def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: str, block_m: int | None,
-            decode_warps: int) -> torch.Tensor:
+            decode_warps: int, stages: int | None) -> torch.Tensor:
     from kimi_core.kernels import _validate
     from kimi_core.kernels.triton_w4a16 import _fmt_id
 
@@ -325,6 +345,9 @@ def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: s
     block_m = pick_block_m(m_splits) if block_m is None else block_m
     if block_m not in BLOCK_M_CHOICES:
         raise ValueError(f"gluon_w4a16.{where}: block_m must be one of {BLOCK_M_CHOICES}, got {block_m}")
+    stages = default_load_stages(block_m, dgrad) if stages is None else stages
+    if not 2 <= stages <= MAX_LOAD_STAGES:
+        raise ValueError(f"gluon_w4a16.{where}: load_stages must be 2 to {MAX_LOAD_STAGES}, got {stages}")
     out_cols = K if dgrad else N
     tiles = tile_table(m_splits, block_m, a.device)
     y = torch.empty((a.shape[0], out_cols), dtype=torch.bfloat16, device=a.device) if out is None else out
@@ -340,26 +363,29 @@ def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: s
     s_desc = TensorDescriptor.from_tensor(scales, s_block, gl.NVMMASharedLayout.get_default_for(s_block, s_dtype))
     grid = (-(-out_cols // BN), tiles.shape[0])
     w4a16_ws_kernel[grid](a_desc, p_desc, s_desc, y, tiles, N, K, y.stride(0),
-                          _fmt_id(fmt), dgrad, block_m, BN, BK, STAGES, decode_warps, decode_regs(decode_warps),
-                          num_warps=4)
+                          _fmt_id(fmt), dgrad, block_m, BN, BK, stages, W_STAGES, decode_warps,
+                          decode_regs(decode_warps), num_warps=4)
     return y
 
 
 def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str, m_splits,
                  out: torch.Tensor | None = None, block_m: int | None = None,
-                 decode_warps: int = DECODE_WARPS) -> torch.Tensor:
+                 decode_warps: int = DECODE_WARPS, load_stages: int | None = None) -> torch.Tensor:
     """``y[T, N]`` bf16, ``y[rows_e] = x[rows_e] . dequant(W_e)^T`` with fp32 accumulation, for ``fmt`` one of
     :data:`kimi_core.kernels.MXFP4_FORMAT` / ``INT4_FORMAT`` (layouts in the module docstring; inputs checked as
     :func:`kimi_core.kernels.w4a16_grouped_gemm` checks them). Needs a Hopper GPU and Triton with Gluon; ``K`` a
     multiple of 64 (and of 512 for MXFP4 / 256 for INT4 scale rows); ``m_splits`` is read on the host; ``out``: a
     bf16 ``[T, N]`` to write into; ``block_m``: rows per tile, one of :data:`BLOCK_M_CHOICES` (default
-    :func:`pick_block_m`); ``decode_warps``: 4 or 8 warps decode the weights."""
-    return _launch(x, w_packed, w_scale, fmt, m_splits, out, False, "grouped_gemm", block_m, decode_warps)
+    :func:`pick_block_m`); ``decode_warps``: 4 or 8 warps decode the weights; ``load_stages``: TMA ring depth
+    (default :func:`default_load_stages`)."""
+    return _launch(x, w_packed, w_scale, fmt, m_splits, out, False, "grouped_gemm", block_m, decode_warps,
+                   load_stages)
 
 
 def grouped_gemm_dgrad(dy: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str, m_splits,
                        out: torch.Tensor | None = None, block_m: int | None = None,
-                       decode_warps: int = DECODE_WARPS) -> torch.Tensor:
+                       decode_warps: int = DECODE_WARPS, load_stages: int | None = None) -> torch.Tensor:
     """``dx[T, K]`` bf16, ``dx[rows_e] = dy[rows_e] . dequant(W_e)`` with fp32 accumulation (``dy`` bf16
     ``[T, N]``; otherwise as :func:`grouped_gemm`)."""
-    return _launch(dy, w_packed, w_scale, fmt, m_splits, out, True, "grouped_gemm_dgrad", block_m, decode_warps)
+    return _launch(dy, w_packed, w_scale, fmt, m_splits, out, True, "grouped_gemm_dgrad", block_m, decode_warps,
+                   load_stages)

@@ -77,13 +77,16 @@ for fmt, ws, dgrad, warps, bm in configs:
         sig = {"a_desc": desc_sig("bf16", a_block, gl.bfloat16), "p_desc": desc_sig("u8", p_block, gl.uint8),
                "s_desc": desc_sig(ws, s_block, gl.uint8 if ws == "u8" else gl.bfloat16),
                "out_ptr": "*bf16", "tiles_ptr": "*i32", "N": "i32", "K": "i32", "stride_om": "i32",
-               **{n: "constexpr" for n in ("FMT", "DGRAD", "BM", "BN", "BK", "STAGES", "DECODE_WARPS", "DECODE_REGS")}}
+               **{n: "constexpr" for n in ("FMT", "DGRAD", "BM", "BN", "BK", "LOAD_STAGES", "W_STAGES", "DECODE_WARPS",
+                                           "DECODE_REGS")}}
         src = GluonASTSource(gw.w4a16_ws_kernel, sig, constexprs={
-            "FMT": fmt, "DGRAD": dgrad, "BM": bm, "BN": gw.BN, "BK": gw.BK, "STAGES": gw.STAGES,
+            "FMT": fmt, "DGRAD": dgrad, "BM": bm, "BN": gw.BN, "BK": gw.BK,
+            "LOAD_STAGES": gw.default_load_stages(bm, dgrad), "W_STAGES": gw.W_STAGES,
             "DECODE_WARPS": warps, "DECODE_REGS": gw.decode_regs(warps)})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         ptx = k.asm["ptx"]
-        print("w4a16_ws", "dgrad" if dgrad else "fwd", "mxfp4" if fmt == MXFP4 else "int4", f"decode warps {warps} BM {bm}",
+        print("w4a16_ws", "dgrad" if dgrad else "fwd", "mxfp4" if fmt == MXFP4 else "int4",
+              f"decode warps {warps} BM {bm} load stages {gw.default_load_stages(bm, dgrad)}",
               "| wgmma:",
               "wgmma.mma_async" in ptx, "| TMA loads:", ptx.count("cp.async.bulk.tensor"), "| bf16x2 muls:",
               ptx.count("mul.rn.bf16x2"), "| shared bytes:", k.metadata.shared, "| cubin bytes", len(k.asm["cubin"]))

@@ -48,10 +48,12 @@ def test_gluon_fwd_and_dgrad_match_oracle(fmt, E, K, N, mean):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("block_m,decode_warps", [(8, 4), (16, 8), (32, 4), (64, 8), (128, 8)])
-def test_gluon_tile_configs_match_oracle(fmt, block_m, decode_warps):
+@pytest.mark.parametrize("block_m,decode_warps,stages", [(8, 4, None), (16, 8, 2), (32, 4, 3), (64, 8, None),
+                                                          (128, 8, 2)])
+def test_gluon_tile_configs_match_oracle(fmt, block_m, decode_warps, stages):
     """Tile configs the defaults above do not reach (8 decode warps; 8- to 64-row tiles on experts of ~70 rows, so
-    tiles end inside an expert and past it), fwd and dgrad, masked N."""
+    tiles end inside an expert and past it; TMA rings of 2 and 3 stages, which wrap within the 8 K steps), fwd and
+    dgrad, masked N."""
     from kimi_core.kernels import gluon_w4a16 as gw
 
     if not gw.HAVE_GLUON:
@@ -62,12 +64,12 @@ def test_gluon_tile_configs_match_oracle(fmt, block_m, decode_warps):
     T = sum(splits)
     x = torch.randn(T, K, device="cuda").bfloat16()
     dy = torch.randn(T, N, device="cuda").bfloat16()
-    kw = dict(block_m=block_m, decode_warps=decode_warps)
+    kw = dict(block_m=block_m, decode_warps=decode_warps, load_stages=stages)
     y = gw.grouped_gemm(x, wp, ws, fmt, splits, out=torch.full((T, N), float("nan"), dtype=torch.bfloat16,
                                                                  device="cuda"), **kw)
     dx = gw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, out=torch.full((T, K), float("nan"), dtype=torch.bfloat16,
                                                                          device="cuda"), **kw)
-    name = f"gluon {fmt} block_m {block_m} decode warps {decode_warps}"
+    name = f"gluon {fmt} block_m {block_m} decode warps {decode_warps} load stages {stages}"
     assert_close(name + " fwd", oracle_fwd(x, wp, ws, fmt, splits), y.float(), 1e-2)
     assert_close(name + " dgrad", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
 
