@@ -26,13 +26,14 @@ table ``[tiles, 3]`` int32 = (expert, first row, end row); ``BM`` is 8 to 128 (:
 tile past its expert's end are computed and not stored; weight rows past ``N`` (dgrad's contraction) are zeroed.
 Extra memory: none beyond the output and the tile table.
 
-Status (2026-12-04, H200, Triton 3.6.0): correct (fwd and dgrad vs the fp32 oracle, decoded weights bit for bit;
-``tests/kimi_core/kernels/test_gluon_w4a16_gpu.py``) and ~410 TFLOP/s at most: 0.5-0.66x BF16 ``_grouped_mm`` at
-512-2048 tokens per expert, 0.8-1.0x at 8 (benchmarks/RESULTS.md "the warp-specialised Gluon kernel"). Each
-64-wide K step of a tile costs ~700 ns whatever its rows or decode warps, 350 ns of it with neither decode nor MMA:
-a fixed hand-off cost (TMA, the decoder's store and fence, mbarrier round trips) that wider K steps would amortise.
-Until it is faster than the dispatcher's paths, :func:`kimi_core.kernels.choose_path` never picks it. Compile check
-on the CPU: ``tests/gpu/gluon_sm90_compile_check.py``.
+Status (2026-12-04, H200, Triton 3.6.0). Measured at commit 4db0841 (one 4-deep ring for everything): correct
+(fwd and dgrad vs the fp32 oracle, decoded weights bit for bit; ``tests/kimi_core/kernels/test_gluon_w4a16_gpu.py``)
+and ~410 TFLOP/s at most: 0.5-0.66x BF16 ``_grouped_mm`` at 512-2048 tokens per expert, 0.8-1.0x at 8
+(benchmarks/RESULTS.md "the warp-specialised Gluon kernel"). Each 64-wide K step cost ~700 ns whatever its rows or
+decode warps, 350 ns of it with neither decode nor MMA: the loads led the MMA by only ~3 steps against a TMA round
+trip of about a microsecond. This version gives the TMA rings their own depth (:func:`default_load_stages`); it
+compiles for sm_90a on the CPU (``tests/gpu/gluon_sm90_compile_check.py``) and has not yet run on a GPU. Until it
+is faster than the dispatcher's paths, :func:`kimi_core.kernels.choose_path` never picks it.
 """
 
 from __future__ import annotations
