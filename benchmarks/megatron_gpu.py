@@ -218,8 +218,12 @@ def _slice_config(smoke: bool) -> dict:
 
 
 def _fill_experts(model, fmt_int4: bool = False) -> None:
-    """Random codes and scales in the packed buffers (scales near 2^-6 so activations stay O(1))."""
+    """Random codes and scales in the packed buffers (scales near 2^-6 so activations stay O(1)); bf16 expert
+    weights (the dense baseline) of the same magnitude."""
     torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if ".experts." in name and name.endswith("_weight"):
+            p.copy_(torch.randn_like(p) * 0.03)
     for name, b in model.named_buffers():
         d = dict(device=b.device)
         if name.endswith("_packed"):
@@ -242,8 +246,8 @@ def _expert_bytes(module) -> tuple[int, int]:
     for m in module.modules():
         if isinstance(m, KimiExperts):
             for p, (o, i) in m.shapes.items():
-                nbytes += sum(getattr(m, f"{p}_{k}").numel() * getattr(m, f"{p}_{k}").element_size()
-                              for k in ("packed", "scale"))
+                held = ("packed", "scale") if m.mode == "w4a16" else ("weight",)
+                nbytes += sum(getattr(m, f"{p}_{k}").numel() * getattr(m, f"{p}_{k}").element_size() for k in held)
                 params += m.E * o * i
     return nbytes, params
 
@@ -259,7 +263,9 @@ def _timed(step, dev, iters: int, warmup: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def part_slice(args, dev) -> list[dict]:
+def part_slice(args, dev, expert_mode: str = "w4a16") -> list[dict]:
+    """The real-width slice with MXFP4 experts (``w4a16``: packed bytes) or, as the BF16 baseline, the same experts
+    as frozen bf16 tensors (``dense``: one ``torch._grouped_mm`` per projection); the rest of the model trains."""
     from kimi_core.config import KimiConfig
     from kimi_megatron_plugin import provider
     from kimi_megatron_plugin.experts import KimiExperts
@@ -271,18 +277,21 @@ def part_slice(args, dev) -> list[dict]:
     if dev == "cuda":
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
-    model = provider.build_model(kimi, cfg, expert_mode="w4a16")
+    model = provider.build_model(kimi, cfg, expert_mode=expert_mode)
     with torch.no_grad():
         _fill_experts(model)
+    expert_weights = [p for n, p in model.named_parameters() if ".experts." in n and n.endswith("_weight")]
+    for p in expert_weights:  # frozen like the packed bytes: LoRA RL trains adapters, not the base experts
+        p.requires_grad_(False)
     sync(dev)
     static = (torch.cuda.memory_allocated() - base) if dev == "cuda" else 0
     exp_bytes, exp_params = _expert_bytes(model)
-    other = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+    other = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) + sum(
         b.numel() * b.element_size() for n, b in model.named_buffers()
         if not n.endswith(("_packed", "_scale")))
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     bf16_experts_layer = exp_params * 2 // kimi.num_hidden_layers  # BF16 bytes of one layer's experts
-    # no floating-point tensor of expert shape anywhere in the model
+    # no floating-point tensor of expert shape anywhere in the model (w4a16)
     exp_shapes = set()
     for m in model.modules():
         if isinstance(m, KimiExperts):
@@ -307,7 +316,8 @@ def part_slice(args, dev) -> list[dict]:
         peak = torch.cuda.max_memory_allocated() - base if dev == "cuda" else 0
         with torch.no_grad():
             fsec = _timed(lambda: model(ids, pos, attention_mask=None), dev, 1 if args.smoke else 5, 1)
-        rows.append({"part": "slice", "B": B, "S": S, "tokens": B * S, "fwd_bwd_ms": sec * 1e3,
+        rows.append({"part": "slice", "experts": "MXFP4 (W4A16)" if expert_mode == "w4a16" else "BF16 (grouped_mm)",
+                     "B": B, "S": S, "tokens": B * S, "fwd_bwd_ms": sec * 1e3,
                      "fwd_ms": fsec * 1e3, "tok_s_fwd_bwd": B * S / sec, "tok_s_fwd": B * S / fsec,
                      "static_GiB": static / 2**30, "peak_GiB": peak / 2**30,
                      "peak_minus_static_GiB": (peak - static) / 2**30, "grads_GiB": grad_bytes / 2**30,
@@ -375,7 +385,11 @@ def part_int4(args, dev) -> list[dict]:
     return rows
 
 
-PARTS = {"tiny": part_tiny, "slice": part_slice, "int4": part_int4}
+def part_slice_bf16(args, dev) -> list[dict]:
+    return part_slice(args, dev, expert_mode="dense")
+
+
+PARTS = {"tiny": part_tiny, "slice": part_slice, "slice-bf16": part_slice_bf16, "int4": part_int4}
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -441,18 +455,29 @@ def table(rows: list[dict], statuses: dict) -> str:
     sl = [r for r in rows if r["part"] == "slice"]
     if sl:
         r0 = sl[0]
-        L += [f"Real-width K3 slice: hidden {r0['hidden']}, 2 MLA+MoE layers, {r0['experts_local']} local MXFP4 experts "
-              f"(top-{r0['topk']}), {r0['expert_params_B']:.2f} B expert params held in {r0['expert_packed_GiB']:.2f} GiB = "
-              f"**{r0['expert_B_per_param']:.4f} B/param**; dense params+buffers {r0['dense_params_and_buffers_GiB']:.2f} GiB; "
-              f"static GPU memory after build {r0['static_GiB']:.2f} GiB; a BF16 copy of one layer's experts would be "
-              f"{r0['bf16_expert_copy_per_layer_GiB']:.2f} GiB; floating-point tensors of expert shape in the model: "
-              f"{r0['bf16_expert_tensors_in_model'] or 'none'}.", "",
-              "| B x S | fwd+bwd ms | fwd+bwd tok/s | fwd ms | fwd tok/s | peak GiB | peak - static GiB | peak - static - dense grads GiB |",
-              "|---|---|---|---|---|---|---|---|"]
+        L += [f"Real-width K3 slice: hidden {r0['hidden']}, 2 MLA+MoE layers, {r0['experts_local']} local experts "
+              f"(top-{r0['topk']}), {r0['expert_params_B']:.2f} B expert params; the experts are frozen (LoRA RL "
+              "trains adapters), the rest trains. A BF16 copy of one layer's experts would be "
+              f"{r0['bf16_expert_copy_per_layer_GiB']:.2f} GiB.", ""]
         for r in sl:
-            L.append(f"| {r['B']} x {r['S']} | {r['fwd_bwd_ms']:.1f} | {r['tok_s_fwd_bwd']:.0f} | {r['fwd_ms']:.1f} | "
-                     f"{r['tok_s_fwd']:.0f} | {r['peak_GiB']:.2f} | {r['peak_minus_static_GiB']:.2f} | "
-                     f"{r['peak_minus_static_GiB'] - r.get('grads_GiB', 0):.2f} |")
+            if r is r0 or r.get("experts") != sl[sl.index(r) - 1].get("experts"):
+                L.append(f"- {r.get('experts', 'MXFP4 (W4A16)')}: experts held in {r['expert_packed_GiB']:.2f} GiB "
+                         f"= **{r['expert_B_per_param']:.4f} B/param**; trainable params + other buffers "
+                         f"{r['dense_params_and_buffers_GiB']:.2f} GiB; static GPU memory after build "
+                         f"{r['static_GiB']:.2f} GiB; floating-point tensors of expert shape: "
+                         f"{len(r['bf16_expert_tensors_in_model']) or 'none'}")
+        L += ["", "| experts | B x S | fwd+bwd ms | fwd+bwd tok/s | fwd ms | fwd tok/s | peak GiB | peak - static GiB "
+              "| peak - static - dense grads GiB |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in sl:
+            L.append(f"| {r.get('experts', 'MXFP4 (W4A16)')} | {r['B']} x {r['S']} | {r['fwd_bwd_ms']:.1f} "
+                     f"| {r['tok_s_fwd_bwd']:.0f} | {r['fwd_ms']:.1f} | {r['tok_s_fwd']:.0f} | {r['peak_GiB']:.2f} "
+                     f"| {r['peak_minus_static_GiB']:.2f} | {r['peak_minus_static_GiB'] - r.get('grads_GiB', 0):.2f} |")
+        w4 = {r["S"]: r for r in sl if r.get("experts", "MXFP4 (W4A16)").startswith("MXFP4")}
+        bf = {r["S"]: r for r in sl if r.get("experts", "").startswith("BF16")}
+        if w4 and bf:
+            L += ["", "W4A16 vs BF16 experts, same slice: " + "; ".join(
+                f"S {S}: fwd+bwd {w4[S]['fwd_bwd_ms'] / bf[S]['fwd_bwd_ms']:.2f}x the BF16 time, static memory "
+                f"{w4[S]['static_GiB']:.2f} vs {bf[S]['static_GiB']:.2f} GiB" for S in sorted(w4) if S in bf)]
         L.append("")
     i4 = [r for r in rows if r["part"] == "int4"]
     if i4:
@@ -475,7 +500,7 @@ def main() -> None:
     ap.add_argument("--kda", choices=("reference", "fla"), default="reference")
     ap.add_argument("--fla-timeout", type=float, default=240.0, help="seconds for the fla chunk_kda tiny part")
     ap.add_argument("--part-timeout", type=float, default=240.0, help="seconds for each other part")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: tiny,tiny-fla,slice,int4")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: tiny,tiny-fla,slice,slice-bf16,int4")
     ap.add_argument("--section-out", help="also write the RESULTS.md section to this file")
     ap.add_argument("--no-append", action="store_true", help="do not append to benchmarks/RESULTS.md")
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
@@ -489,7 +514,7 @@ def main() -> None:
             json.dump(rows, f)
         return
     skip = set(filter(None, args.skip.split(",")))
-    plan = [("slice", [], args.part_timeout), ("int4", [], args.part_timeout),
+    plan = [("slice", [], args.part_timeout), ("slice-bf16", [], args.part_timeout), ("int4", [], args.part_timeout),
             ("tiny", ["--kda", "reference"], args.part_timeout), ("tiny", ["--kda", "fla"], args.fla_timeout)]
     rows, statuses = [], {}
     for name, extra, tmo in plan:

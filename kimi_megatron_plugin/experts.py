@@ -17,7 +17,9 @@ permuted_probs [T]) -> (out [T, D], None)``, tokens sorted by local expert). Mod
     forward uses the served grid: fake INT4 with configurable ``scale_divisor``/``q_min`` (Kimi
     7.0/-7, RTN 7.5/-8) or fake MXFP4, straight-through in the backward (SkyRL's K2.x recipe).
 ``"dense"``
-    Plain trainable master weights, no fake quantization (unquantized checkpoints).
+    Plain trainable master weights, no fake quantization (unquantized checkpoints; the BF16 baseline of the
+    W4A16 slice benchmark). bf16 weights and activations go through
+    :func:`kimi_core.kernels.bf16_grouped.bf16_grouped_linear` (one ``torch._grouped_mm`` on sm90 / CPU).
 
 Experts are never split by tensor parallelism here (``expert_tensor_parallel_size`` must be 1);
 expert parallelism gives each rank ``num_experts / EP`` whole experts.
@@ -135,6 +137,10 @@ class KimiExperts(MegatronModule):
 
             return w4a16_grouped_linear(x.contiguous(), getattr(self, f"{proj}_packed"),
                                         getattr(self, f"{proj}_scale"), self.fmt, splits)
+        if self.mode == "dense" and x.dtype == torch.bfloat16 and getattr(self, f"{proj}_weight").dtype == x.dtype:
+            from kimi_core.kernels.bf16_grouped import bf16_grouped_linear
+
+            return bf16_grouped_linear(x, getattr(self, f"{proj}_weight"), splits)
         outs = [F.linear(xe, self.expert_weight(proj, e, x.dtype)) if xe.shape[0] else
                 x.new_zeros(0, self.shapes[proj][0]) for e, xe in enumerate(x.split(splits))]
         return torch.cat(outs) if outs else x.new_zeros(0, self.shapes[proj][0])

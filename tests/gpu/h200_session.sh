@@ -17,6 +17,8 @@
 #                                              # kimi-rl demo --recipe skyrl-k2 --device cuda --size small
 #   bash tests/gpu/h200_session.sh miles_demo  # carry .gpu/sglang1 .gpu/sglang_jit .gpu/megatron (+ .gpu/triton):
 #                                              # kimi-rl demo --recipe miles-k3 --device cuda --size small
+#   bash tests/gpu/h200_session.sh megatron_bench  # carry .gpu/megatron: benchmarks/megatron_gpu.py's real-width K3
+#                                              # slice with MXFP4 (W4A16) and with BF16 experts (#21)
 #
 # The SGLang lane runs in groups (base engines, MoE LoRA + hot load, K3.1, K2 INT4); a group that ran
 # leaves /tmp/kimi_gpu_done/<group>, so a second `sglang` call goes on where the first stopped. Each
@@ -178,6 +180,16 @@ run_demo() {
   pack_logs
 }
 
+# benchmarks/megatron_gpu.py's real-width K3 slice, MXFP4 (W4A16) and BF16 experts, fwd+bwd time and memory (#21)
+run_megatron_bench() {
+  export PYTHONPATH=$PWD
+  mcore_env
+  timeout "$(left)" python3 benchmarks/megatron_gpu.py --skip tiny,tiny-fla,int4 --no-append \
+    --part-timeout $(( ($(left) - 20) / 2 )) --section-out "$OUT/megatron_slice.md" > "$OUT/megatron_gpu.log" 2>&1
+  echo "megatron_gpu rc=$?"; cat "$OUT/megatron_slice.md" 2>/dev/null | tail -20
+  free_gpu
+}
+
 run_bisect() {
   sglang_env
   timeout "${BISECT_S:-260}" python3 tests/gpu/sglang_bisect.py /tmp/bisect > "$OUT/bisect.log" 2>&1
@@ -209,6 +221,7 @@ case "$phase" in
   vllm_bench) run_vllm_bench ;;
   skyrl_demo) run_demo vllm_env skyrl ;;
   miles_demo) run_demo sglang_env miles ;;
-  *) echo "usage: $0 sglang|sglang_unstage|bisect|sglang_bench|w4a16|gluon|vllm1|vllm2|vllm3|vllm_bench|skyrl_demo|miles_demo" >&2; exit 2 ;;
+  megatron_bench) run_megatron_bench ;;
+  *) echo "usage: $0 sglang|sglang_unstage|bisect|sglang_bench|w4a16|gluon|vllm1|vllm2|vllm3|vllm_bench|skyrl_demo|miles_demo|megatron_bench" >&2; exit 2 ;;
 esac
 done
