@@ -9,6 +9,8 @@ Public ops (validated here, once):
 * :func:`choose_path`: the dispatcher both ops (and so the autograd forward, its recompute and the dgrad) go through.
 * :func:`fake_quant_gpu`, :func:`fake_int4_gpu`, :func:`fake_mxfp4_gpu`: straight-through fake
   quantization, bit-exact with :mod:`kimi_core.quant`.
+* :func:`kimi_core.kernels.bf16_grouped.bf16_grouped_linear`: the same grouped linear over bf16 experts
+  (``torch._grouped_mm``), the BF16 baseline.
 
 Two paths compute the grouped GEMM, chosen per call by :func:`choose_path` from the mean tokens per expert:
 
