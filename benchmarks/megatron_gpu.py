@@ -217,13 +217,17 @@ def _slice_config(smoke: bool) -> dict:
     return cfg
 
 
+def _expert_weights(model) -> list[torch.Tensor]:
+    """The routed experts' bf16 weight parameters (``dense`` / ``qat`` modes; none in ``w4a16``)."""
+    return [p for n, p in model.named_parameters() if ".experts." in n and n.endswith("_weight")]
+
+
 def _fill_experts(model, fmt_int4: bool = False) -> None:
     """Random codes and scales in the packed buffers (scales near 2^-6 so activations stay O(1)); bf16 expert
     weights (the dense baseline) of the same magnitude."""
     torch.manual_seed(0)
-    for name, p in model.named_parameters():
-        if ".experts." in name and name.endswith("_weight"):
-            p.copy_(torch.randn_like(p) * 0.03)
+    for p in _expert_weights(model):
+        p.copy_(torch.randn_like(p) * 0.03)
     for name, b in model.named_buffers():
         d = dict(device=b.device)
         if name.endswith("_packed"):
@@ -280,8 +284,7 @@ def part_slice(args, dev, expert_mode: str = "w4a16") -> list[dict]:
     model = provider.build_model(kimi, cfg, expert_mode=expert_mode)
     with torch.no_grad():
         _fill_experts(model)
-    expert_weights = [p for n, p in model.named_parameters() if ".experts." in n and n.endswith("_weight")]
-    for p in expert_weights:  # frozen like the packed bytes: LoRA RL trains adapters, not the base experts
+    for p in _expert_weights(model):  # frozen like the packed bytes: LoRA RL trains adapters, not the base experts
         p.requires_grad_(False)
     sync(dev)
     static = (torch.cuda.memory_allocated() - base) if dev == "cuda" else 0
@@ -459,8 +462,8 @@ def table(rows: list[dict], statuses: dict) -> str:
               f"(top-{r0['topk']}), {r0['expert_params_B']:.2f} B expert params; the experts are frozen (LoRA RL "
               "trains adapters), the rest trains. A BF16 copy of one layer's experts would be "
               f"{r0['bf16_expert_copy_per_layer_GiB']:.2f} GiB.", ""]
-        for r in sl:
-            if r is r0 or r.get("experts") != sl[sl.index(r) - 1].get("experts"):
+        for k, r in enumerate(sl):
+            if k == 0 or r.get("experts") != sl[k - 1].get("experts"):  # once per expert kind
                 L.append(f"- {r.get('experts', 'MXFP4 (W4A16)')}: experts held in {r['expert_packed_GiB']:.2f} GiB "
                          f"= **{r['expert_B_per_param']:.4f} B/param**; trainable params + other buffers "
                          f"{r['dense_params_and_buffers_GiB']:.2f} GiB; static GPU memory after build "

@@ -208,24 +208,28 @@ def measure_decode(name, E, K, N, fmt, wp, ws) -> dict:
                 tb_per_s=(read + written) / ms / 1e9)
 
 
+def gluon_lines(r: dict) -> list[str]:
+    """Markdown rows of one measurement's experimental Gluon kernels (``--gluon``); a failed run shows its error."""
+    short = "MXFP4" if r["fmt"].startswith("mxfp4") else "INT4"
+    lines = []
+    for g in r.get("gluon", []):
+        op = g["op"]
+        lead = f"| {r['shape']} | {r['tokens_per_expert']} | {short} | {op} | {g['config']} | {r[f'bf16_{op}_ms']:.3f} "
+        if "ms" in g:
+            lines.append(lead + f"| {g['ms']:.3f} | {r[f'bf16_{op}_ms'] / g['ms']:.2f}x | {g['tflops']:.0f} "
+                         f"| {g['rel_err']:.1e} |")
+        else:
+            lines.append(lead + f"| {g.get('error', 'not run')} | | | |")
+    return lines
+
+
 def gluon_table(rows: list[dict]) -> list[str]:
-    """Markdown lines of the experimental Gluon kernels' rows (``--gluon``); a failed run shows its error."""
-    head = ("| shape | tok/exp | fmt | op | config (block_m x decode warps) | BF16 ms | gluon ms | speed vs BF16 "
-            "| TFLOP/s | rel err vs BF16 |")
+    """The Gluon kernels' markdown table: a heading, the header and :func:`gluon_lines` of every row."""
+    head = ("| shape | tok/exp | fmt | op | config (block_m x decode warps [s load stages]) | BF16 ms | gluon ms "
+            "| speed vs BF16 | TFLOP/s | rel err vs BF16 |")
     lines = ["", "Experimental warp-specialised Gluon kernels (`kimi_core.kernels.gluon_w4a16`, not dispatched):", "",
              head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        short = "MXFP4" if r["fmt"].startswith("mxfp4") else "INT4"
-        for g in r.get("gluon", []):
-            op = g["op"]
-            lead = (f"| {r['shape']} | {r['tokens_per_expert']} | {short} | {op} | {g['config']} "
-                    f"| {r[f'bf16_{op}_ms']:.3f} ")
-            if "ms" in g:
-                lines.append(lead + f"| {g['ms']:.3f} | {r[f'bf16_{op}_ms'] / g['ms']:.2f}x | {g['tflops']:.0f} "
-                             f"| {g['rel_err']:.1e} |")
-            else:
-                lines.append(lead + f"| {g.get('error', 'not run')} | | | |")
-    return lines
+    return lines + [line for r in rows for line in gluon_lines(r)]
 
 
 def main() -> None:
@@ -244,7 +248,8 @@ def main() -> None:
                     help="also time the experimental warp-specialised Gluon forward and dgrad (issue #21; Hopper, "
                          "Triton >= 3.5)")
     ap.add_argument("--gluon-configs", default="auto",
-                    help="with --gluon: comma-separated configs, 'auto' or <block_m>x<decode_warps> (e.g. 128x8)")
+                    help="with --gluon: comma-separated configs, 'auto' or <block_m>x<decode_warps>[s<load_stages>] "
+                         "(e.g. 128x8, 128x4s4)")
     ap.add_argument("--gluon-only", action="store_true", help="with --gluon: time BF16 and the Gluon kernels only")
     args = ap.parse_args()
     if args.sweep:
@@ -271,7 +276,7 @@ def main() -> None:
                             args.alt_workspace_mib << 20 if args.alt_workspace_mib else None, gluon, args.gluon_only)
                 rows.append(r)
                 if args.gluon_only:
-                    print("\n".join(gluon_table([r])[5:]), flush=True)
+                    print("\n".join(gluon_lines(r)), flush=True)
                 else:
                     lines.append(format_row(r))
                     print(lines[-1], flush=True)
@@ -303,8 +308,8 @@ def main() -> None:
              "|" + "---|" * (HEADER.count("|") - 1)]
     if args.gluon_only:  # the Gluon table alone
         block = [f"\n## W4A16 grouped GEMM: BF16 vs the experimental Gluon kernel ({date}, {gpu}, commit {commit()})\n",
-                 f"Command: `{cmd}`; torch {torch.__version__}, triton {triton.__version__}. Median of "
-                             f"{REPS} runs, L2 flushed before each; random codes and scales, equal tokens per expert."]
+                 f"Command: `{cmd}`; torch {torch.__version__}, triton {triton.__version__}. Median of {REPS} runs, "
+                 "L2 flushed before each; random codes and scales, equal tokens per expert."]
         text = "\n".join(block + gluon_table(rows)) + "\n"
         return finish(args, text, rows, [], date, gpu, cmd, bound)
     block += lines

@@ -58,13 +58,13 @@ MAX_LOAD_STAGES = 8  # TMA ring depth cap (activation tile + packed bytes + scal
 RING_BUDGET = 200 * 1024  # shared bytes for the rings; the epilogue's scratch and the barriers take the rest of 227 KB
 DECODE_WARPS = 4    # warps of the decode partition (4 or 8)
 BLOCK_M_CHOICES = (8, 16, 32, 64, 128)  # activation rows per tile: the wgmma's N (see pick_block_m)
+# FMT: triton_w4a16's format ids (FMT_MXFP4 = 0, FMT_INT4 = 1, from its _fmt_id)
 
 
 def decode_regs(decode_warps: int) -> int:
     """Registers per thread of the decode partition (``setmaxnreg``), so that consumer (4 warps, 128 fp32
     accumulator registers each), loader (1 warp, 40) and decoders fit one SM's 64 K registers."""
     return 160 if decode_warps <= 4 else 120
-# FMT: triton_w4a16's format ids (FMT_MXFP4 = 0, FMT_INT4 = 1, from its _fmt_id)
 
 
 def default_load_stages(block_m: int, dgrad: bool) -> int:
