@@ -31,15 +31,16 @@ def uses_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def bf16_grouped_linear(x: torch.Tensor, w: torch.Tensor, m_splits) -> torch.Tensor:
-    """``[T, N]``: each expert's rows of ``x`` ``[T, K]`` times its ``w[e]`` ``[N, K]`` transposed (module docstring)."""
+    """``[T, N]``: each expert's rows of ``x`` ``[T, K]`` times its ``w[e]`` ``[N, K]`` transposed (see the module
+    docstring)."""
     splits = [int(v) for v in (m_splits.tolist() if torch.is_tensor(m_splits) else m_splits)]
     if w.dim() != 3 or x.dim() != 2 or len(splits) != w.shape[0] or x.shape[1] != w.shape[2] \
             or sum(splits) != x.shape[0]:
         raise ValueError(f"kimi_core.kernels.bf16_grouped_linear: x {tuple(x.shape)}, w {tuple(w.shape)} and "
                          f"m_splits ({len(splits)} experts, {sum(splits)} rows) do not match ([T, K], [E, N, K], E "
                          "counts summing to T)")
-    if x.shape[0] == 0:
-        return x.new_zeros(0, w.shape[1]) + 0 * w.sum()  # keeps the graph to w
+    if x.shape[0] == 0:  # no rows: an empty product that still reaches w in the graph (zero gradient), no reduction
+        return F.linear(x, w[0]) if w.shape[0] else x.new_zeros(0, w.shape[1])
     if uses_grouped_mm(x, w):
         offs = torch.tensor(splits, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device)
         return torch._grouped_mm(x.contiguous(), w.transpose(1, 2), offs=offs, out_dtype=x.dtype)
