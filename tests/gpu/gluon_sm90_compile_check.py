@@ -72,28 +72,28 @@ configs += [(MXFP4, "u8", dgrad, 8, gw.BM) for dgrad in (0, 1)]  # the 8-warp de
 configs += [(fmt, ws, dgrad, gw.DECODE_WARPS, bm) for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16"))
             for dgrad in (0, 1) for bm in gw.BLOCK_M_CHOICES[:-1]]  # fewer rows per tile (few tokens per expert)
 for fmt, ws, dgrad, warps, bm in configs:
-    if True:
-        a_block, p_block, s_block = gw.descriptor_blocks(dgrad, bm, 1 if ws == "u8" else 2)
-        sig = {"a_desc": desc_sig("bf16", a_block, gl.bfloat16), "p_desc": desc_sig("u8", p_block, gl.uint8),
-               "s_desc": desc_sig(ws, s_block, gl.uint8 if ws == "u8" else gl.bfloat16),
-               "out_ptr": "*bf16", "tiles_ptr": "*i32", "N": "i32", "K": "i32", "stride_om": "i32",
-               **{n: "constexpr" for n in ("FMT", "DGRAD", "BM", "BN", "BK", "LOAD_STAGES", "W_STAGES", "DECODE_WARPS",
-                                           "DECODE_REGS")}}
-        src = GluonASTSource(gw.w4a16_ws_kernel, sig, constexprs={
-            "FMT": fmt, "DGRAD": dgrad, "BM": bm, "BN": gw.BN, "BK": gw.BK,
-            "LOAD_STAGES": gw.default_load_stages(bm, dgrad), "W_STAGES": gw.W_STAGES,
-            "DECODE_WARPS": warps, "DECODE_REGS": gw.decode_regs(warps)})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        ptx = k.asm["ptx"]
-        print("w4a16_ws", "dgrad" if dgrad else "fwd", "mxfp4" if fmt == MXFP4 else "int4",
-              f"decode warps {warps} BM {bm} load stages {gw.default_load_stages(bm, dgrad)}",
-              "| wgmma:",
-              "wgmma.mma_async" in ptx, "| TMA loads:", ptx.count("cp.async.bulk.tensor"), "| bf16x2 muls:",
-              ptx.count("mul.rn.bf16x2"), "| shared bytes:", k.metadata.shared, "| cubin bytes", len(k.asm["cubin"]))
-        if os.environ.get("GLUON_META"):
-            print("  TMA metadata:", k.metadata.tensordesc_meta, "| warps:", k.metadata.num_warps)
-        if os.environ.get("GLUON_DUMP"):
-            name = f"{os.environ['GLUON_DUMP']}_{'dgrad' if dgrad else 'fwd'}_{fmt}_w{warps}_m{bm}"
-            open(name + ".ptx", "w").write(ptx)
-            open(name + ".ttgir", "w").write(k.asm["ttgir"])
-            open(name + ".cubin", "wb").write(k.asm["cubin"])
+    stages = gw.default_load_stages(bm, dgrad)
+    a_block, p_block, s_block = gw.descriptor_blocks(dgrad, bm, 1 if ws == "u8" else 2)
+    sig = {"a_desc": desc_sig("bf16", a_block, gl.bfloat16), "p_desc": desc_sig("u8", p_block, gl.uint8),
+           "s_desc": desc_sig(ws, s_block, gl.uint8 if ws == "u8" else gl.bfloat16),
+           "out_ptr": "*bf16", "tiles_ptr": "*i32", "N": "i32", "K": "i32", "stride_om": "i32",
+           **{n: "constexpr" for n in ("FMT", "DGRAD", "BM", "BN", "BK", "LOAD_STAGES", "W_STAGES", "DECODE_WARPS",
+                                       "DECODE_REGS")}}
+    src = GluonASTSource(gw.w4a16_ws_kernel, sig, constexprs={
+        "FMT": fmt, "DGRAD": dgrad, "BM": bm, "BN": gw.BN, "BK": gw.BK,
+        "LOAD_STAGES": stages, "W_STAGES": gw.W_STAGES,
+        "DECODE_WARPS": warps, "DECODE_REGS": gw.decode_regs(warps)})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = k.asm["ptx"]
+    print("w4a16_ws", "dgrad" if dgrad else "fwd", "mxfp4" if fmt == MXFP4 else "int4",
+          f"decode warps {warps} BM {bm} load stages {stages}",
+          "| wgmma:",
+          "wgmma.mma_async" in ptx, "| TMA loads:", ptx.count("cp.async.bulk.tensor"), "| bf16x2 muls:",
+          ptx.count("mul.rn.bf16x2"), "| shared bytes:", k.metadata.shared, "| cubin bytes", len(k.asm["cubin"]))
+    if os.environ.get("GLUON_META"):
+        print("  TMA metadata:", k.metadata.tensordesc_meta, "| warps:", k.metadata.num_warps)
+    if os.environ.get("GLUON_DUMP"):
+        name = f"{os.environ['GLUON_DUMP']}_{'dgrad' if dgrad else 'fwd'}_{fmt}_w{warps}_m{bm}"
+        open(name + ".ptx", "w").write(ptx)
+        open(name + ".ttgir", "w").write(k.asm["ttgir"])
+        open(name + ".cubin", "wb").write(k.asm["cubin"])

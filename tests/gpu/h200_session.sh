@@ -111,7 +111,7 @@ run_w4a16() {
 }
 
 # the experimental warp-specialised Gluon forward and dgrad (issue #21) alone: its GPU test under a short timeout (a barrier
-# bug hangs rather than fails), then, if it passed, its table next to BF16 on K3 fc1
+# bug hangs rather than fails), then, if it passed, its table next to BF16 (every shape; GLUON_BENCH_ARGS=--quick: K3 fc1)
 run_gluon() {
   export PYTHONPATH=$PWD
   # each variant alone on a small case in its own process first: a hang in one leaves the others' numbers
