@@ -91,6 +91,8 @@ HEADER = ("| shape | E | K | N | tok/exp | fmt | BF16 fwd ms | fused fwd ms | ch
           "| chunked peak extra GiB | auto fwd | auto fwd speed vs BF16 | auto fwd TFLOP/s | auto fwd % roofline "
           "| BF16 dgrad ms | fused dgrad ms | chunked dgrad ms | auto dgrad | auto dgrad speed vs BF16 |")
 DECODE_HEADER = "| shape | fmt | experts decoded | decode ms | read GB | written GB | decode TB/s |"
+GLUON_HEADER = ("| shape | tok/exp | fmt | op | config (block_m x decode warps [s load stages]) | BF16 ms | gluon ms "
+                "| speed vs BF16 | TFLOP/s | rel err vs BF16 |")
 
 
 def parse_gluon_config(text: str) -> dict:
@@ -225,10 +227,8 @@ def gluon_lines(r: dict) -> list[str]:
 
 def gluon_table(rows: list[dict]) -> list[str]:
     """The Gluon kernels' markdown table: a heading, the header and :func:`gluon_lines` of every row."""
-    head = ("| shape | tok/exp | fmt | op | config (block_m x decode warps [s load stages]) | BF16 ms | gluon ms "
-            "| speed vs BF16 | TFLOP/s | rel err vs BF16 |")
     lines = ["", "Experimental warp-specialised Gluon kernels (`kimi_core.kernels.gluon_w4a16`, not dispatched):", "",
-             head, "|" + "---|" * (head.count("|") - 1)]
+             GLUON_HEADER, "|" + "---|" * (GLUON_HEADER.count("|") - 1)]
     return lines + [line for r in rows for line in gluon_lines(r)]
 
 
@@ -262,7 +262,7 @@ def main() -> None:
     gluon = args.gluon_configs.split(",") if args.gluon or args.gluon_only else None
     shapes = SHAPES[:1] if args.quick else SHAPES
     rows, decodes, lines, dlines = [], [], [], []
-    print(HEADER, flush=True)
+    print(GLUON_HEADER if args.gluon_only else HEADER, flush=True)
     for name, E, K, N in shapes:
         w_bf16 = None
         for fmt in FORMATS:
@@ -291,7 +291,8 @@ def main() -> None:
             del wp, ws
         del w_bf16
         torch.cuda.empty_cache()
-    print("\n" + DECODE_HEADER + "\n" + "\n".join(dlines), flush=True)
+    if dlines:
+        print("\n" + DECODE_HEADER + "\n" + "\n".join(dlines), flush=True)
     import triton
 
     gpu = torch.cuda.get_device_name()
