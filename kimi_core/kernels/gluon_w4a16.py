@@ -21,8 +21,10 @@ to each other through mbarriers:
 Shapes and dtypes: ``x`` bf16 ``[T, K]`` with rows sorted by expert; ``w_packed`` ``[E, N, K/2]`` uint8 (MXFP4,
 element ``2j`` in the low nibble) or ``[E, N, K/8]`` int32 (INT4, element ``8m + j`` in nibble ``j``: the same
 bytes); ``w_scale`` ``[E, N, K/32]`` uint8 E8M0 or bf16; ``y`` bf16 ``[T, N]`` (dgrad: ``dy`` ``[T, N]`` ->
-``dx`` ``[T, K]``). One program per (``BN`` output columns, ``BM`` rows of one expert), from a host-built tile
-table ``[tiles, 3]`` int32 = (expert, first row, end row); ``BM`` is 8 to 128 (:func:`pick_block_m`). Rows of a
+``dx`` ``[T, K]``). A work item is (``BN`` output columns, ``BM`` rows of one expert), from a host-built tile
+table ``[tiles, 3]`` int32 = (expert, first row, end row); ``BM`` is 8 to 128 (:func:`pick_block_m`). One program
+per work item, or (``persistent``) one per SM walking the items with its rings running on from one to the next, so
+the next tile's loads and decode overlap this tile's epilogue and the rings are filled once per program. Rows of a
 tile past its expert's end are computed and not stored; weight rows past ``N`` (dgrad's contraction) are zeroed.
 Extra memory: none beyond the output and the tile table.
 
@@ -33,7 +35,10 @@ and ~410 TFLOP/s at most: 0.5-0.66x BF16 ``_grouped_mm`` at 512-2048 tokens per 
 decode warps, 350 ns of it with neither decode nor MMA: the loads led the MMA by only ~3 steps against a TMA round
 trip of about a microsecond. This version gives the TMA rings their own depth (:func:`default_load_stages`); it
 compiles for sm_90a on the CPU (``tests/gpu/gluon_sm90_compile_check.py``) and has not yet run on a GPU. Until it
-is faster than the dispatcher's paths, :func:`kimi_core.kernels.choose_path` never picks it.
+is faster than the dispatcher's paths, :func:`kimi_core.kernels.choose_path` never picks it. The persistent schedule
+(2026-12-04, compiled for sm_90a, not yet run): with ~200 KB of rings and 168 registers per thread one program
+fills an SM, so without it every tile's ring fill (a TMA round trip plus the first decode) and its epilogue stand
+alone.
 """
 
 from __future__ import annotations
@@ -165,39 +170,56 @@ if HAVE_GLUON:
         return sb | (sb << 16)
 
     @gluon.jit
-    def _loader(a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, row0, expert, col0,
-                N, steps, DGRAD: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr):
+    def _tile_at(tiles_ptr, t, n_col_tiles, BN: gl.constexpr):
+        """Work item ``t`` -> (expert, first row, end row, first output column): the column tiles of one row tile
+        are consecutive items, so the CTAs running at one time share their activation rows."""
+        r = t // n_col_tiles
+        expert = gl.load(tiles_ptr + r * 3)
+        row0 = gl.load(tiles_ptr + r * 3 + 1)
+        row_end = gl.load(tiles_ptr + r * 3 + 2)
+        return expert, row0, row_end, (t - r * n_col_tiles) * BN
+
+    @gluon.jit
+    def _loader(a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, tiles_ptr, n_tiles,
+                n_col_tiles, N, steps, DGRAD: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                LOAD_STAGES: gl.constexpr):
         """One warp: TMA copies of the activation tile ``[BM, BK]``, the packed weight bytes and the scales of each
         step into the ``LOAD_STAGES``-deep load rings (forward: bytes ``[BN rows, BK / 2]``, scales of those rows;
         dgrad: bytes ``[BK rows, BN / 2]``, scales of those rows). The scales go by TMA, not by the decoder's own
-        loads: its fence before each wgmma hand-off (``MEMBAR``) would wait for them."""
-        for i in range(steps):
-            s = i % LOAD_STAGES
-            phase = ((i // LOAD_STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
-            mbarrier.wait(p_free.index(s), phase)
-            mbarrier.expect(p_ready.index(s), p_desc.block_type.nbytes + s_desc.block_type.nbytes)
-            box0, _ = _scale_box(i, col0, DGRAD, BK, 16 // s_desc.block_type.shape[1])
-            if DGRAD:
-                tma.async_copy_global_to_shared(p_desc, [expert * N + i * BK, col0 // 2], p_ready.index(s),
-                                                p_ring.index(s))
-                tma.async_copy_global_to_shared(s_desc, [expert * N + i * BK, box0], p_ready.index(s),
-                                                s_ring.index(s))
-            else:
-                tma.async_copy_global_to_shared(p_desc, [expert * N + col0, i * (BK // 2)], p_ready.index(s),
-                                                p_ring.index(s))
-                tma.async_copy_global_to_shared(s_desc, [expert * N + col0, box0], p_ready.index(s),
-                                                s_ring.index(s))
-            mbarrier.wait(a_free.index(s), phase)
-            mbarrier.expect(a_ready.index(s), a_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [row0, i * BK], a_ready.index(s), a_ring.index(s))
+        loads: its fence before each wgmma hand-off (``MEMBAR``) would wait for them. The rings run on across this
+        program's work items (``it`` counts its K steps), so the next tile's first loads overlap this one's end."""
+        it = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            expert, row0, _, col0 = _tile_at(tiles_ptr, t, n_col_tiles, BN)
+            for i in range(steps):
+                s = it % LOAD_STAGES
+                phase = ((it // LOAD_STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
+                mbarrier.wait(p_free.index(s), phase)
+                mbarrier.expect(p_ready.index(s), p_desc.block_type.nbytes + s_desc.block_type.nbytes)
+                box0, _ = _scale_box(i, col0, DGRAD, BK, 16 // s_desc.block_type.shape[1])
+                if DGRAD:
+                    tma.async_copy_global_to_shared(p_desc, [expert * N + i * BK, col0 // 2], p_ready.index(s),
+                                                    p_ring.index(s))
+                    tma.async_copy_global_to_shared(s_desc, [expert * N + i * BK, box0], p_ready.index(s),
+                                                    s_ring.index(s))
+                else:
+                    tma.async_copy_global_to_shared(p_desc, [expert * N + col0, i * (BK // 2)], p_ready.index(s),
+                                                    p_ring.index(s))
+                    tma.async_copy_global_to_shared(s_desc, [expert * N + col0, box0], p_ready.index(s),
+                                                    s_ring.index(s))
+                mbarrier.wait(a_free.index(s), phase)
+                mbarrier.expect(a_ready.index(s), a_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [row0, i * BK], a_ready.index(s), a_ring.index(s))
+                it += 1
 
     @gluon.jit
-    def _decoder(p_ring, s_ring, w_ring, p_ready, p_free, w_ready, w_free, col0, N, steps, FMT: gl.constexpr,
+    def _decoder(p_ring, s_ring, w_ring, p_ready, p_free, w_ready, w_free, n_tiles, n_col_tiles, N, steps,
+                 FMT: gl.constexpr,
                  DGRAD: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr,
                  W_STAGES: gl.constexpr, DECODE_WARPS: gl.constexpr):
         """``DECODE_WARPS`` warps: packed bytes ``[R, C]`` of stage ``s`` (byte ``c`` = elements ``2c``, ``2c + 1``
         in its low / high nibble, MXFP4 and INT4 alike) of load stage ``i % LOAD_STAGES`` -> bf16 ``[R, 2C]`` weight
-        tile in ``w_ring[i % W_STAGES]``."""
+        tile in ``w_ring[i % W_STAGES]`` (``i`` counts this program's K steps over its work items)."""
         if DGRAD:  # W[step rows (n), output cols (k)]
             R: gl.constexpr = BK
             C: gl.constexpr = BN // 2
@@ -210,79 +232,87 @@ if HAVE_GLUON:
             L2: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [DECODE_WARPS, 1], [1, 0])
         G: gl.constexpr = C // 16  # 32-element scale groups per tile row
         SL: gl.constexpr = gl.SliceLayout(2, L3)
-        for i in range(steps):
-            s = i % LOAD_STAGES
-            mbarrier.wait(p_ready.index(s), (i // LOAD_STAGES) & 1)
-            b = p_ring.index(s).load(L2)
-            _, off = _scale_box(i, col0, DGRAD, BK, 1 if FMT == 0 else 2)
-            sc = _scale_pairs(s_ring.index(s), off, R, G, SL, FMT, DECODE_WARPS)
-            mbarrier.arrive(p_free.index(s), count=1)
-            b = gl.convert_layout(gl.reshape(b.to(gl.int32) & 0xFF, [R, G, 16]), L3, assert_trivial=True)
-            pairs = (b | (b << 12)) & 0x000F000F
-            pairs = _bf16x2_decode(pairs, gl.expand_dims(sc, 2), FMT)
-            if DGRAD:  # step rows past N belong to the next expert (or are TMA zero-fill): their weights are 0
-                n = i * BK + gl.arange(0, R, layout=gl.SliceLayout(1, SL))
-                pairs = gl.where(gl.expand_dims(gl.expand_dims(n < N, 1), 2), pairs, 0)
-            lo = (pairs & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
-            hi = (pairs >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
-            w = gl.reshape(gl.join(lo, hi), [R, 2 * C])
-            ws = i % W_STAGES
-            mbarrier.wait(w_free.index(ws), ((i // W_STAGES) & 1) ^ 1)
-            w_ring.index(ws).store(w)
-            fence_async_shared()  # the generic-proxy stores before the async-proxy (wgmma) reads
-            mbarrier.arrive(w_ready.index(ws), count=1)
+        it = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            col0 = (t % n_col_tiles) * BN
+            for i in range(steps):
+                s = it % LOAD_STAGES
+                mbarrier.wait(p_ready.index(s), (it // LOAD_STAGES) & 1)
+                b = p_ring.index(s).load(L2)
+                _, off = _scale_box(i, col0, DGRAD, BK, 1 if FMT == 0 else 2)
+                sc = _scale_pairs(s_ring.index(s), off, R, G, SL, FMT, DECODE_WARPS)
+                mbarrier.arrive(p_free.index(s), count=1)
+                b = gl.convert_layout(gl.reshape(b.to(gl.int32) & 0xFF, [R, G, 16]), L3, assert_trivial=True)
+                pairs = (b | (b << 12)) & 0x000F000F
+                pairs = _bf16x2_decode(pairs, gl.expand_dims(sc, 2), FMT)
+                if DGRAD:  # step rows past N belong to the next expert (or are TMA zero-fill): their weights are 0
+                    n = i * BK + gl.arange(0, R, layout=gl.SliceLayout(1, SL))
+                    pairs = gl.where(gl.expand_dims(gl.expand_dims(n < N, 1), 2), pairs, 0)
+                lo = (pairs & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+                hi = (pairs >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+                w = gl.reshape(gl.join(lo, hi), [R, 2 * C])
+                ws = it % W_STAGES
+                mbarrier.wait(w_free.index(ws), ((it // W_STAGES) & 1) ^ 1)
+                w_ring.index(ws).store(w)
+                fence_async_shared()  # the generic-proxy stores before the async-proxy (wgmma) reads
+                mbarrier.arrive(w_ready.index(ws), count=1)
+                it += 1
 
     @gluon.jit
-    def _consumer(a_ring, w_ring, a_ready, a_free, w_ready, w_free, out_ptr, row0, row_end, col0, steps, out_cols,
-                  stride_om, DGRAD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, LOAD_STAGES: gl.constexpr,
-                  W_STAGES: gl.constexpr):
-        """Default partition (one warpgroup): the transposed tile ``out^T [BN, BM] = W_tile . a_tile^T`` by wgmma with
-        the weights as its M side (two m64 instructions) and the ``BM`` activation rows as its N side (8 to 128), so
-        a tile of a small expert reads only about the rows it has. A step's activation and weight stages are released
-        (``a_free``, ``w_free``) once its wgmma has retired; then the masked bf16 epilogue writes the tile back
-        transposed."""
+    def _consumer(a_ring, w_ring, a_ready, a_free, w_ready, w_free, out_ptr, tiles_ptr, n_tiles, n_col_tiles, steps,
+                  out_cols, stride_om, DGRAD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                  LOAD_STAGES: gl.constexpr, W_STAGES: gl.constexpr):
+        """Default partition (one warpgroup): per work item, the transposed tile ``out^T [BN, BM] = W_tile . a_tile^T``
+        by wgmma with the weights as its M side (two m64 instructions) and the ``BM`` activation rows as its N side
+        (8 to 128), so a tile of a small expert reads only about the rows it has. A step's activation and weight
+        stages are released (``a_free``, ``w_free``) once its wgmma has retired (the last step's after the final
+        wait); then the masked bf16 epilogue writes the tile back transposed while loader and decoder already fill
+        the rings for this program's next work item."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BM, 16])
-        acc = gl.zeros((BN, BM), dtype=gl.float32, layout=acc_layout)
-        for i in range(steps):
-            s = i % LOAD_STAGES
-            ws = i % W_STAGES
-            mbarrier.wait(a_ready.index(s), (i // LOAD_STAGES) & 1)
-            mbarrier.wait(w_ready.index(ws), (i // W_STAGES) & 1)
-            if DGRAD:  # W tile [BK (n), BN (k)] -> A operand [BN, BK]
-                acc = warpgroup_mma(w_ring.index(ws).permute((1, 0)), a_ring.index(s).permute((1, 0)), acc,
-                                    is_async=True)
-            else:  # W tile [BN (n), BK (k)]
-                acc = warpgroup_mma(w_ring.index(ws), a_ring.index(s).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # step i - 1's wgmma has retired
-            if i > 0:
-                mbarrier.arrive(a_free.index((i - 1) % LOAD_STAGES), count=1)
-                mbarrier.arrive(w_free.index((i - 1) % W_STAGES), count=1)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        # epilogue here (Triton 3.6's warp_specialize cannot return the default partition's tensors): out[row, col]
-        # = acc[col, row], eight consecutive output columns per thread (one 16-byte store)
+        # epilogue layout: out[row, col] = acc[col, row], eight consecutive output columns per thread (16 bytes)
         out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 4], [0, 1])
-        out = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
-        cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
-        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
-        gl.store(out_ptr + rows.to(gl.int64)[None, :] * stride_om + cols[:, None], out,
-                 mask=(cols < out_cols)[:, None] & (rows < row_end)[None, :])
+        it = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            _, row0, row_end, col0 = _tile_at(tiles_ptr, t, n_col_tiles, BN)
+            acc = gl.zeros((BN, BM), dtype=gl.float32, layout=acc_layout)
+            for i in range(steps):
+                s = it % LOAD_STAGES
+                ws = it % W_STAGES
+                mbarrier.wait(a_ready.index(s), (it // LOAD_STAGES) & 1)
+                mbarrier.wait(w_ready.index(ws), (it // W_STAGES) & 1)
+                if DGRAD:  # W tile [BK (n), BN (k)] -> A operand [BN, BK]
+                    acc = warpgroup_mma(w_ring.index(ws).permute((1, 0)), a_ring.index(s).permute((1, 0)), acc,
+                                        is_async=True)
+                else:  # W tile [BN (n), BK (k)]
+                    acc = warpgroup_mma(w_ring.index(ws), a_ring.index(s).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # step it - 1's wgmma has retired
+                if i > 0:
+                    mbarrier.arrive(a_free.index((it - 1) % LOAD_STAGES), count=1)
+                    mbarrier.arrive(w_free.index((it - 1) % W_STAGES), count=1)
+                it += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(a_free.index((it - 1) % LOAD_STAGES), count=1)
+            mbarrier.arrive(w_free.index((it - 1) % W_STAGES), count=1)
+            # the epilogue runs here (Triton 3.6's warp_specialize cannot return the default partition's tensors)
+            out = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
+            cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
+            rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
+            gl.store(out_ptr + rows.to(gl.int64)[None, :] * stride_om + cols[:, None], out,
+                     mask=(cols < out_cols)[:, None] & (rows < row_end)[None, :])
 
     @gluon.jit
-    def w4a16_ws_kernel(a_desc, p_desc, s_desc, out_ptr, tiles_ptr, N, K, stride_om,
+    def w4a16_ws_kernel(a_desc, p_desc, s_desc, out_ptr, tiles_ptr, n_tiles, n_col_tiles, N, K, stride_om,
                         FMT: gl.constexpr, DGRAD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                         BK: gl.constexpr, LOAD_STAGES: gl.constexpr, W_STAGES: gl.constexpr,
                         DECODE_WARPS: gl.constexpr, DECODE_REGS: gl.constexpr):
         """Forward (``a = x [T, K]``, ``out = y [T, N]``) or dgrad (``a = dy [T, N]``, ``out = dx [T, K]``) of
-        one ``[BM, BN]`` output tile: program (column tile, row tile of one expert). ``a_desc``: TMA descriptor of
+        the ``[BM, BN]`` output tiles ``t = program_id, program_id + programs, ...`` below ``n_tiles`` (``t`` = row
+        tile ``t // n_col_tiles`` of the tile table, column tile ``t % n_col_tiles``): one per program, or, persistent,
+        several with the rings running on between them. ``a_desc``: TMA descriptor of
         ``a`` with block ``[BM, BK]``; ``p_desc``: of the packed bytes as ``[E * N, K / 2]`` uint8 with block
         ``[BN, BK / 2]`` (dgrad ``[BK, BN / 2]``); ``s_desc``: of the scales as ``[E * N, K / 32]`` with block
         ``[BN, 16 bytes]`` (dgrad ``[BK, 16 bytes]``: TMA's narrowest row)."""
-        col0 = gl.program_id(0) * BN
-        tile = gl.program_id(1)
-        expert = gl.load(tiles_ptr + tile * 3)
-        row0 = gl.load(tiles_ptr + tile * 3 + 1)
-        row_end = gl.load(tiles_ptr + tile * 3 + 2)
         if DGRAD:
             steps = gl.cdiv(N, BK)
             out_cols = K
@@ -312,12 +342,12 @@ if HAVE_GLUON:
             mbarrier.init(w_free.index(s), count=1)
 
         gl.warp_specialize([
-            (_consumer, (a_ring, w_ring, a_ready, a_free, w_ready, w_free, out_ptr, row0, row_end, col0, steps,
-                         out_cols, stride_om, DGRAD, BM, BN, LOAD_STAGES, W_STAGES)),
-            (_loader, (a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, row0, expert,
-                       col0, N, steps, DGRAD, BK, LOAD_STAGES)),
-            (_decoder, (p_ring, s_ring, w_ring, p_ready, p_free, w_ready, w_free, col0, N, steps, FMT, DGRAD, BN, BK,
-                        LOAD_STAGES, W_STAGES, DECODE_WARPS)),
+            (_consumer, (a_ring, w_ring, a_ready, a_free, w_ready, w_free, out_ptr, tiles_ptr, n_tiles, n_col_tiles,
+                         steps, out_cols, stride_om, DGRAD, BM, BN, LOAD_STAGES, W_STAGES)),
+            (_loader, (a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, tiles_ptr,
+                       n_tiles, n_col_tiles, N, steps, DGRAD, BN, BK, LOAD_STAGES)),
+            (_decoder, (p_ring, s_ring, w_ring, p_ready, p_free, w_ready, w_free, n_tiles, n_col_tiles, N, steps, FMT,
+                        DGRAD, BN, BK, LOAD_STAGES, W_STAGES, DECODE_WARPS)),
         ], [1, DECODE_WARPS], [40, DECODE_REGS])
 
 
@@ -329,8 +359,21 @@ def descriptor_blocks(dgrad: bool, block_m: int = BM, scale_bytes: int = 1) -> t
     return [block_m, BK], ([BK, BN // 2] if dgrad else [BN, BK // 2]), [rows, 16 // scale_bytes]
 
 
+def programs(n_tiles: int, persistent: bool | int, device) -> int:
+    """Programs to launch for ``n_tiles`` work items: one each (``persistent=False``), one per SM (``True``: the
+    rings and the partitions' registers fill an SM, so one program runs per SM either way), or that many (an
+    ``int``, e.g. for tests whose few tiles would otherwise give each program one); never more than ``n_tiles``."""
+    if persistent is False:
+        return n_tiles
+    if persistent is True:
+        persistent = torch.cuda.get_device_properties(device).multi_processor_count
+    if persistent < 1:
+        raise ValueError(f"gluon_w4a16: persistent must be a bool or a positive number of programs, got {persistent}")
+    return min(n_tiles, persistent)
+
+
 def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: str, block_m: int | None,
-            decode_warps: int, stages: int | None) -> torch.Tensor:
+            decode_warps: int, stages: int | None, persistent: bool | int) -> torch.Tensor:
     from kimi_core.kernels import _validate
     from kimi_core.kernels.triton_w4a16 import _fmt_id
 
@@ -362,8 +405,10 @@ def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: s
     a_desc = TensorDescriptor.from_tensor(a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl.bfloat16))
     p_desc = TensorDescriptor.from_tensor(packed, p_block, gl.NVMMASharedLayout.get_default_for(p_block, gl.uint8))
     s_desc = TensorDescriptor.from_tensor(scales, s_block, gl.NVMMASharedLayout.get_default_for(s_block, s_dtype))
-    grid = (-(-out_cols // BN), tiles.shape[0])
-    w4a16_ws_kernel[grid](a_desc, p_desc, s_desc, y, tiles, N, K, y.stride(0),
+    n_col_tiles = -(-out_cols // BN)
+    n_tiles = n_col_tiles * tiles.shape[0]
+    w4a16_ws_kernel[(programs(n_tiles, persistent, a.device),)](a_desc, p_desc, s_desc, y, tiles, n_tiles, n_col_tiles,
+                                                                N, K, y.stride(0),
                           _fmt_id(fmt), dgrad, block_m, BN, BK, stages, W_STAGES, decode_warps,
                           decode_regs(decode_warps), num_warps=4)
     return y
@@ -371,22 +416,25 @@ def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: s
 
 def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str, m_splits,
                  out: torch.Tensor | None = None, block_m: int | None = None,
-                 decode_warps: int = DECODE_WARPS, load_stages: int | None = None) -> torch.Tensor:
+                 decode_warps: int = DECODE_WARPS, load_stages: int | None = None,
+                 persistent: bool | int = False) -> torch.Tensor:
     """``y[T, N]`` bf16, ``y[rows_e] = x[rows_e] . dequant(W_e)^T`` with fp32 accumulation, for ``fmt`` one of
     :data:`kimi_core.kernels.MXFP4_FORMAT` / ``INT4_FORMAT`` (layouts in the module docstring; inputs checked as
     :func:`kimi_core.kernels.w4a16_grouped_gemm` checks them). Needs a Hopper GPU and Triton with Gluon; ``K`` a
     multiple of 64 (and of 512 for MXFP4 / 256 for INT4 scale rows); ``m_splits`` is read on the host; ``out``: a
     bf16 ``[T, N]`` to write into; ``block_m``: rows per tile, one of :data:`BLOCK_M_CHOICES` (default
     :func:`pick_block_m`); ``decode_warps``: 4 or 8 warps decode the weights; ``load_stages``: TMA ring depth
-    (default :func:`default_load_stages`)."""
+    (default :func:`default_load_stages`); ``persistent``: one program per SM (or that many programs) walks the
+    tiles, the rings running on from one tile to the next (:func:`programs`)."""
     return _launch(x, w_packed, w_scale, fmt, m_splits, out, False, "grouped_gemm", block_m, decode_warps,
-                   load_stages)
+                   load_stages, persistent)
 
 
 def grouped_gemm_dgrad(dy: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str, m_splits,
                        out: torch.Tensor | None = None, block_m: int | None = None,
-                       decode_warps: int = DECODE_WARPS, load_stages: int | None = None) -> torch.Tensor:
+                       decode_warps: int = DECODE_WARPS, load_stages: int | None = None,
+                       persistent: bool | int = False) -> torch.Tensor:
     """``dx[T, K]`` bf16, ``dx[rows_e] = dy[rows_e] . dequant(W_e)`` with fp32 accumulation (``dy`` bf16
     ``[T, N]``; otherwise as :func:`grouped_gemm`)."""
     return _launch(dy, w_packed, w_scale, fmt, m_splits, out, True, "grouped_gemm_dgrad", block_m, decode_warps,
-                   load_stages)
+                   load_stages, persistent)

@@ -1,10 +1,12 @@
 """First look at the experimental Gluon W4A16 kernel on a Hopper GPU: each variant (forward / dgrad x MXFP4 / INT4)
 on one small ragged case in its own subprocess under a short timeout, so a barrier bug that hangs one variant still
 leaves the others' results. Prints per variant: compile + first run seconds, max |err| and relative error against
-the float32 oracle of exactly dequantized weights, and whether unwritten rows (NaN poison) remain.
+the float32 oracle of exactly dequantized weights, and whether unwritten rows (NaN poison) remain. Each runs once
+with one program per tile and once persistent on 2 programs (each then walks several tiles, its rings running on
+across them: a parity slip there hangs or corrupts the next tile).
 
-    python3 tests/gpu/gluon_probe.py            # all four variants, 60 s each
-    python3 tests/gpu/gluon_probe.py one mxfp4 fwd   # one variant in this process
+    python3 tests/gpu/gluon_probe.py                   # all eight variants, 60 s each
+    python3 tests/gpu/gluon_probe.py one mxfp4 fwd 2   # one variant in this process (programs: 0 = one per tile)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def one(fmt_name: str, op: str) -> None:
+def one(fmt_name: str, op: str, programs: int) -> None:
     sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "kimi_core", "kernels")]
     import torch
     from w4a16_cases import INT4, MXFP4, oracle_dgrad, oracle_fwd, random_packed
@@ -32,7 +34,8 @@ def one(fmt_name: str, op: str) -> None:
     a = torch.randn(T, N if op == "dgrad" else K, device="cuda").bfloat16()
     out = torch.full((T, K if op == "dgrad" else N), float("nan"), dtype=torch.bfloat16, device="cuda")
     t0 = time.time()
-    (gw.grouped_gemm_dgrad if op == "dgrad" else gw.grouped_gemm)(a, wp, ws, fmt, splits, out=out)
+    (gw.grouped_gemm_dgrad if op == "dgrad" else gw.grouped_gemm)(a, wp, ws, fmt, splits, out=out,
+                                                                   persistent=programs or False)
     torch.cuda.synchronize()
     dt = time.time() - t0
     ref = (oracle_dgrad if op == "dgrad" else oracle_fwd)(a, wp, ws, fmt, splits)
@@ -40,26 +43,28 @@ def one(fmt_name: str, op: str) -> None:
     nan_rows = int(torch.isnan(got).any(dim=1).sum())
     err = (got.nan_to_num(0) - ref).abs()
     rel = float(err.norm() / ref.norm())
-    print(f"{fmt_name} {op}: first run {dt:.1f} s, max|err| {float(err.max()):.3e}, rel {rel:.2e}, "
-          f"rows with NaN {nan_rows}/{T}", flush=True)
+    print(f"{fmt_name} {op} programs {programs or 'per tile'}: first run {dt:.1f} s, max|err| {float(err.max()):.3e}, "
+          f"rel {rel:.2e}, rows with NaN {nan_rows}/{T}", flush=True)
 
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "one":
-        one(sys.argv[2], sys.argv[3])
+        one(sys.argv[2], sys.argv[3], int(sys.argv[4]))
         return 0
     timeout = int(os.environ.get("GLUON_PROBE_TIMEOUT", "60"))
     bad = 0
     for fmt in ("mxfp4", "int4"):
         for op in ("fwd", "dgrad"):
-            try:
-                r = subprocess.run([sys.executable, __file__, "one", fmt, op], capture_output=True, text=True,
-                                   timeout=timeout)
-                print(r.stdout.strip() or f"{fmt} {op}: rc={r.returncode}\n{r.stderr[-3000:]}", flush=True)
-                bad += r.returncode != 0
-            except subprocess.TimeoutExpired:
-                print(f"{fmt} {op}: TIMEOUT after {timeout} s (hang: a barrier never completes?)", flush=True)
-                bad += 1
+            for programs in ("0", "2"):  # one program per tile (the binary compiles once), then 2 persistent ones
+                name = f"{fmt} {op} programs {programs}"
+                try:
+                    r = subprocess.run([sys.executable, __file__, "one", fmt, op, programs], capture_output=True,
+                                       text=True, timeout=timeout)
+                    print(r.stdout.strip() or f"{name}: rc={r.returncode}\n{r.stderr[-3000:]}", flush=True)
+                    bad += r.returncode != 0
+                except subprocess.TimeoutExpired:
+                    print(f"{name}: TIMEOUT after {timeout} s (hang: a barrier never completes?)", flush=True)
+                    bad += 1
     return 1 if bad else 0
 
 

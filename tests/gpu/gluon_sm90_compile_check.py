@@ -76,7 +76,8 @@ for fmt, ws, dgrad, warps, bm in configs:
     a_block, p_block, s_block = gw.descriptor_blocks(dgrad, bm, 1 if ws == "u8" else 2)
     sig = {"a_desc": desc_sig("bf16", a_block, gl.bfloat16), "p_desc": desc_sig("u8", p_block, gl.uint8),
            "s_desc": desc_sig(ws, s_block, gl.uint8 if ws == "u8" else gl.bfloat16),
-           "out_ptr": "*bf16", "tiles_ptr": "*i32", "N": "i32", "K": "i32", "stride_om": "i32",
+           "out_ptr": "*bf16", "tiles_ptr": "*i32", "n_tiles": "i32", "n_col_tiles": "i32", "N": "i32", "K": "i32",
+           "stride_om": "i32",
            **{n: "constexpr" for n in ("FMT", "DGRAD", "BM", "BN", "BK", "LOAD_STAGES", "W_STAGES", "DECODE_WARPS",
                                        "DECODE_REGS")}}
     src = GluonASTSource(gw.w4a16_ws_kernel, sig, constexprs={

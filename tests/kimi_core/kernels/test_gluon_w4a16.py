@@ -39,3 +39,15 @@ def test_pick_block_m_is_a_kernel_tile_at_or_above_the_mean_expert(splits):
     assert bm in BLOCK_M_CHOICES
     assert bm >= mean or bm == max(BLOCK_M_CHOICES)
     assert all(b < mean for b in BLOCK_M_CHOICES if b < bm)
+
+
+def test_programs_one_per_tile_or_a_capped_persistent_count():
+    """One program per work item by default; a persistent count never exceeds the work items; a count below 1 is
+    refused naming the argument (``True``, one per SM, needs a GPU and runs in the GPU test)."""
+    from kimi_core.kernels.gluon_w4a16 import programs
+
+    assert programs(86016, False, "cpu") == 86016
+    assert programs(126, 3, "cpu") == 3
+    assert programs(6, 132, "cpu") == 6
+    with pytest.raises(ValueError, match="persistent must be a bool or a positive number of programs, got 0"):
+        programs(6, 0, "cpu")

@@ -21,13 +21,16 @@ if torch.cuda.get_device_capability(0)[0] != 9:
     pytest.skip("the Gluon kernel is written for Hopper (wgmma)", allow_module_level=True)
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("E,K,N,mean", [
     pytest.param(112, 3584, 6144, 128, id="K3-fc1-128tok"),
     pytest.param(24, 2048, 7168, 8, id="K2-fc2-8tok"),
     pytest.param(7, 512, 200, 70, id="K512-N200-masked-N"),
 ])
-def test_gluon_fwd_and_dgrad_match_oracle(fmt, E, K, N, mean):
+def test_gluon_fwd_and_dgrad_match_oracle(fmt, E, K, N, mean, persistent):
+    """Forward and dgrad on ragged experts (empty ones included), one program per tile or one per SM walking the
+    tiles (K3 fc1 at 128 tokens per expert: ~40 tiles per program, so its rings run on across tile ends)."""
     from kimi_core.kernels import gluon_w4a16 as gw
 
     if not gw.HAVE_GLUON:
@@ -40,20 +43,22 @@ def test_gluon_fwd_and_dgrad_match_oracle(fmt, E, K, N, mean):
     dy = torch.randn(T, N, device="cuda").bfloat16()
     y = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison: unwritten rows show
     dx = torch.full((T, K), float("nan"), dtype=torch.bfloat16, device="cuda")
-    gw.grouped_gemm(x, wp, ws, fmt, splits, out=y)
-    gw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, out=dx)
+    gw.grouped_gemm(x, wp, ws, fmt, splits, out=y, persistent=persistent)
+    gw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, out=dx, persistent=persistent)
     torch.cuda.synchronize()
-    assert_close(f"gluon fwd {fmt} E{E} K{K} N{N} T{T}", oracle_fwd(x, wp, ws, fmt, splits), y.float(), 1e-2)
-    assert_close(f"gluon dgrad {fmt} E{E} K{K} N{N} T{T}", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
+    name = f"{fmt} E{E} K{K} N{N} T{T} persistent {persistent}"
+    assert_close(f"gluon fwd {name}", oracle_fwd(x, wp, ws, fmt, splits), y.float(), 1e-2)
+    assert_close(f"gluon dgrad {name}", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("block_m,decode_warps,stages", [(8, 4, None), (16, 8, 2), (32, 4, 3), (64, 8, None),
-                                                          (128, 8, 2)])
-def test_gluon_tile_configs_match_oracle(fmt, block_m, decode_warps, stages):
+@pytest.mark.parametrize("block_m,decode_warps,stages,programs", [(8, 4, None, 3), (16, 8, 2, False), (32, 4, 3, 5),
+                                                                   (64, 8, None, False), (128, 8, 2, 2)])
+def test_gluon_tile_configs_match_oracle(fmt, block_m, decode_warps, stages, programs):
     """Tile configs the defaults above do not reach (8 decode warps; 8- to 64-row tiles on experts of ~70 rows, so
-    tiles end inside an expert and past it; TMA rings of 2 and 3 stages, which wrap within the 8 K steps), fwd and
-    dgrad, masked N."""
+    tiles end inside an expert and past it; TMA rings of 2 and 3 stages, which wrap within the 8 K steps; 2, 3 or
+    5 persistent programs, each walking tens of tiles, so the rings wrap across tile ends at odd places), fwd and
+    dgrad (4 K steps), masked N."""
     from kimi_core.kernels import gluon_w4a16 as gw
 
     if not gw.HAVE_GLUON:
@@ -64,12 +69,12 @@ def test_gluon_tile_configs_match_oracle(fmt, block_m, decode_warps, stages):
     T = sum(splits)
     x = torch.randn(T, K, device="cuda").bfloat16()
     dy = torch.randn(T, N, device="cuda").bfloat16()
-    kw = dict(block_m=block_m, decode_warps=decode_warps, load_stages=stages)
+    kw = dict(block_m=block_m, decode_warps=decode_warps, load_stages=stages, persistent=programs)
     y = gw.grouped_gemm(x, wp, ws, fmt, splits, out=torch.full((T, N), float("nan"), dtype=torch.bfloat16,
                                                                  device="cuda"), **kw)
     dx = gw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, out=torch.full((T, K), float("nan"), dtype=torch.bfloat16,
                                                                          device="cuda"), **kw)
-    name = f"gluon {fmt} block_m {block_m} decode warps {decode_warps} load stages {stages}"
+    name = f"gluon {fmt} block_m {block_m} decode warps {decode_warps} load stages {stages} programs {programs}"
     assert_close(name + " fwd", oracle_fwd(x, wp, ws, fmt, splits), y.float(), 1e-2)
     assert_close(name + " dgrad", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
 
