@@ -18,6 +18,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
 
 import torch
@@ -91,21 +92,25 @@ HEADER = ("| shape | E | K | N | tok/exp | fmt | BF16 fwd ms | fused fwd ms | ch
           "| chunked peak extra GiB | auto fwd | auto fwd speed vs BF16 | auto fwd TFLOP/s | auto fwd % roofline "
           "| BF16 dgrad ms | fused dgrad ms | chunked dgrad ms | auto dgrad | auto dgrad speed vs BF16 |")
 DECODE_HEADER = "| shape | fmt | experts decoded | decode ms | read GB | written GB | decode TB/s |"
-GLUON_HEADER = ("| shape | tok/exp | fmt | op | config (block_m x decode warps [s load stages] [p persistent]) "
-                "| BF16 ms | gluon ms | speed vs BF16 | TFLOP/s | rel err vs BF16 |")
+GLUON_HEADER = ("| shape | tok/exp | fmt | op | config (block_m x decode warps [s load stages] [n block_n] "
+                "[p persistent]) | BF16 ms | gluon ms | speed vs BF16 | TFLOP/s | rel err vs BF16 |")
 
 
 def parse_gluon_config(text: str) -> dict:
-    """``auto`` (the kernel's own tile choice) or ``<block_m>x<decode_warps>[s<load_stages>]``, either followed by
-    ``p`` for the persistent schedule (one program per SM), e.g. ``64x4``, ``128x4s4``, ``autop`` -> keyword
-    arguments."""
-    kw = {"persistent": True} if text.endswith("p") else {}
-    text = text.removesuffix("p")
-    if text == "auto":
-        return kw
-    bm, rest = text.split("x")
-    warps, _, stages = rest.partition("s")
-    return dict(kw, block_m=int(bm), decode_warps=int(warps), load_stages=int(stages) if stages else None)
+    """``auto`` (the kernel's own tile rows) or ``<block_m>x<decode_warps>[s<load_stages>]``, either followed by
+    ``n<block_n>`` (output columns per tile, 128 or 256) and ``p`` (the persistent schedule: one program per SM),
+    e.g. ``64x4``, ``128x4s4``, ``autop``, ``auton256p`` -> keyword arguments."""
+    m = re.fullmatch(r"(auto|(\d+)x(\d+)(?:s(\d+))?)(?:n(\d+))?(p?)", text)
+    if not m:
+        raise ValueError(f"--gluon-configs: cannot read {text!r} (auto or <block_m>x<decode_warps>[s<load_stages>], "
+                         f"then [n<block_n>][p])")
+    _, bm, warps, stages, bn, persistent = m.groups()
+    kw = {"persistent": True} if persistent else {}
+    if bn:
+        kw["block_n"] = int(bn)
+    if bm:
+        kw.update(block_m=int(bm), decode_warps=int(warps), load_stages=int(stages) if stages else None)
+    return kw
 
 
 def measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe, alt_bytes: int | None = None, gluon: list[str] | None = None,
@@ -175,8 +180,8 @@ def measure_gluon(fns, x, dy, wp, ws, fmt, splits, flops, configs: list[str]) ->
         gluon_fns = {"fwd": lambda: gw.grouped_gemm(x, wp, ws, fmt, splits, **kw),
                      "dgrad": lambda: gw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, **kw)}
         for op, fn in gluon_fns.items():
-            auto = f"auto ({gw.pick_block_m(splits)}x{gw.DECODE_WARPS}{'p' if kw else ''})"
-            r = dict(config=auto if config.removesuffix("p") == "auto" else config, op=op)
+            auto = f"{config} ({gw.pick_block_m(splits)}x{gw.DECODE_WARPS})"
+            r = dict(config=auto if config.startswith("auto") else config, op=op)
             try:  # experimental: a failure is a row of the table, not the end of the benchmark
                 ref = fns[f"bf16_{op}"]()
                 r["rel_err"] = rel_err(ref, fn())
@@ -253,7 +258,8 @@ def main() -> None:
                          "Triton >= 3.5)")
     ap.add_argument("--gluon-configs", default="auto",
                     help="with --gluon: comma-separated configs, 'auto' or <block_m>x<decode_warps>[s<load_stages>], "
-                         "either with a trailing p for the persistent schedule (e.g. 128x8, 128x4s4, autop)")
+                         "then n<block_n> (128 or 256 output columns per tile) and p (persistent schedule), "
+                         "e.g. 128x8, 128x4s4, autop, auton256p")
     ap.add_argument("--gluon-only", action="store_true", help="with --gluon: time BF16 and the Gluon kernels only")
     args = ap.parse_args()
     if args.sweep:

@@ -35,10 +35,13 @@ and ~410 TFLOP/s at most: 0.5-0.66x BF16 ``_grouped_mm`` at 512-2048 tokens per 
 decode warps, 350 ns of it with neither decode nor MMA: the loads led the MMA by only ~3 steps against a TMA round
 trip of about a microsecond. This version gives the TMA rings their own depth (:func:`default_load_stages`); it
 compiles for sm_90a on the CPU (``tests/gpu/gluon_sm90_compile_check.py``) and has not yet run on a GPU. Until it
-is faster than the dispatcher's paths, :func:`kimi_core.kernels.choose_path` never picks it. The persistent schedule
-(2026-12-04, compiled for sm_90a, not yet run): with ~200 KB of rings and 168 registers per thread one program
-fills an SM, so without it every tile's ring fill (a TMA round trip plus the first decode) and its epilogue stand
-alone.
+is faster than the dispatcher's paths, :func:`kimi_core.kernels.choose_path` never picks it. Two options added
+since, compiled for sm_90a (no spills, <= 203 KB shared) and not yet run: the persistent schedule (with ~200 KB of
+rings and 168 registers per thread one program fills an SM, so without it every tile's ring fill, a TMA round trip
+plus the first decode, and its epilogue stand alone) and 256-column tiles (``block_n=256``: two wgmma warpgroups
+share each activation tile, so a K step reads 28 KB for 4.2 MFLOP instead of 22 KB for 2.1: the per-step traffic of
+128-column tiles at 2048 tokens per expert, 108 GB per K3 fc1 forward, is ~7.3 TB/s out of L2 at BF16's 14.8 ms;
+69 GB, ~4.7 TB/s, with 256).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 __all__ = ["HAVE_GLUON", "pick_block_m", "tile_table", "grouped_gemm", "grouped_gemm_dgrad"]
 
 BM, BN, BK = 128, 128, 64  # BM: rows of one expert per tile (fewer where experts have few rows: pick_block_m)
-W_STAGES = 3        # decoded bf16 weight tiles in flight: how far the decoder may run ahead of the wgmma
+BLOCK_N_CHOICES = (128, 256)  # output columns per tile = weight rows of the wgmma's M side, one warpgroup per 128
 MAX_LOAD_STAGES = 8  # TMA ring depth cap (activation tile + packed bytes + scales per stage)
 RING_BUDGET = 200 * 1024  # shared bytes for the rings; the epilogue's scratch and the barriers take the rest of 227 KB
 DECODE_WARPS = 4    # warps of the decode partition (4 or 8)
@@ -66,19 +69,35 @@ BLOCK_M_CHOICES = (8, 16, 32, 64, 128)  # activation rows per tile: the wgmma's 
 # FMT: triton_w4a16's format ids (FMT_MXFP4 = 0, FMT_INT4 = 1, from its _fmt_id)
 
 
-def decode_regs(decode_warps: int) -> int:
-    """Registers per thread of the decode partition (``setmaxnreg``), so that consumer (4 warps, 128 fp32
-    accumulator registers each), loader (1 warp, 40) and decoders fit one SM's 64 K registers."""
-    return 160 if decode_warps <= 4 else 120
+def w_stages(block_n: int = BN) -> int:
+    """Decoded bf16 weight tiles in flight (how far the decoder may run ahead of the wgmma): 3 of ``[128, BK]``,
+    2 of ``[256, BK]`` (32 KB each; a 256-wide step's wgmma takes twice as long, so two cover the same time)."""
+    return 3 if block_n <= 128 else 2
 
 
-def default_load_stages(block_m: int, dgrad: bool) -> int:
+def consumer_warps(block_n: int = BN) -> int:
+    """Warps of the wgmma partition (the kernel's ``num_warps``): one warpgroup per 128 output columns, each holding
+    a ``[128, BM]`` fp32 accumulator (up to 128 registers per thread)."""
+    return block_n // 32
+
+
+def decode_regs(decode_warps: int, block_n: int = BN) -> int:
+    """Registers per thread of the decode partition (``setmaxnreg``), so that the wgmma warpgroups (128 fp32
+    accumulator registers per thread each), the loader (1 warp, 40, in a warpgroup of its own) and the decoders fit
+    one SM's 64 K registers: 4 consumer warps leave 160 for 4 decode warps, 120 for 8; 8 consumer warps (``block_n``
+    256, 232 registers each) leave 120 for 4 decode warps (8 would get too few: ptxas spilled them)."""
+    if block_n <= 128:
+        return 160 if decode_warps <= 4 else 120
+    return 120
+
+
+def default_load_stages(block_m: int, dgrad: bool, block_n: int = BN) -> int:
     """Depth of the TMA rings: as many stages (2 to :data:`MAX_LOAD_STAGES`) as fit :data:`RING_BUDGET` beside
-    :data:`W_STAGES` decoded tiles. A stage is released only when its wgmma has retired, so the loads lead the MMA by
+    :func:`w_stages` decoded tiles. A stage is released only when its wgmma has retired, so the loads lead the MMA by
     about ``LOAD_STAGES - 1`` steps; with one 4-deep ring for everything, that lead against a TMA round trip of
     about a microsecond set the pace (~700 ns per step whatever the tile, benchmarks/RESULTS.md)."""
-    stage = block_m * BK * 2 + BN * BK // 2 + (BK if dgrad else BN) * 16  # activation, packed bytes, scale box
-    return max(2, min(MAX_LOAD_STAGES, (RING_BUDGET - W_STAGES * BN * BK * 2) // stage))
+    stage = block_m * BK * 2 + block_n * BK // 2 + (BK if dgrad else block_n) * 16  # activation, bytes, scale box
+    return max(2, min(MAX_LOAD_STAGES, (RING_BUDGET - w_stages(block_n) * block_n * BK * 2) // stage))
 
 
 def pick_block_m(m_splits) -> int:
@@ -148,7 +167,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _scale_pairs(s_tile, off, R: gl.constexpr, G: gl.constexpr, layout: gl.constexpr, FMT: gl.constexpr,
                      DECODE_WARPS: gl.constexpr):
-        """int32 ``[R, G]`` bf16x2 pairs (the same scale in both halves) of the ``G`` scale groups at byte ``off``
+        """int32 ``[R, G]`` bf16x2 pairs (the same scale in both halves) of the ``G`` (2, 4 or 8) scale groups at byte
+        ``off``
         of each row of ``s_tile`` (``[R, 16 bytes]`` row-major: E8M0 bytes for MXFP4, bf16 for INT4; TMA
         zero-fills rows past the tensor)."""
         SB: gl.constexpr = 1 if FMT == 0 else 2
@@ -160,10 +180,18 @@ if HAVE_GLUON:
         v1 = _pick_scale(words, cols, off + SB, MASK)
         if G == 2:
             v = gl.join(v0, v1)
-        else:  # G == 4: join(join(v0, v2), join(v1, v3))[r, i, k] = v[2 i + k]
+        else:  # G == 4: join(join(v0, v2), join(v1, v3))[r, i, k] = v[2 i + k]; G == 8 likewise one level deeper
             v2 = _pick_scale(words, cols, off + 2 * SB, MASK)
             v3 = _pick_scale(words, cols, off + 3 * SB, MASK)
-            v = gl.reshape(gl.join(gl.join(v0, v2), gl.join(v1, v3)), [R, 4])
+            if G == 4:
+                v = gl.reshape(gl.join(gl.join(v0, v2), gl.join(v1, v3)), [R, 4])
+            else:  # [r, i, j, k] = v[4 i + 2 j + k]
+                v4 = _pick_scale(words, cols, off + 4 * SB, MASK)
+                v5 = _pick_scale(words, cols, off + 5 * SB, MASK)
+                v6 = _pick_scale(words, cols, off + 6 * SB, MASK)
+                v7 = _pick_scale(words, cols, off + 7 * SB, MASK)
+                v = gl.reshape(gl.join(gl.join(gl.join(v0, v4), gl.join(v2, v6)),
+                                       gl.join(gl.join(v1, v5), gl.join(v3, v7))), [R, 8])
         sb = gl.convert_layout(v, layout)
         if FMT == 0:
             sb = gl.where(sb == 0, 0x40, sb << 7)  # bf16 bits of 2^(s - 127); s = 0 is the subnormal 2^-127
@@ -262,16 +290,18 @@ if HAVE_GLUON:
     def _consumer(a_ring, w_ring, a_ready, a_free, w_ready, w_free, out_ptr, tiles_ptr, n_tiles, n_col_tiles, steps,
                   out_cols, stride_om, DGRAD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                   LOAD_STAGES: gl.constexpr, W_STAGES: gl.constexpr):
-        """Default partition (one warpgroup): per work item, the transposed tile ``out^T [BN, BM] = W_tile . a_tile^T``
-        by wgmma with the weights as its M side (two m64 instructions) and the ``BM`` activation rows as its N side
+        """Default partition (one warpgroup per 128 of ``BN``): per work item, the transposed tile ``out^T [BN, BM] =
+        W_tile . a_tile^T`` by wgmma with the weights as its M side (two m64 instructions per warpgroup) and the ``BM``
+        activation rows as its N side
         (8 to 128), so a tile of a small expert reads only about the rows it has. A step's activation and weight
         stages are released (``a_free``, ``w_free``) once its wgmma has retired (the last step's after the final
         wait); then the masked bf16 epilogue writes the tile back transposed while loader and decoder already fill
         the rings for this program's next work item."""
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+        CW: gl.constexpr = BN // 32  # warps: one warpgroup per 128 weight rows
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CW, 1],
                                                              instr_shape=[16, BM, 16])
         # epilogue layout: out[row, col] = acc[col, row], eight consecutive output columns per thread (16 bytes)
-        out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 4], [0, 1])
+        out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, CW], [0, 1])
         it = 0
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             _, row0, row_end, col0 = _tile_at(tiles_ptr, t, n_col_tiles, BN)
@@ -351,12 +381,13 @@ if HAVE_GLUON:
         ], [1, DECODE_WARPS], [40, DECODE_REGS])
 
 
-def descriptor_blocks(dgrad: bool, block_m: int = BM, scale_bytes: int = 1) -> tuple[list[int], list[int], list[int]]:
-    """TMA block shapes: activation ``[block_m, BK]``; packed bytes ``[BN, BK / 2]`` (dgrad ``[BK, BN / 2]``); scales
-    ``[BN, 16 / scale_bytes]`` (dgrad ``[BK, ..]``): 16 bytes per row, TMA's narrowest, of which a step uses
-    ``BK / 32`` (dgrad ``BN / 32``) groups."""
-    rows = BK if dgrad else BN
-    return [block_m, BK], ([BK, BN // 2] if dgrad else [BN, BK // 2]), [rows, 16 // scale_bytes]
+def descriptor_blocks(dgrad: bool, block_m: int = BM, scale_bytes: int = 1,
+                      block_n: int = BN) -> tuple[list[int], list[int], list[int]]:
+    """TMA block shapes: activation ``[block_m, BK]``; packed bytes ``[block_n, BK / 2]`` (dgrad ``[BK, block_n /
+    2]``); scales ``[block_n, 16 / scale_bytes]`` (dgrad ``[BK, ..]``): 16 bytes per row, TMA's narrowest, of which a
+    step uses ``BK / 32`` (dgrad ``block_n / 32``) groups."""
+    rows = BK if dgrad else block_n
+    return [block_m, BK], ([BK, block_n // 2] if dgrad else [block_n, BK // 2]), [rows, 16 // scale_bytes]
 
 
 def programs(n_tiles: int, persistent: bool | int, device) -> int:
@@ -373,7 +404,7 @@ def programs(n_tiles: int, persistent: bool | int, device) -> int:
 
 
 def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: str, block_m: int | None,
-            decode_warps: int, stages: int | None, persistent: bool | int) -> torch.Tensor:
+            block_n: int, decode_warps: int, stages: int | None, persistent: bool | int) -> torch.Tensor:
     from kimi_core.kernels import _validate
     from kimi_core.kernels.triton_w4a16 import _fmt_id
 
@@ -386,10 +417,15 @@ def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: s
                          f"(TMA rows of 16 bytes for x, dy and the {fmt} scales), got K={K}, N={N}")
     if decode_warps not in (4, 8):
         raise ValueError(f"gluon_w4a16.{where}: decode_warps must be 4 or 8, got {decode_warps}")
+    if block_n == 256 and decode_warps != 4:
+        raise ValueError(f"gluon_w4a16.{where}: block_n=256 needs decode_warps=4 (two wgmma warpgroups leave too "
+                         f"few registers for 8 decode warps), got {decode_warps}")
     block_m = pick_block_m(m_splits) if block_m is None else block_m
     if block_m not in BLOCK_M_CHOICES:
         raise ValueError(f"gluon_w4a16.{where}: block_m must be one of {BLOCK_M_CHOICES}, got {block_m}")
-    stages = default_load_stages(block_m, dgrad) if stages is None else stages
+    if block_n not in BLOCK_N_CHOICES:
+        raise ValueError(f"gluon_w4a16.{where}: block_n must be one of {BLOCK_N_CHOICES}, got {block_n}")
+    stages = default_load_stages(block_m, dgrad, block_n) if stages is None else stages
     if not 2 <= stages <= MAX_LOAD_STAGES:
         raise ValueError(f"gluon_w4a16.{where}: load_stages must be 2 to {MAX_LOAD_STAGES}, got {stages}")
     out_cols = K if dgrad else N
@@ -400,22 +436,22 @@ def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: s
     a, w_scale = a.contiguous(), w_scale.contiguous()
     packed = w_packed.contiguous().view(torch.uint8).reshape(E * N, K // 2)  # INT4 words are the same bytes
     scales = w_scale.reshape(E * N, K // 32)
-    a_block, p_block, s_block = descriptor_blocks(dgrad, block_m, scale_bytes)
+    a_block, p_block, s_block = descriptor_blocks(dgrad, block_m, scale_bytes, block_n)
     s_dtype = gl.uint8 if scale_bytes == 1 else gl.bfloat16
     a_desc = TensorDescriptor.from_tensor(a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl.bfloat16))
     p_desc = TensorDescriptor.from_tensor(packed, p_block, gl.NVMMASharedLayout.get_default_for(p_block, gl.uint8))
     s_desc = TensorDescriptor.from_tensor(scales, s_block, gl.NVMMASharedLayout.get_default_for(s_block, s_dtype))
-    n_col_tiles = -(-out_cols // BN)
+    n_col_tiles = -(-out_cols // block_n)
     n_tiles = n_col_tiles * tiles.shape[0]
-    w4a16_ws_kernel[(programs(n_tiles, persistent, a.device),)](a_desc, p_desc, s_desc, y, tiles, n_tiles, n_col_tiles,
-                                                                N, K, y.stride(0),
-                          _fmt_id(fmt), dgrad, block_m, BN, BK, stages, W_STAGES, decode_warps,
-                          decode_regs(decode_warps), num_warps=4)
+    grid = (programs(n_tiles, persistent, a.device),)
+    w4a16_ws_kernel[grid](a_desc, p_desc, s_desc, y, tiles, n_tiles, n_col_tiles, N, K, y.stride(0),
+                          _fmt_id(fmt), dgrad, block_m, block_n, BK, stages, w_stages(block_n), decode_warps,
+                          decode_regs(decode_warps, block_n), num_warps=consumer_warps(block_n))
     return y
 
 
 def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str, m_splits,
-                 out: torch.Tensor | None = None, block_m: int | None = None,
+                 out: torch.Tensor | None = None, block_m: int | None = None, block_n: int = BN,
                  decode_warps: int = DECODE_WARPS, load_stages: int | None = None,
                  persistent: bool | int = False) -> torch.Tensor:
     """``y[T, N]`` bf16, ``y[rows_e] = x[rows_e] . dequant(W_e)^T`` with fp32 accumulation, for ``fmt`` one of
@@ -423,18 +459,20 @@ def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     :func:`kimi_core.kernels.w4a16_grouped_gemm` checks them). Needs a Hopper GPU and Triton with Gluon; ``K`` a
     multiple of 64 (and of 512 for MXFP4 / 256 for INT4 scale rows); ``m_splits`` is read on the host; ``out``: a
     bf16 ``[T, N]`` to write into; ``block_m``: rows per tile, one of :data:`BLOCK_M_CHOICES` (default
-    :func:`pick_block_m`); ``decode_warps``: 4 or 8 warps decode the weights; ``load_stages``: TMA ring depth
+    :func:`pick_block_m`); ``block_n``: output columns per tile, 128 (one wgmma warpgroup) or 256 (two, each
+    activation tile then feeding twice the weight rows); ``decode_warps``: 4 or 8 warps decode the weights;
+    ``load_stages``: TMA ring depth
     (default :func:`default_load_stages`); ``persistent``: one program per SM (or that many programs) walks the
     tiles, the rings running on from one tile to the next (:func:`programs`)."""
-    return _launch(x, w_packed, w_scale, fmt, m_splits, out, False, "grouped_gemm", block_m, decode_warps,
+    return _launch(x, w_packed, w_scale, fmt, m_splits, out, False, "grouped_gemm", block_m, block_n, decode_warps,
                    load_stages, persistent)
 
 
 def grouped_gemm_dgrad(dy: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str, m_splits,
-                       out: torch.Tensor | None = None, block_m: int | None = None,
+                       out: torch.Tensor | None = None, block_m: int | None = None, block_n: int = BN,
                        decode_warps: int = DECODE_WARPS, load_stages: int | None = None,
                        persistent: bool | int = False) -> torch.Tensor:
     """``dx[T, K]`` bf16, ``dx[rows_e] = dy[rows_e] . dequant(W_e)`` with fp32 accumulation (``dy`` bf16
     ``[T, N]``; otherwise as :func:`grouped_gemm`)."""
-    return _launch(dy, w_packed, w_scale, fmt, m_splits, out, True, "grouped_gemm_dgrad", block_m, decode_warps,
-                   load_stages, persistent)
+    return _launch(dy, w_packed, w_scale, fmt, m_splits, out, True, "grouped_gemm_dgrad", block_m, block_n,
+                   decode_warps, load_stages, persistent)

@@ -53,7 +53,10 @@ print("triton", triton.__version__, "| wgmma in PTX:", "wgmma.mma_async" in ptx,
 # the experimental warp-specialised W4A16 kernel of issue #21, forward and dgrad, both formats (needs torch
 # importable, as kimi_core.kernels is; run from the project root)
 import os  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 
 sys.path.insert(0, ".")
 from kimi_core.kernels import gluon_w4a16 as gw  # noqa: E402
@@ -66,14 +69,28 @@ def desc_sig(dtype: str, block: list[int], gl_dtype) -> str:
     return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
 
 
-configs = [(fmt, ws, dgrad, gw.DECODE_WARPS, gw.BM) for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16"))
+def resource_usage(cubin: bytes) -> str:
+    """``REG:.. STACK:.. SHARED:.. LOCAL:..`` of a cubin, from the cuobjdump in Triton's wheel (LOCAL > 0: spills)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    usage = re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", out)
+    return usage.group(0) if usage else "resource usage: ?"
+
+
+BMAX = gw.BLOCK_M_CHOICES[-1]
+configs = [(fmt, ws, dgrad, gw.DECODE_WARPS, BMAX, gw.BN) for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16"))
            for dgrad in (0, 1)]
-configs += [(MXFP4, "u8", dgrad, 8, gw.BM) for dgrad in (0, 1)]  # the 8-warp decode partition too
-configs += [(fmt, ws, dgrad, gw.DECODE_WARPS, bm) for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16"))
+configs += [(MXFP4, "u8", dgrad, 8, BMAX, gw.BN) for dgrad in (0, 1)]  # the 8-warp decode partition too
+configs += [(fmt, ws, dgrad, gw.DECODE_WARPS, bm, gw.BN) for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16"))
             for dgrad in (0, 1) for bm in gw.BLOCK_M_CHOICES[:-1]]  # fewer rows per tile (few tokens per expert)
-for fmt, ws, dgrad, warps, bm in configs:
-    stages = gw.default_load_stages(bm, dgrad)
-    a_block, p_block, s_block = gw.descriptor_blocks(dgrad, bm, 1 if ws == "u8" else 2)
+configs += [(fmt, ws, dgrad, 4, bm, 256) for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16")) for dgrad in (0, 1)
+            for bm in (BMAX, 16)]  # 256-column tiles: two wgmma warpgroups (4 decode warps: 8 spill)
+for fmt, ws, dgrad, warps, bm, bn in configs:
+    stages = gw.default_load_stages(bm, dgrad, bn)
+    a_block, p_block, s_block = gw.descriptor_blocks(dgrad, bm, 1 if ws == "u8" else 2, bn)
     sig = {"a_desc": desc_sig("bf16", a_block, gl.bfloat16), "p_desc": desc_sig("u8", p_block, gl.uint8),
            "s_desc": desc_sig(ws, s_block, gl.uint8 if ws == "u8" else gl.bfloat16),
            "out_ptr": "*bf16", "tiles_ptr": "*i32", "n_tiles": "i32", "n_col_tiles": "i32", "N": "i32", "K": "i32",
@@ -81,20 +98,22 @@ for fmt, ws, dgrad, warps, bm in configs:
            **{n: "constexpr" for n in ("FMT", "DGRAD", "BM", "BN", "BK", "LOAD_STAGES", "W_STAGES", "DECODE_WARPS",
                                        "DECODE_REGS")}}
     src = GluonASTSource(gw.w4a16_ws_kernel, sig, constexprs={
-        "FMT": fmt, "DGRAD": dgrad, "BM": bm, "BN": gw.BN, "BK": gw.BK,
-        "LOAD_STAGES": stages, "W_STAGES": gw.W_STAGES,
-        "DECODE_WARPS": warps, "DECODE_REGS": gw.decode_regs(warps)})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        "FMT": fmt, "DGRAD": dgrad, "BM": bm, "BN": bn, "BK": gw.BK,
+        "LOAD_STAGES": stages, "W_STAGES": gw.w_stages(bn),
+        "DECODE_WARPS": warps, "DECODE_REGS": gw.decode_regs(warps, bn)})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": gw.consumer_warps(bn)})
     ptx = k.asm["ptx"]
     print("w4a16_ws", "dgrad" if dgrad else "fwd", "mxfp4" if fmt == MXFP4 else "int4",
-          f"decode warps {warps} BM {bm} load stages {stages}",
+          f"BN {bn} decode warps {warps} BM {bm} load stages {stages}",
           "| wgmma:",
           "wgmma.mma_async" in ptx, "| TMA loads:", ptx.count("cp.async.bulk.tensor"), "| bf16x2 muls:",
-          ptx.count("mul.rn.bf16x2"), "| shared bytes:", k.metadata.shared, "| cubin bytes", len(k.asm["cubin"]))
+          ptx.count("mul.rn.bf16x2"), "| shared bytes:", k.metadata.shared, "|", resource_usage(k.asm["cubin"]))
+    assert k.metadata.shared <= 227 * 1024, f"{k.metadata.shared} B of shared memory: over the H200's 227 KB a block"
+    assert " LOCAL:0" in resource_usage(k.asm["cubin"]) and " STACK:0" in resource_usage(k.asm["cubin"]), "spills"
     if os.environ.get("GLUON_META"):
         print("  TMA metadata:", k.metadata.tensordesc_meta, "| warps:", k.metadata.num_warps)
     if os.environ.get("GLUON_DUMP"):
-        name = f"{os.environ['GLUON_DUMP']}_{'dgrad' if dgrad else 'fwd'}_{fmt}_w{warps}_m{bm}"
+        name = f"{os.environ['GLUON_DUMP']}_{'dgrad' if dgrad else 'fwd'}_{fmt}_n{bn}_w{warps}_m{bm}"
         open(name + ".ptx", "w").write(ptx)
         open(name + ".ttgir", "w").write(k.asm["ttgir"])
         open(name + ".cubin", "wb").write(k.asm["cubin"])

@@ -122,7 +122,7 @@ run_gluon() {
   local rc=$?; echo "gluon tests rc=$rc $(tail -1 "$OUT/pytest_gluon.log")"
   [ $rc -eq 0 ] || { tail -30 "$OUT/pytest_gluon.log"; return; }
   # every benchmark shape, BF16 and the Gluon kernel alone, in each tile config (GLUON_BENCH_ARGS: e.g. --quick)
-  timeout "$(left)" python3 benchmarks/w4a16_grouped_gemm.py --gluon-only --gluon-configs "${GLUON_CONFIGS:-auto,autop,128x4s4,128x8p}" \
+  timeout "$(left)" python3 benchmarks/w4a16_grouped_gemm.py --gluon-only --gluon-configs "${GLUON_CONFIGS:-auto,autop,auton256p,128x4s4,128x8p}" \
     ${GLUON_BENCH_ARGS:-} --no-append --json "$OUT/gluon.json" --out "$OUT/gluon.md" 2>&1 | tee "$OUT/gluon_bench.log" | grep '^|'
   echo "bench rc=${PIPESTATUS[0]}"
 }

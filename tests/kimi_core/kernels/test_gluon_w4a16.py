@@ -51,3 +51,28 @@ def test_programs_one_per_tile_or_a_capped_persistent_count():
     assert programs(6, 132, "cpu") == 6
     with pytest.raises(ValueError, match="persistent must be a bool or a positive number of programs, got 0"):
         programs(6, 0, "cpu")
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(block_n=192), r"block_n must be one of \(128, 256\), got 192"),
+    (dict(block_n=256, decode_warps=8), "block_n=256 needs decode_warps=4"),
+    (dict(block_m=48), r"block_m must be one of \(8, 16, 32, 64, 128\), got 48"),
+    (dict(load_stages=9), "load_stages must be 2 to 8, got 9"),
+])
+def test_bad_tile_arguments_are_refused_before_any_launch(kw, message):
+    """A tile argument outside the compiled choices is refused with the argument's name (on any device: the
+    checks run before a descriptor or a launch)."""
+    import os
+    import sys
+
+    from kimi_core.kernels import gluon_w4a16 as gw
+
+    if not gw.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    sys.path.insert(0, os.path.dirname(__file__))
+    from w4a16_cases import MXFP4, random_packed
+
+    wp, ws = random_packed(MXFP4, 2, 256, 512)
+    x = torch.zeros(16, 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        gw.grouped_gemm(x, wp, ws, MXFP4, [8, 8], **kw)

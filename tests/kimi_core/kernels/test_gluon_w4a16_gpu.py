@@ -21,16 +21,18 @@ if torch.cuda.get_device_capability(0)[0] != 9:
     pytest.skip("the Gluon kernel is written for Hopper (wgmma)", allow_module_level=True)
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
+@pytest.mark.parametrize("persistent,block_n", [(False, 128), (True, 128), (True, 256)],
+                         ids=["per-tile", "persistent", "persistent-256"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("E,K,N,mean", [
     pytest.param(112, 3584, 6144, 128, id="K3-fc1-128tok"),
     pytest.param(24, 2048, 7168, 8, id="K2-fc2-8tok"),
     pytest.param(7, 512, 200, 70, id="K512-N200-masked-N"),
 ])
-def test_gluon_fwd_and_dgrad_match_oracle(fmt, E, K, N, mean, persistent):
+def test_gluon_fwd_and_dgrad_match_oracle(fmt, E, K, N, mean, persistent, block_n):
     """Forward and dgrad on ragged experts (empty ones included), one program per tile or one per SM walking the
-    tiles (K3 fc1 at 128 tokens per expert: ~40 tiles per program, so its rings run on across tile ends)."""
+    tiles (K3 fc1 at 128 tokens per expert: ~40 tiles per program, so its rings run on across tile ends), with
+    128- or 256-column tiles (two wgmma warpgroups)."""
     from kimi_core.kernels import gluon_w4a16 as gw
 
     if not gw.HAVE_GLUON:
@@ -43,22 +45,23 @@ def test_gluon_fwd_and_dgrad_match_oracle(fmt, E, K, N, mean, persistent):
     dy = torch.randn(T, N, device="cuda").bfloat16()
     y = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison: unwritten rows show
     dx = torch.full((T, K), float("nan"), dtype=torch.bfloat16, device="cuda")
-    gw.grouped_gemm(x, wp, ws, fmt, splits, out=y, persistent=persistent)
-    gw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, out=dx, persistent=persistent)
+    gw.grouped_gemm(x, wp, ws, fmt, splits, out=y, persistent=persistent, block_n=block_n)
+    gw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, out=dx, persistent=persistent, block_n=block_n)
     torch.cuda.synchronize()
-    name = f"{fmt} E{E} K{K} N{N} T{T} persistent {persistent}"
+    name = f"{fmt} E{E} K{K} N{N} T{T} persistent {persistent} block_n {block_n}"
     assert_close(f"gluon fwd {name}", oracle_fwd(x, wp, ws, fmt, splits), y.float(), 1e-2)
     assert_close(f"gluon dgrad {name}", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("block_m,decode_warps,stages,programs", [(8, 4, None, 3), (16, 8, 2, False), (32, 4, 3, 5),
-                                                                   (64, 8, None, False), (128, 8, 2, 2)])
-def test_gluon_tile_configs_match_oracle(fmt, block_m, decode_warps, stages, programs):
+@pytest.mark.parametrize("block_m,block_n,decode_warps,stages,programs", [
+    (8, 128, 4, None, 3), (16, 128, 8, 2, False), (32, 128, 4, 3, 5), (64, 128, 8, None, False), (128, 128, 8, 2, 2),
+    (128, 256, 4, None, 3), (16, 256, 4, 3, False)])
+def test_gluon_tile_configs_match_oracle(fmt, block_m, block_n, decode_warps, stages, programs):
     """Tile configs the defaults above do not reach (8 decode warps; 8- to 64-row tiles on experts of ~70 rows, so
     tiles end inside an expert and past it; TMA rings of 2 and 3 stages, which wrap within the 8 K steps; 2, 3 or
-    5 persistent programs, each walking tens of tiles, so the rings wrap across tile ends at odd places), fwd and
-    dgrad (4 K steps), masked N."""
+    5 persistent programs, each walking tens of tiles, so the rings wrap across tile ends at odd places; 256-column
+    tiles, whose forward masks 56 of its columns), fwd and dgrad (4 K steps), masked N."""
     from kimi_core.kernels import gluon_w4a16 as gw
 
     if not gw.HAVE_GLUON:
@@ -69,22 +72,25 @@ def test_gluon_tile_configs_match_oracle(fmt, block_m, decode_warps, stages, pro
     T = sum(splits)
     x = torch.randn(T, K, device="cuda").bfloat16()
     dy = torch.randn(T, N, device="cuda").bfloat16()
-    kw = dict(block_m=block_m, decode_warps=decode_warps, load_stages=stages, persistent=programs)
+    kw = dict(block_m=block_m, block_n=block_n, decode_warps=decode_warps, load_stages=stages, persistent=programs)
     y = gw.grouped_gemm(x, wp, ws, fmt, splits, out=torch.full((T, N), float("nan"), dtype=torch.bfloat16,
                                                                  device="cuda"), **kw)
     dx = gw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, out=torch.full((T, K), float("nan"), dtype=torch.bfloat16,
                                                                          device="cuda"), **kw)
-    name = f"gluon {fmt} block_m {block_m} decode warps {decode_warps} load stages {stages} programs {programs}"
+    name = (f"gluon {fmt} block_m {block_m} block_n {block_n} decode warps {decode_warps} load stages {stages} "
+            f"programs {programs}")
     assert_close(name + " fwd", oracle_fwd(x, wp, ws, fmt, splits), y.float(), 1e-2)
     assert_close(name + " dgrad", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
 
 
+@pytest.mark.parametrize("block_n", [128, 256])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gluon_decoded_weights_are_bit_exact_over_every_scale(fmt):
+def test_gluon_decoded_weights_are_bit_exact_over_every_scale(fmt, block_n):
     """An identity activation reads the decoded weights back exactly (one product per output, ``1 * w``): forward
     gives ``W^T``, dgrad ``W``; both must equal :func:`kimi_core.quant.dequantize` over E8M0 bytes 0..250 (0 is
     the subnormal 2^-127; above 250 a code times its scale overflows bf16 and ``0 * inf`` poisons the identity
-    product) and INT4 scales down to bf16 subnormals. Exact equality (``==``: the fp32 sum of the identity row
+    product) and INT4 scales down to bf16 subnormals, with 128- and 256-column tiles (dgrad's 256 columns pick 8
+    scale groups per row from the scale box). Exact equality (``==``: the fp32 sum of the identity row
     cannot keep a weight's sign of zero, so -0 reads back as +0)."""
     from kimi_core.kernels import gluon_w4a16 as gw
     from kimi_core.quant import dequantize
@@ -103,10 +109,13 @@ def test_gluon_decoded_weights_are_bit_exact_over_every_scale(fmt):
         splits = [0] * E
         want = dequantize(fmt, wp[e], ws[e], torch.bfloat16)  # [N, K]
         splits[e] = K
-        wt = gw.grouped_gemm(torch.eye(K, device="cuda").bfloat16(), wp, ws, fmt, splits)  # [K, N] = W^T
+        wt = gw.grouped_gemm(torch.eye(K, device="cuda").bfloat16(), wp, ws, fmt, splits,
+                             block_n=block_n)  # [K, N] = W^T
         splits[e] = N
-        w = gw.grouped_gemm_dgrad(torch.eye(N, device="cuda").bfloat16(), wp, ws, fmt, splits)  # [N, K] = W
+        w = gw.grouped_gemm_dgrad(torch.eye(N, device="cuda").bfloat16(), wp, ws, fmt, splits,
+                                  block_n=block_n)  # [N, K] = W
         for name, got in (("fwd", wt.t()), ("dgrad", w)):
             same = got == want
-            assert bool(same.all()), (f"gluon {name} {fmt} expert {e}: {int((~same).sum())} decoded weights differ "
-                                      f"from kimi_core.quant.dequantize, first at {(~same).nonzero()[0].tolist()}")
+            assert bool(same.all()), (f"gluon {name} {fmt} block_n {block_n} expert {e}: {int((~same).sum())} "
+                                      f"decoded weights differ from kimi_core.quant.dequantize, first at "
+                                      f"{(~same).nonzero()[0].tolist()}")

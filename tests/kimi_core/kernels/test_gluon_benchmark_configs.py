@@ -1,0 +1,43 @@
+"""The Gluon benchmark's config strings (``benchmarks/w4a16_grouped_gemm.py --gluon-configs``) read into the keyword
+arguments of :func:`kimi_core.kernels.gluon_w4a16.grouped_gemm`, within the kernel's compiled choices."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def load_benchmark():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    spec = importlib.util.spec_from_file_location("w4a16_bench", os.path.join(ROOT, "benchmarks",
+                                                                              "w4a16_grouped_gemm.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("text,want", [
+    ("auto", {}),
+    ("autop", {"persistent": True}),
+    ("auton256p", {"persistent": True, "block_n": 256}),
+    ("128x4s4", {"block_m": 128, "decode_warps": 4, "load_stages": 4}),
+    ("16x8", {"block_m": 16, "decode_warps": 8, "load_stages": None}),
+    ("16x4s3n256p", {"persistent": True, "block_n": 256, "block_m": 16, "decode_warps": 4, "load_stages": 3}),
+])
+def test_config_strings_read_into_kernel_arguments(text, want):
+    from kimi_core.kernels import gluon_w4a16 as gw
+
+    kw = load_benchmark().parse_gluon_config(text)
+    assert kw == want
+    assert kw.get("block_m", gw.BM) in gw.BLOCK_M_CHOICES and kw.get("block_n", gw.BN) in gw.BLOCK_N_CHOICES
+
+
+@pytest.mark.parametrize("text", ["128y4", "128x", "autoq", "128x4p2"])
+def test_unreadable_config_names_the_flag(text):
+    with pytest.raises(ValueError, match=f"--gluon-configs: cannot read '{text}'"):
+        load_benchmark().parse_gluon_config(text)
