@@ -267,9 +267,11 @@ def _timed(step, dev, iters: int, warmup: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def part_slice(args, dev, expert_mode: str = "w4a16") -> list[dict]:
+def part_slice(args, dev, expert_mode: str = "w4a16", label: str | None = None) -> list[dict]:
     """The real-width slice with MXFP4 experts (``w4a16``: packed bytes) or, as the BF16 baseline, the same experts
-    as frozen bf16 tensors (``dense``: one ``torch._grouped_mm`` per projection); the rest of the model trains."""
+    as frozen bf16 tensors (``dense``: one ``torch._grouped_mm`` per projection); the rest of the model trains.
+    ``label``: the rows' ``experts`` column (default by ``expert_mode``)."""
+    label = label or ("MXFP4 (W4A16)" if expert_mode == "w4a16" else "BF16 (grouped_mm)")
     from kimi_core.config import KimiConfig
     from kimi_megatron_plugin import provider
     from kimi_megatron_plugin.experts import KimiExperts
@@ -319,7 +321,7 @@ def part_slice(args, dev, expert_mode: str = "w4a16") -> list[dict]:
         peak = torch.cuda.max_memory_allocated() - base if dev == "cuda" else 0
         with torch.no_grad():
             fsec = _timed(lambda: model(ids, pos, attention_mask=None), dev, 1 if args.smoke else 5, 1)
-        rows.append({"part": "slice", "experts": "MXFP4 (W4A16)" if expert_mode == "w4a16" else "BF16 (grouped_mm)",
+        rows.append({"part": "slice", "experts": label,
                      "B": B, "S": S, "tokens": B * S, "fwd_bwd_ms": sec * 1e3,
                      "fwd_ms": fsec * 1e3, "tok_s_fwd_bwd": B * S / sec, "tok_s_fwd": B * S / fsec,
                      "static_GiB": static / 2**30, "peak_GiB": peak / 2**30,
@@ -392,7 +394,17 @@ def part_slice_bf16(args, dev) -> list[dict]:
     return part_slice(args, dev, expert_mode="dense")
 
 
-PARTS = {"tiny": part_tiny, "slice": part_slice, "slice-bf16": part_slice_bf16, "int4": part_int4}
+def part_slice_gluon(args, dev) -> list[dict]:
+    """The W4A16 slice with every expert GEMM (forward, recompute, dgrad) forced to the experimental Gluon kernel
+    (``KIMI_W4A16_PATH=gluon``; this part runs in its own process)."""
+    from kimi_core import kernels
+
+    os.environ[kernels.PATH_ENV] = "gluon"
+    return part_slice(args, dev, label="MXFP4 (W4A16, Gluon kernel)")
+
+
+PARTS = {"tiny": part_tiny, "slice": part_slice, "slice-bf16": part_slice_bf16, "slice-gluon": part_slice_gluon,
+         "int4": part_int4}
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -475,12 +487,13 @@ def table(rows: list[dict], statuses: dict) -> str:
             L.append(f"| {r.get('experts', 'MXFP4 (W4A16)')} | {r['B']} x {r['S']} | {r['fwd_bwd_ms']:.1f} "
                      f"| {r['tok_s_fwd_bwd']:.0f} | {r['fwd_ms']:.1f} | {r['tok_s_fwd']:.0f} | {r['peak_GiB']:.2f} "
                      f"| {r['peak_minus_static_GiB']:.2f} | {r['peak_minus_static_GiB'] - r.get('grads_GiB', 0):.2f} |")
-        w4 = {r["S"]: r for r in sl if r.get("experts", "MXFP4 (W4A16)").startswith("MXFP4")}
         bf = {r["S"]: r for r in sl if r.get("experts", "").startswith("BF16")}
-        if w4 and bf:
-            L += ["", "W4A16 vs BF16 experts, same slice: " + "; ".join(
-                f"S {S}: fwd+bwd {w4[S]['fwd_bwd_ms'] / bf[S]['fwd_bwd_ms']:.2f}x the BF16 time, static memory "
-                f"{w4[S]['static_GiB']:.2f} vs {bf[S]['static_GiB']:.2f} GiB" for S in sorted(w4) if S in bf)]
+        for label in dict.fromkeys(r.get("experts", "MXFP4 (W4A16)") for r in sl):  # each W4A16 kind vs BF16
+            w4 = {r["S"]: r for r in sl if r.get("experts", "MXFP4 (W4A16)") == label}
+            if label.startswith("MXFP4") and bf:
+                L += ["", f"{label} vs BF16 experts, same slice: " + "; ".join(
+                    f"S {S}: fwd+bwd {w4[S]['fwd_bwd_ms'] / bf[S]['fwd_bwd_ms']:.2f}x the BF16 time, static memory "
+                    f"{w4[S]['static_GiB']:.2f} vs {bf[S]['static_GiB']:.2f} GiB" for S in sorted(w4) if S in bf)]
         L.append("")
     i4 = [r for r in rows if r["part"] == "int4"]
     if i4:
@@ -503,7 +516,8 @@ def main() -> None:
     ap.add_argument("--kda", choices=("reference", "fla"), default="reference")
     ap.add_argument("--fla-timeout", type=float, default=240.0, help="seconds for the fla chunk_kda tiny part")
     ap.add_argument("--part-timeout", type=float, default=240.0, help="seconds for each other part")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: tiny,tiny-fla,slice,slice-bf16,int4")
+    ap.add_argument("--skip", default="",
+                    help="comma list of parts to skip: tiny,tiny-fla,slice,slice-bf16,slice-gluon,int4")
     ap.add_argument("--section-out", help="also write the RESULTS.md section to this file")
     ap.add_argument("--no-append", action="store_true", help="do not append to benchmarks/RESULTS.md")
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
@@ -517,23 +531,30 @@ def main() -> None:
             json.dump(rows, f)
         return
     skip = set(filter(None, args.skip.split(",")))
-    plan = [("slice", [], args.part_timeout), ("slice-bf16", [], args.part_timeout), ("int4", [], args.part_timeout),
+    plan = [("slice", [], args.part_timeout), ("slice-bf16", [], args.part_timeout),
+            ("slice-gluon", [], args.part_timeout), ("int4", [], args.part_timeout),
             ("tiny", ["--kda", "reference"], args.part_timeout), ("tiny", ["--kda", "fla"], args.fla_timeout)]
     rows, statuses = [], {}
     for name, extra, tmo in plan:
         key = name + ("-fla" if "fla" in extra else "")
-        if key in skip or (key == "tiny-fla" and dev == "cpu"):
-            statuses[key] = "skipped" + (" (fla needs a GPU)" if dev == "cpu" and key == "tiny-fla" else "")
+        gpu_only = {"tiny-fla": " (fla needs a GPU)", "slice-gluon": " (the Gluon kernel needs a Hopper GPU)"}
+        if key in skip or (key in gpu_only and dev == "cpu"):
+            statuses[key] = "skipped" + (gpu_only[key] if key in gpu_only and dev == "cpu" else "")
             continue
         r, statuses[key] = run_part(name, extra, tmo, args.smoke)
         rows += r
-        section = _section(args, dev, rows, statuses)
-        if args.section_out:  # after every part, so a later hang still leaves the earlier rows
-            with open(args.section_out, "w") as f:
-                f.write(section)
+        _write_section(args, _section(args, dev, rows, statuses))  # after every part: a later hang keeps these rows
+    section = _section(args, dev, rows, statuses)  # with the statuses of parts skipped after the last one that ran
+    _write_section(args, section)
     print(section)
     if not args.no_append and not args.smoke:
         append(section)
+
+
+def _write_section(args, section: str) -> None:
+    if args.section_out:
+        with open(args.section_out, "w") as f:
+            f.write(section)
 
 
 def _section(args, dev, rows, statuses) -> str:

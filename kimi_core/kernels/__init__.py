@@ -20,8 +20,10 @@ Two paths compute the grouped GEMM, chosen per call by :func:`choose_path` from 
   of at most 1 GiB (``KIMI_W4A16_WORKSPACE_BYTES``) and multiplied by ``torch._grouped_mm``, the next decode
   overlapped on a side stream. Also runs on CPU tensors (torch decode), for tests.
 
-``KIMI_W4A16_PATH=fused|chunked|auto`` (or the ``path=`` argument, which wins) forces a path. Triton is
-imported only on first GPU use, so this package imports on machines without a GPU or without Triton.
+``KIMI_W4A16_PATH=fused|chunked|gluon|auto`` (or the ``path=`` argument, which wins) forces a path. ``"gluon"`` is
+the experimental warp-specialised kernel of :mod:`kimi_core.kernels.gluon_w4a16` (Hopper only, default tile options),
+reachable only by forcing it: auto never picks it until it is measured faster (issue #21). Triton is imported only
+on first GPU use, so this package imports on machines without a GPU or without Triton.
 
 Example::
 
@@ -42,7 +44,7 @@ MXFP4_FORMAT = "mxfp4-pack-quantized"
 INT4_FORMAT = "pack-quantized"
 _WHERE = "kimi_core/kernels"
 PATH_ENV = "KIMI_W4A16_PATH"
-PATHS = ("fused", "chunked", "auto")
+PATHS = ("fused", "chunked", "gluon", "auto")
 
 #: The dispatcher's crossover: from this mean number of tokens per expert (``T / E``) on, the chunked
 #: dequantize-then-``_grouped_mm`` path is chosen over the fused kernel, per op; an ``(N, K)`` key overrides
@@ -110,11 +112,13 @@ def _forced_path(path: str | None) -> str:
 
 
 def choose_path(op: str, T: int, E: int, N: int, K: int, device, path: str | None = None) -> str:
-    """``"fused"`` or ``"chunked"`` for one grouped GEMM of ``T`` rows over ``E`` experts of ``[N, K]``.
+    """``"fused"`` or ``"chunked"`` (or a forced ``"gluon"``) for one grouped GEMM of ``T`` rows over ``E`` experts
+    of ``[N, K]``.
 
     :param op: ``"fwd"`` or ``"dgrad"`` (rows of :data:`W4A16_CROSSOVER`).
     :param device: where the operands live; ``"fused"`` on a CPU means the pure-torch reference.
-    :param path: ``"fused"`` / ``"chunked"`` forces a path, ``"auto"`` or ``None`` (then ``$KIMI_W4A16_PATH``,
+    :param path: ``"fused"`` / ``"chunked"`` / ``"gluon"`` forces a path, ``"auto"`` or ``None`` (then
+        ``$KIMI_W4A16_PATH``,
         default ``auto``) asks the table. Auto picks ``"chunked"`` only on a CUDA device of compute capability
         9.0+ (where ``_grouped_mm`` has its CUTLASS kernel), when one expert fits the workspace bound, and when
         ``T / E`` reaches the crossover for ``(N, K)``.
@@ -143,13 +147,18 @@ def w4a16_grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.T
     :param w_scale: MXFP4 E8M0 uint8 ``[E, N, K/32]`` or INT4 bf16 ``[E, N, K/32]``.
     :param fmt: ``"mxfp4-pack-quantized"`` or ``"pack-quantized"``.
     :param m_splits: rows per expert, ``list[int]`` or integer tensor ``[E]``; zeros allowed.
-    :param path: ``"fused"``, ``"chunked"`` or ``"auto"`` (default: ``$KIMI_W4A16_PATH``, else auto), see
+    :param path: ``"fused"``, ``"chunked"``, ``"gluon"`` or ``"auto"`` (default: ``$KIMI_W4A16_PATH``, else auto), see
         :func:`choose_path`.
     :returns: ``[T, N]`` bf16 (fp32 accumulation). Reference twin: ``reference.w4a16_grouped_gemm``.
     """
     E, N, K = _validate(x, "x", w_packed, w_scale, fmt, m_splits, "K")
-    if choose_path("fwd", x.shape[0], E, N, K, x.device, path) == "chunked":
+    chosen = choose_path("fwd", x.shape[0], E, N, K, x.device, path)
+    if chosen == "chunked":
         return w4a16_chunked.grouped_gemm(x, w_packed, w_scale, fmt, m_splits)
+    if chosen == "gluon":
+        from kimi_core.kernels import gluon_w4a16
+
+        return gluon_w4a16.grouped_gemm(x, w_packed, w_scale, fmt, m_splits)
     if x.is_cuda:
         from kimi_core.kernels import triton_w4a16
 
@@ -165,8 +174,13 @@ def w4a16_grouped_gemm_dgrad(dy: torch.Tensor, w_packed: torch.Tensor, w_scale: 
     :returns: ``[T, K]`` bf16 (fp32 accumulation). Reference twin: ``reference.w4a16_grouped_gemm_dgrad``.
     """
     E, N, K = _validate(dy, "dy", w_packed, w_scale, fmt, m_splits, "N")
-    if choose_path("dgrad", dy.shape[0], E, N, K, dy.device, path) == "chunked":
+    chosen = choose_path("dgrad", dy.shape[0], E, N, K, dy.device, path)
+    if chosen == "chunked":
         return w4a16_chunked.grouped_gemm_dgrad(dy, w_packed, w_scale, fmt, m_splits)
+    if chosen == "gluon":
+        from kimi_core.kernels import gluon_w4a16
+
+        return gluon_w4a16.grouped_gemm_dgrad(dy, w_packed, w_scale, fmt, m_splits)
     if dy.is_cuda:
         from kimi_core.kernels import triton_w4a16
 
@@ -202,7 +216,8 @@ def w4a16_grouped_linear(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch
                          m_splits, path: str | None = None) -> torch.Tensor:
     """Differentiable :func:`w4a16_grouped_gemm` (``[T, K] -> [T, N]``); gradients reach ``x`` only.
 
-    ``path`` forces ``"fused"`` / ``"chunked"`` for the forward and the dgrad (default: :func:`choose_path`).
+    ``path`` forces ``"fused"`` / ``"chunked"`` / ``"gluon"`` for the forward and the dgrad (default:
+    :func:`choose_path`).
     """
     return W4A16GroupedGemm.apply(x, w_packed, w_scale, fmt, m_splits, path)
 

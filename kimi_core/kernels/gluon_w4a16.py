@@ -428,6 +428,12 @@ def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: s
     stages = default_load_stages(block_m, dgrad, block_n) if stages is None else stages
     if not 2 <= stages <= MAX_LOAD_STAGES:
         raise ValueError(f"gluon_w4a16.{where}: load_stages must be 2 to {MAX_LOAD_STAGES}, got {stages}")
+    if a.device.type != "cuda":
+        raise RuntimeError(f"gluon_w4a16.{where}: runs on Hopper GPUs only (wgmma, TMA); {'dy' if dgrad else 'x'} "
+                           f"is on {a.device}")
+    if torch.cuda.get_device_capability(a.device)[0] != 9:
+        raise RuntimeError(f"gluon_w4a16.{where}: runs on Hopper GPUs only (wgmma, TMA); {a.device} has compute "
+                           f"capability {torch.cuda.get_device_capability(a.device)}")
     out_cols = K if dgrad else N
     tiles = tile_table(m_splits, block_m, a.device)
     y = torch.empty((a.shape[0], out_cols), dtype=torch.bfloat16, device=a.device) if out is None else out

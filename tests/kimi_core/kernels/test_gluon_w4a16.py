@@ -76,3 +76,30 @@ def test_bad_tile_arguments_are_refused_before_any_launch(kw, message):
     x = torch.zeros(16, 512, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=message):
         gw.grouped_gemm(x, wp, ws, MXFP4, [8, 8], **kw)
+
+
+def test_forced_gluon_path_reaches_the_kernel_and_refuses_a_cpu_tensor(monkeypatch):
+    """``path="gluon"`` / ``KIMI_W4A16_PATH=gluon`` is a forced path of the public ops (forward and autograd's dgrad),
+    never auto's choice; on a tensor off the GPU the kernel says it runs on Hopper only."""
+    import os
+    import sys
+
+    from kimi_core import kernels
+    from kimi_core.kernels import gluon_w4a16 as gw
+
+    if not gw.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    sys.path.insert(0, os.path.dirname(__file__))
+    from w4a16_cases import MXFP4, random_packed
+
+    monkeypatch.setattr(kernels, "_capability", lambda index: (9, 0))
+    for tpe in (8, 128, 512, 2048):
+        assert kernels.choose_path("fwd", 112 * tpe, 112, 6144, 3584, torch.device("cuda:0")) != "gluon"
+    assert kernels.choose_path("dgrad", 16, 2, 256, 512, "cpu", path="gluon") == "gluon"
+    wp, ws = random_packed(MXFP4, 2, 256, 512)
+    x = torch.zeros(16, 512, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"gluon_w4a16.grouped_gemm: runs on Hopper GPUs only .* x is on cpu"):
+        kernels.w4a16_grouped_gemm(x, wp, ws, MXFP4, [8, 8], path="gluon")
+    monkeypatch.setenv(kernels.PATH_ENV, "gluon")
+    with pytest.raises(RuntimeError, match=r"gluon_w4a16.grouped_gemm_dgrad: runs on Hopper GPUs only .* dy is on cpu"):
+        kernels.w4a16_grouped_gemm_dgrad(torch.zeros(16, 256, dtype=torch.bfloat16), wp, ws, MXFP4, [8, 8])

@@ -216,7 +216,7 @@ def test_choose_path_table(monkeypatch):
     assert kernels.choose_path("fwd", 8, 1, 64, 64, "cpu") == "chunked"
     assert kernels.choose_path("fwd", 8, 1, 64, 64, "cpu", path="auto") == "fused"
     monkeypatch.setenv(kernels.PATH_ENV, "fast")
-    with pytest.raises(ValueError, match="KIMI_W4A16_PATH must be one of fused, chunked, auto"):
+    with pytest.raises(ValueError, match="KIMI_W4A16_PATH must be one of fused, chunked, gluon, auto"):
         kernels.choose_path("fwd", 8, 1, 64, 64, "cpu")
     with pytest.raises(ValueError, match="path must be one of"):
         kernels.choose_path("fwd", 8, 1, 64, 64, "cpu", path="triton")
