@@ -99,11 +99,20 @@ GLUON_HEADER = ("| shape | tok/exp | fmt | op | config (block_m x decode warps [
 def parse_gluon_config(text: str) -> dict:
     """``auto`` (the kernel's own tile rows) or ``<block_m>x<decode_warps>[s<load_stages>]``, either followed by
     ``n<block_n>`` (output columns per tile, 128 or 256) and ``p`` (the persistent schedule: one program per SM),
-    e.g. ``64x4``, ``128x4s4``, ``autop``, ``auton256p`` -> keyword arguments."""
+    e.g. ``64x4``, ``128x4s4``, ``autop``, ``auton256p`` -> keyword arguments of ``gluon_w4a16``; or
+    ``rs[<block_m>][s<load_stages>][p]`` (e.g. ``rs``, ``rsp``, ``rs128s6p``): the forward with the weights in the
+    wgmma's registers (``gluon_w4a16_rs``, 256 columns), with ``kernel="rs"`` among the arguments."""
+    m = re.fullmatch(r"rs(\d+)?(?:s(\d+))?(p?)", text)
+    if m:
+        bm, stages, persistent = m.groups()
+        kw = {"kernel": "rs", "load_stages": int(stages) if stages else None}
+        if bm:
+            kw["block_m"] = int(bm)
+        return dict(kw, persistent=True) if persistent else kw
     m = re.fullmatch(r"(auto|(\d+)x(\d+)(?:s(\d+))?)(?:n(\d+))?(p?)", text)
     if not m:
         raise ValueError(f"--gluon-configs: cannot read {text!r} (auto or <block_m>x<decode_warps>[s<load_stages>], "
-                         f"then [n<block_n>][p])")
+                         f"then [n<block_n>][p]; or rs[<block_m>][s<load_stages>][p])")
     _, bm, warps, stages, bn, persistent = m.groups()
     kw = {"persistent": True} if persistent else {}
     if bn:
@@ -173,15 +182,23 @@ def measure_gluon(fns, x, dy, wp, ws, fmt, splits, flops, configs: list[str]) ->
     """The experimental Gluon forward and dgrad in each config: one dict per (config, op) with ms, TFLOP/s and the
     relative error against BF16 on the same weights, or the error that stopped it."""
     from kimi_core.kernels import gluon_w4a16 as gw
+    from kimi_core.kernels import gluon_w4a16_rs as rs
 
     out = []
     for config in configs:
         kw = parse_gluon_config(config)
-        gluon_fns = {"fwd": lambda: gw.grouped_gemm(x, wp, ws, fmt, splits, **kw),
-                     "dgrad": lambda: gw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, **kw)}
+        if kw.pop("kernel", None) == "rs":  # forward only
+            gluon_fns = {"fwd": lambda: rs.grouped_gemm(x, wp, ws, fmt, splits, **kw)}
+        else:
+            gluon_fns = {"fwd": lambda: gw.grouped_gemm(x, wp, ws, fmt, splits, **kw),
+                         "dgrad": lambda: gw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, **kw)}
         for op, fn in gluon_fns.items():
-            auto = f"{config} ({gw.pick_block_m(splits)}x{gw.DECODE_WARPS})"
-            r = dict(config=auto if config.startswith("auto") else config, op=op)
+            label = config
+            if config.startswith("rs") and "block_m" not in kw:
+                label = f"{config} ({gw.pick_block_m(splits)} rows)"
+            elif config.startswith("auto"):
+                label = f"{config} ({gw.pick_block_m(splits)}x{gw.DECODE_WARPS})"
+            r = dict(config=label, op=op)
             try:  # experimental: a failure is a row of the table, not the end of the benchmark
                 ref = fns[f"bf16_{op}"]()
                 r["rel_err"] = rel_err(ref, fn())
@@ -259,7 +276,8 @@ def main() -> None:
     ap.add_argument("--gluon-configs", default="auto",
                     help="with --gluon: comma-separated configs, 'auto' or <block_m>x<decode_warps>[s<load_stages>], "
                          "then n<block_n> (128 or 256 output columns per tile) and p (persistent schedule), "
-                         "e.g. 128x8, 128x4s4, autop, auton256p")
+                         "e.g. 128x8, 128x4s4, autop, auton256p; rs[<block_m>][s<load_stages>][p]: the forward with "
+                         "the weights in the wgmma's registers")
     ap.add_argument("--gluon-only", action="store_true", help="with --gluon: time BF16 and the Gluon kernels only")
     args = ap.parse_args()
     if args.sweep:

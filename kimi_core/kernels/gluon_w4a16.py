@@ -46,6 +46,8 @@ share each activation tile, so a K step reads 28 KB for 4.2 MFLOP instead of 22 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 try:  # Triton >= 3.5 ships Gluon; older Tritons (and CPU-only installs) have no such module
@@ -287,6 +289,18 @@ if HAVE_GLUON:
                 it += 1
 
     @gluon.jit
+    def store_tile(acc, out_ptr, row0, row_end, col0, out_cols, stride_om, BN: gl.constexpr, BM: gl.constexpr):
+        """Write the fp32 accumulator ``acc`` ``[BN output columns, BM rows]`` (wgmma layout, ``BN / 32`` warps) back
+        transposed as bf16: ``out[row0 + j, col0 + i] = acc[i, j]`` for rows below ``row_end`` and columns below
+        ``out_cols``, eight consecutive output columns per thread (one 16-byte store)."""
+        out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, BN // 32], [0, 1])
+        out = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
+        cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
+        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
+        gl.store(out_ptr + rows.to(gl.int64)[None, :] * stride_om + cols[:, None], out,
+                 mask=(cols < out_cols)[:, None] & (rows < row_end)[None, :])
+
+    @gluon.jit
     def _consumer(a_ring, w_ring, a_ready, a_free, w_ready, w_free, out_ptr, tiles_ptr, n_tiles, n_col_tiles, steps,
                   out_cols, stride_om, DGRAD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                   LOAD_STAGES: gl.constexpr, W_STAGES: gl.constexpr):
@@ -300,8 +314,6 @@ if HAVE_GLUON:
         CW: gl.constexpr = BN // 32  # warps: one warpgroup per 128 weight rows
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CW, 1],
                                                              instr_shape=[16, BM, 16])
-        # epilogue layout: out[row, col] = acc[col, row], eight consecutive output columns per thread (16 bytes)
-        out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, CW], [0, 1])
         it = 0
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             _, row0, row_end, col0 = _tile_at(tiles_ptr, t, n_col_tiles, BN)
@@ -325,11 +337,26 @@ if HAVE_GLUON:
             mbarrier.arrive(a_free.index((it - 1) % LOAD_STAGES), count=1)
             mbarrier.arrive(w_free.index((it - 1) % W_STAGES), count=1)
             # the epilogue runs here (Triton 3.6's warp_specialize cannot return the default partition's tensors)
-            out = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
-            cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
-            rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
-            gl.store(out_ptr + rows.to(gl.int64)[None, :] * stride_om + cols[:, None], out,
-                     mask=(cols < out_cols)[:, None] & (rows < row_end)[None, :])
+            store_tile(acc, out_ptr, row0, row_end, col0, out_cols, stride_om, BN, BM)
+
+    @gluon.jit
+    def load_rings(a_desc, p_desc, s_desc, LOAD_STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+        """The loader's ``LOAD_STAGES``-deep shared rings (activation tiles, packed bytes, scale boxes, in the blocks
+        and layouts of the three TMA descriptors) and their barriers, initialised: ``a_ready`` / ``p_ready`` complete
+        on the TMA bytes, ``a_free`` / ``p_free`` once ``CONSUMERS`` partitions have arrived."""
+        a_ring = gl.allocate_shared_memory(a_desc.dtype, [LOAD_STAGES] + a_desc.block_type.shape, a_desc.layout)
+        p_ring = gl.allocate_shared_memory(p_desc.dtype, [LOAD_STAGES] + p_desc.block_type.shape, p_desc.layout)
+        s_ring = gl.allocate_shared_memory(s_desc.dtype, [LOAD_STAGES] + s_desc.block_type.shape, s_desc.layout)
+        a_ready = gl.allocate_shared_memory(gl.int64, [LOAD_STAGES, 1], mbarrier.MBarrierLayout())
+        a_free = gl.allocate_shared_memory(gl.int64, [LOAD_STAGES, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [LOAD_STAGES, 1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [LOAD_STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(LOAD_STAGES):
+            mbarrier.init(a_ready.index(s), count=1)
+            mbarrier.init(a_free.index(s), count=CONSUMERS)
+            mbarrier.init(p_ready.index(s), count=1)
+            mbarrier.init(p_free.index(s), count=CONSUMERS)
+        return a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free
 
     @gluon.jit
     def w4a16_ws_kernel(a_desc, p_desc, s_desc, out_ptr, tiles_ptr, n_tiles, n_col_tiles, N, K, stride_om,
@@ -353,20 +380,9 @@ if HAVE_GLUON:
             out_cols = N
             w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
             w_ring = gl.allocate_shared_memory(gl.bfloat16, [W_STAGES, BN, BK], w_layout)
-        a_ring = gl.allocate_shared_memory(a_desc.dtype, [LOAD_STAGES] + a_desc.block_type.shape, a_desc.layout)
-        p_ring = gl.allocate_shared_memory(p_desc.dtype, [LOAD_STAGES] + p_desc.block_type.shape, p_desc.layout)
-        s_ring = gl.allocate_shared_memory(s_desc.dtype, [LOAD_STAGES] + s_desc.block_type.shape, s_desc.layout)
-        a_ready = gl.allocate_shared_memory(gl.int64, [LOAD_STAGES, 1], mbarrier.MBarrierLayout())
-        a_free = gl.allocate_shared_memory(gl.int64, [LOAD_STAGES, 1], mbarrier.MBarrierLayout())
-        p_ready = gl.allocate_shared_memory(gl.int64, [LOAD_STAGES, 1], mbarrier.MBarrierLayout())
-        p_free = gl.allocate_shared_memory(gl.int64, [LOAD_STAGES, 1], mbarrier.MBarrierLayout())
+        a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free = load_rings(a_desc, p_desc, s_desc, LOAD_STAGES, 1)
         w_ready = gl.allocate_shared_memory(gl.int64, [W_STAGES, 1], mbarrier.MBarrierLayout())
         w_free = gl.allocate_shared_memory(gl.int64, [W_STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(LOAD_STAGES):
-            mbarrier.init(a_ready.index(s), count=1)
-            mbarrier.init(a_free.index(s), count=1)
-            mbarrier.init(p_ready.index(s), count=1)
-            mbarrier.init(p_free.index(s), count=1)
         for s in gl.static_range(W_STAGES):
             mbarrier.init(w_ready.index(s), count=1)
             mbarrier.init(w_free.index(s), count=1)
@@ -403,57 +419,91 @@ def programs(n_tiles: int, persistent: bool | int, device) -> int:
     return min(n_tiles, persistent)
 
 
-def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: str, block_m: int | None,
-            block_n: int, decode_warps: int, stages: int | None, persistent: bool | int) -> torch.Tensor:
+@dataclasses.dataclass
+class Launch:
+    """What a Gluon W4A16 kernel is launched with, once the arguments are checked (:func:`prepare`): the output,
+    the TMA descriptors of the activation, packed bytes and scales, the tile table and the work-item grid;
+    ``empty``: nothing to compute (no rows or no output columns), ``out`` is returned as it is."""
+
+    out: torch.Tensor
+    descs: tuple = ()
+    tiles: torch.Tensor | None = None
+    n_tiles: int = 0
+    n_col_tiles: int = 0
+    N: int = 0
+    K: int = 0
+    block_m: int = BM
+    stages: int = 2
+    grid: tuple = (0,)
+    fmt_id: int = 0
+    empty: bool = True
+
+
+def prepare(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: str, block_m: int | None, block_n: int,
+            stages: int | None, persistent: bool | int, stages_for) -> Launch:
+    """Check one call's arguments (``where`` names the entry point in errors: ``"gluon_w4a16.grouped_gemm"``) and
+    build its :class:`Launch`; ``stages_for(block_m)`` is the kernel's default ring depth."""
     from kimi_core.kernels import _validate
     from kimi_core.kernels.triton_w4a16 import _fmt_id
 
     if not HAVE_GLUON:
-        raise RuntimeError("kimi_core.kernels.gluon_w4a16 needs Triton >= 3.5 (triton.experimental.gluon)")
+        raise RuntimeError(f"{where} needs Triton >= 3.5 (triton.experimental.gluon)")
     E, N, K = _validate(a, "dy" if dgrad else "x", w_packed, w_scale, fmt, m_splits, "N" if dgrad else "K")
     scale_bytes = w_scale.element_size()
     if K % BK or N % 8 or (K // 32 * scale_bytes) % 16:
-        raise ValueError(f"gluon_w4a16.{where}: needs K a multiple of {BK} and of {512 // scale_bytes} and N of 8 "
+        raise ValueError(f"{where}: needs K a multiple of {BK} and of {512 // scale_bytes} and N of 8 "
                          f"(TMA rows of 16 bytes for x, dy and the {fmt} scales), got K={K}, N={N}")
-    if decode_warps not in (4, 8):
-        raise ValueError(f"gluon_w4a16.{where}: decode_warps must be 4 or 8, got {decode_warps}")
-    if block_n == 256 and decode_warps != 4:
-        raise ValueError(f"gluon_w4a16.{where}: block_n=256 needs decode_warps=4 (two wgmma warpgroups leave too "
-                         f"few registers for 8 decode warps), got {decode_warps}")
     block_m = pick_block_m(m_splits) if block_m is None else block_m
     if block_m not in BLOCK_M_CHOICES:
-        raise ValueError(f"gluon_w4a16.{where}: block_m must be one of {BLOCK_M_CHOICES}, got {block_m}")
+        raise ValueError(f"{where}: block_m must be one of {BLOCK_M_CHOICES}, got {block_m}")
     if block_n not in BLOCK_N_CHOICES:
-        raise ValueError(f"gluon_w4a16.{where}: block_n must be one of {BLOCK_N_CHOICES}, got {block_n}")
-    stages = default_load_stages(block_m, dgrad, block_n) if stages is None else stages
+        raise ValueError(f"{where}: block_n must be one of {BLOCK_N_CHOICES}, got {block_n}")
+    stages = stages_for(block_m) if stages is None else stages
     if not 2 <= stages <= MAX_LOAD_STAGES:
-        raise ValueError(f"gluon_w4a16.{where}: load_stages must be 2 to {MAX_LOAD_STAGES}, got {stages}")
+        raise ValueError(f"{where}: load_stages must be 2 to {MAX_LOAD_STAGES}, got {stages}")
     if a.device.type != "cuda":
-        raise RuntimeError(f"gluon_w4a16.{where}: runs on Hopper GPUs only (wgmma, TMA); {'dy' if dgrad else 'x'} "
-                           f"is on {a.device}")
+        raise RuntimeError(f"{where}: runs on Hopper GPUs only (wgmma, TMA); {'dy' if dgrad else 'x'} is on "
+                           f"{a.device}")
     if torch.cuda.get_device_capability(a.device)[0] != 9:
-        raise RuntimeError(f"gluon_w4a16.{where}: runs on Hopper GPUs only (wgmma, TMA); {a.device} has compute "
-                           f"capability {torch.cuda.get_device_capability(a.device)}")
+        raise RuntimeError(f"{where}: runs on Hopper GPUs only (wgmma, TMA); {a.device} has compute capability "
+                           f"{torch.cuda.get_device_capability(a.device)}")
     out_cols = K if dgrad else N
     tiles = tile_table(m_splits, block_m, a.device)
     y = torch.empty((a.shape[0], out_cols), dtype=torch.bfloat16, device=a.device) if out is None else out
     if tiles.shape[0] == 0 or out_cols == 0:
-        return y
+        return Launch(out=y)
     a, w_scale = a.contiguous(), w_scale.contiguous()
     packed = w_packed.contiguous().view(torch.uint8).reshape(E * N, K // 2)  # INT4 words are the same bytes
     scales = w_scale.reshape(E * N, K // 32)
     a_block, p_block, s_block = descriptor_blocks(dgrad, block_m, scale_bytes, block_n)
     s_dtype = gl.uint8 if scale_bytes == 1 else gl.bfloat16
-    a_desc = TensorDescriptor.from_tensor(a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl.bfloat16))
-    p_desc = TensorDescriptor.from_tensor(packed, p_block, gl.NVMMASharedLayout.get_default_for(p_block, gl.uint8))
-    s_desc = TensorDescriptor.from_tensor(scales, s_block, gl.NVMMASharedLayout.get_default_for(s_block, s_dtype))
+    descs = (TensorDescriptor.from_tensor(a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl.bfloat16)),
+             TensorDescriptor.from_tensor(packed, p_block, gl.NVMMASharedLayout.get_default_for(p_block, gl.uint8)),
+             TensorDescriptor.from_tensor(scales, s_block, gl.NVMMASharedLayout.get_default_for(s_block, s_dtype)))
     n_col_tiles = -(-out_cols // block_n)
     n_tiles = n_col_tiles * tiles.shape[0]
-    grid = (programs(n_tiles, persistent, a.device),)
-    w4a16_ws_kernel[grid](a_desc, p_desc, s_desc, y, tiles, n_tiles, n_col_tiles, N, K, y.stride(0),
-                          _fmt_id(fmt), dgrad, block_m, block_n, BK, stages, w_stages(block_n), decode_warps,
-                          decode_regs(decode_warps, block_n), num_warps=consumer_warps(block_n))
-    return y
+    return Launch(out=y, descs=descs, tiles=tiles, n_tiles=n_tiles, n_col_tiles=n_col_tiles, N=N, K=K,
+                  block_m=block_m, stages=stages, grid=(programs(n_tiles, persistent, a.device),),
+                  fmt_id=_fmt_id(fmt), empty=False)
+
+
+def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: str, block_m: int | None,
+            block_n: int, decode_warps: int, stages: int | None, persistent: bool | int) -> torch.Tensor:
+    where = f"gluon_w4a16.{where}"
+    if decode_warps not in (4, 8):
+        raise ValueError(f"{where}: decode_warps must be 4 or 8, got {decode_warps}")
+    if block_n == 256 and decode_warps != 4:
+        raise ValueError(f"{where}: block_n=256 needs decode_warps=4 (two wgmma warpgroups leave too few registers "
+                         f"for 8 decode warps), got {decode_warps}")
+    run = prepare(a, w_packed, w_scale, fmt, m_splits, out, dgrad, where, block_m, block_n, stages, persistent,
+                  lambda bm: default_load_stages(bm, dgrad, block_n))
+    if run.empty:
+        return run.out
+    w4a16_ws_kernel[run.grid](*run.descs, run.out, run.tiles, run.n_tiles, run.n_col_tiles, run.N, run.K,
+                              run.out.stride(0), run.fmt_id, dgrad, run.block_m, block_n, BK, run.stages,
+                              w_stages(block_n), decode_warps, decode_regs(decode_warps, block_n),
+                              num_warps=consumer_warps(block_n))
+    return run.out
 
 
 def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str, m_splits,

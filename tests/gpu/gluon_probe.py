@@ -1,12 +1,14 @@
-"""First look at the experimental Gluon W4A16 kernel on a Hopper GPU: each variant (forward / dgrad x MXFP4 / INT4)
-on one small ragged case in its own subprocess under a short timeout, so a barrier bug that hangs one variant still
-leaves the others' results. Prints per variant: compile + first run seconds, max |err| and relative error against
+"""First look at the experimental Gluon W4A16 kernels on a Hopper GPU: each variant (forward / dgrad of
+``gluon_w4a16`` and the register-fragment forward of ``gluon_w4a16_rs``, x MXFP4 / INT4) on one small ragged case
+in its own subprocess under a short timeout, so a barrier bug that hangs one variant still leaves the others'
+results. Prints per variant: compile + first run seconds, max |err| and relative error against
 the float32 oracle of exactly dequantized weights, and whether unwritten rows (NaN poison) remain. Each runs once
 with one program per tile and once persistent on 2 programs (each then walks several tiles, its rings running on
 across them: a parity slip there hangs or corrupts the next tile).
 
-    python3 tests/gpu/gluon_probe.py                   # all eight variants, 60 s each
-    python3 tests/gpu/gluon_probe.py one mxfp4 fwd 2   # one variant in this process (programs: 0 = one per tile)
+    python3 tests/gpu/gluon_probe.py                   # all twelve variants, 60 s each
+    python3 tests/gpu/gluon_probe.py one mxfp4 fwd 2   # one variant in this process (programs: 0 = one per tile;
+                                                       # op: fwd, dgrad, or rs = the register-fragment forward)
 """
 
 from __future__ import annotations
@@ -34,8 +36,13 @@ def one(fmt_name: str, op: str, programs: int) -> None:
     a = torch.randn(T, N if op == "dgrad" else K, device="cuda").bfloat16()
     out = torch.full((T, K if op == "dgrad" else N), float("nan"), dtype=torch.bfloat16, device="cuda")
     t0 = time.time()
-    (gw.grouped_gemm_dgrad if op == "dgrad" else gw.grouped_gemm)(a, wp, ws, fmt, splits, out=out,
-                                                                   persistent=programs or False)
+    if op == "rs":  # the forward with the weights in the wgmma's registers
+        from kimi_core.kernels import gluon_w4a16_rs as rs
+
+        rs.grouped_gemm(a, wp, ws, fmt, splits, out=out, persistent=programs or False)
+    else:
+        (gw.grouped_gemm_dgrad if op == "dgrad" else gw.grouped_gemm)(a, wp, ws, fmt, splits, out=out,
+                                                                       persistent=programs or False)
     torch.cuda.synchronize()
     dt = time.time() - t0
     ref = (oracle_dgrad if op == "dgrad" else oracle_fwd)(a, wp, ws, fmt, splits)
@@ -54,7 +61,7 @@ def main() -> int:
     timeout = int(os.environ.get("GLUON_PROBE_TIMEOUT", "60"))
     bad = 0
     for fmt in ("mxfp4", "int4"):
-        for op in ("fwd", "dgrad"):
+        for op in ("fwd", "dgrad", "rs"):
             for programs in ("0", "2"):  # one program per tile (the binary compiles once), then 2 persistent ones
                 name = f"{fmt} {op} programs {programs}"
                 try:

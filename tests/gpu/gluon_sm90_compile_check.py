@@ -117,3 +117,33 @@ for fmt, ws, dgrad, warps, bm, bn in configs:
         open(name + ".ptx", "w").write(ptx)
         open(name + ".ttgir", "w").write(k.asm["ttgir"])
         open(name + ".cubin", "wb").write(k.asm["cubin"])
+
+# the forward with the decoded weights in the wgmma's register A fragment (kimi_core.kernels.gluon_w4a16_rs)
+from kimi_core.kernels import gluon_w4a16_rs as rs  # noqa: E402
+
+for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16")):
+    for bn in (rs.BLOCK_N,):
+        for bm in (BMAX, 16):
+            stages = rs.default_load_stages(bm)
+            a_block, p_block, s_block = gw.descriptor_blocks(False, bm, 1 if ws == "u8" else 2, bn)
+            sig = {"a_desc": desc_sig("bf16", a_block, gl.bfloat16), "p_desc": desc_sig("u8", p_block, gl.uint8),
+                   "s_desc": desc_sig(ws, s_block, gl.uint8 if ws == "u8" else gl.bfloat16),
+                   "out_ptr": "*bf16", "tiles_ptr": "*i32", "n_tiles": "i32", "n_col_tiles": "i32", "N": "i32",
+                   "K": "i32", "stride_om": "i32",
+                   **{n: "constexpr" for n in ("FMT", "BM", "BK", "LOAD_STAGES", "CONSUMER_REGS")}}
+            src = GluonASTSource(rs.w4a16_rs_kernel, sig, constexprs={"FMT": fmt, "BM": bm, "BK": gw.BK,
+                                                                      "LOAD_STAGES": stages,
+                                                                      "CONSUMER_REGS": rs.CONSUMER_REGS})
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+            usage = resource_usage(k.asm["cubin"])
+            ptx = k.asm["ptx"]
+            # RS form: the A operand is a register list ({%r..}), not a shared-memory descriptor
+            rs_form = any("wgmma.mma_async" in line and ", {%r" in line for line in ptx.splitlines())
+            print("w4a16_rs fwd", "mxfp4" if fmt == MXFP4 else "int4", f"BN {bn} BM {bm} load stages {stages}",
+                  "| wgmma with register A:", rs_form, "| shared bytes:", k.metadata.shared, "|", usage)
+            assert rs_form, "the RS kernel's wgmma must take A from registers"
+            assert k.metadata.shared <= 227 * 1024 and " LOCAL:0" in usage and " STACK:0" in usage, usage
+            if os.environ.get("GLUON_DUMP"):
+                name = f"{os.environ['GLUON_DUMP']}_rs_{fmt}_n{bn}_m{bm}"
+                open(name + ".ptx", "w").write(ptx)
+                open(name + ".cubin", "wb").write(k.asm["cubin"])

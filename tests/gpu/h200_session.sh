@@ -115,14 +115,16 @@ run_w4a16() {
 run_gluon() {
   export PYTHONPATH=$PWD
   # each variant alone on a small case in its own process first: a hang in one leaves the others' numbers
-  GLUON_PROBE_TIMEOUT=50 timeout 230 python3 tests/gpu/gluon_probe.py 2>&1 | tee "$OUT/gluon_probe.log"
+  GLUON_PROBE_TIMEOUT=50 timeout 300 python3 tests/gpu/gluon_probe.py 2>&1 | tee "$OUT/gluon_probe.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gluon probe failed: no test or table"; return; }
-  timeout 200 python3 -m pytest -q -m gpu -rfE -p no:cacheprovider tests/kimi_core/kernels/test_gluon_w4a16_gpu.py \
-    > "$OUT/pytest_gluon.log" 2>&1
-  local rc=$?; echo "gluon tests rc=$rc $(tail -1 "$OUT/pytest_gluon.log")"
-  [ $rc -eq 0 ] || { tail -30 "$OUT/pytest_gluon.log"; return; }
+  if [ "${GLUON_TESTS:-1}" = 1 ]; then  # GLUON_TESTS=0: the probe and the table's rel err vs BF16 only
+    timeout 400 python3 -m pytest -q -m gpu -rfE -p no:cacheprovider tests/kimi_core/kernels/test_gluon_w4a16_gpu.py \
+      > "$OUT/pytest_gluon.log" 2>&1
+    local rc=$?; echo "gluon tests rc=$rc $(tail -1 "$OUT/pytest_gluon.log")"
+    [ $rc -eq 0 ] || { tail -30 "$OUT/pytest_gluon.log"; return; }
+  fi
   # every benchmark shape, BF16 and the Gluon kernel alone, in each tile config (GLUON_BENCH_ARGS: e.g. --quick)
-  timeout "$(left)" python3 benchmarks/w4a16_grouped_gemm.py --gluon-only --gluon-configs "${GLUON_CONFIGS:-auto,autop,auton256p,128x4s4,128x8p}" \
+  timeout "$(left)" python3 benchmarks/w4a16_grouped_gemm.py --gluon-only --gluon-configs "${GLUON_CONFIGS:-auto,autop,auton256p,128x4s4,128x8p,rs,rsp}" \
     ${GLUON_BENCH_ARGS:-} --no-append --json "$OUT/gluon.json" --out "$OUT/gluon.md" 2>&1 | tee "$OUT/gluon_bench.log" | grep '^|'
   echo "bench rc=${PIPESTATUS[0]}"
 }

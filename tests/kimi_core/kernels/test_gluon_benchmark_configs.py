@@ -28,6 +28,8 @@ def load_benchmark():
     ("128x4s4", {"block_m": 128, "decode_warps": 4, "load_stages": 4}),
     ("16x8", {"block_m": 16, "decode_warps": 8, "load_stages": None}),
     ("16x4s3n256p", {"persistent": True, "block_n": 256, "block_m": 16, "decode_warps": 4, "load_stages": 3}),
+    ("rs", {"kernel": "rs", "load_stages": None}),
+    ("rs128s6p", {"kernel": "rs", "block_m": 128, "load_stages": 6, "persistent": True}),
 ])
 def test_config_strings_read_into_kernel_arguments(text, want):
     from kimi_core.kernels import gluon_w4a16 as gw
@@ -35,9 +37,15 @@ def test_config_strings_read_into_kernel_arguments(text, want):
     kw = load_benchmark().parse_gluon_config(text)
     assert kw == want
     assert kw.get("block_m", gw.BM) in gw.BLOCK_M_CHOICES and kw.get("block_n", gw.BN) in gw.BLOCK_N_CHOICES
+    if kw.pop("kernel", None) == "rs":  # the register-fragment forward takes the same arguments but block_n
+        import inspect
+
+        from kimi_core.kernels import gluon_w4a16_rs as rs
+
+        assert set(kw) <= set(inspect.signature(rs.grouped_gemm).parameters)
 
 
-@pytest.mark.parametrize("text", ["128y4", "128x", "autoq", "128x4p2"])
+@pytest.mark.parametrize("text", ["128y4", "128x", "autoq", "128x4p2", "rs128x4"])
 def test_unreadable_config_names_the_flag(text):
     with pytest.raises(ValueError, match=f"--gluon-configs: cannot read '{text}'"):
         load_benchmark().parse_gluon_config(text)

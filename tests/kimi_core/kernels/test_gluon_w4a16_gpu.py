@@ -83,39 +83,95 @@ def test_gluon_tile_configs_match_oracle(fmt, block_m, block_n, decode_warps, st
     assert_close(name + " dgrad", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
 
 
-@pytest.mark.parametrize("block_n", [128, 256])
+def every_scale(ws: torch.Tensor, seed: int) -> torch.Tensor:
+    """Random scales of ``ws``'s shape and dtype over the whole range the decode must reproduce: E8M0 bytes 0..250
+    (0 is the subnormal 2^-127; above 250 a code times its scale overflows bf16 and ``0 * inf`` poisons an identity
+    product), or bf16 INT4 scales of magnitude 2^-133 .. 2^20 (subnormals, normals, both signs)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if ws.dtype == torch.uint8:
+        return torch.randint(0, 251, ws.shape, dtype=torch.uint8, device="cuda", generator=g)
+    return (torch.randn(ws.shape, device="cuda", generator=g) * torch.exp2(
+        torch.randint(-133, 20, ws.shape, device="cuda", generator=g).float())).bfloat16()
+
+
+@pytest.mark.parametrize("kernel,block_n", [("smem", 128), ("smem", 256), ("registers", 256)])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gluon_decoded_weights_are_bit_exact_over_every_scale(fmt, block_n):
+def test_gluon_decoded_weights_are_bit_exact_over_every_scale(fmt, kernel, block_n):
     """An identity activation reads the decoded weights back exactly (one product per output, ``1 * w``): forward
-    gives ``W^T``, dgrad ``W``; both must equal :func:`kimi_core.quant.dequantize` over E8M0 bytes 0..250 (0 is
-    the subnormal 2^-127; above 250 a code times its scale overflows bf16 and ``0 * inf`` poisons the identity
-    product) and INT4 scales down to bf16 subnormals, with 128- and 256-column tiles (dgrad's 256 columns pick 8
-    scale groups per row from the scale box). Exact equality (``==``: the fp32 sum of the identity row
-    cannot keep a weight's sign of zero, so -0 reads back as +0)."""
+    gives ``W^T``, dgrad ``W``; both must equal :func:`kimi_core.quant.dequantize` over every scale
+    (:func:`every_scale`), for the shared-memory decode kernel with 128- and 256-column tiles (dgrad's 256 columns
+    pick 8 scale groups per row from the scale box) and the register-fragment forward (``gluon_w4a16_rs``). Exact
+    equality (``==``: the fp32 sum of the identity row cannot keep a weight's sign of zero, so -0 reads back as
+    +0)."""
     from kimi_core.kernels import gluon_w4a16 as gw
+    from kimi_core.kernels import gluon_w4a16_rs as rs
     from kimi_core.quant import dequantize
 
     if not gw.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     E, N, K = 2, 256, 512
     wp, ws = random_packed(fmt, E, N, K, seed=3, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(4)
-    if ws.dtype == torch.uint8:
-        ws = torch.randint(0, 251, ws.shape, dtype=torch.uint8, device="cuda", generator=g)
-    else:  # magnitudes 2^-133 .. 2^20: bf16 subnormals, normals, both signs
-        ws = (torch.randn(ws.shape, device="cuda", generator=g) * torch.exp2(
-            torch.randint(-133, 20, ws.shape, device="cuda", generator=g).float())).bfloat16()
+    ws = every_scale(ws, seed=4)
+    eye_k, eye_n = torch.eye(K, device="cuda").bfloat16(), torch.eye(N, device="cuda").bfloat16()
     for e in range(E):
         splits = [0] * E
         want = dequantize(fmt, wp[e], ws[e], torch.bfloat16)  # [N, K]
         splits[e] = K
-        wt = gw.grouped_gemm(torch.eye(K, device="cuda").bfloat16(), wp, ws, fmt, splits,
-                             block_n=block_n)  # [K, N] = W^T
-        splits[e] = N
-        w = gw.grouped_gemm_dgrad(torch.eye(N, device="cuda").bfloat16(), wp, ws, fmt, splits,
-                                  block_n=block_n)  # [N, K] = W
-        for name, got in (("fwd", wt.t()), ("dgrad", w)):
-            same = got == want
-            assert bool(same.all()), (f"gluon {name} {fmt} block_n {block_n} expert {e}: {int((~same).sum())} "
-                                      f"decoded weights differ from kimi_core.quant.dequantize, first at "
-                                      f"{(~same).nonzero()[0].tolist()}")
+        if kernel == "registers":  # forward only: W^T
+            got = {"fwd": rs.grouped_gemm(eye_k, wp, ws, fmt, splits).t()}
+        else:
+            got = {"fwd": gw.grouped_gemm(eye_k, wp, ws, fmt, splits, block_n=block_n).t()}
+            splits[e] = N
+            got["dgrad"] = gw.grouped_gemm_dgrad(eye_n, wp, ws, fmt, splits, block_n=block_n)  # [N, K] = W
+        for name, w in got.items():
+            same = w == want
+            assert bool(same.all()), (f"gluon {kernel} {name} {fmt} block_n {block_n} expert {e}: "
+                                      f"{int((~same).sum())} decoded weights differ from kimi_core.quant.dequantize, "
+                                      f"first at {(~same).nonzero()[0].tolist()}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_forced_gluon_path_through_autograd_with_device_splits(fmt):
+    """``path="gluon"`` through the public autograd op (as the Megatron experts call it): ``m_splits`` a CUDA tensor,
+    ragged and empty experts, masked N; forward and the dgrad of its backward against the fp32 oracle."""
+    from kimi_core import kernels
+
+    E, K, N = 9, 1024, 328
+    splits = ragged_splits(E, 40, seed=5)
+    assert 0 in splits
+    wp, ws = random_packed(fmt, E, N, K, seed=6, device="cuda")
+    T = sum(splits)
+    x = torch.randn(T, K, device="cuda").bfloat16().requires_grad_()
+    dev_splits = torch.tensor(splits, device="cuda")
+    y = kernels.w4a16_grouped_linear(x, wp, ws, fmt, dev_splits, path="gluon")
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert_close(f"gluon path fwd {fmt}", oracle_fwd(x.detach(), wp, ws, fmt, splits), y.detach().float(), 1e-2)
+    assert_close(f"gluon path dgrad {fmt}", oracle_dgrad(g, wp, ws, fmt, splits), x.grad.float(), 1e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("E,K,N,mean,kw", [
+    pytest.param(112, 3584, 6144, 128, {}, id="K3-fc1-128tok"),
+    pytest.param(112, 3584, 6144, 128, {"persistent": True}, id="K3-fc1-128tok-persistent"),
+    pytest.param(24, 2048, 7168, 8, {}, id="K2-fc2-8tok"),
+    pytest.param(7, 512, 200, 70, {"block_m": 16, "load_stages": 3, "persistent": 3}, id="masked-N-16rows-3prog"),
+    pytest.param(7, 512, 200, 70, {"block_m": 64, "load_stages": 2}, id="masked-N-64rows-2stages"),
+])
+def test_gluon_rs_forward_matches_oracle(fmt, E, K, N, mean, kw):
+    """The forward with the weights decoded into the wgmma's register fragment (``gluon_w4a16_rs``: two warpgroups
+    on the two 128-column halves of a 256-column tile) on ragged and empty experts, masked N (200 of 256 columns),
+    persistent programs and rings that wrap across tiles, against the fp32 oracle."""
+    from kimi_core.kernels import gluon_w4a16 as gw
+    from kimi_core.kernels import gluon_w4a16_rs as rs
+
+    if not gw.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    splits = ragged_splits(E, mean, seed=E)
+    assert 0 in splits
+    wp, ws = random_packed(fmt, E, N, K, seed=7, device="cuda")
+    x = torch.randn(sum(splits), K, device="cuda").bfloat16()
+    y = torch.full((x.shape[0], N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    rs.grouped_gemm(x, wp, ws, fmt, splits, out=y, **kw)
+    torch.cuda.synchronize()
+    assert_close(f"gluon rs fwd {fmt} E{E} K{K} N{N} {kw}", oracle_fwd(x, wp, ws, fmt, splits), y.float(), 1e-2)

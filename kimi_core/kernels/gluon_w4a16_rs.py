@@ -1,0 +1,136 @@
+"""EXPERIMENTAL (issue #21, not dispatched): the W4A16 grouped forward in Gluon with the decoded weights in registers.
+
+:mod:`.gluon_w4a16` decodes each weight tile in its own warps into shared memory, from where the wgmma reads it
+again: per 64-wide K step of a 128 x 128 tile that is 16 KB written and 16 KB read beside the 22 KB the TMA brings
+and the 32 KB the wgmma reads of the activation tile, near the SM's 128 bytes per cycle of shared-memory bandwidth
+at the MMA's pace. Here the wgmma's A operand (the weights, its M side) comes from registers instead ("RS" wgmma),
+in a 256-column tile split between two warpgroups that take turns on the tensor cores:
+
+* the **loader** (the default partition, 4 warps) is :func:`.gluon_w4a16._loader`: TMA copies of the activation
+  tile ``[BM, BK]`` and of the packed bytes ``[256, BK / 2]`` and 16-byte scale boxes ``[256, 16 B]`` of each K step
+  into ``LOAD_STAGES`` rings;
+* two **consumers** (worker partitions, one warpgroup each) own the tile's columns ``[0, 128)`` and ``[128, 256)``.
+  Each reads its half of step ``i``'s packed bytes from shared memory straight into the wgmma A-fragment layout (a
+  thread holds bytes ``c, c + 4, ..., c + 28`` of its rows, exactly the element pairs ``2c, 2c + 1`` the fragment
+  wants: the conversion is trivial, asserted at compile time), decodes them with
+  :func:`.gluon_w4a16._bf16x2_decode` (the exact arithmetic of :func:`kimi_core.quant.dequantize`), runs its wgmma
+  on the shared activation stage and waits for it before it decodes the next step into the same registers (an
+  in-flight wgmma reads its A registers; nothing else keeps them from being overwritten). While one warpgroup
+  decodes, the other's wgmma runs, so the tensor cores stay busy as long as a decode takes no longer than a wgmma.
+
+Forward only: in dgrad the weights' two nibbles of a byte are neighbours along the fragment's M side, which the
+fragment spreads over threads, so dgrad stays with :func:`.gluon_w4a16.grouped_gemm_dgrad`. Shapes, dtypes, tile
+table, persistence and argument checks as :mod:`.gluon_w4a16` (``x`` bf16 ``[T, K]``, ``y`` bf16 ``[T, N]``), with
+256 output columns per tile. Extra memory: none beyond the output and the tile table.
+
+Status (2026-12-04): written and compiled for sm_90a on the CPU (``tests/gpu/gluon_sm90_compile_check.py``: RS
+wgmma in the SASS, no spills); not yet run on a GPU; :func:`kimi_core.kernels.choose_path` never picks it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kimi_core.kernels import gluon_w4a16 as ws
+from kimi_core.kernels.gluon_w4a16 import BK, HAVE_GLUON, MAX_LOAD_STAGES, RING_BUDGET
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+__all__ = ["BLOCK_N", "default_load_stages", "grouped_gemm"]
+
+
+BLOCK_N = 256  # output columns per tile: two warpgroups of 128
+HALF = BLOCK_N // 2
+CONSUMER_REGS = 232  # per thread of each consumer warpgroup: 128 accumulator registers, the fragment, the decode
+
+
+def default_load_stages(block_m: int) -> int:
+    """Depth of the TMA rings (2 to :data:`MAX_LOAD_STAGES`): with no decoded-tile ring, as many stages of
+    activation tile, packed bytes and scale box of a 256-column tile as fit :data:`RING_BUDGET`."""
+    stage = block_m * BK * 2 + BLOCK_N * BK // 2 + BLOCK_N * 16
+    return max(2, min(MAX_LOAD_STAGES, RING_BUDGET // stage))
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _rs_consumer(a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
+                     n_col_tiles, steps, out_cols, stride_om, HALF_INDEX: gl.constexpr, FMT: gl.constexpr,
+                     BM: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr):
+        """One warpgroup: columns ``[128 HALF_INDEX, 128 HALF_INDEX + 128)`` of every 256-column work item,
+        ``out^T [128, BM] = W_half . a_tile^T`` with the weight half decoded into the wgmma's register A fragment
+        each K step (see the module docstring). Arrives on ``p_free`` once it has read a step's bytes and scales and
+        on ``a_free`` once its wgmma retired (both barriers count the two warpgroups)."""
+        R: gl.constexpr = 128
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BM, 16])
+        w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        byte_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=1)
+        C: gl.constexpr = BK // 2
+        G: gl.constexpr = C // 16  # 32-element scale groups per row and step
+        SB: gl.constexpr = 1 if FMT == 0 else 2
+        it = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            _, row0, row_end, col0 = ws._tile_at(tiles_ptr, t, n_col_tiles, 2 * R)
+            acc = gl.zeros((R, BM), dtype=gl.float32, layout=acc_layout)
+            for i in range(steps):
+                s = it % LOAD_STAGES
+                phase = (it // LOAD_STAGES) & 1
+                mbarrier.wait(p_ready.index(s), phase)
+                b = p_ring.index(s).slice(HALF_INDEX * R, R).load(byte_layout)
+                b = gl.reshape(b.to(gl.int32) & 0xFF, [R, G, 16])
+                _, off = ws._scale_box(i, col0, False, BK, SB)
+                sc = ws._scale_pairs(s_ring.index(s).slice(HALF_INDEX * R, R), off, R, G,
+                                     gl.SliceLayout(2, b.type.layout), FMT, 4)
+                mbarrier.arrive(p_free.index(s), count=1)
+                pairs = ws._bf16x2_decode((b | (b << 12)) & 0x000F000F, gl.expand_dims(sc, 2), FMT)
+                lo = (pairs & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+                hi = (pairs >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+                w = gl.convert_layout(gl.reshape(gl.join(lo, hi), [R, BK]), w_layout, assert_trivial=True)
+                mbarrier.wait(a_ready.index(s), phase)
+                acc = warpgroup_mma(w, a_ring.index(s).permute((1, 0)), acc, is_async=True)
+                acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))  # before w's registers are reused
+                mbarrier.arrive(a_free.index(s), count=1)
+                it += 1
+            ws.store_tile(acc, out_ptr, row0, row_end, col0 + HALF_INDEX * R, out_cols, stride_om, R, BM)
+
+    @gluon.jit
+    def w4a16_rs_kernel(a_desc, p_desc, s_desc, out_ptr, tiles_ptr, n_tiles, n_col_tiles, N, K, stride_om,
+                        FMT: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr):
+        """Forward ``y [T, N] = x . dequant(W)^T`` over the 256-column work items ``t = program_id, program_id +
+        programs, ...`` below ``n_tiles`` (as :func:`.gluon_w4a16.w4a16_ws_kernel`); descriptors as there (forward
+        blocks of a 256-column tile)."""
+        steps = K // BK
+        # a_free / p_free count both consumer warpgroups
+        a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free = ws.load_rings(a_desc, p_desc, s_desc, LOAD_STAGES, 2)
+        FWD: gl.constexpr = False
+        BN: gl.constexpr = 256
+        FIRST: gl.constexpr = 0
+        SECOND: gl.constexpr = 1
+        gl.warp_specialize([
+            (ws._loader, (a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, tiles_ptr,
+                          n_tiles, n_col_tiles, N, steps, FWD, BN, BK, LOAD_STAGES)),
+            (_rs_consumer, (a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
+                            n_col_tiles, steps, N, stride_om, FIRST, FMT, BM, BK, LOAD_STAGES)),
+            (_rs_consumer, (a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
+                            n_col_tiles, steps, N, stride_om, SECOND, FMT, BM, BK, LOAD_STAGES)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+
+def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str, m_splits,
+                 out: torch.Tensor | None = None, block_m: int | None = None, load_stages: int | None = None,
+                 persistent: bool | int = False) -> torch.Tensor:
+    """``y[T, N]`` bf16, ``y[rows_e] = x[rows_e] . dequant(W_e)^T`` with fp32 accumulation; arguments as
+    :func:`.gluon_w4a16.grouped_gemm` (256 output columns per tile, no decode warps: the wgmma warpgroups decode),
+    ``load_stages`` default :func:`default_load_stages`."""
+    run = ws.prepare(x, w_packed, w_scale, fmt, m_splits, out, False, "gluon_w4a16_rs.grouped_gemm", block_m,
+                     BLOCK_N, load_stages, persistent, default_load_stages)
+    if run.empty:
+        return run.out
+    w4a16_rs_kernel[run.grid](*run.descs, run.out, run.tiles, run.n_tiles, run.n_col_tiles, run.N, run.K,
+                              run.out.stride(0), run.fmt_id, run.block_m, BK, run.stages, CONSUMER_REGS, num_warps=4)
+    return run.out
