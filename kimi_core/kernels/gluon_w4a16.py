@@ -213,7 +213,8 @@ if HAVE_GLUON:
     def _loader(a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, tiles_ptr, n_tiles,
                 n_col_tiles, N, steps, DGRAD: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                 LOAD_STAGES: gl.constexpr):
-        """One warp: TMA copies of the activation tile ``[BM, BK]``, the packed weight bytes and the scales of each
+        """One warp here (the default partition's four in :mod:`.gluon_w4a16_rs`; one thread issues each copy): TMA
+        copies of the activation tile ``[BM, BK]``, the packed weight bytes and the scales of each
         step into the ``LOAD_STAGES``-deep load rings (forward: bytes ``[BN rows, BK / 2]``, scales of those rows;
         dgrad: bytes ``[BK rows, BN / 2]``, scales of those rows). The scales go by TMA, not by the decoder's own
         loads: its fence before each wgmma hand-off (``MEMBAR``) would wait for them. The rings run on across this

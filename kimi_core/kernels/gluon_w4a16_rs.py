@@ -43,7 +43,6 @@ __all__ = ["BLOCK_N", "default_load_stages", "grouped_gemm"]
 
 
 BLOCK_N = 256  # output columns per tile: two warpgroups of 128
-HALF = BLOCK_N // 2
 CONSUMER_REGS = 232  # per thread of each consumer warpgroup: 128 accumulator registers, the fragment, the decode
 
 
@@ -107,13 +106,13 @@ if HAVE_GLUON:
         steps = K // BK
         # a_free / p_free count both consumer warpgroups
         a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free = ws.load_rings(a_desc, p_desc, s_desc, LOAD_STAGES, 2)
-        FWD: gl.constexpr = False
+        DGRAD: gl.constexpr = False  # the loader's forward blocks
         BN: gl.constexpr = 256
         FIRST: gl.constexpr = 0
         SECOND: gl.constexpr = 1
         gl.warp_specialize([
             (ws._loader, (a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, tiles_ptr,
-                          n_tiles, n_col_tiles, N, steps, FWD, BN, BK, LOAD_STAGES)),
+                          n_tiles, n_col_tiles, N, steps, DGRAD, BN, BK, LOAD_STAGES)),
             (_rs_consumer, (a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
                             n_col_tiles, steps, N, stride_om, FIRST, FMT, BM, BK, LOAD_STAGES)),
             (_rs_consumer, (a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
