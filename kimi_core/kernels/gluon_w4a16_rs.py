@@ -12,7 +12,8 @@ in a 256-column tile split between two warpgroups that take turns on the tensor 
 * two **consumers** (worker partitions, one warpgroup each) own the tile's columns ``[0, 128)`` and ``[128, 256)``.
   Each reads its half of step ``i``'s packed bytes from shared memory straight into the wgmma A-fragment layout (a
   thread holds bytes ``c, c + 4, ..., c + 28`` of its rows, exactly the element pairs ``2c, 2c + 1`` the fragment
-  wants: the conversion is trivial, asserted at compile time), decodes them with
+  wants: the conversion is trivial, asserted at compile time; the bytes come as 16-byte loads, :func:`_fragment_bytes`),
+  decodes them with
   :func:`.gluon_w4a16._bf16x2_decode` (the exact arithmetic of :func:`kimi_core.quant.dequantize`), runs its wgmma
   on the shared activation stage and waits for it before it decodes the next step into the same registers (an
   in-flight wgmma reads its A registers; nothing else keeps them from being overwritten). While one warpgroup
@@ -56,6 +57,30 @@ def default_load_stages(block_m: int) -> int:
 if HAVE_GLUON:
 
     @gluon.jit
+    def _fragment_bytes(p_tile, byte_layout: gl.constexpr, R: gl.constexpr, BK: gl.constexpr):
+        """int32 ``[R, BK / 2]`` (values 0..255) in ``byte_layout`` (the wgmma A fragment's layout over packed bytes,
+        one warpgroup, ``R`` = 128, ``BK`` = 64) from the uint8 tile ``p_tile`` ``[R, BK / 2]`` in shared memory.
+
+        A thread's bytes of one row are ``c, c + 4, ..., c + 28`` (``c`` = its lane mod 4): loaded one byte at a time
+        that is 32 one-byte loads per step, 8 rows of 4 bytes per warp-wide load. Instead each thread loads its rows'
+        whole 32 bytes as eight words (two 16-byte loads per row; the four lanes of a row read the same words, a
+        broadcast) and shifts its byte out of each word."""
+        gl.static_assert(R == 128 and BK == 64, "_fragment_bytes is laid out for 128 x 64 fragments")
+        W: gl.constexpr = BK // 8  # words per row
+        # [row, word, byte in word]: bytes of a word on lanes 0-1 (as the fragment has them), words in registers,
+        # rows as the fragment's rows (lanes 2-4 -> rows 1, 2, 4; registers -> 8, 64; warps -> 16, 32)
+        L3: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0], [8, 0, 0], [64, 0, 0]],
+            lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[R, W, 4])
+        layout: gl.constexpr = p_tile.type.layout
+        words = p_tile._reinterpret(gl.int32, [R, W], gl.NVMMASharedLayout(
+            swizzle_byte_width=layout.swizzle_byte_width, element_bitwidth=32, rank=2)).load(gl.SliceLayout(2, L3))
+        shift = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3))) * 8
+        b = (gl.expand_dims(words, 2) >> gl.expand_dims(gl.expand_dims(shift, 0), 0)) & 0xFF
+        return gl.convert_layout(gl.reshape(b, [R, BK // 2]), byte_layout, assert_trivial=True)
+
+    @gluon.jit
     def _rs_consumer(a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
                      n_col_tiles, steps, out_cols, stride_om, HALF_INDEX: gl.constexpr, FMT: gl.constexpr,
                      BM: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr):
@@ -79,8 +104,8 @@ if HAVE_GLUON:
                 s = it % LOAD_STAGES
                 phase = (it // LOAD_STAGES) & 1
                 mbarrier.wait(p_ready.index(s), phase)
-                b = p_ring.index(s).slice(HALF_INDEX * R, R).load(byte_layout)
-                b = gl.reshape(b.to(gl.int32) & 0xFF, [R, G, 16])
+                b = gl.reshape(_fragment_bytes(p_ring.index(s).slice(HALF_INDEX * R, R), byte_layout, R, BK),
+                               [R, G, 16])
                 _, off = ws._scale_box(i, col0, False, BK, SB)
                 sc = ws._scale_pairs(s_ring.index(s).slice(HALF_INDEX * R, R), off, R, G,
                                      gl.SliceLayout(2, b.type.layout), FMT, 4)
