@@ -168,14 +168,13 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _scale_pairs(s_tile, off, R: gl.constexpr, G: gl.constexpr, layout: gl.constexpr, FMT: gl.constexpr,
-                     DECODE_WARPS: gl.constexpr):
-        """int32 ``[R, G]`` bf16x2 pairs (the same scale in both halves) of the ``G`` (2, 4 or 8) scale groups at byte
-        ``off``
-        of each row of ``s_tile`` (``[R, 16 bytes]`` row-major: E8M0 bytes for MXFP4, bf16 for INT4; TMA
-        zero-fills rows past the tensor)."""
+                     LW: gl.constexpr):
+        """int32 ``[R, G]`` bf16x2 pairs (the same scale in both halves), in ``layout``, of the ``G`` (2, 4 or 8) scale
+        groups at byte ``off`` of each row of ``s_tile`` (``[R, 16 bytes]`` row-major: E8M0 bytes for MXFP4, bf16 for
+        INT4; TMA zero-fills rows past the tensor). ``LW``: the layout the rows' four words are loaded in (each
+        thread all four words of its rows); when its rows lie as ``layout``'s do, no data moves between threads."""
         SB: gl.constexpr = 1 if FMT == 0 else 2
         MASK: gl.constexpr = 0xFF if FMT == 0 else 0xFFFF
-        LW: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [DECODE_WARPS, 1], [1, 0])
         words = s_tile._reinterpret(gl.int32, [R, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(LW)
         cols = gl.arange(0, 4, layout=gl.SliceLayout(0, LW))
         v0 = _pick_scale(words, cols, off, MASK)
@@ -263,6 +262,7 @@ if HAVE_GLUON:
             L2: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [DECODE_WARPS, 1], [1, 0])
         G: gl.constexpr = C // 16  # 32-element scale groups per tile row
         SL: gl.constexpr = gl.SliceLayout(2, L3)
+        LW: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [DECODE_WARPS, 1], [1, 0])  # a row's scale words
         it = 0
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             col0 = (t % n_col_tiles) * BN
@@ -271,7 +271,7 @@ if HAVE_GLUON:
                 mbarrier.wait(p_ready.index(s), (it // LOAD_STAGES) & 1)
                 b = p_ring.index(s).load(L2)
                 _, off = _scale_box(i, col0, DGRAD, BK, 1 if FMT == 0 else 2)
-                sc = _scale_pairs(s_ring.index(s), off, R, G, SL, FMT, DECODE_WARPS)
+                sc = _scale_pairs(s_ring.index(s), off, R, G, SL, FMT, LW)
                 mbarrier.arrive(p_free.index(s), count=1)
                 b = gl.convert_layout(gl.reshape(b.to(gl.int32) & 0xFF, [R, G, 16]), L3, assert_trivial=True)
                 pairs = (b | (b << 12)) & 0x000F000F

@@ -96,6 +96,10 @@ if HAVE_GLUON:
         C: gl.constexpr = BK // 2
         G: gl.constexpr = C // 16  # 32-element scale groups per row and step
         SB: gl.constexpr = 1 if FMT == 0 else 2
+        # a row's four scale words in the registers of the threads that hold the row in the fragment
+        SW: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [8, 0], [64, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[R, 4])
         it = 0
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             _, row0, row_end, col0 = ws._tile_at(tiles_ptr, t, n_col_tiles, 2 * R)
@@ -108,7 +112,7 @@ if HAVE_GLUON:
                                [R, G, 16])
                 _, off = ws._scale_box(i, col0, False, BK, SB)
                 sc = ws._scale_pairs(s_ring.index(s).slice(HALF_INDEX * R, R), off, R, G,
-                                     gl.SliceLayout(2, b.type.layout), FMT, 4)
+                                     gl.SliceLayout(2, b.type.layout), FMT, SW)
                 mbarrier.arrive(p_free.index(s), count=1)
                 pairs = ws._bf16x2_decode((b | (b << 12)) & 0x000F000F, gl.expand_dims(sc, 2), FMT)
                 lo = (pairs & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
