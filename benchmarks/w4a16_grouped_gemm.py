@@ -251,11 +251,42 @@ def gluon_lines(r: dict) -> list[str]:
     return lines
 
 
+BEST_HEADER = ("| shape | tok/exp | fmt | best fwd ms (config) | fwd speed vs BF16 | target | best dgrad ms (config) "
+               "| dgrad speed vs BF16 | target |")
+
+
+def target_speed(tokens_per_expert: int) -> float:
+    """Issue #21's bar for a W4A16 GEMM's speed vs BF16 ``_grouped_mm`` at this many tokens per expert."""
+    return 2.5 if tokens_per_expert <= 8 else 0.9 if tokens_per_expert <= 128 else 0.95
+
+
+def gluon_best_lines(r: dict) -> str:
+    """One summary row: the fastest correct Gluon config per op of one measurement (rel err vs BF16 <= 1e-2),
+    its speed vs BF16 and the issue's target at these tokens per expert."""
+    short = "MXFP4" if r["fmt"].startswith("mxfp4") else "INT4"
+    cells = []
+    for op in ("fwd", "dgrad"):
+        ok = [g for g in r.get("gluon", []) if g["op"] == op and "ms" in g and g["rel_err"] <= 1e-2]
+        if not ok:
+            cells.append("none | |")
+            continue
+        best = min(ok, key=lambda g: g["ms"])
+        speed = r[f"bf16_{op}_ms"] / best["ms"]
+        target = target_speed(r["tokens_per_expert"])
+        cells.append(f"{best['ms']:.3f} ({best['config']}) | {speed:.2f}x | {target:.2f}x "
+                     f"{'met' if speed >= target else 'missed'}")
+    return f"| {r['shape']} | {r['tokens_per_expert']} | {short} | " + " | ".join(cells) + " |"
+
+
 def gluon_table(rows: list[dict]) -> list[str]:
-    """The Gluon kernels' markdown table: a heading, the header and :func:`gluon_lines` of every row."""
-    lines = ["", "Experimental warp-specialised Gluon kernels (`kimi_core.kernels.gluon_w4a16`, not dispatched):", "",
-             GLUON_HEADER, "|" + "---|" * (GLUON_HEADER.count("|") - 1)]
-    return lines + [line for r in rows for line in gluon_lines(r)]
+    """The Gluon kernels' markdown tables: every config (:func:`gluon_lines`), then the best per row against the
+    issue's targets (:func:`gluon_best_lines`)."""
+    lines = ["", "Experimental warp-specialised Gluon kernels (`kimi_core.kernels.gluon_w4a16`, `gluon_w4a16_rs`: "
+             "not dispatched):", "", GLUON_HEADER, "|" + "---|" * (GLUON_HEADER.count("|") - 1)]
+    lines += [line for r in rows for line in gluon_lines(r)]
+    lines += ["", "Best correct config per row (rel err vs BF16 <= 1e-2) against issue #21's targets:", "",
+              BEST_HEADER, "|" + "---|" * (BEST_HEADER.count("|") - 1)]
+    return lines + [gluon_best_lines(r) for r in rows if r.get("gluon")]
 
 
 def main() -> None:

@@ -49,3 +49,18 @@ def test_config_strings_read_into_kernel_arguments(text, want):
 def test_unreadable_config_names_the_flag(text):
     with pytest.raises(ValueError, match=f"--gluon-configs: cannot read '{text}'"):
         load_benchmark().parse_gluon_config(text)
+
+
+def test_best_config_row_skips_wrong_results_and_states_the_target():
+    """The summary row picks the fastest config whose result matched BF16 (a faster wrong one is not a result),
+    and says whether issue #21's bar at that token count (2.5x at 8, 0.9x at 128, 0.95x above) is met."""
+    bench = load_benchmark()
+    r = dict(shape="K3 fc1", tokens_per_expert=128, fmt="pack-quantized", bf16_fwd_ms=1.5, bf16_dgrad_ms=1.5, gluon=[
+        dict(config="wrong", op="fwd", ms=0.5, rel_err=0.3, tflops=0),
+        dict(config="rs", op="fwd", ms=1.6, rel_err=0.0, tflops=0),
+        dict(config="autop", op="fwd", ms=2.0, rel_err=0.0, tflops=0),
+        dict(config="failed", op="dgrad", error="RuntimeError: x")])
+    line = bench.gluon_best_lines(r)
+    assert line.startswith("| K3 fc1 | 128 | INT4 | 1.600 (rs) | 0.94x | 0.90x met |"), line
+    assert line.endswith("| none | | |"), line
+    assert [bench.target_speed(t) for t in (8, 128, 512, 2048)] == [2.5, 0.9, 0.95, 0.95]
