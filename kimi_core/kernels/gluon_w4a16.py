@@ -13,10 +13,10 @@ to each other through mbarriers:
   two 4-bit codes at a time into a bf16x2 pair with integer ops and two ``mul.rn.bf16x2`` (MXFP4: E2M1 codes x
   E8M0 group scales; INT4: offset-binary nibbles x bf16 group scales), the same exact arithmetic as
   :func:`kimi_core.quant.dequantize`, and writes the bf16 tile into the ``W_STAGES``-deep ``w_ring`` (``w_ready``);
-* the **consumer** (default partition, one warpgroup) runs ``warpgroup_mma`` with the weight tile as its M side
-  and the activation tile as its N side into an fp32 ``[BN, BM]`` accumulator, arrives ``a_free`` / ``w_free`` once
-  that wgmma has retired (loader and decoder wait on them before they refill a stage), then writes the masked bf16
-  tile back transposed.
+* the **consumer** (default partition, one warpgroup per 128 output columns) runs ``warpgroup_mma`` with the
+  weight tile as its M side and the activation tile as its N side into an fp32 ``[BN, BM]`` accumulator, arrives
+  ``a_free`` / ``w_free`` once that wgmma has retired (loader and decoder wait on them before they refill a stage),
+  then writes the masked bf16 tile back transposed.
 
 Shapes and dtypes: ``x`` bf16 ``[T, K]`` with rows sorted by expert; ``w_packed`` ``[E, N, K/2]`` uint8 (MXFP4,
 element ``2j`` in the low nibble) or ``[E, N, K/8]`` int32 (INT4, element ``8m + j`` in nibble ``j``: the same
@@ -42,6 +42,9 @@ plus the first decode, and its epilogue stand alone) and 256-column tiles (``blo
 share each activation tile, so a K step reads 28 KB for 4.2 MFLOP instead of 22 KB for 2.1: the per-step traffic of
 128-column tiles at 2048 tokens per expert, 108 GB per K3 fc1 forward, is ~7.3 TB/s out of L2 at BF16's 14.8 ms;
 69 GB, ~4.7 TB/s, with 256).
+
+:mod:`.gluon_w4a16_rs` is the forward without the decoded tile in shared memory (the weights decoded into the
+wgmma's register fragment); it reuses this module's loader, decode arithmetic, tile walk and argument checks.
 """
 
 from __future__ import annotations
