@@ -363,7 +363,7 @@ def main() -> None:
              f"L2 flushed before each; random codes and scales, equal tokens per expert. Chunked workspace bound "
              f"{bound / 2**30:.2f} GiB; \"peak extra\" is what one chunked forward allocates above its inputs "
              "(output, workspace and per-chunk GEMM outputs). Speed vs BF16 = BF16 ms / ms (higher is faster); "
-             "auto = `kimi_core.kernels.choose_path`, crossover table `W4A16_CROSSOVER` = "
+             "auto = `kimi_core.kernels.choose_path`, its tables = "
              f"`{_crossover_text()}`; roofline = max(bytes / 4.2 TB/s, FLOPs / 700 TFLOP/s).\n", HEADER,
              "|" + "---|" * (HEADER.count("|") - 1)]
     if args.gluon_only:  # the Gluon table alone
@@ -406,7 +406,11 @@ def finish(args, text: str, rows: list[dict], decodes: list[dict], date: str, gp
 
 
 def _crossover_text() -> str:
-    return json.dumps({op: {str(k): v for k, v in t.items()} for op, t in kernels.W4A16_CROSSOVER.items()})
+    """The dispatcher's tables as the benchmark ran them: the fused / chunked crossover, the Gluon ranges and the
+    Gluon options."""
+    tables = {name: {op: {str(k): v for k, v in t.items()} for op, t in table.items()}
+              for name, table in (("W4A16_CROSSOVER", kernels.W4A16_CROSSOVER), ("W4A16_GLUON", kernels.W4A16_GLUON))}
+    return json.dumps(dict(tables, GLUON_OPTIONS=kernels.GLUON_OPTIONS))
 
 
 def sweep() -> None:

@@ -21,8 +21,9 @@ Two paths compute the grouped GEMM, chosen per call by :func:`choose_path` from 
   overlapped on a side stream. Also runs on CPU tensors (torch decode), for tests.
 
 ``KIMI_W4A16_PATH=fused|chunked|gluon|auto`` (or the ``path=`` argument, which wins) forces a path. ``"gluon"`` is
-the experimental warp-specialised kernel of :mod:`kimi_core.kernels.gluon_w4a16` (Hopper only, default tile options),
-reachable only by forcing it: auto never picks it until it is measured faster (issue #21). Triton is imported only
+one of the experimental Gluon kernels (:data:`GLUON_OPTIONS`: :mod:`kimi_core.kernels.gluon_w4a16` or, forward,
+:mod:`kimi_core.kernels.gluon_w4a16_rs`; Hopper only); auto picks it only where :data:`W4A16_GLUON` says, which is
+nowhere until one is measured faster (issue #21). Triton is imported only
 on first GPU use, so this package imports on machines without a GPU or without Triton.
 
 Example::
@@ -53,6 +54,16 @@ PATHS = ("fused", "chunked", "gluon", "auto")
 #: fused on all four shapes, MXFP4 and INT4, forward and dgrad (K3 fc1 MXFP4 forward 5.78 vs 6.86 ms, dgrad
 #: 5.76 vs 7.28 ms); at 128 fused wins everywhere (1.81 vs 3.71 ms). 256 is not measured yet.
 W4A16_CROSSOVER: dict[str, dict] = {"fwd": {"default": 512}, "dgrad": {"default": 512}}
+
+#: Where auto picks the experimental Gluon kernels instead, per op: a half-open range ``(from, to)`` of mean tokens
+#: per expert (``to`` None: no upper end) or None (never); an ``(N, K)`` key overrides ``"default"``. None until a
+#: Gluon kernel is measured faster than the fused and chunked paths on the H200 (issue #21, benchmarks/RESULTS.md).
+W4A16_GLUON: dict[str, dict] = {"fwd": {"default": None}, "dgrad": {"default": None}}
+
+#: The kernel and options the ``"gluon"`` path runs, per op: ``kernel`` ``"smem"`` (:mod:`.gluon_w4a16`, decoded
+#: tiles in shared memory; forward and dgrad) or ``"registers"`` (:mod:`.gluon_w4a16_rs`, the forward with the
+#: weights in the wgmma's register fragment); the rest are that kernel's keyword arguments (tile sizes, persistent).
+GLUON_OPTIONS: dict[str, dict] = {"fwd": {"kernel": "smem"}, "dgrad": {"kernel": "smem"}}
 
 
 def _check(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype) -> None:
@@ -115,13 +126,14 @@ def choose_path(op: str, T: int, E: int, N: int, K: int, device, path: str | Non
     """``"fused"`` or ``"chunked"`` (or a forced ``"gluon"``) for one grouped GEMM of ``T`` rows over ``E`` experts
     of ``[N, K]``.
 
-    :param op: ``"fwd"`` or ``"dgrad"`` (rows of :data:`W4A16_CROSSOVER`).
+    :param op: ``"fwd"`` or ``"dgrad"`` (rows of :data:`W4A16_CROSSOVER` and :data:`W4A16_GLUON`).
     :param device: where the operands live; ``"fused"`` on a CPU means the pure-torch reference.
     :param path: ``"fused"`` / ``"chunked"`` / ``"gluon"`` forces a path, ``"auto"`` or ``None`` (then
         ``$KIMI_W4A16_PATH``,
-        default ``auto``) asks the table. Auto picks ``"chunked"`` only on a CUDA device of compute capability
-        9.0+ (where ``_grouped_mm`` has its CUTLASS kernel), when one expert fits the workspace bound, and when
-        ``T / E`` reaches the crossover for ``(N, K)``.
+        default ``auto``) asks the tables, on a CUDA device of compute capability 9.0+ only: ``"gluon"`` where
+        ``T / E`` lies in :data:`W4A16_GLUON`'s range for ``(N, K)`` (and the shape suits the Gluon kernels), else
+        ``"chunked"`` when one expert fits the workspace bound and ``T / E`` reaches :data:`W4A16_CROSSOVER`, else
+        ``"fused"``.
     """
     forced = _forced_path(path)
     if forced != "auto":
@@ -131,10 +143,40 @@ def choose_path(op: str, T: int, E: int, N: int, K: int, device, path: str | Non
         return "fused"
     if _capability(device.index if device.index is not None else torch.cuda.current_device())[0] < 9:
         return "fused"
+    gluon = W4A16_GLUON[op].get((N, K), W4A16_GLUON[op]["default"])
+    if gluon is not None and _gluon_fits(N, K) and gluon[0] <= T / E and (gluon[1] is None or T / E < gluon[1]):
+        return "gluon"
     if not w4a16_chunked.fits(N, K, op):
         return "fused"
     table = W4A16_CROSSOVER[op]
     return "chunked" if T / E >= table.get((N, K), table["default"]) else "fused"
+
+
+def _gluon_fits(N: int, K: int) -> bool:
+    """Shapes both Gluon kernels take (their TMA boxes: 16-byte scale rows for either format, 8-column rows) and a
+    Triton with Gluon to run them."""
+    if K % 512 or N % 8:
+        return False
+    from kimi_core.kernels.gluon_w4a16 import HAVE_GLUON
+
+    return HAVE_GLUON
+
+
+def _run_gluon(op: str, a: torch.Tensor, w_packed, w_scale, fmt: str, m_splits) -> torch.Tensor:
+    """The ``"gluon"`` path: the kernel and options of :data:`GLUON_OPTIONS` for ``op``."""
+    options = dict(GLUON_OPTIONS[op])
+    kernel = options.pop("kernel", "smem")
+    if kernel == "registers" and op == "fwd":
+        from kimi_core.kernels import gluon_w4a16_rs
+
+        return gluon_w4a16_rs.grouped_gemm(a, w_packed, w_scale, fmt, m_splits, **options)
+    if kernel != "smem":
+        choices = "'smem' or 'registers'" if op == "fwd" else "'smem' (the register-fragment kernel has no dgrad)"
+        raise ValueError(f"{_WHERE}: GLUON_OPTIONS[{op!r}]['kernel'] must be {choices}, got {kernel!r}")
+    from kimi_core.kernels import gluon_w4a16
+
+    fn = gluon_w4a16.grouped_gemm if op == "fwd" else gluon_w4a16.grouped_gemm_dgrad
+    return fn(a, w_packed, w_scale, fmt, m_splits, **options)
 
 
 def w4a16_grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str,
@@ -156,9 +198,7 @@ def w4a16_grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.T
     if chosen == "chunked":
         return w4a16_chunked.grouped_gemm(x, w_packed, w_scale, fmt, m_splits)
     if chosen == "gluon":
-        from kimi_core.kernels import gluon_w4a16
-
-        return gluon_w4a16.grouped_gemm(x, w_packed, w_scale, fmt, m_splits)
+        return _run_gluon("fwd", x, w_packed, w_scale, fmt, m_splits)
     if x.is_cuda:
         from kimi_core.kernels import triton_w4a16
 
@@ -178,9 +218,7 @@ def w4a16_grouped_gemm_dgrad(dy: torch.Tensor, w_packed: torch.Tensor, w_scale: 
     if chosen == "chunked":
         return w4a16_chunked.grouped_gemm_dgrad(dy, w_packed, w_scale, fmt, m_splits)
     if chosen == "gluon":
-        from kimi_core.kernels import gluon_w4a16
-
-        return gluon_w4a16.grouped_gemm_dgrad(dy, w_packed, w_scale, fmt, m_splits)
+        return _run_gluon("dgrad", dy, w_packed, w_scale, fmt, m_splits)
     if dy.is_cuda:
         from kimi_core.kernels import triton_w4a16
 
@@ -254,12 +292,14 @@ def fake_quant_gpu(w: torch.Tensor, fmt: str, scale_divisor: float = 7.0, q_min:
 
 
 __all__ = [
+    "GLUON_OPTIONS",
     "INT4_FORMAT",
     "MXFP4_FORMAT",
     "PATHS",
     "PATH_ENV",
     "W4A16GroupedGemm",
     "W4A16_CROSSOVER",
+    "W4A16_GLUON",
     "choose_path",
     "fake_int4_gpu",
     "fake_mxfp4_gpu",

@@ -103,3 +103,49 @@ def test_forced_gluon_path_reaches_the_kernel_and_refuses_a_cpu_tensor(monkeypat
     monkeypatch.setenv(kernels.PATH_ENV, "gluon")
     with pytest.raises(RuntimeError, match=r"gluon_w4a16.grouped_gemm_dgrad: runs on Hopper GPUs only .* dy is on cpu"):
         kernels.w4a16_grouped_gemm_dgrad(torch.zeros(16, 256, dtype=torch.bfloat16), wp, ws, MXFP4, [8, 8])
+
+
+def test_auto_picks_gluon_only_inside_its_measured_range(monkeypatch):
+    """``W4A16_GLUON`` is empty until measured; a range ``[from, to)`` of mean tokens per expert then wins over the
+    fused / chunked table (an ``(N, K)`` row over ``"default"``), only on shapes the Gluon kernels take (K a multiple
+    of 512, N of 8) and only on sm90+ CUDA."""
+    from kimi_core import kernels
+
+    monkeypatch.setattr(kernels, "_capability", lambda index: (9, 0))
+    monkeypatch.delenv(kernels.PATH_ENV, raising=False)
+    cuda = torch.device("cuda:0")
+    E, N, K = 112, 6144, 3584
+    assert all(kernels.W4A16_GLUON[op]["default"] is None for op in ("fwd", "dgrad"))
+    monkeypatch.setitem(kernels.W4A16_GLUON["fwd"], "default", (0, 512))
+    picks = [kernels.choose_path("fwd", E * tpe, E, N, K, cuda) for tpe in (8, 128, 512, 2048)]
+    assert picks == ["gluon", "gluon", "chunked", "chunked"]
+    assert kernels.choose_path("dgrad", E * 8, E, N, K, cuda) == "fused"  # per op
+    assert kernels.choose_path("fwd", E * 8, E, N, 2880, cuda) == "fused"  # K = 2880 is no multiple of 512
+    assert kernels.choose_path("fwd", E * 8, E, N, K, "cpu") == "fused"
+    monkeypatch.setitem(kernels.W4A16_GLUON["fwd"], (N, K), (128, None))
+    picks = [kernels.choose_path("fwd", E * tpe, E, N, K, cuda) for tpe in (8, 128, 512, 2048)]
+    assert picks == ["fused", "gluon", "gluon", "gluon"]
+
+
+def test_gluon_options_name_a_kernel_that_has_the_op(monkeypatch):
+    """``GLUON_OPTIONS`` picks the Gluon kernel of the ``"gluon"`` path; the register-fragment kernel has no dgrad,
+    and asking for it (or an unknown kernel) names the table entry."""
+    import os
+    import sys
+
+    from kimi_core import kernels
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from w4a16_cases import MXFP4, random_packed
+
+    wp, ws = random_packed(MXFP4, 2, 256, 512)
+    dy = torch.zeros(16, 256, dtype=torch.bfloat16)
+    monkeypatch.setitem(kernels.GLUON_OPTIONS, "dgrad", {"kernel": "registers"})
+    with pytest.raises(ValueError, match=r"GLUON_OPTIONS\['dgrad'\]\['kernel'\] must be 'smem' \(the register"):
+        kernels.w4a16_grouped_gemm_dgrad(dy, wp, ws, MXFP4, [8, 8], path="gluon")
+    monkeypatch.setitem(kernels.GLUON_OPTIONS, "fwd", {"kernel": "tensor-cores"})
+    with pytest.raises(ValueError, match=r"GLUON_OPTIONS\['fwd'\]\['kernel'\] must be 'smem' or 'registers'"):
+        kernels.w4a16_grouped_gemm(torch.zeros(16, 512, dtype=torch.bfloat16), wp, ws, MXFP4, [8, 8], path="gluon")
+    monkeypatch.setitem(kernels.GLUON_OPTIONS, "fwd", {"kernel": "registers", "persistent": True})
+    with pytest.raises(RuntimeError, match=r"gluon_w4a16_rs.grouped_gemm: runs on Hopper GPUs only"):
+        kernels.w4a16_grouped_gemm(torch.zeros(16, 512, dtype=torch.bfloat16), wp, ws, MXFP4, [8, 8], path="gluon")
