@@ -160,9 +160,14 @@ def measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe, alt_bytes: int | None = Non
             row[f"{path}_{op}_ms"] = bench(fns[f"{path}_{op}"])
         auto = kernels.choose_path(op, T, E, N, K, x.device)
         row[f"auto_{op}"] = auto
+        if auto == "gluon":  # the dispatcher's Gluon kernel (GLUON_OPTIONS), checked and timed as the others
+            gluon_fn = (lambda: kernels.w4a16_grouped_gemm(x, wp, ws, fmt, splits, path="gluon")) if op == "fwd" \
+                else (lambda: kernels.w4a16_grouped_gemm_dgrad(dy, wp, ws, fmt, splits, path="gluon"))
+            row[f"gluon_{op}_rel_err"] = rel_err(fns[f"bf16_{op}"](), gluon_fn())
+            row[f"gluon_{op}_ms"] = bench(gluon_fn)
         row[f"auto_{op}_ms"] = row[f"{auto}_{op}_ms"]  # the dispatcher calls exactly this path
         row[f"auto_{op}_speed_vs_bf16"] = row[f"bf16_{op}_ms"] / row[f"auto_{op}_ms"]
-        worst = max(row[f"fused_{op}_rel_err"], row[f"chunked_{op}_rel_err"])
+        worst = max(row[f"fused_{op}_rel_err"], row[f"chunked_{op}_rel_err"], row.get(f"gluon_{op}_rel_err", 0.0))
         if worst > 1e-2:
             print(f"WARNING {name} {fmt} tpe={tpe} {op}: relative error vs BF16 {worst:.2e}", flush=True)
     w_bytes = wp.numel() * wp.element_size() + ws.numel() * ws.element_size()
