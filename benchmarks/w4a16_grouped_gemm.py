@@ -101,11 +101,12 @@ def parse_gluon_config(text: str) -> dict:
     ``n<block_n>`` (output columns per tile, 128 or 256) and ``p`` (the persistent schedule: one program per SM),
     e.g. ``64x4``, ``128x4s4``, ``autop``, ``auton256p`` -> keyword arguments of ``gluon_w4a16``; or
     ``rs[<block_m>][s<load_stages>][p]`` (e.g. ``rs``, ``rsp``, ``rs128s6p``): the forward with the weights in the
-    wgmma's registers (``gluon_w4a16_rs``, 256 columns), with ``kernel="rs"`` among the arguments."""
+    wgmma's registers (``gluon_w4a16_rs``, 256 columns), with ``kernel="registers"`` among the arguments. The result
+    is what :data:`kimi_core.kernels.GLUON_OPTIONS` holds (``kernel`` ``"smem"`` when absent)."""
     m = re.fullmatch(r"rs(\d+)?(?:s(\d+))?(p?)", text)
     if m:
         bm, stages, persistent = m.groups()
-        kw = {"kernel": "rs", "load_stages": int(stages) if stages else None}
+        kw = {"kernel": "registers", "load_stages": int(stages) if stages else None}
         if bm:
             kw["block_m"] = int(bm)
         return dict(kw, persistent=True) if persistent else kw
@@ -187,16 +188,13 @@ def measure_gluon(fns, x, dy, wp, ws, fmt, splits, flops, configs: list[str]) ->
     """The experimental Gluon forward and dgrad in each config: one dict per (config, op) with ms, TFLOP/s and the
     relative error against BF16 on the same weights, or the error that stopped it."""
     from kimi_core.kernels import gluon_w4a16 as gw
-    from kimi_core.kernels import gluon_w4a16_rs as rs
 
     out = []
     for config in configs:
         kw = parse_gluon_config(config)
-        if kw.pop("kernel", None) == "rs":  # forward only
-            gluon_fns = {"fwd": lambda: rs.grouped_gemm(x, wp, ws, fmt, splits, **kw)}
-        else:
-            gluon_fns = {"fwd": lambda: gw.grouped_gemm(x, wp, ws, fmt, splits, **kw),
-                         "dgrad": lambda: gw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, **kw)}
+        gluon_fns = {"fwd": lambda: kernels.run_gluon("fwd", x, wp, ws, fmt, splits, kw)}
+        if kw.get("kernel") != "registers":  # the register-fragment kernel is forward only
+            gluon_fns["dgrad"] = lambda: kernels.run_gluon("dgrad", dy, wp, ws, fmt, splits, kw)
         for op, fn in gluon_fns.items():
             label = config
             if config.startswith("rs") and "block_m" not in kw:

@@ -23,8 +23,8 @@ Two paths compute the grouped GEMM, chosen per call by :func:`choose_path` from 
 ``KIMI_W4A16_PATH=fused|chunked|gluon|auto`` (or the ``path=`` argument, which wins) forces a path. ``"gluon"`` is
 one of the experimental Gluon kernels (:data:`GLUON_OPTIONS`: :mod:`kimi_core.kernels.gluon_w4a16` or, forward,
 :mod:`kimi_core.kernels.gluon_w4a16_rs`; Hopper only); auto picks it only where :data:`W4A16_GLUON` says, which is
-nowhere until one is measured faster (issue #21). Triton is imported only
-on first GPU use, so this package imports on machines without a GPU or without Triton.
+nowhere until one is measured faster (issue #21). Triton is imported only on first GPU use, so this package
+imports on machines without a GPU or without Triton.
 
 Example::
 
@@ -129,11 +129,10 @@ def choose_path(op: str, T: int, E: int, N: int, K: int, device, path: str | Non
     :param op: ``"fwd"`` or ``"dgrad"`` (rows of :data:`W4A16_CROSSOVER` and :data:`W4A16_GLUON`).
     :param device: where the operands live; ``"fused"`` on a CPU means the pure-torch reference.
     :param path: ``"fused"`` / ``"chunked"`` / ``"gluon"`` forces a path, ``"auto"`` or ``None`` (then
-        ``$KIMI_W4A16_PATH``,
-        default ``auto``) asks the tables, on a CUDA device of compute capability 9.0+ only: ``"gluon"`` where
-        ``T / E`` lies in :data:`W4A16_GLUON`'s range for ``(N, K)`` (and the shape suits the Gluon kernels), else
-        ``"chunked"`` when one expert fits the workspace bound and ``T / E`` reaches :data:`W4A16_CROSSOVER`, else
-        ``"fused"``.
+        ``$KIMI_W4A16_PATH``, default ``auto``) asks the tables, on a CUDA device of compute capability 9.0+ only:
+        ``"gluon"`` where ``T / E`` lies in :data:`W4A16_GLUON`'s range for ``(N, K)`` (and the shape suits the
+        Gluon kernels), else ``"chunked"`` when one expert fits the workspace bound and ``T / E`` reaches
+        :data:`W4A16_CROSSOVER`, else ``"fused"``.
     """
     forced = _forced_path(path)
     if forced != "auto":
@@ -153,18 +152,21 @@ def choose_path(op: str, T: int, E: int, N: int, K: int, device, path: str | Non
 
 
 def _gluon_fits(N: int, K: int) -> bool:
-    """Shapes both Gluon kernels take (their TMA boxes: 16-byte scale rows for either format, 8-column rows) and a
-    Triton with Gluon to run them."""
-    if K % 512 or N % 8:
-        return False
-    from kimi_core.kernels.gluon_w4a16 import HAVE_GLUON
+    """Shapes both Gluon kernels take in either format (:func:`.gluon_w4a16.shape_fits` with MXFP4's 1-byte scales,
+    the strictest) and a Triton with Gluon to run them."""
+    from kimi_core.kernels.gluon_w4a16 import HAVE_GLUON, shape_fits
 
-    return HAVE_GLUON
+    return HAVE_GLUON and shape_fits(N, K)
 
 
-def _run_gluon(op: str, a: torch.Tensor, w_packed, w_scale, fmt: str, m_splits) -> torch.Tensor:
-    """The ``"gluon"`` path: the kernel and options of :data:`GLUON_OPTIONS` for ``op``."""
-    options = dict(GLUON_OPTIONS[op])
+def run_gluon(op: str, a: torch.Tensor, w_packed, w_scale, fmt: str, m_splits, options: dict | None = None
+              ) -> torch.Tensor:
+    """One op (``"fwd"``: ``a`` = ``x``; ``"dgrad"``: ``a`` = ``dy``) on a Gluon kernel: ``options`` =
+    ``{"kernel": "smem" | "registers", **that kernel's keyword arguments}`` (default: :data:`GLUON_OPTIONS`, what the
+    ``"gluon"`` path runs). ``"smem"`` is :mod:`.gluon_w4a16`, ``"registers"`` the forward-only
+    :mod:`.gluon_w4a16_rs`."""
+    source = f"GLUON_OPTIONS[{op!r}]['kernel']" if options is None else "the Gluon kernel"
+    options = dict(GLUON_OPTIONS[op] if options is None else options)
     kernel = options.pop("kernel", "smem")
     if kernel == "registers" and op == "fwd":
         from kimi_core.kernels import gluon_w4a16_rs
@@ -172,7 +174,7 @@ def _run_gluon(op: str, a: torch.Tensor, w_packed, w_scale, fmt: str, m_splits) 
         return gluon_w4a16_rs.grouped_gemm(a, w_packed, w_scale, fmt, m_splits, **options)
     if kernel != "smem":
         choices = "'smem' or 'registers'" if op == "fwd" else "'smem' (the register-fragment kernel has no dgrad)"
-        raise ValueError(f"{_WHERE}: GLUON_OPTIONS[{op!r}]['kernel'] must be {choices}, got {kernel!r}")
+        raise ValueError(f"{_WHERE}: {source} must be {choices}, got {kernel!r}")
     from kimi_core.kernels import gluon_w4a16
 
     fn = gluon_w4a16.grouped_gemm if op == "fwd" else gluon_w4a16.grouped_gemm_dgrad
@@ -198,7 +200,7 @@ def w4a16_grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.T
     if chosen == "chunked":
         return w4a16_chunked.grouped_gemm(x, w_packed, w_scale, fmt, m_splits)
     if chosen == "gluon":
-        return _run_gluon("fwd", x, w_packed, w_scale, fmt, m_splits)
+        return run_gluon("fwd", x, w_packed, w_scale, fmt, m_splits)
     if x.is_cuda:
         from kimi_core.kernels import triton_w4a16
 
@@ -218,7 +220,7 @@ def w4a16_grouped_gemm_dgrad(dy: torch.Tensor, w_packed: torch.Tensor, w_scale: 
     if chosen == "chunked":
         return w4a16_chunked.grouped_gemm_dgrad(dy, w_packed, w_scale, fmt, m_splits)
     if chosen == "gluon":
-        return _run_gluon("dgrad", dy, w_packed, w_scale, fmt, m_splits)
+        return run_gluon("dgrad", dy, w_packed, w_scale, fmt, m_splits)
     if dy.is_cuda:
         from kimi_core.kernels import triton_w4a16
 
@@ -304,6 +306,7 @@ __all__ = [
     "fake_int4_gpu",
     "fake_mxfp4_gpu",
     "fake_quant_gpu",
+    "run_gluon",
     "w4a16_grouped_gemm",
     "w4a16_grouped_gemm_dgrad",
     "w4a16_grouped_linear",

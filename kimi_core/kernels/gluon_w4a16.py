@@ -63,7 +63,7 @@ try:  # Triton >= 3.5 ships Gluon; older Tritons (and CPU-only installs) have no
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "pick_block_m", "tile_table", "grouped_gemm", "grouped_gemm_dgrad"]
+__all__ = ["HAVE_GLUON", "pick_block_m", "shape_fits", "tile_table", "grouped_gemm", "grouped_gemm_dgrad"]
 
 BM, BN, BK = 128, 128, 64  # BM: rows of one expert per tile (fewer where experts have few rows: pick_block_m)
 BLOCK_N_CHOICES = (128, 256)  # output columns per tile = weight rows of the wgmma's M side, one warpgroup per 128
@@ -96,13 +96,18 @@ def decode_regs(decode_warps: int, block_n: int = BN) -> int:
     return 120
 
 
+def load_stage_bytes(block_m: int, dgrad: bool, block_n: int = BN) -> int:
+    """Shared bytes of one TMA ring stage: the bf16 activation tile, the packed bytes and the 16-byte scale boxes."""
+    return block_m * BK * 2 + block_n * BK // 2 + (BK if dgrad else block_n) * 16
+
+
 def default_load_stages(block_m: int, dgrad: bool, block_n: int = BN) -> int:
     """Depth of the TMA rings: as many stages (2 to :data:`MAX_LOAD_STAGES`) as fit :data:`RING_BUDGET` beside
     :func:`w_stages` decoded tiles. A stage is released only when its wgmma has retired, so the loads lead the MMA by
     about ``LOAD_STAGES - 1`` steps; with one 4-deep ring for everything, that lead against a TMA round trip of
     about a microsecond set the pace (~700 ns per step whatever the tile, benchmarks/RESULTS.md)."""
-    stage = block_m * BK * 2 + block_n * BK // 2 + (BK if dgrad else block_n) * 16  # activation, bytes, scale box
-    return max(2, min(MAX_LOAD_STAGES, (RING_BUDGET - w_stages(block_n) * block_n * BK * 2) // stage))
+    budget = RING_BUDGET - w_stages(block_n) * block_n * BK * 2
+    return max(2, min(MAX_LOAD_STAGES, budget // load_stage_bytes(block_m, dgrad, block_n)))
 
 
 def pick_block_m(m_splits) -> int:
@@ -410,6 +415,13 @@ def descriptor_blocks(dgrad: bool, block_m: int = BM, scale_bytes: int = 1,
     return [block_m, BK], ([BK, block_n // 2] if dgrad else [block_n, BK // 2]), [rows, 16 // scale_bytes]
 
 
+def shape_fits(N: int, K: int, scale_bytes: int = 1) -> bool:
+    """Whether the Gluon kernels take ``[N, K]`` experts whose scales have ``scale_bytes`` bytes (1: MXFP4's E8M0,
+    the strictest; 2: INT4's bf16): ``K`` a multiple of :data:`BK`, 16-byte scale rows for TMA (``K`` a multiple of
+    512 / ``scale_bytes``) and ``N`` a multiple of 8."""
+    return not (K % BK or N % 8 or (K // 32 * scale_bytes) % 16)
+
+
 def programs(n_tiles: int, persistent: bool | int, device) -> int:
     """Programs to launch for ``n_tiles`` work items: one each (``persistent=False``), one per SM (``True``: the
     rings and the partitions' registers fill an SM, so one program runs per SM either way), or that many (an
@@ -427,7 +439,7 @@ def programs(n_tiles: int, persistent: bool | int, device) -> int:
 class Launch:
     """What a Gluon W4A16 kernel is launched with, once the arguments are checked (:func:`prepare`): the output,
     the TMA descriptors of the activation, packed bytes and scales, the tile table and the work-item grid;
-    ``empty``: nothing to compute (no rows or no output columns), ``out`` is returned as it is."""
+    no tile table (:attr:`empty`): nothing to compute (no rows or no output columns), ``out`` is returned as it is."""
 
     out: torch.Tensor
     descs: tuple = ()
@@ -440,7 +452,10 @@ class Launch:
     stages: int = 2
     grid: tuple = (0,)
     fmt_id: int = 0
-    empty: bool = True
+
+    @property
+    def empty(self) -> bool:
+        return self.tiles is None
 
 
 def prepare(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: str, block_m: int | None, block_n: int,
@@ -454,7 +469,7 @@ def prepare(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: s
         raise RuntimeError(f"{where} needs Triton >= 3.5 (triton.experimental.gluon)")
     E, N, K = _validate(a, "dy" if dgrad else "x", w_packed, w_scale, fmt, m_splits, "N" if dgrad else "K")
     scale_bytes = w_scale.element_size()
-    if K % BK or N % 8 or (K // 32 * scale_bytes) % 16:
+    if not shape_fits(N, K, scale_bytes):
         raise ValueError(f"{where}: needs K a multiple of {BK} and of {512 // scale_bytes} and N of 8 "
                          f"(TMA rows of 16 bytes for x, dy and the {fmt} scales), got K={K}, N={N}")
     block_m = pick_block_m(m_splits) if block_m is None else block_m
@@ -488,7 +503,7 @@ def prepare(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: s
     n_tiles = n_col_tiles * tiles.shape[0]
     return Launch(out=y, descs=descs, tiles=tiles, n_tiles=n_tiles, n_col_tiles=n_col_tiles, N=N, K=K,
                   block_m=block_m, stages=stages, grid=(programs(n_tiles, persistent, a.device),),
-                  fmt_id=_fmt_id(fmt), empty=False)
+                  fmt_id=_fmt_id(fmt))
 
 
 def _launch(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: str, block_m: int | None,

@@ -50,8 +50,7 @@ CONSUMER_REGS = 232  # per thread of each consumer warpgroup: 128 accumulator re
 def default_load_stages(block_m: int) -> int:
     """Depth of the TMA rings (2 to :data:`MAX_LOAD_STAGES`): with no decoded-tile ring, as many stages of
     activation tile, packed bytes and scale box of a 256-column tile as fit :data:`RING_BUDGET`."""
-    stage = block_m * BK * 2 + BLOCK_N * BK // 2 + BLOCK_N * 16
-    return max(2, min(MAX_LOAD_STAGES, RING_BUDGET // stage))
+    return max(2, min(MAX_LOAD_STAGES, RING_BUDGET // ws.load_stage_bytes(block_m, False, BLOCK_N)))
 
 
 if HAVE_GLUON:

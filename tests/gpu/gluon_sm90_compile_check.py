@@ -80,6 +80,32 @@ def resource_usage(cubin: bytes) -> str:
     return usage.group(0) if usage else "resource usage: ?"
 
 
+def compile_w4a16(kernel, dgrad: int, bm: int, bn: int, ws: str, constexprs: dict, num_warps: int):
+    """Compile one Gluon W4A16 kernel variant for sm_90a (its launcher's signature: the three TMA descriptors of
+    :func:`gw.descriptor_blocks`, the output / tile-table pointers and the int arguments, then ``constexprs``);
+    asserts it fits one H200 block (<= 227 KB shared) without spills. Returns ``(compiled, ptx, resource usage)``."""
+    a_block, p_block, s_block = gw.descriptor_blocks(dgrad, bm, 1 if ws == "u8" else 2, bn)
+    sig = {"a_desc": desc_sig("bf16", a_block, gl.bfloat16), "p_desc": desc_sig("u8", p_block, gl.uint8),
+           "s_desc": desc_sig(ws, s_block, gl.uint8 if ws == "u8" else gl.bfloat16),
+           "out_ptr": "*bf16", "tiles_ptr": "*i32", "n_tiles": "i32", "n_col_tiles": "i32", "N": "i32", "K": "i32",
+           "stride_om": "i32", **{n: "constexpr" for n in constexprs}}
+    k = triton.compile(GluonASTSource(kernel, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": num_warps})
+    usage = resource_usage(k.asm["cubin"])
+    assert k.metadata.shared <= 227 * 1024, f"{k.metadata.shared} B of shared memory: over the H200's 227 KB a block"
+    assert " LOCAL:0" in usage and " STACK:0" in usage, f"spills: {usage}"
+    return k, k.asm["ptx"], usage
+
+
+def dump(k, name: str) -> None:
+    """``GLUON_DUMP=<prefix>``: write the variant's PTX, TTGIR and cubin beside ``<prefix>_<name>``."""
+    if os.environ.get("GLUON_DUMP"):
+        base = f"{os.environ['GLUON_DUMP']}_{name}"
+        open(base + ".ptx", "w").write(k.asm["ptx"])
+        open(base + ".ttgir", "w").write(k.asm["ttgir"])
+        open(base + ".cubin", "wb").write(k.asm["cubin"])
+
+
 BMAX = gw.BLOCK_M_CHOICES[-1]
 configs = [(fmt, ws, dgrad, gw.DECODE_WARPS, BMAX, gw.BN) for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16"))
            for dgrad in (0, 1)]
@@ -90,60 +116,30 @@ configs += [(fmt, ws, dgrad, 4, bm, 256) for fmt, ws in ((MXFP4, "u8"), (INT4, "
             for bm in (BMAX, 16)]  # 256-column tiles: two wgmma warpgroups (4 decode warps: 8 spill)
 for fmt, ws, dgrad, warps, bm, bn in configs:
     stages = gw.default_load_stages(bm, dgrad, bn)
-    a_block, p_block, s_block = gw.descriptor_blocks(dgrad, bm, 1 if ws == "u8" else 2, bn)
-    sig = {"a_desc": desc_sig("bf16", a_block, gl.bfloat16), "p_desc": desc_sig("u8", p_block, gl.uint8),
-           "s_desc": desc_sig(ws, s_block, gl.uint8 if ws == "u8" else gl.bfloat16),
-           "out_ptr": "*bf16", "tiles_ptr": "*i32", "n_tiles": "i32", "n_col_tiles": "i32", "N": "i32", "K": "i32",
-           "stride_om": "i32",
-           **{n: "constexpr" for n in ("FMT", "DGRAD", "BM", "BN", "BK", "LOAD_STAGES", "W_STAGES", "DECODE_WARPS",
-                                       "DECODE_REGS")}}
-    src = GluonASTSource(gw.w4a16_ws_kernel, sig, constexprs={
-        "FMT": fmt, "DGRAD": dgrad, "BM": bm, "BN": bn, "BK": gw.BK,
-        "LOAD_STAGES": stages, "W_STAGES": gw.w_stages(bn),
-        "DECODE_WARPS": warps, "DECODE_REGS": gw.decode_regs(warps, bn)})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": gw.consumer_warps(bn)})
-    ptx = k.asm["ptx"]
+    k, ptx, usage = compile_w4a16(gw.w4a16_ws_kernel, dgrad, bm, bn, ws, {
+        "FMT": fmt, "DGRAD": dgrad, "BM": bm, "BN": bn, "BK": gw.BK, "LOAD_STAGES": stages,
+        "W_STAGES": gw.w_stages(bn), "DECODE_WARPS": warps, "DECODE_REGS": gw.decode_regs(warps, bn)},
+        gw.consumer_warps(bn))
     print("w4a16_ws", "dgrad" if dgrad else "fwd", "mxfp4" if fmt == MXFP4 else "int4",
           f"BN {bn} decode warps {warps} BM {bm} load stages {stages}",
           "| wgmma:",
           "wgmma.mma_async" in ptx, "| TMA loads:", ptx.count("cp.async.bulk.tensor"), "| bf16x2 muls:",
-          ptx.count("mul.rn.bf16x2"), "| shared bytes:", k.metadata.shared, "|", resource_usage(k.asm["cubin"]))
-    assert k.metadata.shared <= 227 * 1024, f"{k.metadata.shared} B of shared memory: over the H200's 227 KB a block"
-    assert " LOCAL:0" in resource_usage(k.asm["cubin"]) and " STACK:0" in resource_usage(k.asm["cubin"]), "spills"
+          ptx.count("mul.rn.bf16x2"), "| shared bytes:", k.metadata.shared, "|", usage)
     if os.environ.get("GLUON_META"):
         print("  TMA metadata:", k.metadata.tensordesc_meta, "| warps:", k.metadata.num_warps)
-    if os.environ.get("GLUON_DUMP"):
-        name = f"{os.environ['GLUON_DUMP']}_{'dgrad' if dgrad else 'fwd'}_{fmt}_n{bn}_w{warps}_m{bm}"
-        open(name + ".ptx", "w").write(ptx)
-        open(name + ".ttgir", "w").write(k.asm["ttgir"])
-        open(name + ".cubin", "wb").write(k.asm["cubin"])
+    dump(k, f"{'dgrad' if dgrad else 'fwd'}_{fmt}_n{bn}_w{warps}_m{bm}")
 
 # the forward with the decoded weights in the wgmma's register A fragment (kimi_core.kernels.gluon_w4a16_rs)
 from kimi_core.kernels import gluon_w4a16_rs as rs  # noqa: E402
 
 for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16")):
-    for bn in (rs.BLOCK_N,):
-        for bm in (BMAX, 16):
-            stages = rs.default_load_stages(bm)
-            a_block, p_block, s_block = gw.descriptor_blocks(False, bm, 1 if ws == "u8" else 2, bn)
-            sig = {"a_desc": desc_sig("bf16", a_block, gl.bfloat16), "p_desc": desc_sig("u8", p_block, gl.uint8),
-                   "s_desc": desc_sig(ws, s_block, gl.uint8 if ws == "u8" else gl.bfloat16),
-                   "out_ptr": "*bf16", "tiles_ptr": "*i32", "n_tiles": "i32", "n_col_tiles": "i32", "N": "i32",
-                   "K": "i32", "stride_om": "i32",
-                   **{n: "constexpr" for n in ("FMT", "BM", "BK", "LOAD_STAGES", "CONSUMER_REGS")}}
-            src = GluonASTSource(rs.w4a16_rs_kernel, sig, constexprs={"FMT": fmt, "BM": bm, "BK": gw.BK,
-                                                                      "LOAD_STAGES": stages,
-                                                                      "CONSUMER_REGS": rs.CONSUMER_REGS})
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-            usage = resource_usage(k.asm["cubin"])
-            ptx = k.asm["ptx"]
-            # RS form: the A operand is a register list ({%r..}), not a shared-memory descriptor
-            rs_form = any("wgmma.mma_async" in line and ", {%r" in line for line in ptx.splitlines())
-            print("w4a16_rs fwd", "mxfp4" if fmt == MXFP4 else "int4", f"BN {bn} BM {bm} load stages {stages}",
-                  "| wgmma with register A:", rs_form, "| shared bytes:", k.metadata.shared, "|", usage)
-            assert rs_form, "the RS kernel's wgmma must take A from registers"
-            assert k.metadata.shared <= 227 * 1024 and " LOCAL:0" in usage and " STACK:0" in usage, usage
-            if os.environ.get("GLUON_DUMP"):
-                name = f"{os.environ['GLUON_DUMP']}_rs_{fmt}_n{bn}_m{bm}"
-                open(name + ".ptx", "w").write(ptx)
-                open(name + ".cubin", "wb").write(k.asm["cubin"])
+    for bm in (BMAX, 16):
+        stages = rs.default_load_stages(bm)
+        k, ptx, usage = compile_w4a16(rs.w4a16_rs_kernel, 0, bm, rs.BLOCK_N, ws, {
+            "FMT": fmt, "BM": bm, "BK": gw.BK, "LOAD_STAGES": stages, "CONSUMER_REGS": rs.CONSUMER_REGS}, 4)
+        # RS form: the A operand is a register list ({%r..}), not a shared-memory descriptor
+        rs_form = any("wgmma.mma_async" in line and ", {%r" in line for line in ptx.splitlines())
+        print("w4a16_rs fwd", "mxfp4" if fmt == MXFP4 else "int4", f"BN {rs.BLOCK_N} BM {bm} load stages {stages}",
+              "| wgmma with register A:", rs_form, "| shared bytes:", k.metadata.shared, "|", usage)
+        assert rs_form, "the RS kernel's wgmma must take A from registers"
+        dump(k, f"rs_{fmt}_n{rs.BLOCK_N}_m{bm}")

@@ -28,8 +28,8 @@ def load_benchmark():
     ("128x4s4", {"block_m": 128, "decode_warps": 4, "load_stages": 4}),
     ("16x8", {"block_m": 16, "decode_warps": 8, "load_stages": None}),
     ("16x4s3n256p", {"persistent": True, "block_n": 256, "block_m": 16, "decode_warps": 4, "load_stages": 3}),
-    ("rs", {"kernel": "rs", "load_stages": None}),
-    ("rs128s6p", {"kernel": "rs", "block_m": 128, "load_stages": 6, "persistent": True}),
+    ("rs", {"kernel": "registers", "load_stages": None}),
+    ("rs128s6p", {"kernel": "registers", "block_m": 128, "load_stages": 6, "persistent": True}),
 ])
 def test_config_strings_read_into_kernel_arguments(text, want):
     from kimi_core.kernels import gluon_w4a16 as gw
@@ -37,7 +37,7 @@ def test_config_strings_read_into_kernel_arguments(text, want):
     kw = load_benchmark().parse_gluon_config(text)
     assert kw == want
     assert kw.get("block_m", gw.BM) in gw.BLOCK_M_CHOICES and kw.get("block_n", gw.BN) in gw.BLOCK_N_CHOICES
-    if kw.pop("kernel", None) == "rs":  # the register-fragment forward takes the same arguments but block_n
+    if kw.pop("kernel", None) == "registers":  # the register-fragment forward takes the same arguments but block_n
         import inspect
 
         from kimi_core.kernels import gluon_w4a16_rs as rs
