@@ -18,7 +18,7 @@
 #   bash tests/gpu/h200_session.sh miles_demo  # carry .gpu/sglang1 .gpu/sglang_jit .gpu/megatron (+ .gpu/triton):
 #                                              # kimi-rl demo --recipe miles-k3 --device cuda --size small
 #   bash tests/gpu/h200_session.sh megatron_bench  # carry .gpu/megatron: benchmarks/megatron_gpu.py's real-width K3
-#                                              # slice with MXFP4 (W4A16) and with BF16 experts (#21)
+#                                              # slice with MXFP4 (W4A16, auto and Gluon) and BF16 experts (#21)
 #
 # The SGLang lane runs in groups (base engines, MoE LoRA + hot load, K3.1, K2 INT4); a group that ran
 # leaves /tmp/kimi_gpu_done/<group>, so a second `sglang` call goes on where the first stopped. Each
@@ -110,8 +110,9 @@ run_w4a16() {
   echo "bench rc=$?"; cat "$OUT/w4a16.md" 2>/dev/null | head -80
 }
 
-# the experimental warp-specialised Gluon forward and dgrad (issue #21) alone: its GPU test under a short timeout (a barrier
-# bug hangs rather than fails), then, if it passed, its table next to BF16 (every shape; GLUON_BENCH_ARGS=--quick: K3 fc1)
+# the experimental Gluon kernels (issue #21) alone: the probe (each variant in its own process under a timeout: a barrier
+# bug hangs rather than fails), their GPU tests (GLUON_TESTS=0 skips them), then their table next to BF16 (every shape;
+# GLUON_BENCH_ARGS=--quick: K3 fc1)
 run_gluon() {
   export PYTHONPATH=$PWD
   # each variant alone on a small case in its own process first: a hang in one leaves the others' numbers
