@@ -100,20 +100,23 @@ def parse_gluon_config(text: str) -> dict:
     """``auto`` (the kernel's own tile rows) or ``<block_m>x<decode_warps>[s<load_stages>]``, either followed by
     ``n<block_n>`` (output columns per tile, 128 or 256) and ``p`` (the persistent schedule: one program per SM),
     e.g. ``64x4``, ``128x4s4``, ``autop``, ``auton256p`` -> keyword arguments of ``gluon_w4a16``; or
-    ``rs[<block_m>][s<load_stages>][p]`` (e.g. ``rs``, ``rsp``, ``rs128s6p``): the forward with the weights in the
-    wgmma's registers (``gluon_w4a16_rs``, 256 columns), with ``kernel="registers"`` among the arguments. The result
+    ``rs[<block_m>][s<load_stages>][n<block_n>][p]`` (e.g. ``rs``, ``rsp``, ``rs128s6p``, ``rsn128p``,
+    ``rs256n128p``): the forward with the weights in the wgmma's registers (``gluon_w4a16_rs``, 256 columns unless
+    ``n128``), with ``kernel="registers"`` among the arguments. The result
     is what :data:`kimi_core.kernels.GLUON_OPTIONS` holds (``kernel`` ``"smem"`` when absent)."""
-    m = re.fullmatch(r"rs(\d+)?(?:s(\d+))?(p?)", text)
+    m = re.fullmatch(r"rs(\d+)?(?:s(\d+))?(?:n(\d+))?(p?)", text)
     if m:
-        bm, stages, persistent = m.groups()
+        bm, stages, bn, persistent = m.groups()
         kw = {"kernel": "registers", "load_stages": int(stages) if stages else None}
         if bm:
             kw["block_m"] = int(bm)
+        if bn:
+            kw["block_n"] = int(bn)
         return dict(kw, persistent=True) if persistent else kw
     m = re.fullmatch(r"(auto|(\d+)x(\d+)(?:s(\d+))?)(?:n(\d+))?(p?)", text)
     if not m:
         raise ValueError(f"--gluon-configs: cannot read {text!r} (auto or <block_m>x<decode_warps>[s<load_stages>], "
-                         f"then [n<block_n>][p]; or rs[<block_m>][s<load_stages>][p])")
+                         f"then [n<block_n>][p]; or rs[<block_m>][s<load_stages>][n<block_n>][p])")
     _, bm, warps, stages, bn, persistent = m.groups()
     kw = {"persistent": True} if persistent else {}
     if bn:
@@ -198,7 +201,9 @@ def measure_gluon(fns, x, dy, wp, ws, fmt, splits, flops, configs: list[str]) ->
         for op, fn in gluon_fns.items():
             label = config
             if config.startswith("rs") and "block_m" not in kw:
-                label = f"{config} ({gw.pick_block_m(splits)} rows)"
+                from kimi_core.kernels import gluon_w4a16_rs as rs
+
+                label = f"{config} ({rs.pick_block_m(splits, kw.get('block_n', rs.BLOCK_N))} rows)"
             elif config.startswith("auto"):
                 label = f"{config} ({gw.pick_block_m(splits)}x{gw.DECODE_WARPS})"
             r = dict(config=label, op=op)

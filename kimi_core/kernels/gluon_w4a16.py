@@ -301,8 +301,10 @@ if HAVE_GLUON:
     def store_tile(acc, out_ptr, row0, row_end, col0, out_cols, stride_om, BN: gl.constexpr, BM: gl.constexpr):
         """Write the fp32 accumulator ``acc`` ``[BN output columns, BM rows]`` (wgmma layout, ``BN / 32`` warps) back
         transposed as bf16: ``out[row0 + j, col0 + i] = acc[i, j]`` for rows below ``row_end`` and columns below
-        ``out_cols``, eight consecutive output columns per thread (one 16-byte store)."""
-        out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, BN // 32], [0, 1])
+        ``out_cols``, eight consecutive output columns per thread (one 16-byte store). ``BN`` 64 (one warpgroup of the
+        128-column register-fragment kernel) spreads a column's 64 over 8 lanes instead of 16."""
+        TN: gl.constexpr = 16 if BN >= 128 else BN // 8  # lanes along the output columns
+        out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [TN, 32 // TN], [1, BN // 32 if BN >= 128 else 4], [0, 1])
         out = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
         cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
@@ -459,9 +461,11 @@ class Launch:
 
 
 def prepare(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: str, block_m: int | None, block_n: int,
-            stages: int | None, persistent: bool | int, stages_for) -> Launch:
+            stages: int | None, persistent: bool | int, stages_for,
+            block_m_choices: tuple[int, ...] = BLOCK_M_CHOICES) -> Launch:
     """Check one call's arguments (``where`` names the entry point in errors: ``"gluon_w4a16.grouped_gemm"``) and
-    build its :class:`Launch`; ``stages_for(block_m)`` is the kernel's default ring depth."""
+    build its :class:`Launch`; ``stages_for(block_m)`` is the kernel's default ring depth, ``block_m_choices`` the
+    rows per tile it takes."""
     from kimi_core.kernels import _validate
     from kimi_core.kernels.triton_w4a16 import _fmt_id
 
@@ -473,8 +477,8 @@ def prepare(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: s
         raise ValueError(f"{where}: needs K a multiple of {BK} and of {512 // scale_bytes} and N of 8 "
                          f"(TMA rows of 16 bytes for x, dy and the {fmt} scales), got K={K}, N={N}")
     block_m = pick_block_m(m_splits) if block_m is None else block_m
-    if block_m not in BLOCK_M_CHOICES:
-        raise ValueError(f"{where}: block_m must be one of {BLOCK_M_CHOICES}, got {block_m}")
+    if block_m not in block_m_choices:
+        raise ValueError(f"{where}: block_m must be one of {block_m_choices}, got {block_m}")
     if block_n not in BLOCK_N_CHOICES:
         raise ValueError(f"{where}: block_n must be one of {BLOCK_N_CHOICES}, got {block_n}")
     stages = stages_for(block_m) if stages is None else stages

@@ -40,17 +40,38 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-__all__ = ["BLOCK_N", "default_load_stages", "grouped_gemm"]
+__all__ = ["BLOCK_N", "BLOCK_N_CHOICES", "block_m_choices", "default_load_stages", "grouped_gemm", "pick_block_m"]
 
 
-BLOCK_N = 256  # output columns per tile: two warpgroups of 128
+BLOCK_N = 256  # default output columns per tile: two warpgroups of 128
+BLOCK_N_CHOICES = (128, 256)  # two warpgroups of 64 or of 128 weight rows (the wgmma's M side)
 CONSUMER_REGS = 232  # per thread of each consumer warpgroup: 128 accumulator registers, the fragment, the decode
 
 
-def default_load_stages(block_m: int) -> int:
+def block_m_choices(block_n: int) -> tuple[int, ...]:
+    """Activation rows per tile (the wgmma's N side) with ``block_n`` output columns: up to 128 with 256 columns
+    (a warpgroup's ``[128, 128]`` fp32 accumulator is 128 registers per thread), up to 256 with 128 columns
+    (``[64, 256]``, the same 128 registers). 256 rows halve the decode per multiply-add: each decoded weight meets
+    256 rows instead of 128."""
+    return ws.BLOCK_M_CHOICES + ((256,) if block_n == 128 else ())
+
+
+def pick_block_m(m_splits, block_n: int = BLOCK_N) -> int:
+    """:func:`.gluon_w4a16.pick_block_m`, and 256 with ``block_n`` 128 where the non-empty experts' mean rows
+    exceed 128."""
+    block_m = ws.pick_block_m(m_splits)
+    if block_n == 128 and block_m == ws.BM:
+        splits = [int(v) for v in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)]
+        busy = [m for m in splits if m]
+        if busy and sum(busy) / len(busy) > ws.BM:
+            return 256
+    return block_m
+
+
+def default_load_stages(block_m: int, block_n: int = BLOCK_N) -> int:
     """Depth of the TMA rings (2 to :data:`MAX_LOAD_STAGES`): with no decoded-tile ring, as many stages of
-    activation tile, packed bytes and scale box of a 256-column tile as fit :data:`RING_BUDGET`."""
-    return max(2, min(MAX_LOAD_STAGES, RING_BUDGET // ws.load_stage_bytes(block_m, False, BLOCK_N)))
+    activation tile, packed bytes and scale box of a ``block_n``-column tile as fit :data:`RING_BUDGET`."""
+    return max(2, min(MAX_LOAD_STAGES, RING_BUDGET // ws.load_stage_bytes(block_m, False, block_n)))
 
 
 if HAVE_GLUON:
@@ -58,18 +79,19 @@ if HAVE_GLUON:
     @gluon.jit
     def _fragment_bytes(p_tile, byte_layout: gl.constexpr, R: gl.constexpr, BK: gl.constexpr):
         """int32 ``[R, BK / 2]`` (values 0..255) in ``byte_layout`` (the wgmma A fragment's layout over packed bytes,
-        one warpgroup, ``R`` = 128, ``BK`` = 64) from the uint8 tile ``p_tile`` ``[R, BK / 2]`` in shared memory.
+        one warpgroup, ``R`` = 64 or 128 weight rows, ``BK`` = 64) from the uint8 tile ``p_tile`` ``[R, BK / 2]`` in
+        shared memory.
 
         A thread's bytes of one row are ``c, c + 4, ..., c + 28`` (``c`` = its lane mod 4): loaded one byte at a time
         that is 32 one-byte loads per step, 8 rows of 4 bytes per warp-wide load. Instead each thread loads its rows'
         whole 32 bytes as eight words (two 16-byte loads per row; the four lanes of a row read the same words, a
         broadcast) and shifts its byte out of each word."""
-        gl.static_assert(R == 128 and BK == 64, "_fragment_bytes is laid out for 128 x 64 fragments")
+        gl.static_assert((R == 128 or R == 64) and BK == 64, "_fragment_bytes is laid out for 64 or 128 x 64 fragments")
         W: gl.constexpr = BK // 8  # words per row
         # [row, word, byte in word]: bytes of a word on lanes 0-1 (as the fragment has them), words in registers,
-        # rows as the fragment's rows (lanes 2-4 -> rows 1, 2, 4; registers -> 8, 64; warps -> 16, 32)
+        # rows as the fragment's rows (lanes 2-4 -> rows 1, 2, 4; registers -> 8 (and 64); warps -> 16, 32)
         L3: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0], [8, 0, 0], [64, 0, 0]],
+            reg_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0], [8, 0, 0]] + ([[64, 0, 0]] if R == 128 else []),
             lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
             warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[R, W, 4])
         layout: gl.constexpr = p_tile.type.layout
@@ -82,12 +104,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _rs_consumer(a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
                      n_col_tiles, steps, out_cols, stride_om, HALF_INDEX: gl.constexpr, FMT: gl.constexpr,
-                     BM: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr):
-        """One warpgroup: columns ``[128 HALF_INDEX, 128 HALF_INDEX + 128)`` of every 256-column work item,
-        ``out^T [128, BM] = W_half . a_tile^T`` with the weight half decoded into the wgmma's register A fragment
-        each K step (see the module docstring). Arrives on ``p_free`` once it has read a step's bytes and scales and
-        on ``a_free`` once its wgmma retired (both barriers count the two warpgroups)."""
-        R: gl.constexpr = 128
+                     BM: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr, R: gl.constexpr):
+        """One warpgroup: columns ``[R HALF_INDEX, R HALF_INDEX + R)`` of every ``2 R``-column work item (``R`` = 128
+        or 64), ``out^T [R, BM] = W_half . a_tile^T`` with the weight half decoded into the wgmma's register A
+        fragment each K step (see the module docstring). Arrives on ``p_free`` once it has read a step's bytes and
+        scales and on ``a_free`` once its wgmma retired (both barriers count the two warpgroups)."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BM, 16])
         w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -97,7 +118,7 @@ if HAVE_GLUON:
         SB: gl.constexpr = 1 if FMT == 0 else 2
         # a row's four scale words in the registers of the threads that hold the row in the fragment
         SW: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [8, 0], [64, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+            reg_bases=[[0, 1], [0, 2], [8, 0]] + ([[64, 0]] if R == 128 else []), lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
             warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[R, 4])
         it = 0
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -126,38 +147,44 @@ if HAVE_GLUON:
 
     @gluon.jit
     def w4a16_rs_kernel(a_desc, p_desc, s_desc, out_ptr, tiles_ptr, n_tiles, n_col_tiles, N, K, stride_om,
-                        FMT: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr):
-        """Forward ``y [T, N] = x . dequant(W)^T`` over the 256-column work items ``t = program_id, program_id +
-        programs, ...`` below ``n_tiles`` (as :func:`.gluon_w4a16.w4a16_ws_kernel`); descriptors as there (forward
-        blocks of a 256-column tile)."""
+                        FMT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                        LOAD_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """Forward ``y [T, N] = x . dequant(W)^T`` over the ``BN``-column work items (``BN`` = 256 or 128, half per
+        consumer warpgroup) ``t = program_id, program_id + programs, ...`` below ``n_tiles`` (as
+        :func:`.gluon_w4a16.w4a16_ws_kernel`); descriptors as there (forward blocks of a ``BN``-column tile)."""
         steps = K // BK
         # a_free / p_free count both consumer warpgroups
         a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free = ws.load_rings(a_desc, p_desc, s_desc, LOAD_STAGES, 2)
         DGRAD: gl.constexpr = False  # the loader's forward blocks
-        BN: gl.constexpr = 256
+        R: gl.constexpr = BN // 2
         FIRST: gl.constexpr = 0
         SECOND: gl.constexpr = 1
         gl.warp_specialize([
             (ws._loader, (a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, tiles_ptr,
                           n_tiles, n_col_tiles, N, steps, DGRAD, BN, BK, LOAD_STAGES)),
             (_rs_consumer, (a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
-                            n_col_tiles, steps, N, stride_om, FIRST, FMT, BM, BK, LOAD_STAGES)),
+                            n_col_tiles, steps, N, stride_om, FIRST, FMT, BM, BK, LOAD_STAGES, R)),
             (_rs_consumer, (a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
-                            n_col_tiles, steps, N, stride_om, SECOND, FMT, BM, BK, LOAD_STAGES)),
+                            n_col_tiles, steps, N, stride_om, SECOND, FMT, BM, BK, LOAD_STAGES, R)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str, m_splits,
-                 out: torch.Tensor | None = None, block_m: int | None = None, load_stages: int | None = None,
-                 persistent: bool | int = False) -> torch.Tensor:
+                 out: torch.Tensor | None = None, block_m: int | None = None, block_n: int = BLOCK_N,
+                 load_stages: int | None = None, persistent: bool | int = False) -> torch.Tensor:
     """``y[T, N]`` bf16, ``y[rows_e] = x[rows_e] . dequant(W_e)^T`` with fp32 accumulation; arguments as
-    :func:`.gluon_w4a16.grouped_gemm` (256 output columns per tile, no decode warps: the wgmma warpgroups decode),
+    :func:`.gluon_w4a16.grouped_gemm` (no decode warps: the wgmma warpgroups decode); ``block_n`` 256 or 128
+    output columns per tile, ``block_m`` one of :func:`block_m_choices` (default :func:`pick_block_m`),
     ``load_stages`` default :func:`default_load_stages`."""
-    run = ws.prepare(x, w_packed, w_scale, fmt, m_splits, out, False, "gluon_w4a16_rs.grouped_gemm", block_m,
-                     BLOCK_N, load_stages, persistent, default_load_stages)
+    where = "gluon_w4a16_rs.grouped_gemm"
+    if block_n not in BLOCK_N_CHOICES:
+        raise ValueError(f"{where}: block_n must be one of {BLOCK_N_CHOICES}, got {block_n}")
+    block_m = pick_block_m(m_splits, block_n) if block_m is None else block_m
+    run = ws.prepare(x, w_packed, w_scale, fmt, m_splits, out, False, where, block_m, block_n, load_stages,
+                     persistent, lambda bm: default_load_stages(bm, block_n), block_m_choices(block_n))
     if run.empty:
         return run.out
     w4a16_rs_kernel[run.grid](*run.descs, run.out, run.tiles, run.n_tiles, run.n_col_tiles, run.N, run.K,
-                              run.out.stride(0), run.fmt_id, run.block_m, BK, run.stages, CONSUMER_REGS, num_warps=4)
+                              run.out.stride(0), run.fmt_id, run.block_m, block_n, BK, run.stages, CONSUMER_REGS,
+                              num_warps=4)
     return run.out

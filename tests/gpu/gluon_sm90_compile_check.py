@@ -133,13 +133,14 @@ for fmt, ws, dgrad, warps, bm, bn in configs:
 from kimi_core.kernels import gluon_w4a16_rs as rs  # noqa: E402
 
 for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16")):
-    for bm in (BMAX, 16):
-        stages = rs.default_load_stages(bm)
-        k, ptx, usage = compile_w4a16(rs.w4a16_rs_kernel, 0, bm, rs.BLOCK_N, ws, {
-            "FMT": fmt, "BM": bm, "BK": gw.BK, "LOAD_STAGES": stages, "CONSUMER_REGS": rs.CONSUMER_REGS}, 4)
+    for bn, bm in ((256, BMAX), (256, 16), (128, 256), (128, BMAX), (128, 16)):
+        stages = rs.default_load_stages(bm, bn)
+        k, ptx, usage = compile_w4a16(rs.w4a16_rs_kernel, 0, bm, bn, ws, {
+            "FMT": fmt, "BM": bm, "BN": bn, "BK": gw.BK, "LOAD_STAGES": stages, "CONSUMER_REGS": rs.CONSUMER_REGS},
+            4)
         # RS form: the A operand is a register list ({%r..}), not a shared-memory descriptor
         rs_form = any("wgmma.mma_async" in line and ", {%r" in line for line in ptx.splitlines())
-        print("w4a16_rs fwd", "mxfp4" if fmt == MXFP4 else "int4", f"BN {rs.BLOCK_N} BM {bm} load stages {stages}",
+        print("w4a16_rs fwd", "mxfp4" if fmt == MXFP4 else "int4", f"BN {bn} BM {bm} load stages {stages}",
               "| wgmma with register A:", rs_form, "| shared bytes:", k.metadata.shared, "|", usage)
         assert rs_form, "the RS kernel's wgmma must take A from registers"
-        dump(k, f"rs_{fmt}_n{rs.BLOCK_N}_m{bm}")
+        dump(k, f"rs_{fmt}_n{bn}_m{bm}")

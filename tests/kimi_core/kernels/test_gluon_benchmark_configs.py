@@ -30,19 +30,24 @@ def load_benchmark():
     ("16x4s3n256p", {"persistent": True, "block_n": 256, "block_m": 16, "decode_warps": 4, "load_stages": 3}),
     ("rs", {"kernel": "registers", "load_stages": None}),
     ("rs128s6p", {"kernel": "registers", "block_m": 128, "load_stages": 6, "persistent": True}),
+    ("rsn128p", {"kernel": "registers", "load_stages": None, "block_n": 128, "persistent": True}),
+    ("rs256s4n128", {"kernel": "registers", "block_m": 256, "load_stages": 4, "block_n": 128}),
 ])
 def test_config_strings_read_into_kernel_arguments(text, want):
     from kimi_core.kernels import gluon_w4a16 as gw
 
     kw = load_benchmark().parse_gluon_config(text)
     assert kw == want
-    assert kw.get("block_m", gw.BM) in gw.BLOCK_M_CHOICES and kw.get("block_n", gw.BN) in gw.BLOCK_N_CHOICES
-    if kw.pop("kernel", None) == "registers":  # the register-fragment forward takes the same arguments but block_n
+    if kw.pop("kernel", None) == "registers":  # the register-fragment forward: its own tile choices
         import inspect
 
         from kimi_core.kernels import gluon_w4a16_rs as rs
 
+        bn = kw.get("block_n", rs.BLOCK_N)
+        assert bn in rs.BLOCK_N_CHOICES and kw.get("block_m", gw.BM) in rs.block_m_choices(bn)
         assert set(kw) <= set(inspect.signature(rs.grouped_gemm).parameters)
+    else:
+        assert kw.get("block_m", gw.BM) in gw.BLOCK_M_CHOICES and kw.get("block_n", gw.BN) in gw.BLOCK_N_CHOICES
 
 
 @pytest.mark.parametrize("text", ["128y4", "128x", "autoq", "128x4p2", "rs128x4"])

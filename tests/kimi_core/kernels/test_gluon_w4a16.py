@@ -41,6 +41,26 @@ def test_pick_block_m_is_a_kernel_tile_at_or_above_the_mean_expert(splits):
     assert all(b < mean for b in BLOCK_M_CHOICES if b < bm)
 
 
+@pytest.mark.parametrize("block_n", [256, 128])
+@pytest.mark.parametrize("splits", [[8] * 4, [0, 9, 7], [128] * 3, [129, 0, 200], [2048, 1], [600] * 4, [0, 0]])
+def test_register_kernel_rows_per_tile_follow_its_column_width(splits, block_n):
+    """The register-fragment forward takes 256 rows per tile only with 128-column tiles (the same 128 accumulator
+    registers per thread as 128 x 128), and picks it there when the non-empty experts' mean rows exceed 128;
+    otherwise it picks as the shared-memory kernel does."""
+    from kimi_core.kernels import gluon_w4a16 as gw
+    from kimi_core.kernels import gluon_w4a16_rs as rs
+
+    assert rs.block_m_choices(256) == gw.BLOCK_M_CHOICES and rs.block_m_choices(128)[-1] == 256
+    bm = rs.pick_block_m(splits, block_n)
+    busy = [m for m in splits if m]
+    mean = sum(busy) / len(busy) if busy else 0
+    assert bm in rs.block_m_choices(block_n)
+    if block_n == 128 and mean > 128:
+        assert bm == 256
+    else:
+        assert bm == gw.pick_block_m(splits)
+
+
 def test_programs_one_per_tile_or_a_capped_persistent_count():
     """One program per work item by default; a persistent count never exceeds the work items; a count below 1 is
     refused naming the argument (``True``, one per SM, needs a GPU and runs in the GPU test)."""

@@ -94,13 +94,14 @@ def every_scale(ws: torch.Tensor, seed: int) -> torch.Tensor:
         torch.randint(-133, 20, ws.shape, device="cuda", generator=g).float())).bfloat16()
 
 
-@pytest.mark.parametrize("kernel,block_n", [("smem", 128), ("smem", 256), ("registers", 256)])
+@pytest.mark.parametrize("kernel,block_n", [("smem", 128), ("smem", 256), ("registers", 256), ("registers", 128)])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gluon_decoded_weights_are_bit_exact_over_every_scale(fmt, kernel, block_n):
     """An identity activation reads the decoded weights back exactly (one product per output, ``1 * w``): forward
     gives ``W^T``, dgrad ``W``; both must equal :func:`kimi_core.quant.dequantize` over every scale
     (:func:`every_scale`), for the shared-memory decode kernel with 128- and 256-column tiles (dgrad's 256 columns
-    pick 8 scale groups per row from the scale box) and the register-fragment forward (``gluon_w4a16_rs``). Exact
+    pick 8 scale groups per row from the scale box) and the register-fragment forward (``gluon_w4a16_rs``, two
+    warpgroups of 128 or of 64 weight rows). Exact
     equality (``==``: the fp32 sum of the identity row cannot keep a weight's sign of zero, so -0 reads back as
     +0)."""
     from kimi_core.kernels import gluon_w4a16 as gw
@@ -118,7 +119,7 @@ def test_gluon_decoded_weights_are_bit_exact_over_every_scale(fmt, kernel, block
         want = dequantize(fmt, wp[e], ws[e], torch.bfloat16)  # [N, K]
         splits[e] = K
         if kernel == "registers":  # forward only: W^T
-            got = {"fwd": rs.grouped_gemm(eye_k, wp, ws, fmt, splits).t()}
+            got = {"fwd": rs.grouped_gemm(eye_k, wp, ws, fmt, splits, block_n=block_n).t()}
         else:
             got = {"fwd": gw.grouped_gemm(eye_k, wp, ws, fmt, splits, block_n=block_n).t()}
             splits[e] = N
@@ -157,10 +158,17 @@ def test_forced_gluon_path_through_autograd_with_device_splits(fmt):
     pytest.param(24, 2048, 7168, 8, {}, id="K2-fc2-8tok"),
     pytest.param(7, 512, 200, 70, {"block_m": 16, "load_stages": 3, "persistent": 3}, id="masked-N-16rows-3prog"),
     pytest.param(7, 512, 200, 70, {"block_m": 64, "load_stages": 2}, id="masked-N-64rows-2stages"),
+    # 128-column tiles (two warpgroups of 64 weight rows), up to 256 rows per tile
+    pytest.param(16, 3584, 6144, 600, {"block_n": 128}, id="K3-fc1-600tok-256rows"),
+    pytest.param(16, 3584, 6144, 600, {"block_n": 128, "persistent": True}, id="K3-fc1-600tok-256rows-persistent"),
+    pytest.param(24, 2048, 7168, 8, {"block_n": 128}, id="K2-fc2-8tok-n128"),
+    pytest.param(7, 512, 200, 300, {"block_n": 128, "block_m": 256, "load_stages": 2, "persistent": 3},
+                 id="masked-N-256rows-2stages-3prog"),
+    pytest.param(7, 512, 72, 70, {"block_n": 128, "block_m": 128, "persistent": 2}, id="masked-N72-128rows-2prog"),
 ])
 def test_gluon_rs_forward_matches_oracle(fmt, E, K, N, mean, kw):
     """The forward with the weights decoded into the wgmma's register fragment (``gluon_w4a16_rs``: two warpgroups
-    on the two 128-column halves of a 256-column tile) on ragged and empty experts, masked N (200 of 256 columns),
+    on the two halves of a 256- or 128-column tile, 128-column tiles up to 256 rows) on ragged and empty experts, masked N (200 of 256 columns),
     persistent programs and rings that wrap across tiles, against the fp32 oracle."""
     from kimi_core.kernels import gluon_w4a16 as gw
     from kimi_core.kernels import gluon_w4a16_rs as rs
