@@ -185,11 +185,13 @@ if HAVE_GLUON:
         MASK: gl.constexpr = 0xFF if FMT == 0 else 0xFFFF
         words = s_tile._reinterpret(gl.int32, [R, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(LW)
         cols = gl.arange(0, 4, layout=gl.SliceLayout(0, LW))
-        v0 = _pick_scale(words, cols, off, MASK)
-        v1 = _pick_scale(words, cols, off + SB, MASK)
-        if G == 2:
-            v = gl.join(v0, v1)
-        else:  # G == 4: join(join(v0, v2), join(v1, v3))[r, i, k] = v[2 i + k]; G == 8 likewise one level deeper
+        if G == 2:  # forward: the step's two groups lie in one word (MXFP4: off even; INT4: off % 4 == 0)
+            w = _pick_scale(words, cols, off // 4 * 4, -1)
+            v = gl.join((w >> ((off % 4) * 8)) & MASK, (w >> ((off % 4 + SB) * 8)) & MASK)
+        else:
+            v0 = _pick_scale(words, cols, off, MASK)
+            v1 = _pick_scale(words, cols, off + SB, MASK)
+        if G > 2:  # G == 4: join(join(v0, v2), join(v1, v3))[r, i, k] = v[2 i + k]; G == 8 one level deeper
             v2 = _pick_scale(words, cols, off + 2 * SB, MASK)
             v3 = _pick_scale(words, cols, off + 3 * SB, MASK)
             if G == 4:

@@ -85,7 +85,7 @@ if HAVE_GLUON:
         A thread's bytes of one row are ``c, c + 4, ..., c + 28`` (``c`` = its lane mod 4): loaded one byte at a time
         that is 32 one-byte loads per step, 8 rows of 4 bytes per warp-wide load. Instead each thread loads its rows'
         whole 32 bytes as eight words (two 16-byte loads per row; the four lanes of a row read the same words, a
-        broadcast) and shifts its byte out of each word."""
+        broadcast) and picks its byte out of each word (``prmt``)."""
         gl.static_assert((R == 128 or R == 64) and BK == 64, "_fragment_bytes is laid out for 64 or 128 x 64 fragments")
         W: gl.constexpr = BK // 8  # words per row
         # [row, word, byte in word]: bytes of a word on lanes 0-1 (as the fragment has them), words in registers,
@@ -97,8 +97,12 @@ if HAVE_GLUON:
         layout: gl.constexpr = p_tile.type.layout
         words = p_tile._reinterpret(gl.int32, [R, W], gl.NVMMASharedLayout(
             swizzle_byte_width=layout.swizzle_byte_width, element_bitwidth=32, rank=2)).load(gl.SliceLayout(2, L3))
-        shift = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3))) * 8
-        b = (gl.expand_dims(words, 2) >> gl.expand_dims(gl.expand_dims(shift, 0), 0)) & 0xFF
+        # PRMT byte c of each word into byte 0 of a zero word (selector nibbles c, 4, 4, 4: bytes 4-7 are the
+        # zero operand's): one instruction where a shift and a mask were two
+        sel = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3))) | 0x4440
+        w3, s3 = gl.broadcast(gl.expand_dims(words, 2), gl.expand_dims(gl.expand_dims(sel, 0), 0))
+        b = gl.inline_asm_elementwise("prmt.b32 $0, $1, 0, $2;", "=r,r,r", [w3, s3], dtype=gl.int32, is_pure=True,
+                                      pack=1)
         return gl.convert_layout(gl.reshape(b, [R, BK // 2]), byte_layout, assert_trivial=True)
 
     @gluon.jit
@@ -134,7 +138,7 @@ if HAVE_GLUON:
                 sc = ws._scale_pairs(s_ring.index(s).slice(HALF_INDEX * R, R), off, R, G,
                                      gl.SliceLayout(2, b.type.layout), FMT, SW)
                 mbarrier.arrive(p_free.index(s), count=1)
-                pairs = ws._bf16x2_decode((b | (b << 12)) & 0x000F000F, gl.expand_dims(sc, 2), FMT)
+                pairs = ws._bf16x2_decode((b * 0x1001) & 0x000F000F, gl.expand_dims(sc, 2), FMT)
                 lo = (pairs & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
                 hi = (pairs >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
                 w = gl.convert_layout(gl.reshape(gl.join(lo, hi), [R, BK]), w_layout, assert_trivial=True)
