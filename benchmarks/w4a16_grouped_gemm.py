@@ -101,8 +101,8 @@ def parse_gluon_config(text: str) -> dict:
     ``n<block_n>`` (output columns per tile, 128 or 256) and ``p`` (the persistent schedule: one program per SM),
     e.g. ``64x4``, ``128x4s4``, ``autop``, ``auton256p`` -> keyword arguments of ``gluon_w4a16``; or
     ``rs[<block_m>][s<load_stages>][n<block_n>][p]`` (e.g. ``rs``, ``rsp``, ``rs128s6p``, ``rsn128p``,
-    ``rs256n128p``): the forward with the weights in the wgmma's registers (``gluon_w4a16_rs``, 256 columns unless
-    ``n128``), with ``kernel="registers"`` among the arguments. The result
+    ``rs256n128p``): the forward with the weights in the wgmma's registers (``gluon_w4a16_rs``, its own column pick
+    ``pick_block_n`` unless ``n<block_n>``), with ``kernel="registers"`` among the arguments. The result
     is what :data:`kimi_core.kernels.GLUON_OPTIONS` holds (``kernel`` ``"smem"`` when absent)."""
     m = re.fullmatch(r"rs(\d+)?(?:s(\d+))?(?:n(\d+))?(p?)", text)
     if m:
@@ -203,7 +203,8 @@ def measure_gluon(fns, x, dy, wp, ws, fmt, splits, flops, configs: list[str]) ->
             if config.startswith("rs") and "block_m" not in kw:
                 from kimi_core.kernels import gluon_w4a16_rs as rs
 
-                label = f"{config} ({rs.pick_block_m(splits, kw.get('block_n', rs.BLOCK_N))} rows)"
+                bn = kw.get("block_n") or rs.pick_block_n(splits)
+                label = f"{config} ({rs.pick_block_m(splits, bn)} rows x {bn} cols)"
             elif config.startswith("auto"):
                 label = f"{config} ({gw.pick_block_m(splits)}x{gw.DECODE_WARPS})"
             r = dict(config=label, op=op)
@@ -289,8 +290,8 @@ def gluon_best_lines(r: dict) -> str:
 def gluon_table(rows: list[dict]) -> list[str]:
     """The Gluon kernels' markdown tables: every config (:func:`gluon_lines`), then the best per row against the
     issue's targets (:func:`gluon_best_lines`)."""
-    lines = ["", "Experimental warp-specialised Gluon kernels (`kimi_core.kernels.gluon_w4a16`, `gluon_w4a16_rs`: "
-             "not dispatched):", "", GLUON_HEADER, "|" + "---|" * (GLUON_HEADER.count("|") - 1)]
+    lines = ["", "Warp-specialised Gluon kernels (`kimi_core.kernels.gluon_w4a16`, `gluon_w4a16_rs`; "
+             "dispatched where `kimi_core.kernels.W4A16_GLUON` says):", "", GLUON_HEADER, "|" + "---|" * (GLUON_HEADER.count("|") - 1)]
     lines += [line for r in rows for line in gluon_lines(r)]
     lines += ["", "Best correct config per row (rel err vs BF16 <= 1e-2) against issue #21's targets:", "",
               BEST_HEADER, "|" + "---|" * (BEST_HEADER.count("|") - 1)]

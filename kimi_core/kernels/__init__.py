@@ -55,15 +55,29 @@ PATHS = ("fused", "chunked", "gluon", "auto")
 #: 5.76 vs 7.28 ms); at 128 fused wins everywhere (1.81 vs 3.71 ms). 256 is not measured yet.
 W4A16_CROSSOVER: dict[str, dict] = {"fwd": {"default": 512}, "dgrad": {"default": 512}}
 
-#: Where auto picks the experimental Gluon kernels instead, per op: a half-open range ``(from, to)`` of mean tokens
-#: per expert (``to`` None: no upper end) or None (never); an ``(N, K)`` key overrides ``"default"``. None until a
-#: Gluon kernel is measured faster than the fused and chunked paths on the H200 (issue #21, benchmarks/RESULTS.md).
-W4A16_GLUON: dict[str, dict] = {"fwd": {"default": None}, "dgrad": {"default": None}}
+#: Where auto picks the Gluon kernels instead, per op: a half-open range ``(from, to)`` of mean tokens per expert
+#: (``to`` None: no upper end) or None (never); an ``(N, K)`` key overrides ``"default"``. Source: benchmarks/
+#: RESULTS.md, "W4A16 grouped GEMM: the Gluon kernels" (H200, 2026-12-04, every shape and format at 8 / 128 / 512 /
+#: 2048 tokens per expert, against the fused and chunked rows of 2026-12-02). Forward (the register-fragment
+#: kernel): faster than both at 512 on every shape (K3 fc1 MXFP4 0.83x BF16 vs chunked 0.62x, K2 fc2 MXFP4 0.69x
+#: vs 0.63x); at 2048 level with chunked on the K3 shapes (K3 fc1 0.84x / 0.91x vs 0.85x / 0.83x, and no 1 GiB
+#: workspace) but slower on the K2 shapes (K2 fc2 0.73x vs 0.88x), so K2 stops at 1024 (between the measured 512
+#: and 2048); at 128 faster than fused only on K3 fc1 in both formats (1.05x / 0.93x vs 0.79x / 0.72x); at 8 the
+#: fused kernel wins everywhere (1.7-2.2x vs 0.9-1.7x). Shapes not measured take the range all four shapes share.
+#: Dgrad (the shared-memory kernel): faster than fused at 128 on K3 fc1 only (0.72x / 0.74x vs 0.67x / 0.55x);
+#: chunked wins from 512.
+W4A16_GLUON: dict[str, dict] = {
+    "fwd": {"default": (256, 1024), (6144, 3584): (128, None), (3584, 3072): (256, None)},
+    "dgrad": {"default": None, (6144, 3584): (128, 512)},
+}
 
 #: The kernel and options the ``"gluon"`` path runs, per op: ``kernel`` ``"smem"`` (:mod:`.gluon_w4a16`, decoded
 #: tiles in shared memory; forward and dgrad) or ``"registers"`` (:mod:`.gluon_w4a16_rs`, the forward with the
 #: weights in the wgmma's register fragment); the rest are that kernel's keyword arguments (tile sizes, persistent).
-GLUON_OPTIONS: dict[str, dict] = {"fwd": {"kernel": "smem"}, "dgrad": {"kernel": "smem"}}
+#: The measured best (same source): the register kernel with its own tile pick, persistent, for the forward; the
+#: shared-memory kernel with 256-column tiles, persistent, for dgrad.
+GLUON_OPTIONS: dict[str, dict] = {"fwd": {"kernel": "registers", "persistent": True},
+                                  "dgrad": {"kernel": "smem", "block_n": 256, "persistent": True}}
 
 
 def _check(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype) -> None:

@@ -1,4 +1,4 @@
-"""EXPERIMENTAL (issue #21, not dispatched): a warp-specialised W4A16 grouped GEMM (forward and dgrad) in Gluon.
+"""A warp-specialised W4A16 grouped GEMM (forward and dgrad) in Gluon (issue #21).
 
 The fused Triton kernel (:mod:`.triton_w4a16`) decodes each 4-bit weight tile in the same warps that then
 wait on its wgmma, so decode and MMA never overlap (340-390 TFLOP/s on K3 fc1 against BF16's ~700). Here
@@ -28,20 +28,17 @@ the next tile's loads and decode overlap this tile's epilogue and the rings are 
 tile past its expert's end are computed and not stored; weight rows past ``N`` (dgrad's contraction) are zeroed.
 Extra memory: none beyond the output and the tile table.
 
-Status (2026-12-04, H200, Triton 3.6.0). Measured at commit 4db0841 (one 4-deep ring for everything): correct
-(fwd and dgrad vs the fp32 oracle, decoded weights bit for bit; ``tests/kimi_core/kernels/test_gluon_w4a16_gpu.py``)
-and ~410 TFLOP/s at most: 0.5-0.66x BF16 ``_grouped_mm`` at 512-2048 tokens per expert, 0.8-1.0x at 8
-(benchmarks/RESULTS.md "the warp-specialised Gluon kernel"). Each 64-wide K step cost ~700 ns whatever its rows or
-decode warps, 350 ns of it with neither decode nor MMA: the loads led the MMA by only ~3 steps against a TMA round
-trip of about a microsecond. This version gives the TMA rings their own depth (:func:`default_load_stages`); it
-compiles for sm_90a on the CPU (``tests/gpu/gluon_sm90_compile_check.py``) and has not yet run on a GPU. Until it
-is faster than the dispatcher's paths, :func:`kimi_core.kernels.choose_path` never picks it. Two options added
-since, compiled for sm_90a (no spills, <= 203 KB shared) and not yet run: the persistent schedule (with ~200 KB of
-rings and 168 registers per thread one program fills an SM, so without it every tile's ring fill, a TMA round trip
-plus the first decode, and its epilogue stand alone) and 256-column tiles (``block_n=256``: two wgmma warpgroups
-share each activation tile, so a K step reads 28 KB for 4.2 MFLOP instead of 22 KB for 2.1: the per-step traffic of
-128-column tiles at 2048 tokens per expert, 108 GB per K3 fc1 forward, is ~7.3 TB/s out of L2 at BF16's 14.8 ms;
-69 GB, ~4.7 TB/s, with 256).
+Status (2026-12-04, H200, Triton 3.6.0). First measured at commit 4db0841 (one 4-deep ring for everything): ~410
+TFLOP/s at most; each 64-wide K step cost ~700 ns whatever its rows or decode warps, the loads leading the MMA by
+only ~3 steps against a TMA round trip of about a microsecond. Since: the TMA rings have their own depth
+(:func:`default_load_stages`), the persistent schedule (one ~200 KB, 168-register program fills an SM, so without
+it every tile's ring fill and epilogue stand alone) and 256-column tiles (``block_n=256``: two wgmma warpgroups
+share each activation tile, 28 KB read per 4.2 MFLOP step instead of 22 KB per 2.1). Correct on the H200 (fwd and
+dgrad vs the fp32 oracle, decoded weights bit for bit; ``tests/kimi_core/kernels/test_gluon_w4a16_gpu.py``); best
+0.53-0.59x BF16 at 512-2048 tokens per expert (256 columns, persistent; benchmarks/RESULTS.md "W4A16 grouped GEMM:
+the Gluon kernels"). :func:`kimi_core.kernels.choose_path` picks its dgrad where
+:data:`kimi_core.kernels.W4A16_GLUON` says (K3 fc1, 128-512 tokens per expert); the forward is faster in
+:mod:`.gluon_w4a16_rs`.
 
 :mod:`.gluon_w4a16_rs` is the forward without the decoded tile in shared memory (the weights decoded into the
 wgmma's register fragment); it reuses this module's loader, decode arithmetic, tile walk and argument checks.
@@ -63,7 +60,7 @@ try:  # Triton >= 3.5 ships Gluon; older Tritons (and CPU-only installs) have no
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "pick_block_m", "shape_fits", "tile_table", "grouped_gemm", "grouped_gemm_dgrad"]
+__all__ = ["HAVE_GLUON", "mean_rows", "pick_block_m", "shape_fits", "tile_table", "grouped_gemm", "grouped_gemm_dgrad"]
 
 BM, BN, BK = 128, 128, 64  # BM: rows of one expert per tile (fewer where experts have few rows: pick_block_m)
 BLOCK_N_CHOICES = (128, 256)  # output columns per tile = weight rows of the wgmma's M side, one warpgroup per 128
@@ -110,13 +107,18 @@ def default_load_stages(block_m: int, dgrad: bool, block_n: int = BN) -> int:
     return max(2, min(MAX_LOAD_STAGES, budget // load_stage_bytes(block_m, dgrad, block_n)))
 
 
-def pick_block_m(m_splits) -> int:
-    """Activation rows per tile (the wgmma's N side): the smallest of 8, 16, 32, 64, 128 at or above the mean rows
-    of the non-empty experts, 128 above that: a tile of an expert with few rows then reads and multiplies about
-    the rows it has."""
+def mean_rows(m_splits) -> float:
+    """Mean rows of the non-empty experts (0 when every expert is empty); ``m_splits`` is read on the host."""
     splits = [int(v) for v in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)]
     busy = [m for m in splits if m]
-    mean = sum(busy) / len(busy) if busy else BM
+    return sum(busy) / len(busy) if busy else 0.0
+
+
+def pick_block_m(m_splits) -> int:
+    """Activation rows per tile (the wgmma's N side): the smallest of 8, 16, 32, 64, 128 at or above the mean rows
+    of the non-empty experts, 128 above that (or when all are empty): a tile of an expert with few rows then reads
+    and multiplies about the rows it has."""
+    mean = mean_rows(m_splits) or BM
     return next((b for b in BLOCK_M_CHOICES if b >= mean), BM)
 
 

@@ -1,31 +1,38 @@
-"""EXPERIMENTAL (issue #21, not dispatched): the W4A16 grouped forward in Gluon with the decoded weights in registers.
+"""The W4A16 grouped forward in Gluon with the decoded weights in registers (issue #21).
 
 :mod:`.gluon_w4a16` decodes each weight tile in its own warps into shared memory, from where the wgmma reads it
 again: per 64-wide K step of a 128 x 128 tile that is 16 KB written and 16 KB read beside the 22 KB the TMA brings
 and the 32 KB the wgmma reads of the activation tile, near the SM's 128 bytes per cycle of shared-memory bandwidth
 at the MMA's pace. Here the wgmma's A operand (the weights, its M side) comes from registers instead ("RS" wgmma),
-in a 256-column tile split between two warpgroups that take turns on the tensor cores:
+in a ``BN``-column tile (256 or 128) split between two warpgroups that take turns on the tensor cores:
 
 * the **loader** (the default partition, 4 warps) is :func:`.gluon_w4a16._loader`: TMA copies of the activation
-  tile ``[BM, BK]`` and of the packed bytes ``[256, BK / 2]`` and 16-byte scale boxes ``[256, 16 B]`` of each K step
+  tile ``[BM, BK]`` and of the packed bytes ``[BN, BK / 2]`` and 16-byte scale boxes ``[BN, 16 B]`` of each K step
   into ``LOAD_STAGES`` rings;
-* two **consumers** (worker partitions, one warpgroup each) own the tile's columns ``[0, 128)`` and ``[128, 256)``.
-  Each reads its half of step ``i``'s packed bytes from shared memory straight into the wgmma A-fragment layout (a
-  thread holds bytes ``c, c + 4, ..., c + 28`` of its rows, exactly the element pairs ``2c, 2c + 1`` the fragment
-  wants: the conversion is trivial, asserted at compile time; the bytes come as 16-byte loads, :func:`_fragment_bytes`),
-  decodes them with
-  :func:`.gluon_w4a16._bf16x2_decode` (the exact arithmetic of :func:`kimi_core.quant.dequantize`), runs its wgmma
-  on the shared activation stage and waits for it before it decodes the next step into the same registers (an
-  in-flight wgmma reads its A registers; nothing else keeps them from being overwritten). While one warpgroup
-  decodes, the other's wgmma runs, so the tensor cores stay busy as long as a decode takes no longer than a wgmma.
+* two **consumers** (worker partitions, one warpgroup each) own the tile's columns ``[0, R)`` and ``[R, 2 R)``
+  (``R = BN / 2``). Each reads its half of step ``i``'s packed bytes from shared memory straight into the wgmma
+  A-fragment layout (a thread holds bytes ``c, c + 4, ..., c + 28`` of its rows, exactly the element pairs
+  ``2c, 2c + 1`` the fragment wants: the conversion is trivial, asserted at compile time; the bytes come as 16-byte
+  loads, :func:`_fragment_bytes`), decodes them with :func:`.gluon_w4a16._bf16x2_decode` (the exact arithmetic of
+  :func:`kimi_core.quant.dequantize`), runs its wgmma on the shared activation stage and waits for it before it
+  decodes the next step into the same registers (an in-flight wgmma reads its A registers; nothing else keeps them
+  from being overwritten). While one warpgroup decodes, the other's wgmma runs, so the tensor cores stay busy as
+  long as a decode takes no longer than a wgmma.
+
+Tiles: 256 columns x up to 128 rows, or 128 columns x up to 256 rows (:func:`pick_block_n`): the same 128 fp32
+accumulator registers per thread, but each decoded weight meets 256 rows, half the decode per multiply-add. The SASS
+shows why that matters: the decode, not the tensor cores, sets the pace (a 256 x 128 MXFP4 step issues ~350
+instructions per warp for 1 M multiply-adds, ~700 per scheduler per 1024-cycle step of both warpgroups; 128 x 256:
+~200). Keeping the next step's fragment in flight too (decode while the own wgmma runs) makes ptxas serialize every
+wgmma (C7512: the kernel's 168-register launch bound covers the code after ``setmaxnreg``), so it is not done.
 
 Forward only: in dgrad the weights' two nibbles of a byte are neighbours along the fragment's M side, which the
 fragment spreads over threads, so dgrad stays with :func:`.gluon_w4a16.grouped_gemm_dgrad`. Shapes, dtypes, tile
-table, persistence and argument checks as :mod:`.gluon_w4a16` (``x`` bf16 ``[T, K]``, ``y`` bf16 ``[T, N]``), with
-256 output columns per tile. Extra memory: none beyond the output and the tile table.
+table, persistence and argument checks as :mod:`.gluon_w4a16` (``x`` bf16 ``[T, K]``, ``y`` bf16 ``[T, N]``).
+Extra memory: none beyond the output and the tile table.
 
-Status (2026-12-04): written and compiled for sm_90a on the CPU (``tests/gpu/gluon_sm90_compile_check.py``: RS
-wgmma in the SASS, no spills); not yet run on a GPU; :func:`kimi_core.kernels.choose_path` never picks it.
+Status (2026-12-04): measured on the H200 (benchmarks/RESULTS.md, "W4A16 grouped GEMM: the Gluon kernels");
+:func:`kimi_core.kernels.choose_path` picks it where :data:`kimi_core.kernels.W4A16_GLUON` says.
 """
 
 from __future__ import annotations
@@ -40,11 +47,11 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-__all__ = ["BLOCK_N", "BLOCK_N_CHOICES", "block_m_choices", "default_load_stages", "grouped_gemm", "pick_block_m"]
+__all__ = ["BLOCK_N_CHOICES", "block_m_choices", "default_load_stages", "grouped_gemm", "pick_block_m",
+           "pick_block_n"]
 
 
-BLOCK_N = 256  # default output columns per tile: two warpgroups of 128
-BLOCK_N_CHOICES = (128, 256)  # two warpgroups of 64 or of 128 weight rows (the wgmma's M side)
+BLOCK_N_CHOICES = (128, 256)  # output columns per tile: two warpgroups of 64 or of 128 weight rows (the wgmma's M)
 CONSUMER_REGS = 232  # per thread of each consumer warpgroup: 128 accumulator registers, the fragment, the decode
 
 
@@ -56,19 +63,23 @@ def block_m_choices(block_n: int) -> tuple[int, ...]:
     return ws.BLOCK_M_CHOICES + ((256,) if block_n == 128 else ())
 
 
-def pick_block_m(m_splits, block_n: int = BLOCK_N) -> int:
+def pick_block_n(m_splits) -> int:
+    """Output columns per tile: 128 (then 256 rows per tile, :func:`pick_block_m`) where the non-empty experts' mean
+    rows exceed 128, else 256. Measured on the H200 (benchmarks/RESULTS.md, 2026-12-04): 128 x 256 tiles are the
+    faster at 512 and 2048 tokens per expert on every shape (K3 fc1 MXFP4 2048: 17.2 vs 21.4 ms), 256 x 128 at
+    128 and below (K3 fc1 MXFP4 128: 1.37 vs 1.83 ms)."""
+    return 128 if ws.mean_rows(m_splits) > ws.BM else 256
+
+
+def pick_block_m(m_splits, block_n: int) -> int:
     """:func:`.gluon_w4a16.pick_block_m`, and 256 with ``block_n`` 128 where the non-empty experts' mean rows
     exceed 128."""
-    block_m = ws.pick_block_m(m_splits)
-    if block_n == 128 and block_m == ws.BM:
-        splits = [int(v) for v in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)]
-        busy = [m for m in splits if m]
-        if busy and sum(busy) / len(busy) > ws.BM:
-            return 256
-    return block_m
+    if block_n == 128 and ws.mean_rows(m_splits) > ws.BM:
+        return 256
+    return ws.pick_block_m(m_splits)
 
 
-def default_load_stages(block_m: int, block_n: int = BLOCK_N) -> int:
+def default_load_stages(block_m: int, block_n: int) -> int:
     """Depth of the TMA rings (2 to :data:`MAX_LOAD_STAGES`): with no decoded-tile ring, as many stages of
     activation tile, packed bytes and scale box of a ``block_n``-column tile as fit :data:`RING_BUDGET`."""
     return max(2, min(MAX_LOAD_STAGES, RING_BUDGET // ws.load_stage_bytes(block_m, False, block_n)))
@@ -174,13 +185,14 @@ if HAVE_GLUON:
 
 
 def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str, m_splits,
-                 out: torch.Tensor | None = None, block_m: int | None = None, block_n: int = BLOCK_N,
+                 out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
                  load_stages: int | None = None, persistent: bool | int = False) -> torch.Tensor:
     """``y[T, N]`` bf16, ``y[rows_e] = x[rows_e] . dequant(W_e)^T`` with fp32 accumulation; arguments as
     :func:`.gluon_w4a16.grouped_gemm` (no decode warps: the wgmma warpgroups decode); ``block_n`` 256 or 128
-    output columns per tile, ``block_m`` one of :func:`block_m_choices` (default :func:`pick_block_m`),
-    ``load_stages`` default :func:`default_load_stages`."""
+    output columns per tile (default :func:`pick_block_n`), ``block_m`` one of :func:`block_m_choices` (default
+    :func:`pick_block_m`), ``load_stages`` default :func:`default_load_stages`."""
     where = "gluon_w4a16_rs.grouped_gemm"
+    block_n = pick_block_n(m_splits) if block_n is None else block_n
     if block_n not in BLOCK_N_CHOICES:
         raise ValueError(f"{where}: block_n must be one of {BLOCK_N_CHOICES}, got {block_n}")
     block_m = pick_block_m(m_splits, block_n) if block_m is None else block_m

@@ -43,7 +43,7 @@ def test_config_strings_read_into_kernel_arguments(text, want):
 
         from kimi_core.kernels import gluon_w4a16_rs as rs
 
-        bn = kw.get("block_n", rs.BLOCK_N)
+        bn = kw.get("block_n", 256)
         assert bn in rs.BLOCK_N_CHOICES and kw.get("block_m", gw.BM) in rs.block_m_choices(bn)
         assert set(kw) <= set(inspect.signature(rs.grouped_gemm).parameters)
     else:

@@ -59,6 +59,8 @@ def test_register_kernel_rows_per_tile_follow_its_column_width(splits, block_n):
         assert bm == 256
     else:
         assert bm == gw.pick_block_m(splits)
+    # its own column pick (the measured one): 128 columns x 256 rows above 128 mean rows, else 256 columns
+    assert rs.pick_block_n(splits) == (128 if mean > 128 else 256)
 
 
 def test_programs_one_per_tile_or_a_capped_persistent_count():
@@ -100,7 +102,7 @@ def test_bad_tile_arguments_are_refused_before_any_launch(kw, message):
 
 def test_forced_gluon_path_reaches_the_kernel_and_refuses_a_cpu_tensor(monkeypatch):
     """``path="gluon"`` / ``KIMI_W4A16_PATH=gluon`` is a forced path of the public ops (forward and autograd's dgrad),
-    never auto's choice; on a tensor off the GPU the kernel says it runs on Hopper only."""
+    on any shape; on a tensor off the GPU the kernel says it runs on Hopper only."""
     import os
     import sys
 
@@ -112,13 +114,10 @@ def test_forced_gluon_path_reaches_the_kernel_and_refuses_a_cpu_tensor(monkeypat
     sys.path.insert(0, os.path.dirname(__file__))
     from w4a16_cases import MXFP4, random_packed
 
-    monkeypatch.setattr(kernels, "_capability", lambda index: (9, 0))
-    for tpe in (8, 128, 512, 2048):
-        assert kernels.choose_path("fwd", 112 * tpe, 112, 6144, 3584, torch.device("cuda:0")) != "gluon"
     assert kernels.choose_path("dgrad", 16, 2, 256, 512, "cpu", path="gluon") == "gluon"
     wp, ws = random_packed(MXFP4, 2, 256, 512)
     x = torch.zeros(16, 512, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"gluon_w4a16.grouped_gemm: runs on Hopper GPUs only .* x is on cpu"):
+    with pytest.raises(RuntimeError, match=r"gluon_w4a16_rs.grouped_gemm: runs on Hopper GPUs only .* x is on cpu"):
         kernels.w4a16_grouped_gemm(x, wp, ws, MXFP4, [8, 8], path="gluon")
     monkeypatch.setenv(kernels.PATH_ENV, "gluon")
     with pytest.raises(RuntimeError, match=r"gluon_w4a16.grouped_gemm_dgrad: runs on Hopper GPUs only .* dy is on cpu"):
@@ -126,16 +125,17 @@ def test_forced_gluon_path_reaches_the_kernel_and_refuses_a_cpu_tensor(monkeypat
 
 
 def test_auto_picks_gluon_only_inside_its_measured_range(monkeypatch):
-    """``W4A16_GLUON`` is empty until measured; a range ``[from, to)`` of mean tokens per expert then wins over the
-    fused / chunked table (an ``(N, K)`` row over ``"default"``), only on shapes the Gluon kernels take (K a multiple
-    of 512, N of 8) and only on sm90+ CUDA."""
+    """A ``W4A16_GLUON`` range ``[from, to)`` of mean tokens per expert wins over the fused / chunked table (an
+    ``(N, K)`` row over ``"default"``), only on shapes the Gluon kernels take (K a multiple of 512, N of 8) and only
+    on sm90+ CUDA."""
     from kimi_core import kernels
 
     monkeypatch.setattr(kernels, "_capability", lambda index: (9, 0))
     monkeypatch.delenv(kernels.PATH_ENV, raising=False)
+    monkeypatch.setattr(kernels, "W4A16_GLUON", {"fwd": {"default": None}, "dgrad": {"default": None}})
     cuda = torch.device("cuda:0")
     E, N, K = 112, 6144, 3584
-    assert all(kernels.W4A16_GLUON[op]["default"] is None for op in ("fwd", "dgrad"))
+    assert kernels.choose_path("fwd", E * 128, E, N, K, cuda) == "fused"  # no range: never
     monkeypatch.setitem(kernels.W4A16_GLUON["fwd"], "default", (0, 512))
     picks = [kernels.choose_path("fwd", E * tpe, E, N, K, cuda) for tpe in (8, 128, 512, 2048)]
     assert picks == ["gluon", "gluon", "chunked", "chunked"]
@@ -145,6 +145,29 @@ def test_auto_picks_gluon_only_inside_its_measured_range(monkeypatch):
     monkeypatch.setitem(kernels.W4A16_GLUON["fwd"], (N, K), (128, None))
     picks = [kernels.choose_path("fwd", E * tpe, E, N, K, cuda) for tpe in (8, 128, 512, 2048)]
     assert picks == ["fused", "gluon", "gluon", "gluon"]
+
+
+@pytest.mark.parametrize("op,N,K,want", [
+    # the fastest path of each benchmark row (benchmarks/RESULTS.md, H200 2026-12-04 vs 2026-12-02) at 8 / 128 /
+    # 512 / 2048 tokens per expert
+    ("fwd", 6144, 3584, ["fused", "gluon", "gluon", "gluon"]),    # K3 fc1
+    ("fwd", 3584, 3072, ["fused", "fused", "gluon", "gluon"]),    # K3 fc2
+    ("fwd", 4096, 7168, ["fused", "fused", "gluon", "chunked"]),  # K2 fc1
+    ("fwd", 7168, 2048, ["fused", "fused", "gluon", "chunked"]),  # K2 fc2
+    ("dgrad", 6144, 3584, ["fused", "gluon", "chunked", "chunked"]),
+    ("dgrad", 7168, 2048, ["fused", "fused", "chunked", "chunked"]),
+])
+def test_shipped_tables_pick_the_measured_fastest_path(monkeypatch, op, N, K, want):
+    """The dispatcher's shipped tables reproduce the benchmark's per-row winner (fused at 8 tokens per expert
+    everywhere; the register-fragment Gluon forward from 512, and at 128 on K3 fc1; chunked at 2048 on the K2
+    shapes and for dgrad from 512)."""
+    from kimi_core import kernels
+
+    monkeypatch.setattr(kernels, "_capability", lambda index: (9, 0))
+    monkeypatch.delenv(kernels.PATH_ENV, raising=False)
+    E = 112
+    got = [kernels.choose_path(op, E * tpe, E, N, K, torch.device("cuda:0")) for tpe in (8, 128, 512, 2048)]
+    assert got == want
 
 
 def test_gluon_options_name_a_kernel_that_has_the_op(monkeypatch):

@@ -193,10 +193,12 @@ def test_public_api_forced_chunked_on_cpu(fmt, monkeypatch):
 
 
 def test_choose_path_table(monkeypatch):
-    """Auto picks fused below the crossover and chunked from it (sm90+ CUDA only); forcing and bad values work."""
+    """Auto picks fused below the crossover and chunked from it (sm90+ CUDA only; the Gluon ranges switched off
+    here, see test_gluon_w4a16's table test); forcing and bad values work."""
     monkeypatch.setattr(kernels, "_capability", lambda index: (9, 0))
     monkeypatch.delenv(kernels.PATH_ENV, raising=False)
     monkeypatch.delenv(wc.WORKSPACE_ENV, raising=False)
+    monkeypatch.setattr(kernels, "W4A16_GLUON", {"fwd": {"default": None}, "dgrad": {"default": None}})
     cuda = torch.device("cuda:0")
     for E, K, N in ((112, 3584, 6144), (112, 3072, 3584), (24, 7168, 4096), (24, 2048, 7168)):
         for op in ("fwd", "dgrad"):
@@ -210,6 +212,7 @@ def test_choose_path_table(monkeypatch):
     monkeypatch.setattr(kernels, "_capability", lambda index: (8, 0))
     assert kernels.choose_path("fwd", 112 * 2048, 112, 6144, 3584, cuda) == "fused"
     monkeypatch.setattr(kernels, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(kernels, "W4A16_GLUON", {"fwd": {"default": None}, "dgrad": {"default": None}})
     monkeypatch.setenv(wc.WORKSPACE_ENV, str(1 << 20))  # one K3 expert (44 MB) no longer fits
     assert kernels.choose_path("fwd", 112 * 2048, 112, 6144, 3584, cuda) == "fused"
     monkeypatch.setenv(kernels.PATH_ENV, "chunked")
