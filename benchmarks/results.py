@@ -29,7 +29,11 @@ def best(fn, repeats: int) -> float:
 
 
 def git_commit(dirty_paths: tuple[str, ...] = (), dirty_label: str = "", default: str = "unknown") -> str:
-    """Short HEAD commit; ``+ uncommitted <dirty_label> changes`` when any of ``dirty_paths`` is modified."""
+    """Short HEAD commit; ``+ uncommitted <dirty_label> changes`` when any of ``dirty_paths`` is modified.
+    ``$KIMI_COMMIT`` overrides both: the GPU machine gets a copy of the working tree whose ``.git`` can be older
+    than the files (on 2026-12-04 it printed the previous session's HEAD, "+ uncommitted changes", for a committed tree)."""
+    if os.environ.get("KIMI_COMMIT"):
+        return os.environ["KIMI_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
         commit = out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else default
