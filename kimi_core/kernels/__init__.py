@@ -63,11 +63,13 @@ W4A16_CROSSOVER: dict[str, dict] = {"fwd": {"default": 512}, "dgrad": {"default"
 #: vs 0.63x); at 2048 level with chunked on the K3 shapes (K3 fc1 0.84x / 0.91x vs 0.85x / 0.83x, and no 1 GiB
 #: workspace) but slower on the K2 shapes (K2 fc2 0.73x vs 0.88x), so K2 stops at 1024 (between the measured 512
 #: and 2048); at 128 faster than fused only on K3 fc1 in both formats (1.05x / 0.93x vs 0.79x / 0.72x); at 8 the
-#: fused kernel wins everywhere (1.7-2.2x vs 0.9-1.7x). Shapes not measured take the range all four shapes share.
+#: fused kernel wins everywhere (1.7-2.2x vs 0.9-1.7x). Shapes not measured (e.g. the demos' small models) keep
+#: the fused / chunked table.
 #: Dgrad (the shared-memory kernel): faster than fused at 128 on K3 fc1 only (0.72x / 0.74x vs 0.67x / 0.55x);
 #: chunked wins from 512.
 W4A16_GLUON: dict[str, dict] = {
-    "fwd": {"default": (256, 1024), (6144, 3584): (128, None), (3584, 3072): (256, None)},
+    "fwd": {"default": None, (6144, 3584): (128, None), (3584, 3072): (256, None), (4096, 7168): (256, 1024),
+            (7168, 2048): (256, 1024)},
     "dgrad": {"default": None, (6144, 3584): (128, 512)},
 }
 

@@ -156,11 +156,12 @@ def test_auto_picks_gluon_only_inside_its_measured_range(monkeypatch):
     ("fwd", 7168, 2048, ["fused", "fused", "gluon", "chunked"]),  # K2 fc2
     ("dgrad", 6144, 3584, ["fused", "gluon", "chunked", "chunked"]),
     ("dgrad", 7168, 2048, ["fused", "fused", "chunked", "chunked"]),
+    ("fwd", 512, 512, ["fused", "fused", "chunked", "chunked"]),  # not measured (the demos' small K3 fc1)
 ])
 def test_shipped_tables_pick_the_measured_fastest_path(monkeypatch, op, N, K, want):
     """The dispatcher's shipped tables reproduce the benchmark's per-row winner (fused at 8 tokens per expert
     everywhere; the register-fragment Gluon forward from 512, and at 128 on K3 fc1; chunked at 2048 on the K2
-    shapes and for dgrad from 512)."""
+    shapes and for dgrad from 512); a shape not measured keeps the fused / chunked table."""
     from kimi_core import kernels
 
     monkeypatch.setattr(kernels, "_capability", lambda index: (9, 0))
