@@ -47,12 +47,18 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-__all__ = ["BLOCK_N_CHOICES", "block_m_choices", "default_load_stages", "grouped_gemm", "pick_block_m",
+__all__ = ["BLOCK_N_CHOICES", "DEFAULT_MMA_CHUNKS", "MMA_CHUNK_CHOICES", "TWO_PER_SM", "block_m_choices", "default_load_stages", "grouped_gemm", "pick_block_m",
            "pick_block_n"]
 
 
 BLOCK_N_CHOICES = (128, 256)  # output columns per tile: two warpgroups of 64 or of 128 weight rows (the wgmma's M)
 CONSUMER_REGS = 232  # per thread of each consumer warpgroup: 128 accumulator registers, the fragment, the decode
+# two programs per SM (few rows per tile: small accumulators): 80 registers per thread at launch (2 x 384 threads
+# x 80 fit the SM's 64 K), of which the loader warps give back to 32 and the consumers take 104; rings in half the
+# shared memory; tiles of at most 64 x 128 or 32 x 256 (rows x columns: larger ones spill at 104 registers)
+TWO_PER_SM = {"maxnreg": 80, "consumer_regs": 104, "ring_budget": 96 * 1024, "max_tile": 64 * 128}
+MMA_CHUNK_CHOICES = (1, 2, 4)  # wgmmas per 64-wide K step: one, or one per 32- / 16-wide K slice
+DEFAULT_MMA_CHUNKS = 1
 
 
 def block_m_choices(block_n: int) -> tuple[int, ...]:
@@ -79,10 +85,12 @@ def pick_block_m(m_splits, block_n: int) -> int:
     return ws.pick_block_m(m_splits)
 
 
-def default_load_stages(block_m: int, block_n: int) -> int:
+def default_load_stages(block_m: int, block_n: int, ctas_per_sm: int = 1) -> int:
     """Depth of the TMA rings (2 to :data:`MAX_LOAD_STAGES`): with no decoded-tile ring, as many stages of
-    activation tile, packed bytes and scale box of a ``block_n``-column tile as fit :data:`RING_BUDGET`."""
-    return max(2, min(MAX_LOAD_STAGES, RING_BUDGET // ws.load_stage_bytes(block_m, False, block_n)))
+    activation tile, packed bytes and scale box of a ``block_n``-column tile as fit :data:`RING_BUDGET` (with two
+    programs per SM, ``TWO_PER_SM["ring_budget"]``)."""
+    budget = RING_BUDGET if ctas_per_sm == 1 else TWO_PER_SM["ring_budget"]
+    return max(2, min(MAX_LOAD_STAGES, budget // ws.load_stage_bytes(block_m, False, block_n)))
 
 
 if HAVE_GLUON:
@@ -117,16 +125,38 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.reshape(b, [R, BK // 2]), byte_layout, assert_trivial=True)
 
     @gluon.jit
+    def _decode(b, scale2, FMT: gl.constexpr, R: gl.constexpr, KC: gl.constexpr, acc_layout: gl.constexpr):
+        """bf16 ``[R, KC]`` wgmma A fragment (``k_width`` 2 over ``acc_layout``) of the packed bytes ``b`` (int32,
+        values 0..255, ``KC / 2`` bytes per row, in any shape whose row-major order is the row's bytes) and their
+        bf16x2 scale pairs ``scale2`` (broadcastable to ``b``): :func:`.gluon_w4a16._bf16x2_decode` of each byte's
+        two codes, low nibble first."""
+        pairs = ws._bf16x2_decode((b * 0x1001) & 0x000F000F, scale2, FMT)
+        lo = (pairs & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        hi = (pairs >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        return gl.convert_layout(gl.reshape(gl.join(lo, hi), [R, KC]), w_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _quarters(t, R: gl.constexpr):
+        """The four 8-byte K slices of ``t`` ``[R, 2, 16]`` (scale group, byte): ``(group 0 bytes 0-7, group 1 bytes
+        0-7, group 0 bytes 8-15, group 1 bytes 8-15)``, each ``[R, 8]``; the slices lie in registers, so no data
+        moves."""
+        lower, upper = gl.split(gl.permute(gl.reshape(t, [R, 2, 2, 8]), (0, 3, 1, 2)))  # by the half of a group
+        g0_lo, g1_lo = gl.split(lower)
+        g0_hi, g1_hi = gl.split(upper)
+        return g0_lo, g1_lo, g0_hi, g1_hi
+
+    @gluon.jit
     def _rs_consumer(a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
                      n_col_tiles, steps, out_cols, stride_om, HALF_INDEX: gl.constexpr, FMT: gl.constexpr,
-                     BM: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr, R: gl.constexpr):
+                     BM: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr, R: gl.constexpr,
+                     MMA_CHUNKS: gl.constexpr):
         """One warpgroup: columns ``[R HALF_INDEX, R HALF_INDEX + R)`` of every ``2 R``-column work item (``R`` = 128
         or 64), ``out^T [R, BM] = W_half . a_tile^T`` with the weight half decoded into the wgmma's register A
         fragment each K step (see the module docstring). Arrives on ``p_free`` once it has read a step's bytes and
         scales and on ``a_free`` once its wgmma retired (both barriers count the two warpgroups)."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BM, 16])
-        w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         byte_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=1)
         C: gl.constexpr = BK // 2
         G: gl.constexpr = C // 16  # 32-element scale groups per row and step
@@ -149,13 +179,39 @@ if HAVE_GLUON:
                 sc = ws._scale_pairs(s_ring.index(s).slice(HALF_INDEX * R, R), off, R, G,
                                      gl.SliceLayout(2, b.type.layout), FMT, SW)
                 mbarrier.arrive(p_free.index(s), count=1)
-                pairs = ws._bf16x2_decode((b * 0x1001) & 0x000F000F, gl.expand_dims(sc, 2), FMT)
-                lo = (pairs & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
-                hi = (pairs >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
-                w = gl.convert_layout(gl.reshape(gl.join(lo, hi), [R, BK]), w_layout, assert_trivial=True)
-                mbarrier.wait(a_ready.index(s), phase)
-                acc = warpgroup_mma(w, a_ring.index(s).permute((1, 0)), acc, is_async=True)
-                acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))  # before w's registers are reused
+                a_tile = a_ring.index(s)
+                if MMA_CHUNKS == 1:
+                    w = _decode(b, gl.expand_dims(sc, 2), FMT, R, BK, acc_layout)
+                    mbarrier.wait(a_ready.index(s), phase)
+                    acc = warpgroup_mma(w, a_tile.permute((1, 0)), acc, is_async=True)
+                    acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))  # before w's registers are reused
+                else:
+                    # the step in K slices, each decoded while the previous slice's wgmma runs (its own registers)
+                    scw, b = gl.broadcast(gl.expand_dims(sc, 2), b)  # [R, G, 16] scale of each byte's group
+                    if MMA_CHUNKS == 2:  # slice j = scale group j
+                        b0, b1 = gl.split(gl.permute(b, (0, 2, 1)))
+                        s0, s1 = gl.split(gl.permute(scw, (0, 2, 1)))
+                        w0 = _decode(b0, s0, FMT, R, BK // 2, acc_layout)
+                        mbarrier.wait(a_ready.index(s), phase)
+                        acc = warpgroup_mma(w0, a_tile.slice(0, BK // 2, dim=1).permute((1, 0)), acc, is_async=True)
+                        w1 = _decode(b1, s1, FMT, R, BK // 2, acc_layout)
+                        acc = warpgroup_mma(w1, a_tile.slice(BK // 2, BK // 2, dim=1).permute((1, 0)), acc,
+                                            is_async=True)
+                        acc, w0, w1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1))
+                    else:  # 4 slices of 16: slice 2 g + h = half h of scale group g
+                        b0, b2, b1, b3 = _quarters(b, R)
+                        s0, s2, s1, s3 = _quarters(scw, R)
+                        Q: gl.constexpr = BK // 4
+                        w0 = _decode(b0, s0, FMT, R, Q, acc_layout)
+                        mbarrier.wait(a_ready.index(s), phase)
+                        acc = warpgroup_mma(w0, a_tile.slice(0, Q, dim=1).permute((1, 0)), acc, is_async=True)
+                        w1 = _decode(b1, s1, FMT, R, Q, acc_layout)
+                        acc = warpgroup_mma(w1, a_tile.slice(Q, Q, dim=1).permute((1, 0)), acc, is_async=True)
+                        w2 = _decode(b2, s2, FMT, R, Q, acc_layout)
+                        acc = warpgroup_mma(w2, a_tile.slice(2 * Q, Q, dim=1).permute((1, 0)), acc, is_async=True)
+                        w3 = _decode(b3, s3, FMT, R, Q, acc_layout)
+                        acc = warpgroup_mma(w3, a_tile.slice(3 * Q, Q, dim=1).permute((1, 0)), acc, is_async=True)
+                        acc, w0, w1, w2, w3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1, w2, w3))
                 mbarrier.arrive(a_free.index(s), count=1)
                 it += 1
             ws.store_tile(acc, out_ptr, row0, row_end, col0 + HALF_INDEX * R, out_cols, stride_om, R, BM)
@@ -163,7 +219,7 @@ if HAVE_GLUON:
     @gluon.jit
     def w4a16_rs_kernel(a_desc, p_desc, s_desc, out_ptr, tiles_ptr, n_tiles, n_col_tiles, N, K, stride_om,
                         FMT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                        LOAD_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                        LOAD_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, MMA_CHUNKS: gl.constexpr):
         """Forward ``y [T, N] = x . dequant(W)^T`` over the ``BN``-column work items (``BN`` = 256 or 128, half per
         consumer warpgroup) ``t = program_id, program_id + programs, ...`` below ``n_tiles`` (as
         :func:`.gluon_w4a16.w4a16_ws_kernel`); descriptors as there (forward blocks of a ``BN``-column tile)."""
@@ -178,29 +234,44 @@ if HAVE_GLUON:
             (ws._loader, (a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, tiles_ptr,
                           n_tiles, n_col_tiles, N, steps, DGRAD, BN, BK, LOAD_STAGES)),
             (_rs_consumer, (a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
-                            n_col_tiles, steps, N, stride_om, FIRST, FMT, BM, BK, LOAD_STAGES, R)),
+                            n_col_tiles, steps, N, stride_om, FIRST, FMT, BM, BK, LOAD_STAGES, R, MMA_CHUNKS)),
             (_rs_consumer, (a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
-                            n_col_tiles, steps, N, stride_om, SECOND, FMT, BM, BK, LOAD_STAGES, R)),
+                            n_col_tiles, steps, N, stride_om, SECOND, FMT, BM, BK, LOAD_STAGES, R, MMA_CHUNKS)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str, m_splits,
                  out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
-                 load_stages: int | None = None, persistent: bool | int = False) -> torch.Tensor:
+                 load_stages: int | None = None, persistent: bool | int = False,
+                 mma_chunks: int = DEFAULT_MMA_CHUNKS, ctas_per_sm: int = 1) -> torch.Tensor:
     """``y[T, N]`` bf16, ``y[rows_e] = x[rows_e] . dequant(W_e)^T`` with fp32 accumulation; arguments as
     :func:`.gluon_w4a16.grouped_gemm` (no decode warps: the wgmma warpgroups decode); ``block_n`` 256 or 128
     output columns per tile (default :func:`pick_block_n`), ``block_m`` one of :func:`block_m_choices` (default
-    :func:`pick_block_m`), ``load_stages`` default :func:`default_load_stages`."""
+    :func:`pick_block_m`), ``load_stages`` default :func:`default_load_stages`; ``mma_chunks`` one of
+    :data:`MMA_CHUNK_CHOICES`: wgmmas per K step (see the module docstring); ``ctas_per_sm`` 2: two programs per SM
+    (:data:`TWO_PER_SM`: tiles of at most 64 x 128 or 32 x 256; persistent = two per SM), four consumer warpgroups decoding where
+    a tile has few rows."""
     where = "gluon_w4a16_rs.grouped_gemm"
     block_n = pick_block_n(m_splits) if block_n is None else block_n
     if block_n not in BLOCK_N_CHOICES:
         raise ValueError(f"{where}: block_n must be one of {BLOCK_N_CHOICES}, got {block_n}")
+    if mma_chunks not in MMA_CHUNK_CHOICES:
+        raise ValueError(f"{where}: mma_chunks must be one of {MMA_CHUNK_CHOICES}, got {mma_chunks}")
+    if ctas_per_sm not in (1, 2):
+        raise ValueError(f"{where}: ctas_per_sm must be 1 or 2, got {ctas_per_sm}")
     block_m = pick_block_m(m_splits, block_n) if block_m is None else block_m
+    if ctas_per_sm == 2 and block_m * block_n > TWO_PER_SM["max_tile"]:
+        raise ValueError(f"{where}: ctas_per_sm=2 takes tiles of at most 64 rows x 128 columns or 32 x 256 (its "
+                         f"consumers have {TWO_PER_SM['consumer_regs']} registers), got block_m {block_m} x "
+                         f"block_n {block_n}")
+    if persistent is True and ctas_per_sm == 2:
+        persistent = 2 * torch.cuda.get_device_properties(x.device).multi_processor_count
     run = ws.prepare(x, w_packed, w_scale, fmt, m_splits, out, False, where, block_m, block_n, load_stages,
-                     persistent, lambda bm: default_load_stages(bm, block_n), block_m_choices(block_n))
+                     persistent, lambda bm: default_load_stages(bm, block_n, ctas_per_sm), block_m_choices(block_n))
     if run.empty:
         return run.out
     w4a16_rs_kernel[run.grid](*run.descs, run.out, run.tiles, run.n_tiles, run.n_col_tiles, run.N, run.K,
-                              run.out.stride(0), run.fmt_id, run.block_m, block_n, BK, run.stages, CONSUMER_REGS,
-                              num_warps=4)
+                              run.out.stride(0), run.fmt_id, run.block_m, block_n, BK, run.stages,
+                              CONSUMER_REGS if ctas_per_sm == 1 else TWO_PER_SM["consumer_regs"], mma_chunks,
+                              num_warps=4, **({} if ctas_per_sm == 1 else {"maxnreg": TWO_PER_SM["maxnreg"]}))
     return run.out

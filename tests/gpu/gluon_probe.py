@@ -6,10 +6,11 @@ the float32 oracle of exactly dequantized weights, and whether unwritten rows (N
 with one program per tile and once persistent on 2 programs (each then walks several tiles, its rings running on
 across them: a parity slip there hangs or corrupts the next tile).
 
-    python3 tests/gpu/gluon_probe.py                   # all sixteen variants, 60 s each
+    python3 tests/gpu/gluon_probe.py                   # all 24 variants, 60 s each ($GLUON_PROBE_OPS: only these ops)
     python3 tests/gpu/gluon_probe.py one mxfp4 fwd 2   # one variant in this process (programs: 0 = one per tile;
                                                        # op: fwd, dgrad, or rs = the register-fragment forward,
-                                                       # rsn128 = it with 128 columns and 256 rows per tile)
+                                                       # rsn128 = it with 128 columns and 256 rows per tile,
+                                                       # k4 = 4 wgmmas per K step, o2 = 2 programs per SM)
 """
 
 from __future__ import annotations
@@ -31,17 +32,18 @@ def one(fmt_name: str, op: str, programs: int) -> None:
     from kimi_core.kernels import gluon_w4a16 as gw
 
     fmt = {"mxfp4": MXFP4, "int4": INT4}[fmt_name]
-    E, N, K, splits = 3, 256, 512, [70, 0, 130] if op != "rsn128" else [300, 0, 130]
+    E, N, K, splits = 3, 256, 512, [70, 0, 130] if not op.startswith("rsn128") else [300, 0, 130]
     wp, ws = random_packed(fmt, E, N, K, seed=1, device="cuda")
     T = sum(splits)
     a = torch.randn(T, N if op == "dgrad" else K, device="cuda").bfloat16()
     out = torch.full((T, K if op == "dgrad" else N), float("nan"), dtype=torch.bfloat16, device="cuda")
     t0 = time.time()
-    if op in ("rs", "rsn128"):  # the forward with the weights in the wgmma's registers (rsn128: 256 rows x 128 cols)
-        from kimi_core.kernels import gluon_w4a16_rs as rs
+    if op.startswith("rs"):  # the forward with the weights in the wgmma's registers (rsn128: 256 rows x 128 cols;
+        from kimi_core.kernels import gluon_w4a16_rs as rs  # k4: 4 wgmmas per K step; o2: 2 programs per SM
 
         rs.grouped_gemm(a, wp, ws, fmt, splits, out=out, persistent=programs or False,
-                        block_n=128 if op == "rsn128" else 256)
+                        block_n=128 if op.startswith("rsn128") else 256, mma_chunks=4 if "k4" in op else 1,
+                        **({"ctas_per_sm": 2, "block_m": 16} if "o2" in op else {}))
     else:
         (gw.grouped_gemm_dgrad if op == "dgrad" else gw.grouped_gemm)(a, wp, ws, fmt, splits, out=out,
                                                                        persistent=programs or False)
@@ -63,7 +65,7 @@ def main() -> int:
     timeout = int(os.environ.get("GLUON_PROBE_TIMEOUT", "60"))
     bad = 0
     for fmt in ("mxfp4", "int4"):
-        for op in ("fwd", "dgrad", "rs", "rsn128"):
+        for op in os.environ.get("GLUON_PROBE_OPS", "fwd,dgrad,rs,rsn128,rsn128k4,rsk4o2").split(","):
             for programs in ("0", "2"):  # one program per tile (the binary compiles once), then 2 persistent ones
                 name = f"{fmt} {op} programs {programs}"
                 try:

@@ -80,17 +80,18 @@ def resource_usage(cubin: bytes) -> str:
     return usage.group(0) if usage else "resource usage: ?"
 
 
-def compile_w4a16(kernel, dgrad: int, bm: int, bn: int, ws: str, constexprs: dict, num_warps: int):
+def compile_w4a16(kernel, dgrad: int, bm: int, bn: int, ws: str, constexprs: dict, num_warps: int,
+                  maxnreg: int | None = None):
     """Compile one Gluon W4A16 kernel variant for sm_90a (its launcher's signature: the three TMA descriptors of
-    :func:`gw.descriptor_blocks`, the output / tile-table pointers and the int arguments, then ``constexprs``);
-    asserts it fits one H200 block (<= 227 KB shared) without spills. Returns ``(compiled, ptx, resource usage)``."""
+    :func:`gw.descriptor_blocks`, the output / tile-table pointers and the int arguments, then ``constexprs``;
+    ``maxnreg``: the launch's register cap); asserts it fits one H200 block (<= 227 KB shared) without spills. Returns ``(compiled, ptx, resource usage)``."""
     a_block, p_block, s_block = gw.descriptor_blocks(dgrad, bm, 1 if ws == "u8" else 2, bn)
     sig = {"a_desc": desc_sig("bf16", a_block, gl.bfloat16), "p_desc": desc_sig("u8", p_block, gl.uint8),
            "s_desc": desc_sig(ws, s_block, gl.uint8 if ws == "u8" else gl.bfloat16),
            "out_ptr": "*bf16", "tiles_ptr": "*i32", "n_tiles": "i32", "n_col_tiles": "i32", "N": "i32", "K": "i32",
            "stride_om": "i32", **{n: "constexpr" for n in constexprs}}
     k = triton.compile(GluonASTSource(kernel, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps})
+                       options={"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})})
     usage = resource_usage(k.asm["cubin"])
     assert k.metadata.shared <= 227 * 1024, f"{k.metadata.shared} B of shared memory: over the H200's 227 KB a block"
     assert " LOCAL:0" in usage and " STACK:0" in usage, f"spills: {usage}"
@@ -133,14 +134,22 @@ for fmt, ws, dgrad, warps, bm, bn in configs:
 from kimi_core.kernels import gluon_w4a16_rs as rs  # noqa: E402
 
 for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16")):
-    for bn, bm in ((256, BMAX), (256, 16), (128, 256), (128, BMAX), (128, 16)):
-        stages = rs.default_load_stages(bm, bn)
+    # (columns, rows, wgmmas per K step, programs per SM)
+    for bn, bm, chunks, ctas in ((256, BMAX, 1, 1), (256, 16, 1, 1), (128, 256, 1, 1), (128, BMAX, 1, 1),
+                                 (128, 16, 1, 1), (128, 256, 2, 1), (128, 256, 4, 1), (256, BMAX, 4, 1),
+                                 (128, 16, 4, 1), (128, 16, 4, 2), (128, 64, 2, 2), (256, 32, 1, 2), (256, 16, 4, 2)):
+        stages = rs.default_load_stages(bm, bn, ctas)
+        two = rs.TWO_PER_SM
         k, ptx, usage = compile_w4a16(rs.w4a16_rs_kernel, 0, bm, bn, ws, {
-            "FMT": fmt, "BM": bm, "BN": bn, "BK": gw.BK, "LOAD_STAGES": stages, "CONSUMER_REGS": rs.CONSUMER_REGS},
-            4)
+            "FMT": fmt, "BM": bm, "BN": bn, "BK": gw.BK, "LOAD_STAGES": stages,
+            "CONSUMER_REGS": rs.CONSUMER_REGS if ctas == 1 else two["consumer_regs"], "MMA_CHUNKS": chunks}, 4,
+            None if ctas == 1 else two["maxnreg"])
+        if ctas == 2:  # two programs must fit one SM: registers at launch and shared memory
+            assert 2 * 384 * int(re.search(r"REG:(\d+)", usage).group(1)) <= 65536 and k.metadata.shared <= 113 * 1024
         # RS form: the A operand is a register list ({%r..}), not a shared-memory descriptor
         rs_form = any("wgmma.mma_async" in line and ", {%r" in line for line in ptx.splitlines())
         print("w4a16_rs fwd", "mxfp4" if fmt == MXFP4 else "int4", f"BN {bn} BM {bm} load stages {stages}",
+              f"wgmmas per K step {chunks} programs per SM {ctas}",
               "| wgmma with register A:", rs_form, "| shared bytes:", k.metadata.shared, "|", usage)
         assert rs_form, "the RS kernel's wgmma must take A from registers"
-        dump(k, f"rs_{fmt}_n{bn}_m{bm}")
+        dump(k, f"rs_{fmt}_n{bn}_m{bm}_c{chunks}_o{ctas}")

@@ -32,6 +32,9 @@ def load_benchmark():
     ("rs128s6p", {"kernel": "registers", "block_m": 128, "load_stages": 6, "persistent": True}),
     ("rsn128p", {"kernel": "registers", "load_stages": None, "block_n": 128, "persistent": True}),
     ("rs256s4n128", {"kernel": "registers", "block_m": 256, "load_stages": 4, "block_n": 128}),
+    ("rsn128k4p", {"kernel": "registers", "load_stages": None, "block_n": 128, "mma_chunks": 4, "persistent": True}),
+    ("rs16n128k2o2p", {"kernel": "registers", "block_m": 16, "load_stages": None, "block_n": 128, "mma_chunks": 2,
+                       "ctas_per_sm": 2, "persistent": True}),
 ])
 def test_config_strings_read_into_kernel_arguments(text, want):
     from kimi_core.kernels import gluon_w4a16 as gw
@@ -46,6 +49,7 @@ def test_config_strings_read_into_kernel_arguments(text, want):
         bn = kw.get("block_n", 256)
         assert bn in rs.BLOCK_N_CHOICES and kw.get("block_m", gw.BM) in rs.block_m_choices(bn)
         assert set(kw) <= set(inspect.signature(rs.grouped_gemm).parameters)
+        assert kw.get("mma_chunks", 1) in rs.MMA_CHUNK_CHOICES and kw.get("ctas_per_sm", 1) in (1, 2)
     else:
         assert kw.get("block_m", gw.BM) in gw.BLOCK_M_CHOICES and kw.get("block_n", gw.BN) in gw.BLOCK_N_CHOICES
 

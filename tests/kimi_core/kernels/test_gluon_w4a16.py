@@ -193,3 +193,26 @@ def test_gluon_options_name_a_kernel_that_has_the_op(monkeypatch):
     monkeypatch.setitem(kernels.GLUON_OPTIONS, "fwd", {"kernel": "registers", "persistent": True})
     with pytest.raises(RuntimeError, match=r"gluon_w4a16_rs.grouped_gemm: runs on Hopper GPUs only"):
         kernels.w4a16_grouped_gemm(torch.zeros(16, 512, dtype=torch.bfloat16), wp, ws, MXFP4, [8, 8], path="gluon")
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"mma_chunks": 3}, r"mma_chunks must be one of \(1, 2, 4\), got 3"),
+    ({"ctas_per_sm": 3}, r"ctas_per_sm must be 1 or 2, got 3"),
+    ({"ctas_per_sm": 2, "block_m": 128, "block_n": 128}, r"ctas_per_sm=2 takes tiles of at most 64 rows x 128 "
+                                                        r"columns or 32 x 256 .* got block_m 128 x block_n 128"),
+    ({"ctas_per_sm": 2, "block_m": 64, "block_n": 256}, r"ctas_per_sm=2 takes .* got block_m 64 x block_n 256"),
+])
+def test_register_kernel_refuses_options_it_cannot_run_by_name(kw, match):
+    """The register kernel's K slicing (1, 2 or 4 wgmmas per K step) and two-programs-per-SM mode are refused by
+    name outside what compiles without spills (tests/gpu/gluon_sm90_compile_check.py), before anything launches."""
+    import os
+    import sys
+
+    from kimi_core.kernels import gluon_w4a16_rs as rs
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from w4a16_cases import MXFP4, random_packed
+
+    wp, ws = random_packed(MXFP4, 2, 256, 512)
+    with pytest.raises(ValueError, match=r"gluon_w4a16_rs.grouped_gemm: " + match):
+        rs.grouped_gemm(torch.zeros(16, 512, dtype=torch.bfloat16), wp, ws, MXFP4, [8, 8], **kw)

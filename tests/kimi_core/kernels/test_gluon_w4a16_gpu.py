@@ -94,14 +94,16 @@ def every_scale(ws: torch.Tensor, seed: int) -> torch.Tensor:
         torch.randint(-133, 20, ws.shape, device="cuda", generator=g).float())).bfloat16()
 
 
-@pytest.mark.parametrize("kernel,block_n", [("smem", 128), ("smem", 256), ("registers", 256), ("registers", 128)])
+@pytest.mark.parametrize("kernel,block_n,rs_kw", [("smem", 128, {}), ("smem", 256, {}), ("registers", 256, {}),
+                                                 ("registers", 128, {}), ("registers", 128, {"mma_chunks": 4}),
+                                                 ("registers", 256, {"mma_chunks": 2})])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gluon_decoded_weights_are_bit_exact_over_every_scale(fmt, kernel, block_n):
+def test_gluon_decoded_weights_are_bit_exact_over_every_scale(fmt, kernel, block_n, rs_kw):
     """An identity activation reads the decoded weights back exactly (one product per output, ``1 * w``): forward
     gives ``W^T``, dgrad ``W``; both must equal :func:`kimi_core.quant.dequantize` over every scale
     (:func:`every_scale`), for the shared-memory decode kernel with 128- and 256-column tiles (dgrad's 256 columns
     pick 8 scale groups per row from the scale box) and the register-fragment forward (``gluon_w4a16_rs``, two
-    warpgroups of 128 or of 64 weight rows). Exact
+    warpgroups of 128 or of 64 weight rows; the K step in one wgmma or in 2 / 4 slices). Exact
     equality (``==``: the fp32 sum of the identity row cannot keep a weight's sign of zero, so -0 reads back as
     +0)."""
     from kimi_core.kernels import gluon_w4a16 as gw
@@ -119,14 +121,14 @@ def test_gluon_decoded_weights_are_bit_exact_over_every_scale(fmt, kernel, block
         want = dequantize(fmt, wp[e], ws[e], torch.bfloat16)  # [N, K]
         splits[e] = K
         if kernel == "registers":  # forward only: W^T
-            got = {"fwd": rs.grouped_gemm(eye_k, wp, ws, fmt, splits, block_n=block_n).t()}
+            got = {"fwd": rs.grouped_gemm(eye_k, wp, ws, fmt, splits, block_n=block_n, **rs_kw).t()}
         else:
             got = {"fwd": gw.grouped_gemm(eye_k, wp, ws, fmt, splits, block_n=block_n).t()}
             splits[e] = N
             got["dgrad"] = gw.grouped_gemm_dgrad(eye_n, wp, ws, fmt, splits, block_n=block_n)  # [N, K] = W
         for name, w in got.items():
             same = w == want
-            assert bool(same.all()), (f"gluon {kernel} {name} {fmt} block_n {block_n} expert {e}: "
+            assert bool(same.all()), (f"gluon {kernel} {rs_kw} {name} {fmt} block_n {block_n} expert {e}: "
                                       f"{int((~same).sum())} decoded weights differ from kimi_core.quant.dequantize, "
                                       f"first at {(~same).nonzero()[0].tolist()}")
 
@@ -165,6 +167,19 @@ def test_forced_gluon_path_through_autograd_with_device_splits(fmt):
     pytest.param(7, 512, 200, 300, {"block_n": 128, "block_m": 256, "load_stages": 2, "persistent": 3},
                  id="masked-N-256rows-2stages-3prog"),
     pytest.param(7, 512, 72, 70, {"block_n": 128, "block_m": 128, "persistent": 2}, id="masked-N72-128rows-2prog"),
+    # the K step in 2 or 4 wgmmas (each slice decoded under the previous slice's wgmma)
+    pytest.param(112, 3584, 6144, 128, {"mma_chunks": 4}, id="K3-fc1-128tok-4slices"),
+    pytest.param(16, 3584, 6144, 600, {"block_n": 128, "mma_chunks": 4, "persistent": True},
+                 id="K3-fc1-600tok-256rows-4slices-persistent"),
+    pytest.param(7, 512, 200, 300, {"block_n": 128, "block_m": 256, "load_stages": 2, "persistent": 3,
+                                    "mma_chunks": 2}, id="masked-N-256rows-2slices-3prog"),
+    # two programs per SM (four consumer warpgroups), tiles up to 64 x 128 / 32 x 256
+    pytest.param(24, 2048, 7168, 8, {"block_n": 128, "ctas_per_sm": 2, "persistent": True},
+                 id="K2-fc2-8tok-2perSM-persistent"),
+    pytest.param(24, 2048, 7168, 8, {"block_n": 256, "block_m": 16, "ctas_per_sm": 2, "mma_chunks": 4},
+                 id="K2-fc2-8tok-2perSM-n256-4slices"),
+    pytest.param(7, 512, 200, 70, {"block_n": 128, "block_m": 64, "ctas_per_sm": 2, "load_stages": 2,
+                                   "persistent": 3, "mma_chunks": 2}, id="masked-N-64rows-2perSM-3prog"),
 ])
 def test_gluon_rs_forward_matches_oracle(fmt, E, K, N, mean, kw):
     """The forward with the weights decoded into the wgmma's register fragment (``gluon_w4a16_rs``: two warpgroups
