@@ -100,15 +100,17 @@ def parse_gluon_config(text: str) -> dict:
     """``auto`` (the kernel's own tile rows) or ``<block_m>x<decode_warps>[s<load_stages>]``, either followed by
     ``n<block_n>`` (output columns per tile, 128 or 256) and ``p`` (the persistent schedule: one program per SM),
     e.g. ``64x4``, ``128x4s4``, ``autop``, ``auton256p`` -> keyword arguments of ``gluon_w4a16``; or
-    ``rs[<block_m>][s<load_stages>][n<block_n>][k<mma_chunks>][o<ctas_per_sm>][p]`` (e.g. ``rs``, ``rsp``,
-    ``rs128s6p``, ``rsn128p``, ``rsn128k4p``, ``rs16n128k4o2p``): the forward with the weights in the wgmma's
-    registers (``gluon_w4a16_rs``, its own column pick ``pick_block_n`` unless ``n<block_n>``; ``k``: wgmmas per K
-    step; ``o2``: two programs per SM), with ``kernel="registers"`` among the arguments. The result
+    ``rs[<block_m>][s<load_stages>][n<block_n>][k<mma_chunks>][o<ctas_per_sm>][a][p]`` (e.g. ``rs``, ``rsp``,
+    ``rs128s6p``, ``rsn128p``, ``rsn128k4p``, ``rs16n128k4o2p``, ``rsn128ap``): the forward with the weights in the
+    wgmma's registers (``gluon_w4a16_rs``, its own column pick ``pick_block_n`` unless ``n<block_n>``; ``k``: wgmmas
+    per K step; ``o2``: two programs per SM; ``a``: decode ahead, the next step decoded while a wgmma runs), with ``kernel="registers"`` among the arguments. The result
     is what :data:`kimi_core.kernels.GLUON_OPTIONS` holds (``kernel`` ``"smem"`` when absent)."""
-    m = re.fullmatch(r"rs(\d+)?(?:s(\d+))?(?:n(\d+))?(?:k(\d))?(?:o(\d))?(p?)", text)
+    m = re.fullmatch(r"rs(\d+)?(?:s(\d+))?(?:n(\d+))?(?:k(\d))?(?:o(\d))?(a?)(p?)", text)
     if m:
-        bm, stages, bn, chunks, ctas, persistent = m.groups()
+        bm, stages, bn, chunks, ctas, ahead, persistent = m.groups()
         kw = {"kernel": "registers", "load_stages": int(stages) if stages else None}
+        if ahead:
+            kw["decode_ahead"] = True
         for key, value in (("block_m", bm), ("block_n", bn), ("mma_chunks", chunks), ("ctas_per_sm", ctas)):
             if value:
                 kw[key] = int(value)
@@ -116,7 +118,7 @@ def parse_gluon_config(text: str) -> dict:
     m = re.fullmatch(r"(auto|(\d+)x(\d+)(?:s(\d+))?)(?:n(\d+))?(p?)", text)
     if not m:
         raise ValueError(f"--gluon-configs: cannot read {text!r} (auto or <block_m>x<decode_warps>[s<load_stages>], "
-                         f"then [n<block_n>][p]; or rs[<block_m>][s<load_stages>][n<block_n>][k<mma_chunks>][o<ctas_per_sm>][p])")
+                         f"then [n<block_n>][p]; or rs[<block_m>][s<load_stages>][n<block_n>][k<mma_chunks>][o<ctas_per_sm>][a][p])")
     _, bm, warps, stages, bn, persistent = m.groups()
     kw = {"persistent": True} if persistent else {}
     if bn:
@@ -317,7 +319,7 @@ def main() -> None:
                     help="with --gluon: comma-separated configs, 'auto' or <block_m>x<decode_warps>[s<load_stages>], "
                          "then n<block_n> (128 or 256 output columns per tile) and p (persistent schedule), "
                          "e.g. 128x8, 128x4s4, autop, auton256p; "
-                         "rs[<block_m>][s<load_stages>][n<block_n>][k<mma_chunks>][o<ctas_per_sm>][p]: the forward "
+                         "rs[<block_m>][s<load_stages>][n<block_n>][k<mma_chunks>][o<ctas_per_sm>][a][p]: the forward "
                          "with the weights in the wgmma's registers")
     ap.add_argument("--gluon-only", action="store_true", help="with --gluon: time BF16 and the Gluon kernels only")
     args = ap.parse_args()

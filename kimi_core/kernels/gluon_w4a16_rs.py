@@ -147,20 +147,51 @@ if HAVE_GLUON:
         return g0_lo, g1_lo, g0_hi, g1_hi
 
     @gluon.jit
+    def _step_operands(p_ring, s_ring, p_ready, p_free, s, phase, i, col0, HALF_INDEX: gl.constexpr,
+                       FMT: gl.constexpr, R: gl.constexpr, BK: gl.constexpr, byte_layout: gl.constexpr,
+                       SW: gl.constexpr):
+        """This warpgroup's packed bytes (int32 ``[R, G, 16]``, ``G`` = ``BK / 32`` scale groups) and their bf16x2
+        scale pairs (``[R, G]``) of K step ``i`` (ring stage ``s``, parity ``phase``) in the fragment's layout; arrives
+        on ``p_free`` once they are in registers."""
+        G: gl.constexpr = BK // 32
+        SB: gl.constexpr = 1 if FMT == 0 else 2
+        mbarrier.wait(p_ready.index(s), phase)
+        b = gl.reshape(_fragment_bytes(p_ring.index(s).slice(HALF_INDEX * R, R), byte_layout, R, BK), [R, G, 16])
+        _, off = ws._scale_box(i, col0, False, BK, SB)
+        sc = ws._scale_pairs(s_ring.index(s).slice(HALF_INDEX * R, R), off, R, G, gl.SliceLayout(2, b.type.layout),
+                             FMT, SW)
+        mbarrier.arrive(p_free.index(s), count=1)
+        return b, sc
+
+    @gluon.jit
+    def _step_fragment(p_ring, s_ring, p_ready, p_free, it, i, col0, HALF_INDEX: gl.constexpr, FMT: gl.constexpr,
+                       R: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr, byte_layout: gl.constexpr,
+                       SW: gl.constexpr, acc_layout: gl.constexpr):
+        """The decoded bf16 A fragment ``[R, BK]`` of K step ``i`` (this program's ``it``-th ring use)."""
+        b, sc = _step_operands(p_ring, s_ring, p_ready, p_free, it % LOAD_STAGES, (it // LOAD_STAGES) & 1, i, col0,
+                               HALF_INDEX, FMT, R, BK, byte_layout, SW)
+        return _decode(b, gl.expand_dims(sc, 2), FMT, R, BK, acc_layout)
+
+    @gluon.jit
+    def _issue(w, acc, a_ring, a_ready, it, LOAD_STAGES: gl.constexpr):
+        """Waits for the ``it``-th activation stage and issues ``acc += w . a_tile^T`` as an async wgmma."""
+        s = it % LOAD_STAGES
+        mbarrier.wait(a_ready.index(s), (it // LOAD_STAGES) & 1)
+        return warpgroup_mma(w, a_ring.index(s).permute((1, 0)), acc, is_async=True)
+
+    @gluon.jit
     def _rs_consumer(a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
                      n_col_tiles, steps, out_cols, stride_om, HALF_INDEX: gl.constexpr, FMT: gl.constexpr,
                      BM: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr, R: gl.constexpr,
-                     MMA_CHUNKS: gl.constexpr):
+                     MMA_CHUNKS: gl.constexpr, DECODE_AHEAD: gl.constexpr):
         """One warpgroup: columns ``[R HALF_INDEX, R HALF_INDEX + R)`` of every ``2 R``-column work item (``R`` = 128
         or 64), ``out^T [R, BM] = W_half . a_tile^T`` with the weight half decoded into the wgmma's register A
         fragment each K step (see the module docstring). Arrives on ``p_free`` once it has read a step's bytes and
-        scales and on ``a_free`` once its wgmma retired (both barriers count the two warpgroups)."""
+        scales and on ``a_free`` once its wgmma retired (both barriers count the two warpgroups). ``DECODE_AHEAD``:
+        step ``i + 1``'s fragment is decoded (into its own registers) while step ``i``'s wgmma runs."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BM, 16])
         byte_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=1)
-        C: gl.constexpr = BK // 2
-        G: gl.constexpr = C // 16  # 32-element scale groups per row and step
-        SB: gl.constexpr = 1 if FMT == 0 else 2
         # a row's four scale words in the registers of the threads that hold the row in the fragment
         SW: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 1], [0, 2], [8, 0]] + ([[64, 0]] if R == 128 else []), lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
@@ -169,57 +200,86 @@ if HAVE_GLUON:
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             _, row0, row_end, col0 = ws._tile_at(tiles_ptr, t, n_col_tiles, 2 * R)
             acc = gl.zeros((R, BM), dtype=gl.float32, layout=acc_layout)
-            for i in range(steps):
-                s = it % LOAD_STAGES
-                phase = (it // LOAD_STAGES) & 1
-                mbarrier.wait(p_ready.index(s), phase)
-                b = gl.reshape(_fragment_bytes(p_ring.index(s).slice(HALF_INDEX * R, R), byte_layout, R, BK),
-                               [R, G, 16])
-                _, off = ws._scale_box(i, col0, False, BK, SB)
-                sc = ws._scale_pairs(s_ring.index(s).slice(HALF_INDEX * R, R), off, R, G,
-                                     gl.SliceLayout(2, b.type.layout), FMT, SW)
-                mbarrier.arrive(p_free.index(s), count=1)
-                a_tile = a_ring.index(s)
-                if MMA_CHUNKS == 1:
-                    w = _decode(b, gl.expand_dims(sc, 2), FMT, R, BK, acc_layout)
-                    mbarrier.wait(a_ready.index(s), phase)
-                    acc = warpgroup_mma(w, a_tile.permute((1, 0)), acc, is_async=True)
-                    acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))  # before w's registers are reused
-                else:
-                    # the step in K slices, each decoded while the previous slice's wgmma runs (its own registers)
-                    scw, b = gl.broadcast(gl.expand_dims(sc, 2), b)  # [R, G, 16] scale of each byte's group
-                    if MMA_CHUNKS == 2:  # slice j = scale group j
-                        b0, b1 = gl.split(gl.permute(b, (0, 2, 1)))
-                        s0, s1 = gl.split(gl.permute(scw, (0, 2, 1)))
-                        w0 = _decode(b0, s0, FMT, R, BK // 2, acc_layout)
+            if DECODE_AHEAD:
+                # software pipeline, unrolled by two so that no fragment is redefined while a wgmma reading it runs
+                # (a loop-carried fragment would be: ptxas then serializes every wgmma, C7513): step i + 1 is decoded
+                # into the other fragment while step i's wgmma runs
+                w_a = _step_fragment(p_ring, s_ring, p_ready, p_free, it, 0, col0, HALF_INDEX, FMT, R, BK,
+                                     LOAD_STAGES, byte_layout, SW, acc_layout)
+                # steps is even (K a multiple of 256 or 512, BK 64: gluon_w4a16.shape_fits)
+                for j in range(steps // 2 - 1):  # steps 2 j and 2 j + 1; decodes 2 j + 1 and 2 j + 2
+                    acc = _issue(w_a, acc, a_ring, a_ready, it, LOAD_STAGES)
+                    w_b = _step_fragment(p_ring, s_ring, p_ready, p_free, it + 1, 2 * j + 1, col0, HALF_INDEX, FMT,
+                                         R, BK, LOAD_STAGES, byte_layout, SW, acc_layout)
+                    acc, w_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_a))
+                    mbarrier.arrive(a_free.index(it % LOAD_STAGES), count=1)
+                    acc = _issue(w_b, acc, a_ring, a_ready, it + 1, LOAD_STAGES)
+                    w_a = _step_fragment(p_ring, s_ring, p_ready, p_free, it + 2, 2 * j + 2, col0, HALF_INDEX, FMT,
+                                         R, BK, LOAD_STAGES, byte_layout, SW, acc_layout)
+                    acc, w_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_b))
+                    mbarrier.arrive(a_free.index((it + 1) % LOAD_STAGES), count=1)
+                    it += 2
+                # the last two steps
+                acc = _issue(w_a, acc, a_ring, a_ready, it, LOAD_STAGES)
+                w_b = _step_fragment(p_ring, s_ring, p_ready, p_free, it + 1, steps - 1, col0, HALF_INDEX, FMT, R,
+                                     BK, LOAD_STAGES, byte_layout, SW, acc_layout)
+                acc, w_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_a))
+                mbarrier.arrive(a_free.index(it % LOAD_STAGES), count=1)
+                acc = _issue(w_b, acc, a_ring, a_ready, it + 1, LOAD_STAGES)
+                acc, w_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_b))
+                mbarrier.arrive(a_free.index((it + 1) % LOAD_STAGES), count=1)
+                it += 2
+            else:
+                for i in range(steps):
+                    s = it % LOAD_STAGES
+                    phase = (it // LOAD_STAGES) & 1
+                    b, sc = _step_operands(p_ring, s_ring, p_ready, p_free, s, phase, i, col0, HALF_INDEX, FMT, R, BK,
+                                           byte_layout, SW)
+                    a_tile = a_ring.index(s)
+                    if MMA_CHUNKS == 1:
+                        w = _decode(b, gl.expand_dims(sc, 2), FMT, R, BK, acc_layout)
                         mbarrier.wait(a_ready.index(s), phase)
-                        acc = warpgroup_mma(w0, a_tile.slice(0, BK // 2, dim=1).permute((1, 0)), acc, is_async=True)
-                        w1 = _decode(b1, s1, FMT, R, BK // 2, acc_layout)
-                        acc = warpgroup_mma(w1, a_tile.slice(BK // 2, BK // 2, dim=1).permute((1, 0)), acc,
-                                            is_async=True)
-                        acc, w0, w1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1))
-                    else:  # 4 slices of 16: slice 2 g + h = half h of scale group g
-                        b0, b2, b1, b3 = _quarters(b, R)
-                        s0, s2, s1, s3 = _quarters(scw, R)
-                        Q: gl.constexpr = BK // 4
-                        w0 = _decode(b0, s0, FMT, R, Q, acc_layout)
-                        mbarrier.wait(a_ready.index(s), phase)
-                        acc = warpgroup_mma(w0, a_tile.slice(0, Q, dim=1).permute((1, 0)), acc, is_async=True)
-                        w1 = _decode(b1, s1, FMT, R, Q, acc_layout)
-                        acc = warpgroup_mma(w1, a_tile.slice(Q, Q, dim=1).permute((1, 0)), acc, is_async=True)
-                        w2 = _decode(b2, s2, FMT, R, Q, acc_layout)
-                        acc = warpgroup_mma(w2, a_tile.slice(2 * Q, Q, dim=1).permute((1, 0)), acc, is_async=True)
-                        w3 = _decode(b3, s3, FMT, R, Q, acc_layout)
-                        acc = warpgroup_mma(w3, a_tile.slice(3 * Q, Q, dim=1).permute((1, 0)), acc, is_async=True)
-                        acc, w0, w1, w2, w3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1, w2, w3))
-                mbarrier.arrive(a_free.index(s), count=1)
-                it += 1
+                        acc = warpgroup_mma(w, a_tile.permute((1, 0)), acc, is_async=True)
+                        acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))  # before w's registers are reused
+                    else:
+                        # the step in K slices, each decoded while the previous slice's wgmma runs (its own registers)
+                        scw, b = gl.broadcast(gl.expand_dims(sc, 2), b)  # [R, G, 16] scale of each byte's group
+                        if MMA_CHUNKS == 2:  # slice j = scale group j
+                            b0, b1 = gl.split(gl.permute(b, (0, 2, 1)))
+                            s0, s1 = gl.split(gl.permute(scw, (0, 2, 1)))
+                            w0 = _decode(b0, s0, FMT, R, BK // 2, acc_layout)
+                            mbarrier.wait(a_ready.index(s), phase)
+                            acc = warpgroup_mma(w0, a_tile.slice(0, BK // 2, dim=1).permute((1, 0)), acc,
+                                                is_async=True)
+                            w1 = _decode(b1, s1, FMT, R, BK // 2, acc_layout)
+                            acc = warpgroup_mma(w1, a_tile.slice(BK // 2, BK // 2, dim=1).permute((1, 0)), acc,
+                                                is_async=True)
+                            acc, w0, w1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1))
+                        else:  # 4 slices of 16: slice 2 g + h = half h of scale group g
+                            b0, b2, b1, b3 = _quarters(b, R)
+                            s0, s2, s1, s3 = _quarters(scw, R)
+                            Q: gl.constexpr = BK // 4
+                            w0 = _decode(b0, s0, FMT, R, Q, acc_layout)
+                            mbarrier.wait(a_ready.index(s), phase)
+                            acc = warpgroup_mma(w0, a_tile.slice(0, Q, dim=1).permute((1, 0)), acc, is_async=True)
+                            w1 = _decode(b1, s1, FMT, R, Q, acc_layout)
+                            acc = warpgroup_mma(w1, a_tile.slice(Q, Q, dim=1).permute((1, 0)), acc, is_async=True)
+                            w2 = _decode(b2, s2, FMT, R, Q, acc_layout)
+                            acc = warpgroup_mma(w2, a_tile.slice(2 * Q, Q, dim=1).permute((1, 0)), acc,
+                                                is_async=True)
+                            w3 = _decode(b3, s3, FMT, R, Q, acc_layout)
+                            acc = warpgroup_mma(w3, a_tile.slice(3 * Q, Q, dim=1).permute((1, 0)), acc,
+                                                is_async=True)
+                            acc, w0, w1, w2, w3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1, w2, w3))
+                    mbarrier.arrive(a_free.index(s), count=1)
+                    it += 1
             ws.store_tile(acc, out_ptr, row0, row_end, col0 + HALF_INDEX * R, out_cols, stride_om, R, BM)
 
     @gluon.jit
     def w4a16_rs_kernel(a_desc, p_desc, s_desc, out_ptr, tiles_ptr, n_tiles, n_col_tiles, N, K, stride_om,
                         FMT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                        LOAD_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, MMA_CHUNKS: gl.constexpr):
+                        LOAD_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, MMA_CHUNKS: gl.constexpr,
+                        DECODE_AHEAD: gl.constexpr):
         """Forward ``y [T, N] = x . dequant(W)^T`` over the ``BN``-column work items (``BN`` = 256 or 128, half per
         consumer warpgroup) ``t = program_id, program_id + programs, ...`` below ``n_tiles`` (as
         :func:`.gluon_w4a16.w4a16_ws_kernel`); descriptors as there (forward blocks of a ``BN``-column tile)."""
@@ -234,29 +294,36 @@ if HAVE_GLUON:
             (ws._loader, (a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, tiles_ptr,
                           n_tiles, n_col_tiles, N, steps, DGRAD, BN, BK, LOAD_STAGES)),
             (_rs_consumer, (a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
-                            n_col_tiles, steps, N, stride_om, FIRST, FMT, BM, BK, LOAD_STAGES, R, MMA_CHUNKS)),
+                            n_col_tiles, steps, N, stride_om, FIRST, FMT, BM, BK, LOAD_STAGES, R, MMA_CHUNKS,
+                            DECODE_AHEAD)),
             (_rs_consumer, (a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
-                            n_col_tiles, steps, N, stride_om, SECOND, FMT, BM, BK, LOAD_STAGES, R, MMA_CHUNKS)),
+                            n_col_tiles, steps, N, stride_om, SECOND, FMT, BM, BK, LOAD_STAGES, R, MMA_CHUNKS,
+                            DECODE_AHEAD)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str, m_splits,
                  out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
                  load_stages: int | None = None, persistent: bool | int = False,
-                 mma_chunks: int = DEFAULT_MMA_CHUNKS, ctas_per_sm: int = 1) -> torch.Tensor:
+                 mma_chunks: int = DEFAULT_MMA_CHUNKS, ctas_per_sm: int = 1,
+                 decode_ahead: bool = False) -> torch.Tensor:
     """``y[T, N]`` bf16, ``y[rows_e] = x[rows_e] . dequant(W_e)^T`` with fp32 accumulation; arguments as
     :func:`.gluon_w4a16.grouped_gemm` (no decode warps: the wgmma warpgroups decode); ``block_n`` 256 or 128
     output columns per tile (default :func:`pick_block_n`), ``block_m`` one of :func:`block_m_choices` (default
     :func:`pick_block_m`), ``load_stages`` default :func:`default_load_stages`; ``mma_chunks`` one of
     :data:`MMA_CHUNK_CHOICES`: wgmmas per K step (see the module docstring); ``ctas_per_sm`` 2: two programs per SM
     (:data:`TWO_PER_SM`: tiles of at most 64 x 128 or 32 x 256; persistent = two per SM), four consumer warpgroups decoding where
-    a tile has few rows."""
+    a tile has few rows; ``decode_ahead``: each warpgroup decodes step ``i + 1`` while its step-``i`` wgmma runs (one
+    wgmma per K step; its fragments take twice the registers, so tiles of 128 columns)."""
     where = "gluon_w4a16_rs.grouped_gemm"
-    block_n = pick_block_n(m_splits) if block_n is None else block_n
+    block_n = (128 if decode_ahead else pick_block_n(m_splits)) if block_n is None else block_n
     if block_n not in BLOCK_N_CHOICES:
         raise ValueError(f"{where}: block_n must be one of {BLOCK_N_CHOICES}, got {block_n}")
     if mma_chunks not in MMA_CHUNK_CHOICES:
         raise ValueError(f"{where}: mma_chunks must be one of {MMA_CHUNK_CHOICES}, got {mma_chunks}")
+    if decode_ahead and (mma_chunks != 1 or block_n != 128):
+        raise ValueError(f"{where}: decode_ahead runs one wgmma per K step on 128-column tiles (two fragments in "
+                         f"registers), got mma_chunks {mma_chunks}, block_n {block_n}")
     if ctas_per_sm not in (1, 2):
         raise ValueError(f"{where}: ctas_per_sm must be 1 or 2, got {ctas_per_sm}")
     block_m = pick_block_m(m_splits, block_n) if block_m is None else block_m
@@ -273,5 +340,6 @@ def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     w4a16_rs_kernel[run.grid](*run.descs, run.out, run.tiles, run.n_tiles, run.n_col_tiles, run.N, run.K,
                               run.out.stride(0), run.fmt_id, run.block_m, block_n, BK, run.stages,
                               CONSUMER_REGS if ctas_per_sm == 1 else TWO_PER_SM["consumer_regs"], mma_chunks,
+                              bool(decode_ahead),
                               num_warps=4, **({} if ctas_per_sm == 1 else {"maxnreg": TWO_PER_SM["maxnreg"]}))
     return run.out

@@ -6,11 +6,12 @@ the float32 oracle of exactly dequantized weights, and whether unwritten rows (N
 with one program per tile and once persistent on 2 programs (each then walks several tiles, its rings running on
 across them: a parity slip there hangs or corrupts the next tile).
 
-    python3 tests/gpu/gluon_probe.py                   # all 24 variants, 60 s each ($GLUON_PROBE_OPS: only these ops)
+    python3 tests/gpu/gluon_probe.py                   # all 32 variants, 60 s each ($GLUON_PROBE_OPS: only these ops)
     python3 tests/gpu/gluon_probe.py one mxfp4 fwd 2   # one variant in this process (programs: 0 = one per tile;
                                                        # op: fwd, dgrad, or rs = the register-fragment forward,
                                                        # rsn128 = it with 128 columns and 256 rows per tile,
-                                                       # k4 = 4 wgmmas per K step, o2 = 2 programs per SM)
+                                                       # k4 = 4 wgmmas per K step, o2 = 2 programs per SM,
+                                                       # a = decode ahead)
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ def one(fmt_name: str, op: str, programs: int) -> None:
     out = torch.full((T, K if op == "dgrad" else N), float("nan"), dtype=torch.bfloat16, device="cuda")
     t0 = time.time()
     if op.startswith("rs"):  # the forward with the weights in the wgmma's registers (rsn128: 256 rows x 128 cols;
-        from kimi_core.kernels import gluon_w4a16_rs as rs  # k4: 4 wgmmas per K step; o2: 2 programs per SM
+        from kimi_core.kernels import gluon_w4a16_rs as rs  # k4: 4 wgmmas per K step; o2: 2 programs per SM;
+        # a: decode ahead (rsn128a...)
 
         rs.grouped_gemm(a, wp, ws, fmt, splits, out=out, persistent=programs or False,
                         block_n=128 if op.startswith("rsn128") else 256, mma_chunks=4 if "k4" in op else 1,
-                        **({"ctas_per_sm": 2, "block_m": 16} if "o2" in op else {}))
+                        decode_ahead="a" in op, **({"ctas_per_sm": 2, "block_m": 16} if "o2" in op else {}))
     else:
         (gw.grouped_gemm_dgrad if op == "dgrad" else gw.grouped_gemm)(a, wp, ws, fmt, splits, out=out,
                                                                        persistent=programs or False)
@@ -65,7 +67,7 @@ def main() -> int:
     timeout = int(os.environ.get("GLUON_PROBE_TIMEOUT", "60"))
     bad = 0
     for fmt in ("mxfp4", "int4"):
-        for op in os.environ.get("GLUON_PROBE_OPS", "fwd,dgrad,rs,rsn128,rsn128k4,rsk4o2").split(","):
+        for op in os.environ.get("GLUON_PROBE_OPS", "fwd,dgrad,rs,rsn128,rsn128k4,rsk4o2,rsn128a,rsn128ao2").split(","):
             for programs in ("0", "2"):  # one program per tile (the binary compiles once), then 2 persistent ones
                 name = f"{fmt} {op} programs {programs}"
                 try:

@@ -98,6 +98,20 @@ def compile_w4a16(kernel, dgrad: int, bm: int, bn: int, ws: str, constexprs: dic
     return k, k.asm["ptx"], usage
 
 
+def wgmma_serialization_warnings(ptx: str) -> list[str]:
+    """ptxas's (Triton's wheel) warnings that it serialized wgmmas (``C7510``-``C7519``, e.g. C7513: a non-wgmma
+    instruction defines a register that an in-flight wgmma reads), from re-assembling ``ptx`` for sm_90a; Triton's
+    own ptxas run does not show them."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        open(src, "w").write(ptx)
+        done = subprocess.run([tool, "-arch=sm_90a", "-o", os.path.join(tmp, "k.cubin"), src], capture_output=True,
+                              text=True)
+    assert done.returncode == 0, f"ptxas failed: {done.stderr[-2000:]}"
+    return [line for line in done.stderr.splitlines() if re.search(r"C751\d", line)]
+
+
 def dump(k, name: str) -> None:
     """``GLUON_DUMP=<prefix>``: write the variant's PTX, TTGIR and cubin beside ``<prefix>_<name>``."""
     if os.environ.get("GLUON_DUMP"):
@@ -134,22 +148,26 @@ for fmt, ws, dgrad, warps, bm, bn in configs:
 from kimi_core.kernels import gluon_w4a16_rs as rs  # noqa: E402
 
 for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16")):
-    # (columns, rows, wgmmas per K step, programs per SM)
-    for bn, bm, chunks, ctas in ((256, BMAX, 1, 1), (256, 16, 1, 1), (128, 256, 1, 1), (128, BMAX, 1, 1),
-                                 (128, 16, 1, 1), (128, 256, 2, 1), (128, 256, 4, 1), (256, BMAX, 4, 1),
-                                 (128, 16, 4, 1), (128, 16, 4, 2), (128, 64, 2, 2), (256, 32, 1, 2), (256, 16, 4, 2)):
+    # (columns, rows, wgmmas per K step, programs per SM, decode ahead)
+    for bn, bm, chunks, ctas, ahead in (
+            (256, BMAX, 1, 1, 0), (256, 16, 1, 1, 0), (128, 256, 1, 1, 0), (128, BMAX, 1, 1, 0), (128, 16, 1, 1, 0),
+            (128, 256, 2, 1, 0), (128, 256, 4, 1, 0), (256, BMAX, 4, 1, 0), (128, 16, 4, 1, 0), (128, 16, 4, 2, 0),
+            (128, 64, 2, 2, 0), (256, 32, 1, 2, 0), (256, 16, 4, 2, 0),
+            (128, 256, 1, 1, 1), (128, BMAX, 1, 1, 1), (128, 16, 1, 1, 1), (128, 64, 1, 2, 1)):
         stages = rs.default_load_stages(bm, bn, ctas)
         two = rs.TWO_PER_SM
         k, ptx, usage = compile_w4a16(rs.w4a16_rs_kernel, 0, bm, bn, ws, {
             "FMT": fmt, "BM": bm, "BN": bn, "BK": gw.BK, "LOAD_STAGES": stages,
-            "CONSUMER_REGS": rs.CONSUMER_REGS if ctas == 1 else two["consumer_regs"], "MMA_CHUNKS": chunks}, 4,
-            None if ctas == 1 else two["maxnreg"])
+            "CONSUMER_REGS": rs.CONSUMER_REGS if ctas == 1 else two["consumer_regs"], "MMA_CHUNKS": chunks,
+            "DECODE_AHEAD": ahead}, 4, None if ctas == 1 else two["maxnreg"])
         if ctas == 2:  # two programs must fit one SM: registers at launch and shared memory
             assert 2 * 384 * int(re.search(r"REG:(\d+)", usage).group(1)) <= 65536 and k.metadata.shared <= 113 * 1024
         # RS form: the A operand is a register list ({%r..}), not a shared-memory descriptor
         rs_form = any("wgmma.mma_async" in line and ", {%r" in line for line in ptx.splitlines())
         print("w4a16_rs fwd", "mxfp4" if fmt == MXFP4 else "int4", f"BN {bn} BM {bm} load stages {stages}",
-              f"wgmmas per K step {chunks} programs per SM {ctas}",
+              f"wgmmas per K step {chunks} programs per SM {ctas} decode ahead {ahead}",
               "| wgmma with register A:", rs_form, "| shared bytes:", k.metadata.shared, "|", usage)
         assert rs_form, "the RS kernel's wgmma must take A from registers"
-        dump(k, f"rs_{fmt}_n{bn}_m{bm}_c{chunks}_o{ctas}")
+        serialized = wgmma_serialization_warnings(ptx)
+        assert not serialized, f"ptxas serializes the wgmmas of this variant: {serialized}"
+        dump(k, f"rs_{fmt}_n{bn}_m{bm}_c{chunks}_o{ctas}_a{ahead}")

@@ -35,6 +35,10 @@ def load_benchmark():
     ("rsn128k4p", {"kernel": "registers", "load_stages": None, "block_n": 128, "mma_chunks": 4, "persistent": True}),
     ("rs16n128k2o2p", {"kernel": "registers", "block_m": 16, "load_stages": None, "block_n": 128, "mma_chunks": 2,
                        "ctas_per_sm": 2, "persistent": True}),
+    ("rsn128ap", {"kernel": "registers", "load_stages": None, "block_n": 128, "decode_ahead": True,
+                  "persistent": True}),
+    ("rs64o2a", {"kernel": "registers", "block_m": 64, "load_stages": None, "ctas_per_sm": 2,
+                 "decode_ahead": True}),
 ])
 def test_config_strings_read_into_kernel_arguments(text, want):
     from kimi_core.kernels import gluon_w4a16 as gw

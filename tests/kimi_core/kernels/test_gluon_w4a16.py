@@ -201,10 +201,13 @@ def test_gluon_options_name_a_kernel_that_has_the_op(monkeypatch):
     ({"ctas_per_sm": 2, "block_m": 128, "block_n": 128}, r"ctas_per_sm=2 takes tiles of at most 64 rows x 128 "
                                                         r"columns or 32 x 256 .* got block_m 128 x block_n 128"),
     ({"ctas_per_sm": 2, "block_m": 64, "block_n": 256}, r"ctas_per_sm=2 takes .* got block_m 64 x block_n 256"),
+    ({"decode_ahead": True, "block_n": 256}, r"decode_ahead runs one wgmma per K step on 128-column tiles .* got "
+                                             r"mma_chunks 1, block_n 256"),
+    ({"decode_ahead": True, "mma_chunks": 4}, r"decode_ahead runs .* got mma_chunks 4, block_n 128"),
 ])
 def test_register_kernel_refuses_options_it_cannot_run_by_name(kw, match):
-    """The register kernel's K slicing (1, 2 or 4 wgmmas per K step) and two-programs-per-SM mode are refused by
-    name outside what compiles without spills (tests/gpu/gluon_sm90_compile_check.py), before anything launches."""
+    """The register kernel's K slicing (1, 2 or 4 wgmmas per K step), two-programs-per-SM mode and decode ahead are
+    refused by name outside what compiles without spills (tests/gpu/gluon_sm90_compile_check.py), before anything launches."""
     import os
     import sys
 

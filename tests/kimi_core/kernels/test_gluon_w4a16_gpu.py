@@ -96,14 +96,15 @@ def every_scale(ws: torch.Tensor, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("kernel,block_n,rs_kw", [("smem", 128, {}), ("smem", 256, {}), ("registers", 256, {}),
                                                  ("registers", 128, {}), ("registers", 128, {"mma_chunks": 4}),
-                                                 ("registers", 256, {"mma_chunks": 2})])
+                                                 ("registers", 256, {"mma_chunks": 2}),
+                                                 ("registers", 128, {"decode_ahead": True})])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gluon_decoded_weights_are_bit_exact_over_every_scale(fmt, kernel, block_n, rs_kw):
     """An identity activation reads the decoded weights back exactly (one product per output, ``1 * w``): forward
     gives ``W^T``, dgrad ``W``; both must equal :func:`kimi_core.quant.dequantize` over every scale
     (:func:`every_scale`), for the shared-memory decode kernel with 128- and 256-column tiles (dgrad's 256 columns
     pick 8 scale groups per row from the scale box) and the register-fragment forward (``gluon_w4a16_rs``, two
-    warpgroups of 128 or of 64 weight rows; the K step in one wgmma or in 2 / 4 slices). Exact
+    warpgroups of 128 or of 64 weight rows; the K step in one wgmma or in 2 / 4 slices; decode ahead). Exact
     equality (``==``: the fp32 sum of the identity row cannot keep a weight's sign of zero, so -0 reads back as
     +0)."""
     from kimi_core.kernels import gluon_w4a16 as gw
@@ -180,6 +181,16 @@ def test_forced_gluon_path_through_autograd_with_device_splits(fmt):
                  id="K2-fc2-8tok-2perSM-n256-4slices"),
     pytest.param(7, 512, 200, 70, {"block_n": 128, "block_m": 64, "ctas_per_sm": 2, "load_stages": 2,
                                    "persistent": 3, "mma_chunks": 2}, id="masked-N-64rows-2perSM-3prog"),
+    # decode ahead (step i + 1 decoded while step i's wgmma runs; the pipeline unrolled by two): the fewest steps
+    # (K 512: 8), rings that wrap across tiles, few rows, two programs per SM
+    pytest.param(112, 3584, 6144, 128, {"decode_ahead": True}, id="K3-fc1-128tok-ahead"),
+    pytest.param(16, 3584, 6144, 600, {"decode_ahead": True, "persistent": True}, id="K3-fc1-600tok-ahead-persistent"),
+    pytest.param(7, 512, 200, 300, {"decode_ahead": True, "block_m": 256, "load_stages": 2, "persistent": 3},
+                 id="masked-N-8steps-ahead-256rows-3prog"),
+    pytest.param(7, 512, 200, 70, {"decode_ahead": True, "block_m": 16, "load_stages": 3, "persistent": 2},
+                 id="masked-N-8steps-ahead-16rows-2prog"),
+    pytest.param(24, 2048, 7168, 8, {"decode_ahead": True, "block_m": 64, "ctas_per_sm": 2, "persistent": True},
+                 id="K2-fc2-8tok-ahead-2perSM"),
 ])
 def test_gluon_rs_forward_matches_oracle(fmt, E, K, N, mean, kw):
     """The forward with the weights decoded into the wgmma's register fragment (``gluon_w4a16_rs``: two warpgroups
