@@ -23,8 +23,18 @@ Tiles: 256 columns x up to 128 rows, or 128 columns x up to 256 rows (:func:`pic
 accumulator registers per thread, but each decoded weight meets 256 rows, half the decode per multiply-add. The SASS
 shows why that matters: the decode, not the tensor cores, sets the pace (a 256 x 128 MXFP4 step issues ~350
 instructions per warp for 1 M multiply-adds, ~700 per scheduler per 1024-cycle step of both warpgroups; 128 x 256:
-~200). Keeping the next step's fragment in flight too (decode while the own wgmma runs) makes ptxas serialize every
-wgmma (C7512: the kernel's 168-register launch bound covers the code after ``setmaxnreg``), so it is not done.
+~200). Two ways to overlap a warpgroup's own decode with its own wgmma:
+
+* ``decode_ahead``: step ``i + 1`` is decoded into a second fragment while step ``i``'s wgmma runs (128-column
+  tiles: two 64-row fragments fit the registers). Written as a loop-carried fragment, the loop's phi redefines
+  registers an in-flight wgmma reads and ptxas serializes every wgmma (C7513, "non wgmma instructions defining
+  input registers of a wgmma between start and end of the pipeline stage"); so the K loop is unrolled by two, the
+  fragments ``w_a`` / ``w_b`` alternating, and ptxas keeps the wgmmas asynchronous (the compile check asserts it
+  for every variant). An earlier note here blamed the 168-register launch bound (C7512); that was wrong: after
+  ``setmaxnreg`` the consumers use registers above 168.
+* ``mma_chunks`` 2 or 4: the step in K slices, each slice's wgmma issued once its slice is decoded. It compiles
+  without serialization, but the SASS has nearly all the slices' decode ahead of the first wgmma (LLVM's schedule),
+  so little overlaps; the H200 measured it within +-5% of one wgmma per step (benchmarks/RESULTS.md, 2026-12-05).
 
 Forward only: in dgrad the weights' two nibbles of a byte are neighbours along the fragment's M side, which the
 fragment spreads over threads, so dgrad stays with :func:`.gluon_w4a16.grouped_gemm_dgrad`. Shapes, dtypes, tile
@@ -47,8 +57,8 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-__all__ = ["BLOCK_N_CHOICES", "DEFAULT_MMA_CHUNKS", "MMA_CHUNK_CHOICES", "TWO_PER_SM", "block_m_choices", "default_load_stages", "grouped_gemm", "pick_block_m",
-           "pick_block_n"]
+__all__ = ["BLOCK_N_CHOICES", "DEFAULT_MMA_CHUNKS", "MMA_CHUNK_CHOICES", "TWO_PER_SM", "block_m_choices",
+           "default_load_stages", "grouped_gemm", "pick_block_m", "pick_block_n"]
 
 
 BLOCK_N_CHOICES = (128, 256)  # output columns per tile: two warpgroups of 64 or of 128 weight rows (the wgmma's M)
