@@ -198,7 +198,8 @@ def measure_gluon(fns, x, dy, wp, ws, fmt, splits, flops, configs: list[str]) ->
     for config in configs:
         kw = parse_gluon_config(config)
         gluon_fns = {"fwd": lambda: kernels.run_gluon("fwd", x, wp, ws, fmt, splits, kw)}
-        if kw.get("kernel") != "registers":  # the register-fragment kernel is forward only
+        # the register-fragment dgrad runs neither K slices nor two programs per SM
+        if not (kw.get("kernel") == "registers" and ({"mma_chunks", "ctas_per_sm"} & kw.keys())):
             gluon_fns["dgrad"] = lambda: kernels.run_gluon("dgrad", dy, wp, ws, fmt, splits, kw)
         for op, fn in gluon_fns.items():
             label = config

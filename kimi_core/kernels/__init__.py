@@ -57,29 +57,28 @@ W4A16_CROSSOVER: dict[str, dict] = {"fwd": {"default": 512}, "dgrad": {"default"
 
 #: Where auto picks the Gluon kernels instead, per op: a half-open range ``(from, to)`` of mean tokens per expert
 #: (``to`` None: no upper end) or None (never); an ``(N, K)`` key overrides ``"default"``. Source: benchmarks/
-#: RESULTS.md, "W4A16 grouped GEMM: the Gluon kernels" (H200, 2026-12-04, every shape and format at 8 / 128 / 512 /
-#: 2048 tokens per expert, against the fused and chunked rows of 2026-12-02). Forward (the register-fragment
-#: kernel): faster than both at 512 on every shape (K3 fc1 MXFP4 0.83x BF16 vs chunked 0.62x, K2 fc2 MXFP4 0.69x
-#: vs 0.63x); at 2048 level with chunked on the K3 shapes (K3 fc1 0.84x / 0.91x vs 0.85x / 0.83x, and no 1 GiB
-#: workspace) but slower on the K2 shapes (K2 fc2 0.73x vs 0.88x), so K2 stops at 1024 (between the measured 512
-#: and 2048); at 128 faster than fused only on K3 fc1 in both formats (1.05x / 0.93x vs 0.79x / 0.72x); at 8 the
-#: fused kernel wins everywhere (1.7-2.2x vs 0.9-1.7x). Shapes not measured (e.g. the demos' small models) keep
-#: the fused / chunked table.
-#: Dgrad (the shared-memory kernel): faster than fused at 128 on K3 fc1 only (0.72x / 0.74x vs 0.67x / 0.55x);
-#: chunked wins from 512.
+#: RESULTS.md, "W4A16 grouped GEMMs: the register-fragment dgrad and decode ahead" (2026-12-05: the register
+#: kernels, forward and dgrad, on every shape and format at 8 / 128 / 512 / 2048 tokens per expert, H100) against
+#: the fused and chunked rows of "the Gluon kernels measured" (H200, 2026-12-04), then auto against both on one GPU
+#: (same section). From 128 tokens per expert the register kernels beat fused on every shape, forward and dgrad
+#: (K3 fc1 MXFP4 128: forward 1.38 ms vs fused 1.97, dgrad 1.78 vs 2.14; K2 fc2 MXFP4 128: 0.31 vs 0.33 and 0.39
+#: vs 0.48), and from 512 chunked too except within a few percent at 2048 on K2 fc2 MXFP4 (2.33-2.49 ms vs 2.18,
+#: without chunked's 1 GiB workspace); dgrad at 512 on K3 fc1 4.63 ms vs chunked 5.75. At 8 the fused kernel wins
+#: everywhere (forward 1.4-2.2x BF16 vs the register kernel's 1.2-1.8x). Shapes not measured (e.g. the demos' small
+#: models) keep the fused / chunked table.
 W4A16_GLUON: dict[str, dict] = {
-    "fwd": {"default": None, (6144, 3584): (128, None), (3584, 3072): (256, None), (4096, 7168): (256, 1024),
-            (7168, 2048): (256, 1024)},
-    "dgrad": {"default": None, (6144, 3584): (128, 512)},
+    op: {"default": None, (6144, 3584): (128, None), (3584, 3072): (128, None), (4096, 7168): (128, None),
+         (7168, 2048): (128, None)}
+    for op in ("fwd", "dgrad")
 }
 
 #: The kernel and options the ``"gluon"`` path runs, per op: ``kernel`` ``"smem"`` (:mod:`.gluon_w4a16`, decoded
-#: tiles in shared memory; forward and dgrad) or ``"registers"`` (:mod:`.gluon_w4a16_rs`, the forward with the
-#: weights in the wgmma's register fragment); the rest are that kernel's keyword arguments (tile sizes, persistent).
-#: The measured best (same source): the register kernel with its own tile pick, persistent, for the forward; the
-#: shared-memory kernel with 256-column tiles, persistent, for dgrad.
-GLUON_OPTIONS: dict[str, dict] = {"fwd": {"kernel": "registers", "persistent": True},
-                                  "dgrad": {"kernel": "smem", "block_n": 256, "persistent": True}}
+#: tiles in shared memory) or ``"registers"`` (:mod:`.gluon_w4a16_rs`, the weights decoded into the wgmma's
+#: register fragment); the rest are that kernel's keyword arguments (tile sizes, persistent, decode ahead). The
+#: measured best (same source): the register kernels with their own tile pick (256 columns up to 128 mean rows,
+#: else 128 columns x 256 rows), persistent, decoding ahead on 128-column tiles, forward and dgrad.
+GLUON_OPTIONS: dict[str, dict] = {op: {"kernel": "registers", "persistent": True, "decode_ahead": "auto"}
+                                  for op in ("fwd", "dgrad")}
 
 
 def _check(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype) -> None:
@@ -179,18 +178,18 @@ def run_gluon(op: str, a: torch.Tensor, w_packed, w_scale, fmt: str, m_splits, o
               ) -> torch.Tensor:
     """One op (``"fwd"``: ``a`` = ``x``; ``"dgrad"``: ``a`` = ``dy``) on a Gluon kernel: ``options`` =
     ``{"kernel": "smem" | "registers", **that kernel's keyword arguments}`` (default: :data:`GLUON_OPTIONS`, what the
-    ``"gluon"`` path runs). ``"smem"`` is :mod:`.gluon_w4a16`, ``"registers"`` the forward-only
-    :mod:`.gluon_w4a16_rs`."""
+    ``"gluon"`` path runs). ``"smem"`` is :mod:`.gluon_w4a16`, ``"registers"`` :mod:`.gluon_w4a16_rs` (the
+    weights decoded into the wgmma's register fragment)."""
     source = f"GLUON_OPTIONS[{op!r}]['kernel']" if options is None else "the Gluon kernel"
     options = dict(GLUON_OPTIONS[op] if options is None else options)
     kernel = options.pop("kernel", "smem")
-    if kernel == "registers" and op == "fwd":
+    if kernel == "registers":
         from kimi_core.kernels import gluon_w4a16_rs
 
-        return gluon_w4a16_rs.grouped_gemm(a, w_packed, w_scale, fmt, m_splits, **options)
+        fn = gluon_w4a16_rs.grouped_gemm if op == "fwd" else gluon_w4a16_rs.grouped_gemm_dgrad
+        return fn(a, w_packed, w_scale, fmt, m_splits, **options)
     if kernel != "smem":
-        choices = "'smem' or 'registers'" if op == "fwd" else "'smem' (the register-fragment kernel has no dgrad)"
-        raise ValueError(f"{_WHERE}: {source} must be {choices}, got {kernel!r}")
+        raise ValueError(f"{_WHERE}: {source} must be 'smem' or 'registers', got {kernel!r}")
     from kimi_core.kernels import gluon_w4a16
 
     fn = gluon_w4a16.grouped_gemm if op == "fwd" else gluon_w4a16.grouped_gemm_dgrad

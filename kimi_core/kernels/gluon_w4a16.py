@@ -93,9 +93,11 @@ def decode_regs(decode_warps: int, block_n: int = BN) -> int:
     return 120
 
 
-def load_stage_bytes(block_m: int, dgrad: bool, block_n: int = BN) -> int:
-    """Shared bytes of one TMA ring stage: the bf16 activation tile, the packed bytes and the 16-byte scale boxes."""
-    return block_m * BK * 2 + block_n * BK // 2 + (BK if dgrad else block_n) * 16
+def load_stage_bytes(block_m: int, dgrad: bool, block_n: int = BN, scales_t: bool = False) -> int:
+    """Shared bytes of one TMA ring stage: the bf16 activation tile, the packed bytes and the 16-byte scale boxes
+    (``scales_t``: the ``[block_n / 32, BK]`` box of transposed scales, at most 2 bytes each)."""
+    scales = block_n // 32 * BK * 2 if scales_t else (BK if dgrad else block_n) * 16
+    return block_m * BK * 2 + block_n * BK // 2 + scales
 
 
 def default_load_stages(block_m: int, dgrad: bool, block_n: int = BN) -> int:
@@ -205,9 +207,15 @@ if HAVE_GLUON:
                 v7 = _pick_scale(words, cols, off + 7 * SB, MASK)
                 v = gl.reshape(gl.join(gl.join(gl.join(v0, v4), gl.join(v2, v6)),
                                        gl.join(gl.join(v1, v5), gl.join(v3, v7))), [R, 8])
-        sb = gl.convert_layout(v, layout)
+        return scale_bits_to_pairs(gl.convert_layout(v, layout), FMT)
+
+    @gluon.jit
+    def scale_bits_to_pairs(sb, FMT: gl.constexpr):
+        """int32 bf16x2 scale pairs (the same scale in both halves) of the raw scale bits ``sb`` (int32: MXFP4's
+        E8M0 byte ``s`` -> bf16 ``2^(s - 127)``, ``s = 0`` the subnormal ``2^-127``; INT4's bf16 bits as they
+        are)."""
         if FMT == 0:
-            sb = gl.where(sb == 0, 0x40, sb << 7)  # bf16 bits of 2^(s - 127); s = 0 is the subnormal 2^-127
+            sb = gl.where(sb == 0, 0x40, sb << 7)
         return sb | (sb << 16)
 
     @gluon.jit
@@ -222,12 +230,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _loader(a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, tiles_ptr, n_tiles,
-                n_col_tiles, N, steps, DGRAD: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                LOAD_STAGES: gl.constexpr):
+                n_col_tiles, N, KG, steps, DGRAD: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                LOAD_STAGES: gl.constexpr, SCALES_T: gl.constexpr):
         """One warp here (the default partition's four in :mod:`.gluon_w4a16_rs`; one thread issues each copy): TMA
         copies of the activation tile ``[BM, BK]``, the packed weight bytes and the scales of each
         step into the ``LOAD_STAGES``-deep load rings (forward: bytes ``[BN rows, BK / 2]``, scales of those rows;
-        dgrad: bytes ``[BK rows, BN / 2]``, scales of those rows). The scales go by TMA, not by the decoder's own
+        dgrad: bytes ``[BK rows, BN / 2]``, scales of those rows; ``SCALES_T``: dgrad with the scales transposed,
+        ``[E * KG, N]`` with ``KG = K / 32`` groups per expert, a ``[BN / 32, BK]`` box of the tile's groups). The
+        scales go by TMA, not by the decoder's own
         loads: its fence before each wgmma hand-off (``MEMBAR``) would wait for them. The rings run on across this
         program's work items (``it`` counts its K steps), so the next tile's first loads overlap this one's end."""
         it = 0
@@ -237,14 +247,24 @@ if HAVE_GLUON:
                 s = it % LOAD_STAGES
                 phase = ((it // LOAD_STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
                 mbarrier.wait(p_free.index(s), phase)
-                mbarrier.expect(p_ready.index(s), p_desc.block_type.nbytes + s_desc.block_type.nbytes)
-                box0, _ = _scale_box(i, col0, DGRAD, BK, 16 // s_desc.block_type.shape[1])
-                if DGRAD:
+                if SCALES_T:  # the bytes as two boxes, one per consumer warpgroup's half of the columns
+                    mbarrier.expect(p_ready.index(s), 2 * p_desc.block_type.nbytes + s_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(p_desc, [expert * N + i * BK, col0 // 2], p_ready.index(s),
+                                                    p_ring.index(2 * s))
+                    tma.async_copy_global_to_shared(p_desc, [expert * N + i * BK, col0 // 2 + BN // 4],
+                                                    p_ready.index(s), p_ring.index(2 * s + 1))
+                    tma.async_copy_global_to_shared(s_desc, [expert * KG + col0 // 32, i * BK], p_ready.index(s),
+                                                    s_ring.index(s))
+                elif DGRAD:
+                    mbarrier.expect(p_ready.index(s), p_desc.block_type.nbytes + s_desc.block_type.nbytes)
+                    box0, _ = _scale_box(i, col0, DGRAD, BK, 16 // s_desc.block_type.shape[1])
                     tma.async_copy_global_to_shared(p_desc, [expert * N + i * BK, col0 // 2], p_ready.index(s),
                                                     p_ring.index(s))
                     tma.async_copy_global_to_shared(s_desc, [expert * N + i * BK, box0], p_ready.index(s),
                                                     s_ring.index(s))
                 else:
+                    mbarrier.expect(p_ready.index(s), p_desc.block_type.nbytes + s_desc.block_type.nbytes)
+                    box0, _ = _scale_box(i, col0, DGRAD, BK, 16 // s_desc.block_type.shape[1])
                     tma.async_copy_global_to_shared(p_desc, [expert * N + col0, i * (BK // 2)], p_ready.index(s),
                                                     p_ring.index(s))
                     tma.async_copy_global_to_shared(s_desc, [expert * N + col0, box0], p_ready.index(s),
@@ -355,12 +375,15 @@ if HAVE_GLUON:
             store_tile(acc, out_ptr, row0, row_end, col0, out_cols, stride_om, BN, BM)
 
     @gluon.jit
-    def load_rings(a_desc, p_desc, s_desc, LOAD_STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    def load_rings(a_desc, p_desc, s_desc, LOAD_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                   P_PARTS: gl.constexpr):
         """The loader's ``LOAD_STAGES``-deep shared rings (activation tiles, packed bytes, scale boxes, in the blocks
         and layouts of the three TMA descriptors) and their barriers, initialised: ``a_ready`` / ``p_ready`` complete
-        on the TMA bytes, ``a_free`` / ``p_free`` once ``CONSUMERS`` partitions have arrived."""
+        on the TMA bytes, ``a_free`` / ``p_free`` once ``CONSUMERS`` partitions have arrived. ``P_PARTS``: packed-byte
+        boxes per stage (2: one per consumer warpgroup, stage ``s`` part ``h`` at ``p_ring.index(2 s + h)``)."""
         a_ring = gl.allocate_shared_memory(a_desc.dtype, [LOAD_STAGES] + a_desc.block_type.shape, a_desc.layout)
-        p_ring = gl.allocate_shared_memory(p_desc.dtype, [LOAD_STAGES] + p_desc.block_type.shape, p_desc.layout)
+        p_ring = gl.allocate_shared_memory(p_desc.dtype, [LOAD_STAGES * P_PARTS] + p_desc.block_type.shape,
+                                           p_desc.layout)
         s_ring = gl.allocate_shared_memory(s_desc.dtype, [LOAD_STAGES] + s_desc.block_type.shape, s_desc.layout)
         a_ready = gl.allocate_shared_memory(gl.int64, [LOAD_STAGES, 1], mbarrier.MBarrierLayout())
         a_free = gl.allocate_shared_memory(gl.int64, [LOAD_STAGES, 1], mbarrier.MBarrierLayout())
@@ -395,7 +418,7 @@ if HAVE_GLUON:
             out_cols = N
             w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
             w_ring = gl.allocate_shared_memory(gl.bfloat16, [W_STAGES, BN, BK], w_layout)
-        a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free = load_rings(a_desc, p_desc, s_desc, LOAD_STAGES, 1)
+        a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free = load_rings(a_desc, p_desc, s_desc, LOAD_STAGES, 1, 1)
         w_ready = gl.allocate_shared_memory(gl.int64, [W_STAGES, 1], mbarrier.MBarrierLayout())
         w_free = gl.allocate_shared_memory(gl.int64, [W_STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(W_STAGES):
@@ -406,19 +429,31 @@ if HAVE_GLUON:
             (_consumer, (a_ring, w_ring, a_ready, a_free, w_ready, w_free, out_ptr, tiles_ptr, n_tiles, n_col_tiles,
                          steps, out_cols, stride_om, DGRAD, BM, BN, LOAD_STAGES, W_STAGES)),
             (_loader, (a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, tiles_ptr,
-                       n_tiles, n_col_tiles, N, steps, DGRAD, BN, BK, LOAD_STAGES)),
+                       n_tiles, n_col_tiles, N, K // 32, steps, DGRAD, BN, BK, LOAD_STAGES, False)),
             (_decoder, (p_ring, s_ring, w_ring, p_ready, p_free, w_ready, w_free, n_tiles, n_col_tiles, N, steps, FMT,
                         DGRAD, BN, BK, LOAD_STAGES, W_STAGES, DECODE_WARPS)),
         ], [1, DECODE_WARPS], [40, DECODE_REGS])
 
 
-def descriptor_blocks(dgrad: bool, block_m: int = BM, scale_bytes: int = 1,
-                      block_n: int = BN) -> tuple[list[int], list[int], list[int]]:
+def descriptor_blocks(dgrad: bool, block_m: int = BM, scale_bytes: int = 1, block_n: int = BN,
+                      scales_t: bool = False) -> tuple[list[int], list[int], list[int]]:
     """TMA block shapes: activation ``[block_m, BK]``; packed bytes ``[block_n, BK / 2]`` (dgrad ``[BK, block_n /
     2]``); scales ``[block_n, 16 / scale_bytes]`` (dgrad ``[BK, ..]``): 16 bytes per row, TMA's narrowest, of which a
-    step uses ``BK / 32`` (dgrad ``block_n / 32``) groups."""
+    step uses ``BK / 32`` (dgrad ``block_n / 32``) groups; ``scales_t`` (dgrad of :mod:`.gluon_w4a16_rs`, scales
+    transposed to ``[E * K / 32, N]``): ``[block_n / 32, BK]``, exactly the step's groups, and the bytes in two
+    ``[BK, block_n / 4]`` boxes (a slice of one swizzled box along its rows is not allowed)."""
     rows = BK if dgrad else block_n
+    if scales_t:  # and the bytes as two boxes per step, one per consumer warpgroup's half of the columns
+        return [block_m, BK], [BK, block_n // 4], [block_n // 32, BK]
     return [block_m, BK], ([BK, block_n // 2] if dgrad else [block_n, BK // 2]), [rows, 16 // scale_bytes]
+
+
+def scale_smem_layout(s_block: list[int], scale_bytes: int, scales_t: bool = False):
+    """Shared-memory layout of a scale box: the default swizzle, or none for ``scales_t`` (each consumer
+    warpgroup reads its own rows of the ``[block_n / 32, BK]`` box, a slice a swizzled box does not allow)."""
+    if scales_t:
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * scale_bytes, rank=2)
+    return gl.NVMMASharedLayout.get_default_for(s_block, gl.uint8 if scale_bytes == 1 else gl.bfloat16)
 
 
 def shape_fits(N: int, K: int, scale_bytes: int = 1) -> bool:
@@ -466,10 +501,11 @@ class Launch:
 
 def prepare(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: str, block_m: int | None, block_n: int,
             stages: int | None, persistent: bool | int, stages_for,
-            block_m_choices: tuple[int, ...] = BLOCK_M_CHOICES) -> Launch:
+            block_m_choices: tuple[int, ...] = BLOCK_M_CHOICES, scales_t: bool = False) -> Launch:
     """Check one call's arguments (``where`` names the entry point in errors: ``"gluon_w4a16.grouped_gemm"``) and
     build its :class:`Launch`; ``stages_for(block_m)`` is the kernel's default ring depth, ``block_m_choices`` the
-    rows per tile it takes."""
+    rows per tile it takes; ``scales_t`` (dgrad of :mod:`.gluon_w4a16_rs`): the scales go as a transposed copy
+    ``[E * K / 32, N]`` (made here: 1/16 of the packed bytes)."""
     from kimi_core.kernels import _validate
     from kimi_core.kernels.triton_w4a16 import _fmt_id
 
@@ -501,12 +537,17 @@ def prepare(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: s
         return Launch(out=y)
     a, w_scale = a.contiguous(), w_scale.contiguous()
     packed = w_packed.contiguous().view(torch.uint8).reshape(E * N, K // 2)  # INT4 words are the same bytes
-    scales = w_scale.reshape(E * N, K // 32)
-    a_block, p_block, s_block = descriptor_blocks(dgrad, block_m, scale_bytes, block_n)
-    s_dtype = gl.uint8 if scale_bytes == 1 else gl.bfloat16
+    if scales_t:  # [E, N, K/32] -> [E, K/32, N]: each kw group's scales along n, one TMA box per step; rows
+        # padded to 16 bytes for TMA, the box past N zero-filled (a finite scale: its weights meet dy's zero fill)
+        pad = -N % (16 // scale_bytes)
+        scales = torch.empty((E * K // 32, N + pad), dtype=w_scale.dtype, device=a.device)[:, :N]
+        scales.view(E, K // 32, N).copy_(w_scale.reshape(E, N, K // 32).transpose(1, 2))
+    else:
+        scales = w_scale.reshape(E * N, K // 32)
+    a_block, p_block, s_block = descriptor_blocks(dgrad, block_m, scale_bytes, block_n, scales_t)
     descs = (TensorDescriptor.from_tensor(a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl.bfloat16)),
              TensorDescriptor.from_tensor(packed, p_block, gl.NVMMASharedLayout.get_default_for(p_block, gl.uint8)),
-             TensorDescriptor.from_tensor(scales, s_block, gl.NVMMASharedLayout.get_default_for(s_block, s_dtype)))
+             TensorDescriptor.from_tensor(scales, s_block, scale_smem_layout(s_block, scale_bytes, scales_t)))
     n_col_tiles = -(-out_cols // block_n)
     n_tiles = n_col_tiles * tiles.shape[0]
     return Launch(out=y, descs=descs, tiles=tiles, n_tiles=n_tiles, n_col_tiles=n_col_tiles, N=N, K=K,

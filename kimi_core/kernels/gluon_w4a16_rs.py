@@ -57,8 +57,8 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-__all__ = ["BLOCK_N_CHOICES", "DEFAULT_MMA_CHUNKS", "MMA_CHUNK_CHOICES", "TWO_PER_SM", "block_m_choices",
-           "default_load_stages", "grouped_gemm", "pick_block_m", "pick_block_n"]
+__all__ = ["BLOCK_N_CHOICES", "DEFAULT_MMA_CHUNKS", "MMA_CHUNK_CHOICES", "TWO_PER_SM", "ahead_where_it_fits",
+           "block_m_choices", "default_load_stages", "grouped_gemm", "grouped_gemm_dgrad", "pick_block_m", "pick_block_n"]
 
 
 BLOCK_N_CHOICES = (128, 256)  # output columns per tile: two warpgroups of 64 or of 128 weight rows (the wgmma's M)
@@ -95,12 +95,20 @@ def pick_block_m(m_splits, block_n: int) -> int:
     return ws.pick_block_m(m_splits)
 
 
-def default_load_stages(block_m: int, block_n: int, ctas_per_sm: int = 1) -> int:
+def ahead_where_it_fits(block_n: int, mma_chunks: int = DEFAULT_MMA_CHUNKS, ctas_per_sm: int = 1) -> bool:
+    """``decode_ahead="auto"``: decode ahead wherever it compiles, i.e. 128-column tiles with one wgmma per K step
+    (two fragments in registers; one program per SM). Measured (benchmarks/RESULTS.md, H100, 2026-12-05): on
+    128-column tiles it is the faster at 512 and 2048 tokens per expert on every shape, forward 3-10 %, dgrad
+    likewise; 256-column tiles (the pick at 128 tokens and below) have no room for a second fragment."""
+    return block_n == 128 and mma_chunks == 1 and ctas_per_sm == 1
+
+
+def default_load_stages(block_m: int, block_n: int, ctas_per_sm: int = 1, dgrad: bool = False) -> int:
     """Depth of the TMA rings (2 to :data:`MAX_LOAD_STAGES`): with no decoded-tile ring, as many stages of
     activation tile, packed bytes and scale box of a ``block_n``-column tile as fit :data:`RING_BUDGET` (with two
-    programs per SM, ``TWO_PER_SM["ring_budget"]``)."""
+    programs per SM, ``TWO_PER_SM["ring_budget"]``); ``dgrad``: the dgrad stages (transposed scales)."""
     budget = RING_BUDGET if ctas_per_sm == 1 else TWO_PER_SM["ring_budget"]
-    return max(2, min(MAX_LOAD_STAGES, budget // ws.load_stage_bytes(block_m, False, block_n)))
+    return max(2, min(MAX_LOAD_STAGES, budget // ws.load_stage_bytes(block_m, dgrad, block_n, scales_t=dgrad)))
 
 
 if HAVE_GLUON:
@@ -176,11 +184,79 @@ if HAVE_GLUON:
     @gluon.jit
     def _step_fragment(p_ring, s_ring, p_ready, p_free, it, i, col0, HALF_INDEX: gl.constexpr, FMT: gl.constexpr,
                        R: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr, byte_layout: gl.constexpr,
-                       SW: gl.constexpr, acc_layout: gl.constexpr):
-        """The decoded bf16 A fragment ``[R, BK]`` of K step ``i`` (this program's ``it``-th ring use)."""
-        b, sc = _step_operands(p_ring, s_ring, p_ready, p_free, it % LOAD_STAGES, (it // LOAD_STAGES) & 1, i, col0,
-                               HALF_INDEX, FMT, R, BK, byte_layout, SW)
-        return _decode(b, gl.expand_dims(sc, 2), FMT, R, BK, acc_layout)
+                       SW: gl.constexpr, acc_layout: gl.constexpr, DGRAD: gl.constexpr):
+        """The decoded bf16 A fragment ``[R, BK]`` of K step ``i`` (this program's ``it``-th ring use); ``DGRAD``:
+        :func:`_dgrad_fragment`."""
+        if DGRAD:
+            w = _dgrad_fragment(p_ring, s_ring, p_ready, p_free, it, HALF_INDEX, FMT, R, BK, LOAD_STAGES, acc_layout)
+        else:
+            b, sc = _step_operands(p_ring, s_ring, p_ready, p_free, it % LOAD_STAGES, (it // LOAD_STAGES) & 1, i,
+                                   col0, HALF_INDEX, FMT, R, BK, byte_layout, SW)
+            w = _decode(b, gl.expand_dims(sc, 2), FMT, R, BK, acc_layout)
+        return w
+
+    @gluon.constexpr_function
+    def _dgrad_layout(R, BK):
+        """Where one dgrad warpgroup holds its weights ``[G, 16, BK]`` (scale group ``g`` of its ``R`` output
+        columns, byte ``jj`` of the group's 16, contraction index ``n``): byte ``j = 16 g + jj`` holds the output
+        columns ``2 j`` and ``2 j + 1``, and lies with the thread whose A-fragment rows are ``j``'s two rows of
+        :func:`_dgrad_rows` (``j = q + 8 w + 32 x``: ``q`` = lane / 4, ``w`` = warp, ``x`` the second m64 block
+        when ``R`` = 128); the thread's ``n`` are the fragment's columns (``2 (lane % 4) + {0, 1, 8, 9} + 16 s``)."""
+        G: gl.constexpr = R // 32
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 8], [0, 0, 16], [0, 0, 32]] + ([[2, 0, 0]] if R == 128 else []),
+            lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+            warp_bases=[[0, 8, 0], [1, 0, 0]], block_bases=[], shape=[G, 16, BK])
+
+    @gluon.jit
+    def _dgrad_rows(t, R: gl.constexpr, G: gl.constexpr, TO_FRAGMENT: gl.constexpr):
+        """Reorders the rows of ``t`` between output-column order and the A fragment's row order (no data moves:
+        a relabelling of registers). A thread of the m64 fragment holds rows ``r`` and ``r + 8``; dgrad puts a
+        byte's two output columns ``2 j``, ``2 j + 1`` (its two nibbles) there, so fragment row ``q + 8 h + 16 w + 64
+        x`` is output column ``2 q + h + 16 w + 64 x``. ``TO_FRAGMENT``: ``t`` ``[G, 16, C, 2]`` (group, byte, column,
+        nibble) -> ``[R, C]`` in fragment row order; else ``t`` ``[R, C]`` (fragment rows) -> ``[R, C]`` (output
+        columns)."""
+        if TO_FRAGMENT:  # (g, w0, q, c, h) -> (g, w0, h, q, c); g = w1 + 2 x
+            C: gl.constexpr = t.shape[2]
+            return gl.reshape(gl.permute(gl.reshape(t, [G, 2, 8, C, 2]), (0, 1, 4, 2, 3)), [R, C])
+        else:  # (g, w0, h, q, c) -> (g, w0, q, h, c)
+            C: gl.constexpr = t.shape[1]
+            return gl.reshape(gl.permute(gl.reshape(t, [G, 2, 2, 8, C]), (0, 1, 3, 2, 4)), [R, C])
+
+    @gluon.jit
+    def _dgrad_fragment(p_ring, s_ring, p_ready, p_free, it, HALF_INDEX: gl.constexpr, FMT: gl.constexpr,
+                        R: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr, acc_layout: gl.constexpr):
+        """The decoded bf16 A fragment ``[R, BK]`` of one dgrad K step (this program's ``it``-th ring use) for the
+        warpgroup's ``R`` output columns: ``W^T`` (output columns x contraction ``n``), rows in the order of
+        :func:`_dgrad_rows`. Reads its half of the stage's packed bytes ``[BK (n), R / 2]`` (each thread its byte column
+        ``j`` in its 16 rows ``n``) and the transposed scales ``[BN / 32, BK]`` (its group's row), arrives on
+        ``p_free``, decodes each byte's two nibbles with the scale of ``(n, group)`` (the same exact arithmetic as
+        the forward) and pairs them into the fragment's registers."""
+        s = it % LOAD_STAGES
+        G: gl.constexpr = R // 32
+        L3: gl.constexpr = _dgrad_layout(R, BK)
+        mbarrier.wait(p_ready.index(s), (it // LOAD_STAGES) & 1)
+        b = p_ring.index(2 * s + HALF_INDEX).permute((1, 0)).load(_dgrad_layout2(R, BK)).to(gl.int32) & 0xFF
+        s_tile = s_ring.index(s).slice(HALF_INDEX * G, G, dim=0)
+        if FMT == 0:
+            sb = s_tile.load(gl.SliceLayout(1, L3)).to(gl.int32) & 0xFF
+        else:
+            sb = s_tile.load(gl.SliceLayout(1, L3)).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        mbarrier.arrive(p_free.index(s), count=1)
+        b = gl.convert_layout(gl.reshape(b, [G, 16, BK]), L3, assert_trivial=True)
+        pairs = ws._bf16x2_decode((b * 0x1001) & 0x000F000F, gl.expand_dims(ws.scale_bits_to_pairs(sb, FMT), 1), FMT)
+        lo = (pairs & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        hi = (pairs >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        return gl.convert_layout(_dgrad_rows(gl.join(lo, hi), R, G, True), w_layout, assert_trivial=True)
+
+    @gluon.constexpr_function
+    def _dgrad_layout2(R, BK):
+        """:func:`_dgrad_layout` over ``[R / 2, BK]`` (byte ``j``, contraction ``n``): how the bytes are loaded."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 8], [0, 16], [0, 32]] + ([[32, 0]] if R == 128 else []),
+            lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[R // 2, BK])
 
     @gluon.jit
     def _issue(w, acc, a_ring, a_ready, it, LOAD_STAGES: gl.constexpr):
@@ -193,12 +269,14 @@ if HAVE_GLUON:
     def _rs_consumer(a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
                      n_col_tiles, steps, out_cols, stride_om, HALF_INDEX: gl.constexpr, FMT: gl.constexpr,
                      BM: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr, R: gl.constexpr,
-                     MMA_CHUNKS: gl.constexpr, DECODE_AHEAD: gl.constexpr):
+                     MMA_CHUNKS: gl.constexpr, DECODE_AHEAD: gl.constexpr, DGRAD: gl.constexpr):
         """One warpgroup: columns ``[R HALF_INDEX, R HALF_INDEX + R)`` of every ``2 R``-column work item (``R`` = 128
         or 64), ``out^T [R, BM] = W_half . a_tile^T`` with the weight half decoded into the wgmma's register A
         fragment each K step (see the module docstring). Arrives on ``p_free`` once it has read a step's bytes and
         scales and on ``a_free`` once its wgmma retired (both barriers count the two warpgroups). ``DECODE_AHEAD``:
-        step ``i + 1``'s fragment is decoded (into its own registers) while step ``i``'s wgmma runs."""
+        step ``i + 1``'s fragment is decoded (into its own registers) while step ``i``'s wgmma runs. ``DGRAD``: the
+        columns are ``dx``'s (``K``), the K steps run over ``N`` and the fragment is :func:`_dgrad_fragment`'s, its
+        rows put back in column order (:func:`_dgrad_rows`) before the store."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BM, 16])
         byte_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=1)
@@ -215,100 +293,120 @@ if HAVE_GLUON:
                 # (a loop-carried fragment would be: ptxas then serializes every wgmma, C7513): step i + 1 is decoded
                 # into the other fragment while step i's wgmma runs
                 w_a = _step_fragment(p_ring, s_ring, p_ready, p_free, it, 0, col0, HALF_INDEX, FMT, R, BK,
-                                     LOAD_STAGES, byte_layout, SW, acc_layout)
-                # steps is even (K a multiple of 256 or 512, BK 64: gluon_w4a16.shape_fits)
-                for j in range(steps // 2 - 1):  # steps 2 j and 2 j + 1; decodes 2 j + 1 and 2 j + 2
+                                     LOAD_STAGES, byte_layout, SW, acc_layout, DGRAD)
+                for j in range((steps - 1) // 2):  # steps 2 j and 2 j + 1; decodes 2 j + 1 and 2 j + 2
                     acc = _issue(w_a, acc, a_ring, a_ready, it, LOAD_STAGES)
                     w_b = _step_fragment(p_ring, s_ring, p_ready, p_free, it + 1, 2 * j + 1, col0, HALF_INDEX, FMT,
-                                         R, BK, LOAD_STAGES, byte_layout, SW, acc_layout)
+                                         R, BK, LOAD_STAGES, byte_layout, SW, acc_layout, DGRAD)
                     acc, w_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_a))
                     mbarrier.arrive(a_free.index(it % LOAD_STAGES), count=1)
                     acc = _issue(w_b, acc, a_ring, a_ready, it + 1, LOAD_STAGES)
                     w_a = _step_fragment(p_ring, s_ring, p_ready, p_free, it + 2, 2 * j + 2, col0, HALF_INDEX, FMT,
-                                         R, BK, LOAD_STAGES, byte_layout, SW, acc_layout)
+                                         R, BK, LOAD_STAGES, byte_layout, SW, acc_layout, DGRAD)
                     acc, w_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_b))
                     mbarrier.arrive(a_free.index((it + 1) % LOAD_STAGES), count=1)
                     it += 2
-                # the last two steps
-                acc = _issue(w_a, acc, a_ring, a_ready, it, LOAD_STAGES)
-                w_b = _step_fragment(p_ring, s_ring, p_ready, p_free, it + 1, steps - 1, col0, HALF_INDEX, FMT, R,
-                                     BK, LOAD_STAGES, byte_layout, SW, acc_layout)
-                acc, w_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_a))
-                mbarrier.arrive(a_free.index(it % LOAD_STAGES), count=1)
-                acc = _issue(w_b, acc, a_ring, a_ready, it + 1, LOAD_STAGES)
-                acc, w_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_b))
-                mbarrier.arrive(a_free.index((it + 1) % LOAD_STAGES), count=1)
-                it += 2
+                # the last two steps (even steps: the forward's K is a multiple of 256; dgrad's N / 64 may be odd:
+                # then only the last step, decoded in the loop)
+                if steps % 2 == 0:
+                    acc = _issue(w_a, acc, a_ring, a_ready, it, LOAD_STAGES)
+                    w_b = _step_fragment(p_ring, s_ring, p_ready, p_free, it + 1, steps - 1, col0, HALF_INDEX, FMT,
+                                         R, BK, LOAD_STAGES, byte_layout, SW, acc_layout, DGRAD)
+                    acc, w_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_a))
+                    mbarrier.arrive(a_free.index(it % LOAD_STAGES), count=1)
+                    acc = _issue(w_b, acc, a_ring, a_ready, it + 1, LOAD_STAGES)
+                    acc, w_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_b))
+                    mbarrier.arrive(a_free.index((it + 1) % LOAD_STAGES), count=1)
+                    it += 2
+                else:
+                    acc = _issue(w_a, acc, a_ring, a_ready, it, LOAD_STAGES)
+                    acc, w_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_a))
+                    mbarrier.arrive(a_free.index(it % LOAD_STAGES), count=1)
+                    it += 1
             else:
                 for i in range(steps):
                     s = it % LOAD_STAGES
                     phase = (it // LOAD_STAGES) & 1
-                    b, sc = _step_operands(p_ring, s_ring, p_ready, p_free, s, phase, i, col0, HALF_INDEX, FMT, R, BK,
-                                           byte_layout, SW)
-                    a_tile = a_ring.index(s)
-                    if MMA_CHUNKS == 1:
-                        w = _decode(b, gl.expand_dims(sc, 2), FMT, R, BK, acc_layout)
-                        mbarrier.wait(a_ready.index(s), phase)
-                        acc = warpgroup_mma(w, a_tile.permute((1, 0)), acc, is_async=True)
-                        acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))  # before w's registers are reused
+                    if DGRAD:
+                        w = _dgrad_fragment(p_ring, s_ring, p_ready, p_free, it, HALF_INDEX, FMT, R, BK, LOAD_STAGES,
+                                            acc_layout)
+                        acc = _issue(w, acc, a_ring, a_ready, it, LOAD_STAGES)
+                        acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))
                     else:
-                        # the step in K slices, each decoded while the previous slice's wgmma runs (its own registers)
-                        scw, b = gl.broadcast(gl.expand_dims(sc, 2), b)  # [R, G, 16] scale of each byte's group
-                        if MMA_CHUNKS == 2:  # slice j = scale group j
-                            b0, b1 = gl.split(gl.permute(b, (0, 2, 1)))
-                            s0, s1 = gl.split(gl.permute(scw, (0, 2, 1)))
-                            w0 = _decode(b0, s0, FMT, R, BK // 2, acc_layout)
+                        b, sc = _step_operands(p_ring, s_ring, p_ready, p_free, s, phase, i, col0, HALF_INDEX, FMT, R, BK,
+                                               byte_layout, SW)
+                        a_tile = a_ring.index(s)
+                        if MMA_CHUNKS == 1:
+                            w = _decode(b, gl.expand_dims(sc, 2), FMT, R, BK, acc_layout)
                             mbarrier.wait(a_ready.index(s), phase)
-                            acc = warpgroup_mma(w0, a_tile.slice(0, BK // 2, dim=1).permute((1, 0)), acc,
-                                                is_async=True)
-                            w1 = _decode(b1, s1, FMT, R, BK // 2, acc_layout)
-                            acc = warpgroup_mma(w1, a_tile.slice(BK // 2, BK // 2, dim=1).permute((1, 0)), acc,
-                                                is_async=True)
-                            acc, w0, w1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1))
-                        else:  # 4 slices of 16: slice 2 g + h = half h of scale group g
-                            b0, b2, b1, b3 = _quarters(b, R)
-                            s0, s2, s1, s3 = _quarters(scw, R)
-                            Q: gl.constexpr = BK // 4
-                            w0 = _decode(b0, s0, FMT, R, Q, acc_layout)
-                            mbarrier.wait(a_ready.index(s), phase)
-                            acc = warpgroup_mma(w0, a_tile.slice(0, Q, dim=1).permute((1, 0)), acc, is_async=True)
-                            w1 = _decode(b1, s1, FMT, R, Q, acc_layout)
-                            acc = warpgroup_mma(w1, a_tile.slice(Q, Q, dim=1).permute((1, 0)), acc, is_async=True)
-                            w2 = _decode(b2, s2, FMT, R, Q, acc_layout)
-                            acc = warpgroup_mma(w2, a_tile.slice(2 * Q, Q, dim=1).permute((1, 0)), acc,
-                                                is_async=True)
-                            w3 = _decode(b3, s3, FMT, R, Q, acc_layout)
-                            acc = warpgroup_mma(w3, a_tile.slice(3 * Q, Q, dim=1).permute((1, 0)), acc,
-                                                is_async=True)
-                            acc, w0, w1, w2, w3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1, w2, w3))
+                            acc = warpgroup_mma(w, a_tile.permute((1, 0)), acc, is_async=True)
+                            acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))  # before w's registers are reused
+                        else:
+                            # the step in K slices, each decoded while the previous slice's wgmma runs (its own registers)
+                            scw, b = gl.broadcast(gl.expand_dims(sc, 2), b)  # [R, G, 16] scale of each byte's group
+                            if MMA_CHUNKS == 2:  # slice j = scale group j
+                                b0, b1 = gl.split(gl.permute(b, (0, 2, 1)))
+                                s0, s1 = gl.split(gl.permute(scw, (0, 2, 1)))
+                                w0 = _decode(b0, s0, FMT, R, BK // 2, acc_layout)
+                                mbarrier.wait(a_ready.index(s), phase)
+                                acc = warpgroup_mma(w0, a_tile.slice(0, BK // 2, dim=1).permute((1, 0)), acc,
+                                                    is_async=True)
+                                w1 = _decode(b1, s1, FMT, R, BK // 2, acc_layout)
+                                acc = warpgroup_mma(w1, a_tile.slice(BK // 2, BK // 2, dim=1).permute((1, 0)), acc,
+                                                    is_async=True)
+                                acc, w0, w1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1))
+                            else:  # 4 slices of 16: slice 2 g + h = half h of scale group g
+                                b0, b2, b1, b3 = _quarters(b, R)
+                                s0, s2, s1, s3 = _quarters(scw, R)
+                                Q: gl.constexpr = BK // 4
+                                w0 = _decode(b0, s0, FMT, R, Q, acc_layout)
+                                mbarrier.wait(a_ready.index(s), phase)
+                                acc = warpgroup_mma(w0, a_tile.slice(0, Q, dim=1).permute((1, 0)), acc, is_async=True)
+                                w1 = _decode(b1, s1, FMT, R, Q, acc_layout)
+                                acc = warpgroup_mma(w1, a_tile.slice(Q, Q, dim=1).permute((1, 0)), acc, is_async=True)
+                                w2 = _decode(b2, s2, FMT, R, Q, acc_layout)
+                                acc = warpgroup_mma(w2, a_tile.slice(2 * Q, Q, dim=1).permute((1, 0)), acc,
+                                                    is_async=True)
+                                w3 = _decode(b3, s3, FMT, R, Q, acc_layout)
+                                acc = warpgroup_mma(w3, a_tile.slice(3 * Q, Q, dim=1).permute((1, 0)), acc,
+                                                    is_async=True)
+                                acc, w0, w1, w2, w3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1, w2, w3))
                     mbarrier.arrive(a_free.index(s), count=1)
                     it += 1
+            if DGRAD:
+                acc = _dgrad_rows(acc, R, R // 32, False)
             ws.store_tile(acc, out_ptr, row0, row_end, col0 + HALF_INDEX * R, out_cols, stride_om, R, BM)
 
     @gluon.jit
     def w4a16_rs_kernel(a_desc, p_desc, s_desc, out_ptr, tiles_ptr, n_tiles, n_col_tiles, N, K, stride_om,
                         FMT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                         LOAD_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, MMA_CHUNKS: gl.constexpr,
-                        DECODE_AHEAD: gl.constexpr):
-        """Forward ``y [T, N] = x . dequant(W)^T`` over the ``BN``-column work items (``BN`` = 256 or 128, half per
-        consumer warpgroup) ``t = program_id, program_id + programs, ...`` below ``n_tiles`` (as
-        :func:`.gluon_w4a16.w4a16_ws_kernel`); descriptors as there (forward blocks of a ``BN``-column tile)."""
-        steps = K // BK
+                        DECODE_AHEAD: gl.constexpr, DGRAD: gl.constexpr):
+        """Forward ``y [T, N] = x . dequant(W)^T`` or (``DGRAD``) ``dx [T, K] = dy . dequant(W)`` over the
+        ``BN``-column work items (``BN`` = 256 or 128, half per consumer warpgroup) ``t = program_id, program_id +
+        programs, ...`` below ``n_tiles`` (as :func:`.gluon_w4a16.w4a16_ws_kernel`); descriptors as there (forward
+        blocks of a ``BN``-column tile; dgrad: :func:`.gluon_w4a16.descriptor_blocks` with ``scales_t``)."""
+        if DGRAD:  # the last step's rows past N: dy's TMA zero fill times finite weights (zero-filled scales)
+            steps = gl.cdiv(N, BK)
+            out_cols = K
+        else:
+            steps = K // BK
+            out_cols = N
         # a_free / p_free count both consumer warpgroups
-        a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free = ws.load_rings(a_desc, p_desc, s_desc, LOAD_STAGES, 2)
-        DGRAD: gl.constexpr = False  # the loader's forward blocks
+        a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free = ws.load_rings(a_desc, p_desc, s_desc, LOAD_STAGES, 2,
+                                                                                 2 if DGRAD else 1)
         R: gl.constexpr = BN // 2
         FIRST: gl.constexpr = 0
         SECOND: gl.constexpr = 1
         gl.warp_specialize([
             (ws._loader, (a_desc, p_desc, s_desc, a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, tiles_ptr,
-                          n_tiles, n_col_tiles, N, steps, DGRAD, BN, BK, LOAD_STAGES)),
+                          n_tiles, n_col_tiles, N, K // 32, steps, DGRAD, BN, BK, LOAD_STAGES, DGRAD)),
             (_rs_consumer, (a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
-                            n_col_tiles, steps, N, stride_om, FIRST, FMT, BM, BK, LOAD_STAGES, R, MMA_CHUNKS,
-                            DECODE_AHEAD)),
+                            n_col_tiles, steps, out_cols, stride_om, FIRST, FMT, BM, BK, LOAD_STAGES, R,
+                            MMA_CHUNKS, DECODE_AHEAD, DGRAD)),
             (_rs_consumer, (a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
-                            n_col_tiles, steps, N, stride_om, SECOND, FMT, BM, BK, LOAD_STAGES, R, MMA_CHUNKS,
-                            DECODE_AHEAD)),
+                            n_col_tiles, steps, out_cols, stride_om, SECOND, FMT, BM, BK, LOAD_STAGES, R,
+                            MMA_CHUNKS, DECODE_AHEAD, DGRAD)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -316,7 +414,7 @@ def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                  out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
                  load_stages: int | None = None, persistent: bool | int = False,
                  mma_chunks: int = DEFAULT_MMA_CHUNKS, ctas_per_sm: int = 1,
-                 decode_ahead: bool = False) -> torch.Tensor:
+                 decode_ahead: bool | str = False) -> torch.Tensor:
     """``y[T, N]`` bf16, ``y[rows_e] = x[rows_e] . dequant(W_e)^T`` with fp32 accumulation; arguments as
     :func:`.gluon_w4a16.grouped_gemm` (no decode warps: the wgmma warpgroups decode); ``block_n`` 256 or 128
     output columns per tile (default :func:`pick_block_n`), ``block_m`` one of :func:`block_m_choices` (default
@@ -324,8 +422,12 @@ def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     :data:`MMA_CHUNK_CHOICES`: wgmmas per K step (see the module docstring); ``ctas_per_sm`` 2: two programs per SM
     (:data:`TWO_PER_SM`: tiles of at most 64 x 128 or 32 x 256; persistent = two per SM), four consumer warpgroups decoding where
     a tile has few rows; ``decode_ahead``: each warpgroup decodes step ``i + 1`` while its step-``i`` wgmma runs (one
-    wgmma per K step; its fragments take twice the registers, so tiles of 128 columns)."""
+    wgmma per K step; its fragments take twice the registers, so tiles of 128 columns); ``"auto"``: wherever the
+    tiles have 128 columns and one wgmma per K step (:func:`ahead_where_it_fits`)."""
     where = "gluon_w4a16_rs.grouped_gemm"
+    if decode_ahead == "auto":
+        block_n = pick_block_n(m_splits) if block_n is None else block_n
+        decode_ahead = ahead_where_it_fits(block_n, mma_chunks, ctas_per_sm)
     block_n = (128 if decode_ahead else pick_block_n(m_splits)) if block_n is None else block_n
     if block_n not in BLOCK_N_CHOICES:
         raise ValueError(f"{where}: block_n must be one of {BLOCK_N_CHOICES}, got {block_n}")
@@ -350,6 +452,40 @@ def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     w4a16_rs_kernel[run.grid](*run.descs, run.out, run.tiles, run.n_tiles, run.n_col_tiles, run.N, run.K,
                               run.out.stride(0), run.fmt_id, run.block_m, block_n, BK, run.stages,
                               CONSUMER_REGS if ctas_per_sm == 1 else TWO_PER_SM["consumer_regs"], mma_chunks,
-                              bool(decode_ahead),
+                              bool(decode_ahead), False,
                               num_warps=4, **({} if ctas_per_sm == 1 else {"maxnreg": TWO_PER_SM["maxnreg"]}))
+    return run.out
+
+
+def grouped_gemm_dgrad(dy: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str, m_splits,
+                       out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
+                       load_stages: int | None = None, persistent: bool | int = False,
+                       decode_ahead: bool | str = False) -> torch.Tensor:
+    """``dx[T, K]`` bf16, ``dx[rows_e] = dy[rows_e] . dequant(W_e)`` with fp32 accumulation (``dy`` bf16 ``[T,
+    N]``; ``N`` a multiple of 64), the weights decoded into the wgmma's register A fragment as ``W^T`` (``K``
+    output columns x ``N``): the two nibbles of a packed byte are neighbouring output columns, which one m64
+    fragment spreads over rows ``r`` and ``r + 8`` of one thread, so the fragment's rows are the output columns
+    reordered (:func:`_dgrad_rows`; put back before the store) and each thread decodes whole bytes. The scales go as
+    a transposed copy ``[E * K / 32, N]`` made per call (extra memory: 1/16 of the packed bytes, e.g. 77 MB for K3
+    fc1 MXFP4) so a step's scales are one ``[block_n / 32, 64]`` TMA box. Tiles, persistence and ``decode_ahead`` as
+    :func:`grouped_gemm` (its one-wgmma-per-step form)."""
+    where = "gluon_w4a16_rs.grouped_gemm_dgrad"
+    if decode_ahead == "auto":
+        block_n = pick_block_n(m_splits) if block_n is None else block_n
+        decode_ahead = ahead_where_it_fits(block_n)
+    block_n = (128 if decode_ahead else pick_block_n(m_splits)) if block_n is None else block_n
+    if block_n not in BLOCK_N_CHOICES:
+        raise ValueError(f"{where}: block_n must be one of {BLOCK_N_CHOICES}, got {block_n}")
+    if decode_ahead and block_n != 128:
+        raise ValueError(f"{where}: decode_ahead runs on 128-column tiles (two fragments in registers), got block_n "
+                         f"{block_n}")
+    block_m = pick_block_m(m_splits, block_n) if block_m is None else block_m
+    run = ws.prepare(dy, w_packed, w_scale, fmt, m_splits, out, True, where, block_m, block_n, load_stages,
+                     persistent, lambda bm: default_load_stages(bm, block_n, dgrad=True), block_m_choices(block_n),
+                     scales_t=True)
+    if run.empty:
+        return run.out
+    w4a16_rs_kernel[run.grid](*run.descs, run.out, run.tiles, run.n_tiles, run.n_col_tiles, run.N, run.K,
+                              run.out.stride(0), run.fmt_id, run.block_m, block_n, BK, run.stages, CONSUMER_REGS, 1,
+                              bool(decode_ahead), True, num_warps=4)
     return run.out

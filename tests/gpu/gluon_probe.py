@@ -11,7 +11,8 @@ across them: a parity slip there hangs or corrupts the next tile).
                                                        # op: fwd, dgrad, or rs = the register-fragment forward,
                                                        # rsn128 = it with 128 columns and 256 rows per tile,
                                                        # k4 = 4 wgmmas per K step, o2 = 2 programs per SM,
-                                                       # a = decode ahead)
+                                                       # a = decode ahead; rsd = the register-fragment
+                                                       # dgrad, rsdn128a: 128 columns, decode ahead)
 """
 
 from __future__ import annotations
@@ -36,10 +37,16 @@ def one(fmt_name: str, op: str, programs: int) -> None:
     E, N, K, splits = 3, 256, 512, [70, 0, 130] if not op.startswith("rsn128") else [300, 0, 130]
     wp, ws = random_packed(fmt, E, N, K, seed=1, device="cuda")
     T = sum(splits)
-    a = torch.randn(T, N if op == "dgrad" else K, device="cuda").bfloat16()
-    out = torch.full((T, K if op == "dgrad" else N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dgrad = op == "dgrad" or op.startswith("rsd")
+    a = torch.randn(T, N if dgrad else K, device="cuda").bfloat16()
+    out = torch.full((T, K if dgrad else N), float("nan"), dtype=torch.bfloat16, device="cuda")
     t0 = time.time()
-    if op.startswith("rs"):  # the forward with the weights in the wgmma's registers (rsn128: 256 rows x 128 cols;
+    if op.startswith("rsd"):  # the register-fragment dgrad (rsd: 256 columns; rsdn128a: 128, decode ahead)
+        from kimi_core.kernels import gluon_w4a16_rs as rs
+
+        rs.grouped_gemm_dgrad(a, wp, ws, fmt, splits, out=out, persistent=programs or False,
+                              block_n=128 if "n128" in op else 256, decode_ahead="a" in op[3:])
+    elif op.startswith("rs"):  # the forward with the weights in the wgmma's registers (rsn128: 256 rows x 128 cols;
         from kimi_core.kernels import gluon_w4a16_rs as rs  # k4: 4 wgmmas per K step; o2: 2 programs per SM;
         # a: decode ahead (rsn128a...)
 
@@ -51,7 +58,7 @@ def one(fmt_name: str, op: str, programs: int) -> None:
                                                                        persistent=programs or False)
     torch.cuda.synchronize()
     dt = time.time() - t0
-    ref = (oracle_dgrad if op == "dgrad" else oracle_fwd)(a, wp, ws, fmt, splits)
+    ref = (oracle_dgrad if dgrad else oracle_fwd)(a, wp, ws, fmt, splits)
     got = out.float()
     nan_rows = int(torch.isnan(got).any(dim=1).sum())
     err = (got.nan_to_num(0) - ref).abs()
@@ -67,7 +74,7 @@ def main() -> int:
     timeout = int(os.environ.get("GLUON_PROBE_TIMEOUT", "60"))
     bad = 0
     for fmt in ("mxfp4", "int4"):
-        for op in os.environ.get("GLUON_PROBE_OPS", "fwd,dgrad,rs,rsn128,rsn128k4,rsk4o2,rsn128a,rsn128ao2").split(","):
+        for op in os.environ.get("GLUON_PROBE_OPS", "fwd,dgrad,rs,rsn128,rsn128k4,rsk4o2,rsn128a,rsn128ao2,rsd,rsdn128,rsdn128a").split(","):
             for programs in ("0", "2"):  # one program per tile (the binary compiles once), then 2 persistent ones
                 name = f"{fmt} {op} programs {programs}"
                 try:

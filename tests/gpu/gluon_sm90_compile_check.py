@@ -63,9 +63,10 @@ from kimi_core.kernels import gluon_w4a16 as gw  # noqa: E402
 from kimi_core.kernels.triton_w4a16 import FMT_INT4 as INT4, FMT_MXFP4 as MXFP4  # noqa: E402
 
 
-def desc_sig(dtype: str, block: list[int], gl_dtype) -> str:
-    """The launcher's signature string of a host TensorDescriptor argument (``tensordesc<dtype[block],layout>``)."""
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+def desc_sig(dtype: str, block: list[int], gl_dtype, layout=None) -> str:
+    """The launcher's signature string of a host TensorDescriptor argument (``tensordesc<dtype[block],layout>``;
+    ``layout``: default swizzle unless given)."""
+    layout = layout or gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
     return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
 
 
@@ -81,13 +82,13 @@ def resource_usage(cubin: bytes) -> str:
 
 
 def compile_w4a16(kernel, dgrad: int, bm: int, bn: int, ws: str, constexprs: dict, num_warps: int,
-                  maxnreg: int | None = None):
+                  maxnreg: int | None = None, scales_t: bool = False):
     """Compile one Gluon W4A16 kernel variant for sm_90a (its launcher's signature: the three TMA descriptors of
     :func:`gw.descriptor_blocks`, the output / tile-table pointers and the int arguments, then ``constexprs``;
     ``maxnreg``: the launch's register cap); asserts it fits one H200 block (<= 227 KB shared) without spills. Returns ``(compiled, ptx, resource usage)``."""
-    a_block, p_block, s_block = gw.descriptor_blocks(dgrad, bm, 1 if ws == "u8" else 2, bn)
+    a_block, p_block, s_block = gw.descriptor_blocks(dgrad, bm, 1 if ws == "u8" else 2, bn, scales_t)
     sig = {"a_desc": desc_sig("bf16", a_block, gl.bfloat16), "p_desc": desc_sig("u8", p_block, gl.uint8),
-           "s_desc": desc_sig(ws, s_block, gl.uint8 if ws == "u8" else gl.bfloat16),
+           "s_desc": desc_sig(ws, s_block, None, gw.scale_smem_layout(s_block, 1 if ws == "u8" else 2, scales_t)),
            "out_ptr": "*bf16", "tiles_ptr": "*i32", "n_tiles": "i32", "n_col_tiles": "i32", "N": "i32", "K": "i32",
            "stride_om": "i32", **{n: "constexpr" for n in constexprs}}
     k = triton.compile(GluonASTSource(kernel, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
@@ -159,7 +160,7 @@ for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16")):
         k, ptx, usage = compile_w4a16(rs.w4a16_rs_kernel, 0, bm, bn, ws, {
             "FMT": fmt, "BM": bm, "BN": bn, "BK": gw.BK, "LOAD_STAGES": stages,
             "CONSUMER_REGS": rs.CONSUMER_REGS if ctas == 1 else two["consumer_regs"], "MMA_CHUNKS": chunks,
-            "DECODE_AHEAD": ahead}, 4, None if ctas == 1 else two["maxnreg"])
+            "DECODE_AHEAD": ahead, "DGRAD": False}, 4, None if ctas == 1 else two["maxnreg"])
         if ctas == 2:  # two programs must fit one SM: registers at launch and shared memory
             assert 2 * 384 * int(re.search(r"REG:(\d+)", usage).group(1)) <= 65536 and k.metadata.shared <= 113 * 1024
         # RS form: the A operand is a register list ({%r..}), not a shared-memory descriptor
@@ -171,3 +172,22 @@ for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16")):
         serialized = wgmma_serialization_warnings(ptx)
         assert not serialized, f"ptxas serializes the wgmmas of this variant: {serialized}"
         dump(k, f"rs_{fmt}_n{bn}_m{bm}_c{chunks}_o{ctas}_a{ahead}")
+
+# the dgrad with the decoded weights in the register A fragment (rows reordered, transposed scales)
+for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16")):
+    for bn, bm, ahead in ((256, BMAX, 0), (256, 16, 0), (128, 256, 0), (128, BMAX, 0), (128, 16, 0), (128, 256, 1),
+                          (128, 16, 1)):
+        if os.environ.get("GLUON_ONLY") and os.environ["GLUON_ONLY"] != "rs_dgrad":
+            break
+        stages = rs.default_load_stages(bm, bn, dgrad=True)
+        k, ptx, usage = compile_w4a16(rs.w4a16_rs_kernel, 1, bm, bn, ws, {
+            "FMT": fmt, "BM": bm, "BN": bn, "BK": gw.BK, "LOAD_STAGES": stages, "CONSUMER_REGS": rs.CONSUMER_REGS,
+            "MMA_CHUNKS": 1, "DECODE_AHEAD": ahead, "DGRAD": True}, 4, scales_t=True)
+        rs_form = any("wgmma.mma_async" in line and ", {%r" in line for line in ptx.splitlines())
+        print("w4a16_rs dgrad", "mxfp4" if fmt == MXFP4 else "int4", f"BN {bn} BM {bm} load stages {stages}",
+              f"decode ahead {ahead}", "| wgmma with register A:", rs_form, "| shared bytes:", k.metadata.shared,
+              "|", usage, flush=True)
+        assert rs_form, "the RS kernel's wgmma must take A from registers"
+        serialized = wgmma_serialization_warnings(ptx)
+        assert not serialized, f"ptxas serializes the wgmmas of this variant: {serialized}"
+        dump(k, f"rs_dgrad_{fmt}_n{bn}_m{bm}_a{ahead}")

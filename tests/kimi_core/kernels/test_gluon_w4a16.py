@@ -120,7 +120,7 @@ def test_forced_gluon_path_reaches_the_kernel_and_refuses_a_cpu_tensor(monkeypat
     with pytest.raises(RuntimeError, match=r"gluon_w4a16_rs.grouped_gemm: runs on Hopper GPUs only .* x is on cpu"):
         kernels.w4a16_grouped_gemm(x, wp, ws, MXFP4, [8, 8], path="gluon")
     monkeypatch.setenv(kernels.PATH_ENV, "gluon")
-    with pytest.raises(RuntimeError, match=r"gluon_w4a16.grouped_gemm_dgrad: runs on Hopper GPUs only .* dy is on cpu"):
+    with pytest.raises(RuntimeError, match=r"gluon_w4a16_rs.grouped_gemm_dgrad: runs on Hopper GPUs only .* dy is on cpu"):
         kernels.w4a16_grouped_gemm_dgrad(torch.zeros(16, 256, dtype=torch.bfloat16), wp, ws, MXFP4, [8, 8])
 
 
@@ -148,20 +148,20 @@ def test_auto_picks_gluon_only_inside_its_measured_range(monkeypatch):
 
 
 @pytest.mark.parametrize("op,N,K,want", [
-    # the fastest path of each benchmark row (benchmarks/RESULTS.md, H200 2026-12-04 vs 2026-12-02) at 8 / 128 /
-    # 512 / 2048 tokens per expert
+    # the fastest path of each benchmark row at 8 / 128 / 512 / 2048 tokens per expert (benchmarks/RESULTS.md,
+    # 2026-12-05: the register kernels, forward and dgrad, against the fused / chunked rows)
     ("fwd", 6144, 3584, ["fused", "gluon", "gluon", "gluon"]),    # K3 fc1
-    ("fwd", 3584, 3072, ["fused", "fused", "gluon", "gluon"]),    # K3 fc2
-    ("fwd", 4096, 7168, ["fused", "fused", "gluon", "chunked"]),  # K2 fc1
-    ("fwd", 7168, 2048, ["fused", "fused", "gluon", "chunked"]),  # K2 fc2
-    ("dgrad", 6144, 3584, ["fused", "gluon", "chunked", "chunked"]),
-    ("dgrad", 7168, 2048, ["fused", "fused", "chunked", "chunked"]),
+    ("fwd", 3584, 3072, ["fused", "gluon", "gluon", "gluon"]),    # K3 fc2
+    ("fwd", 4096, 7168, ["fused", "gluon", "gluon", "gluon"]),    # K2 fc1
+    ("fwd", 7168, 2048, ["fused", "gluon", "gluon", "gluon"]),    # K2 fc2
+    ("dgrad", 6144, 3584, ["fused", "gluon", "gluon", "gluon"]),
+    ("dgrad", 7168, 2048, ["fused", "gluon", "gluon", "gluon"]),
     ("fwd", 512, 512, ["fused", "fused", "chunked", "chunked"]),  # not measured (the demos' small K3 fc1)
 ])
 def test_shipped_tables_pick_the_measured_fastest_path(monkeypatch, op, N, K, want):
     """The dispatcher's shipped tables reproduce the benchmark's per-row winner (fused at 8 tokens per expert
-    everywhere; the register-fragment Gluon forward from 512, and at 128 on K3 fc1; chunked at 2048 on the K2
-    shapes and for dgrad from 512); a shape not measured keeps the fused / chunked table."""
+    everywhere; the register-fragment Gluon kernels from 128, forward and dgrad); a shape not measured keeps the
+    fused / chunked table."""
     from kimi_core import kernels
 
     monkeypatch.setattr(kernels, "_capability", lambda index: (9, 0))
@@ -172,8 +172,8 @@ def test_shipped_tables_pick_the_measured_fastest_path(monkeypatch, op, N, K, wa
 
 
 def test_gluon_options_name_a_kernel_that_has_the_op(monkeypatch):
-    """``GLUON_OPTIONS`` picks the Gluon kernel of the ``"gluon"`` path; the register-fragment kernel has no dgrad,
-    and asking for it (or an unknown kernel) names the table entry."""
+    """``GLUON_OPTIONS`` picks the Gluon kernel of the ``"gluon"`` path, per op; an unknown kernel names the table
+    entry, and each op reaches its own entry point of the register-fragment kernel (on the CPU: its refusal)."""
     import os
     import sys
 
@@ -184,8 +184,11 @@ def test_gluon_options_name_a_kernel_that_has_the_op(monkeypatch):
 
     wp, ws = random_packed(MXFP4, 2, 256, 512)
     dy = torch.zeros(16, 256, dtype=torch.bfloat16)
-    monkeypatch.setitem(kernels.GLUON_OPTIONS, "dgrad", {"kernel": "registers"})
-    with pytest.raises(ValueError, match=r"GLUON_OPTIONS\['dgrad'\]\['kernel'\] must be 'smem' \(the register"):
+    monkeypatch.setitem(kernels.GLUON_OPTIONS, "dgrad", {"kernel": "shared"})
+    with pytest.raises(ValueError, match=r"GLUON_OPTIONS\['dgrad'\]\['kernel'\] must be 'smem' or 'registers'"):
+        kernels.w4a16_grouped_gemm_dgrad(dy, wp, ws, MXFP4, [8, 8], path="gluon")
+    monkeypatch.setitem(kernels.GLUON_OPTIONS, "dgrad", {"kernel": "registers", "decode_ahead": True})
+    with pytest.raises(RuntimeError, match=r"gluon_w4a16_rs.grouped_gemm_dgrad: runs on Hopper GPUs only"):
         kernels.w4a16_grouped_gemm_dgrad(dy, wp, ws, MXFP4, [8, 8], path="gluon")
     monkeypatch.setitem(kernels.GLUON_OPTIONS, "fwd", {"kernel": "tensor-cores"})
     with pytest.raises(ValueError, match=r"GLUON_OPTIONS\['fwd'\]\['kernel'\] must be 'smem' or 'registers'"):
@@ -219,3 +222,27 @@ def test_register_kernel_refuses_options_it_cannot_run_by_name(kw, match):
     wp, ws = random_packed(MXFP4, 2, 256, 512)
     with pytest.raises(ValueError, match=r"gluon_w4a16_rs.grouped_gemm: " + match):
         rs.grouped_gemm(torch.zeros(16, 512, dtype=torch.bfloat16), wp, ws, MXFP4, [8, 8], **kw)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"block_n": 64}, r"block_n must be one of \(128, 256\), got 64"),
+    ({"decode_ahead": True, "block_n": 256}, r"decode_ahead runs on 128-column tiles .* got block_n 256"),
+    ({"block_n": 256, "block_m": 256}, r"block_m must be one of \(8, 16, 32, 64, 128\), got 256"),
+])
+def test_register_dgrad_refuses_options_it_cannot_run_by_name(kw, match):
+    """The register-fragment dgrad (``gluon_w4a16_rs.grouped_gemm_dgrad``) refuses tile options it has no compiled
+    form for by name, before anything launches (256 rows per tile only with 128 columns, as the forward)."""
+    import os
+    import sys
+
+    from kimi_core.kernels import gluon_w4a16 as gw
+    from kimi_core.kernels import gluon_w4a16_rs as rs
+
+    if not gw.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    sys.path.insert(0, os.path.dirname(__file__))
+    from w4a16_cases import MXFP4, random_packed
+
+    wp, ws = random_packed(MXFP4, 2, 256, 512)
+    with pytest.raises(ValueError, match=r"gluon_w4a16_rs.grouped_gemm_dgrad: " + match):
+        rs.grouped_gemm_dgrad(torch.zeros(16, 256, dtype=torch.bfloat16), wp, ws, MXFP4, [8, 8], **kw)

@@ -97,14 +97,17 @@ def every_scale(ws: torch.Tensor, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("kernel,block_n,rs_kw", [("smem", 128, {}), ("smem", 256, {}), ("registers", 256, {}),
                                                  ("registers", 128, {}), ("registers", 128, {"mma_chunks": 4}),
                                                  ("registers", 256, {"mma_chunks": 2}),
-                                                 ("registers", 128, {"decode_ahead": True})])
+                                                 ("registers", 128, {"decode_ahead": True}),
+                                                 ("registers-dgrad", 256, {}), ("registers-dgrad", 128, {}),
+                                                 ("registers-dgrad", 128, {"decode_ahead": True})])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gluon_decoded_weights_are_bit_exact_over_every_scale(fmt, kernel, block_n, rs_kw):
     """An identity activation reads the decoded weights back exactly (one product per output, ``1 * w``): forward
     gives ``W^T``, dgrad ``W``; both must equal :func:`kimi_core.quant.dequantize` over every scale
     (:func:`every_scale`), for the shared-memory decode kernel with 128- and 256-column tiles (dgrad's 256 columns
-    pick 8 scale groups per row from the scale box) and the register-fragment forward (``gluon_w4a16_rs``, two
-    warpgroups of 128 or of 64 weight rows; the K step in one wgmma or in 2 / 4 slices; decode ahead). Exact
+    pick 8 scale groups per row from the scale box), the register-fragment forward (``gluon_w4a16_rs``, two
+    warpgroups of 128 or of 64 weight rows; the K step in one wgmma or in 2 / 4 slices; decode ahead) and its dgrad
+    (fragment rows = output columns reordered, transposed scales; 256 / 128 columns, decode ahead). Exact
     equality (``==``: the fp32 sum of the identity row cannot keep a weight's sign of zero, so -0 reads back as
     +0)."""
     from kimi_core.kernels import gluon_w4a16 as gw
@@ -121,8 +124,11 @@ def test_gluon_decoded_weights_are_bit_exact_over_every_scale(fmt, kernel, block
         splits = [0] * E
         want = dequantize(fmt, wp[e], ws[e], torch.bfloat16)  # [N, K]
         splits[e] = K
-        if kernel == "registers":  # forward only: W^T
+        if kernel == "registers":
             got = {"fwd": rs.grouped_gemm(eye_k, wp, ws, fmt, splits, block_n=block_n, **rs_kw).t()}
+        elif kernel == "registers-dgrad":  # the fragment's rows are the output columns reordered
+            splits[e] = N
+            got = {"dgrad": rs.grouped_gemm_dgrad(eye_n, wp, ws, fmt, splits, block_n=block_n, **rs_kw)}
         else:
             got = {"fwd": gw.grouped_gemm(eye_k, wp, ws, fmt, splits, block_n=block_n).t()}
             splits[e] = N
@@ -152,6 +158,27 @@ def test_forced_gluon_path_through_autograd_with_device_splits(fmt):
     y.backward(g)
     assert_close(f"gluon path fwd {fmt}", oracle_fwd(x.detach(), wp, ws, fmt, splits), y.detach().float(), 1e-2)
     assert_close(f"gluon path dgrad {fmt}", oracle_dgrad(g, wp, ws, fmt, splits), x.grad.float(), 1e-2)
+
+
+def register_kernel_against_oracle(op: str, fmt: str, E: int, K: int, N: int, mean: int, kw: dict, seed: int) -> None:
+    """``gluon_w4a16_rs``'s forward (``op`` ``"fwd"``: ``x [T, K] -> y [T, N]``) or dgrad (``dy [T, N] -> dx [T,
+    K]``) with options ``kw`` on ragged experts around ``mean`` rows (some empty), into a NaN-poisoned output so
+    unwritten rows show, against the fp32 oracle of exactly dequantized weights."""
+    from kimi_core.kernels import gluon_w4a16 as gw
+    from kimi_core.kernels import gluon_w4a16_rs as rs
+
+    if not gw.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    splits = ragged_splits(E, mean, seed=E)
+    assert 0 in splits
+    wp, ws = random_packed(fmt, E, N, K, seed=seed, device="cuda")
+    a_cols, out_cols = (K, N) if op == "fwd" else (N, K)
+    a = torch.randn(sum(splits), a_cols, device="cuda").bfloat16()
+    out = torch.full((a.shape[0], out_cols), float("nan"), dtype=torch.bfloat16, device="cuda")
+    (rs.grouped_gemm if op == "fwd" else rs.grouped_gemm_dgrad)(a, wp, ws, fmt, splits, out=out, **kw)
+    torch.cuda.synchronize()
+    oracle = oracle_fwd if op == "fwd" else oracle_dgrad
+    assert_close(f"gluon rs {op} {fmt} E{E} K{K} N{N} {kw}", oracle(a, wp, ws, fmt, splits), out.float(), 1e-2)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -196,16 +223,32 @@ def test_gluon_rs_forward_matches_oracle(fmt, E, K, N, mean, kw):
     """The forward with the weights decoded into the wgmma's register fragment (``gluon_w4a16_rs``: two warpgroups
     on the two halves of a 256- or 128-column tile, 128-column tiles up to 256 rows) on ragged and empty experts, masked N (200 of 256 columns),
     persistent programs and rings that wrap across tiles, against the fp32 oracle."""
-    from kimi_core.kernels import gluon_w4a16 as gw
-    from kimi_core.kernels import gluon_w4a16_rs as rs
+    register_kernel_against_oracle("fwd", fmt, E, K, N, mean, kw, seed=7)
 
-    if not gw.HAVE_GLUON:
-        pytest.skip("this Triton has no Gluon")
-    splits = ragged_splits(E, mean, seed=E)
-    assert 0 in splits
-    wp, ws = random_packed(fmt, E, N, K, seed=7, device="cuda")
-    x = torch.randn(sum(splits), K, device="cuda").bfloat16()
-    y = torch.full((x.shape[0], N), float("nan"), dtype=torch.bfloat16, device="cuda")
-    rs.grouped_gemm(x, wp, ws, fmt, splits, out=y, **kw)
-    torch.cuda.synchronize()
-    assert_close(f"gluon rs fwd {fmt} E{E} K{K} N{N} {kw}", oracle_fwd(x, wp, ws, fmt, splits), y.float(), 1e-2)
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("E,K,N,mean,kw", [
+    pytest.param(112, 3584, 6144, 128, {}, id="K3-fc1-128tok"),
+    pytest.param(112, 3584, 6144, 128, {"persistent": True}, id="K3-fc1-128tok-persistent"),
+    pytest.param(24, 2048, 7168, 8, {}, id="K2-fc2-8tok"),
+    pytest.param(16, 3584, 6144, 600, {"block_n": 128, "persistent": True}, id="K3-fc1-600tok-256rows-persistent"),
+    pytest.param(16, 3584, 6144, 600, {"decode_ahead": True, "persistent": True}, id="K3-fc1-600tok-ahead-persistent"),
+    pytest.param(16, 3072, 3584, 600, {"decode_ahead": True}, id="K3-fc2-600tok-ahead"),
+    pytest.param(16, 3584, 6144, 600, {"decode_ahead": "auto", "persistent": True}, id="K3-fc1-600tok-auto-ahead"),
+    # N (the contraction) not a multiple of 64: the last step's rows past N meet dy's zero fill (N 200: 4 steps,
+    # 584: 10, 328: 6); odd step counts under decode ahead's pairs (N 136: 3 steps, 64: 1)
+    pytest.param(7, 512, 200, 70, {"block_m": 16, "load_stages": 3, "persistent": 3}, id="N200-16rows-3prog"),
+    pytest.param(7, 512, 584, 300, {"block_n": 128, "block_m": 256, "load_stages": 2, "persistent": 3},
+                 id="N584-256rows-2stages-3prog"),
+    pytest.param(7, 512, 584, 300, {"decode_ahead": True, "load_stages": 2, "persistent": 2},
+                 id="N584-ahead-2stages-2prog"),
+    pytest.param(9, 1024, 328, 40, {"decode_ahead": True, "block_m": 16}, id="N328-ahead-16rows"),
+    pytest.param(9, 1024, 136, 40, {"decode_ahead": True, "block_m": 64}, id="N136-3steps-ahead"),
+    pytest.param(5, 512, 64, 70, {"decode_ahead": True}, id="N64-1step-ahead"),
+])
+def test_gluon_rs_dgrad_matches_oracle(fmt, E, K, N, mean, kw):
+    """The dgrad with the weights decoded into the wgmma's register fragment (``gluon_w4a16_rs.grouped_gemm_dgrad``:
+    rows of the fragment are the output columns reordered, scales transposed per call) on ragged and empty experts,
+    contraction lengths that are no multiple of 64 and odd step counts (decode ahead's pairs), persistent programs
+    whose rings wrap across tiles, against the fp32 oracle."""
+    register_kernel_against_oracle("dgrad", fmt, E, K, N, mean, kw, seed=8)
