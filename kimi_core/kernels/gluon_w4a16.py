@@ -36,12 +36,11 @@ it every tile's ring fill and epilogue stand alone) and 256-column tiles (``bloc
 share each activation tile, 28 KB read per 4.2 MFLOP step instead of 22 KB per 2.1). Correct on the H200 (fwd and
 dgrad vs the fp32 oracle, decoded weights bit for bit; ``tests/kimi_core/kernels/test_gluon_w4a16_gpu.py``); best
 0.53-0.59x BF16 at 512-2048 tokens per expert (256 columns, persistent; benchmarks/RESULTS.md "W4A16 grouped GEMM:
-the Gluon kernels"). :func:`kimi_core.kernels.choose_path` picks its dgrad where
-:data:`kimi_core.kernels.W4A16_GLUON` says (K3 fc1, 128-512 tokens per expert); the forward is faster in
-:mod:`.gluon_w4a16_rs`.
+the Gluon kernels"). Both ops are faster in :mod:`.gluon_w4a16_rs`, which the dispatcher runs instead
+(:data:`kimi_core.kernels.GLUON_OPTIONS`); this kernel stays as the ``kernel="smem"`` option and its reference.
 
-:mod:`.gluon_w4a16_rs` is the forward without the decoded tile in shared memory (the weights decoded into the
-wgmma's register fragment); it reuses this module's loader, decode arithmetic, tile walk and argument checks.
+:mod:`.gluon_w4a16_rs` is the forward and dgrad without the decoded tile in shared memory (the weights decoded into
+the wgmma's register fragment); it reuses this module's loader, decode arithmetic, tile walk and argument checks.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The W4A16 grouped forward in Gluon with the decoded weights in registers (issue #21).
+"""The W4A16 grouped forward and dgrad in Gluon with the decoded weights in registers (issue #21).
 
 :mod:`.gluon_w4a16` decodes each weight tile in its own warps into shared memory, from where the wgmma reads it
 again: per 64-wide K step of a 128 x 128 tile that is 16 KB written and 16 KB read beside the 22 KB the TMA brings
@@ -34,15 +34,23 @@ instructions per warp for 1 M multiply-adds, ~700 per scheduler per 1024-cycle s
   ``setmaxnreg`` the consumers use registers above 168.
 * ``mma_chunks`` 2 or 4: the step in K slices, each slice's wgmma issued once its slice is decoded. It compiles
   without serialization, but the SASS has nearly all the slices' decode ahead of the first wgmma (LLVM's schedule),
-  so little overlaps; the H200 measured it within +-5% of one wgmma per step (benchmarks/RESULTS.md, 2026-12-05).
+  so little overlaps; measured within +-5% of one wgmma per step. Decode ahead measured 3-10 % faster on
+  128-column tiles (H100, 2026-12-05); ``decode_ahead="auto"`` takes it wherever it fits.
 
-Forward only: in dgrad the weights' two nibbles of a byte are neighbours along the fragment's M side, which the
-fragment spreads over threads, so dgrad stays with :func:`.gluon_w4a16.grouped_gemm_dgrad`. Shapes, dtypes, tile
-table, persistence and argument checks as :mod:`.gluon_w4a16` (``x`` bf16 ``[T, K]``, ``y`` bf16 ``[T, N]``).
-Extra memory: none beyond the output and the tile table.
+Dgrad (:func:`grouped_gemm_dgrad`) runs the same consumer on ``W^T``: output columns (``K``) as the fragment's
+rows, the contraction over ``N``. A byte's two nibbles are neighbouring output columns, which an m64 fragment would
+spread over threads; so the fragment's rows are the output columns reordered (fragment row ``q + 8 h + 16 w`` =
+column ``2 q + h + 16 w``: rows ``r`` and ``r + 8`` of one thread are the two nibbles of one byte), each thread
+loads whole bytes of its 16 contraction rows per step and the accumulator's rows are put back before the store
+(:func:`_dgrad_rows`, a relabelling of registers). The scales vary along the contraction there, so they go as a
+transposed copy ``[E * K / 32, N]`` (made per call, 1/16 of the packed bytes) whose ``[BN / 32, 64]`` box holds
+exactly a step's groups. Shapes, dtypes, tile table, persistence and argument checks as :mod:`.gluon_w4a16`
+(``x`` bf16 ``[T, K]``, ``y`` bf16 ``[T, N]``; dgrad ``dy`` ``[T, N]`` -> ``dx`` ``[T, K]``). Extra memory: none
+beyond the output and the tile table (dgrad: and the transposed scales).
 
-Status (2026-12-04): measured on the H200 (benchmarks/RESULTS.md, "W4A16 grouped GEMM: the Gluon kernels");
-:func:`kimi_core.kernels.choose_path` picks it where :data:`kimi_core.kernels.W4A16_GLUON` says.
+Status (2026-12-05): measured on the H200 and H100 (benchmarks/RESULTS.md, "W4A16 grouped GEMM: the Gluon kernels"
+and "the register-fragment dgrad and decode ahead"); :func:`kimi_core.kernels.choose_path` picks both entry points
+where :data:`kimi_core.kernels.W4A16_GLUON` says.
 """
 
 from __future__ import annotations
