@@ -58,18 +58,20 @@ W4A16_CROSSOVER: dict[str, dict] = {"fwd": {"default": 512}, "dgrad": {"default"
 #: Where auto picks the Gluon kernels instead, per op: a half-open range ``(from, to)`` of mean tokens per expert
 #: (``to`` None: no upper end) or None (never); an ``(N, K)`` key overrides ``"default"``. Source: benchmarks/
 #: RESULTS.md, "W4A16 grouped GEMMs: the register-fragment dgrad and decode ahead" (2026-12-05: the register
-#: kernels, forward and dgrad, on every shape and format at 8 / 128 / 512 / 2048 tokens per expert, H100) against
-#: the fused and chunked rows of "the Gluon kernels measured" (H200, 2026-12-04), then auto against both on one GPU
-#: (same section). From 128 tokens per expert the register kernels beat fused on every shape, forward and dgrad
-#: (K3 fc1 MXFP4 128: forward 1.38 ms vs fused 1.97, dgrad 1.78 vs 2.14; K2 fc2 MXFP4 128: 0.31 vs 0.33 and 0.39
-#: vs 0.48), and from 512 chunked too except within a few percent at 2048 on K2 fc2 MXFP4 (2.33-2.49 ms vs 2.18,
-#: without chunked's 1 GiB workspace); dgrad at 512 on K3 fc1 4.63 ms vs chunked 5.75. At 8 the fused kernel wins
-#: everywhere (forward 1.4-2.2x BF16 vs the register kernel's 1.2-1.8x). Shapes not measured (e.g. the demos' small
-#: models) keep the fused / chunked table.
+#: kernels, forward and dgrad, every shape and format at 8 / 128 / 512 / 2048 tokens per expert, H100) against the
+#: fused and chunked rows of "the Gluon kernels measured" (H200, 2026-12-04), as speed relative to BF16 on each GPU,
+#: in the format each model ships (K3: MXFP4, K2: INT4). From 128 tokens per expert the register kernels beat fused
+#: on every shape, forward and dgrad (K3 fc1 MXFP4 128: forward 1.33x BF16 vs fused 0.76x, dgrad 1.05x vs 0.68x;
+#: K2 fc2 INT4 128: dgrad 0.81x vs 0.46x), and chunked at 512 (K3 fc1 MXFP4 dgrad 0.80x vs 0.57x). At 2048 the forward
+#: stays Gluon (K3 fc1 MXFP4 0.87x vs chunked 0.83x, K2 fc1 INT4 0.85-0.96x vs 0.77x), while chunked's dgrad is ahead
+#: on K3 fc1 / fc2 (0.85x / 0.84x vs 0.80x / 0.78x) and K2 fc2 (0.81x vs 0.77x): those stop at 1024 (between the
+#: measured 512 and 2048). At 8 the fused kernel wins everywhere (forward 1.4-2.2x BF16 vs the register kernel's
+#: 1.2-1.9x). Shapes not measured (e.g. the demos' small models) keep the fused / chunked table.
 W4A16_GLUON: dict[str, dict] = {
-    op: {"default": None, (6144, 3584): (128, None), (3584, 3072): (128, None), (4096, 7168): (128, None),
-         (7168, 2048): (128, None)}
-    for op in ("fwd", "dgrad")
+    "fwd": {"default": None, (6144, 3584): (128, None), (3584, 3072): (128, None), (4096, 7168): (128, None),
+            (7168, 2048): (128, None)},
+    "dgrad": {"default": None, (6144, 3584): (128, 1024), (3584, 3072): (128, 1024), (4096, 7168): (128, None),
+              (7168, 2048): (128, 1024)},
 }
 
 #: The kernel and options the ``"gluon"`` path runs, per op: ``kernel`` ``"smem"`` (:mod:`.gluon_w4a16`, decoded

@@ -93,27 +93,28 @@ def test_paths_match_oracle(path, workspace, fmt, E, K, N, mean, device_splits, 
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("K,N,path", [(3584, 6144, "gluon"), (2048, 7168, "gluon"), (2048, 4608, "chunked")],
-                         ids=["K3-fc1", "K2-fc2", "not-measured"])
-def test_auto_on_a_real_width_layer(fmt, K, N, path):
-    """At ~2100 tokens/expert over 112 experts auto picks the Gluon register kernels (forward and dgrad) on the
-    measured K3 fc1 and K2 fc2 shapes and chunked (several 1 GiB chunks) on a shape the Gluon table does not name
-    (the measured table); each equals the oracle."""
+@pytest.mark.parametrize("K,N,fwd_path,dgrad_path", [(3584, 6144, "gluon", "chunked"), (2048, 7168, "gluon", "chunked"),
+                                                      (7168, 4096, "gluon", "gluon"), (2048, 4608, "chunked", "chunked")],
+                         ids=["K3-fc1", "K2-fc2", "K2-fc1", "not-measured"])
+def test_auto_on_a_real_width_layer(fmt, K, N, fwd_path, dgrad_path):
+    """At ~2100 tokens/expert over 112 experts auto follows the measured table: the Gluon register forward on the
+    measured K3 / K2 shapes, its dgrad on K2 fc1 and chunked's (several 1 GiB chunks) on K3 fc1 and K2 fc2, chunked
+    on a shape the Gluon table does not name; each equals the oracle."""
     E = 112
     splits = ragged_splits(E, 3000, seed=1)  # mean 2148 after the empty experts: above the 512 crossover
     T = sum(splits)
-    assert kernels.choose_path("fwd", T, E, N, K, torch.device(DEV)) == path
-    assert kernels.choose_path("dgrad", T, E, N, K, torch.device(DEV)) == path
+    assert kernels.choose_path("fwd", T, E, N, K, torch.device(DEV)) == fwd_path
+    assert kernels.choose_path("dgrad", T, E, N, K, torch.device(DEV)) == dgrad_path
     assert kernels.choose_path("fwd", 8 * E, E, N, K, torch.device(DEV)) == "fused"
-    if path == "chunked":
-        assert wc.plan_chunks(E, N, K).num_chunks > 2
+    if "chunked" in (fwd_path, dgrad_path):
+        assert wc.plan_chunks(E, N, K, "fwd" if fwd_path == "chunked" else "dgrad").num_chunks > 2
     wp, ws = random_packed(fmt, E, N, K, seed=2, device=DEV)
     x = torch.randn(T, K, device=DEV).bfloat16()
     dy = torch.randn(T, N, device=DEV).bfloat16()
     y = kernels.w4a16_grouped_gemm(x, wp, ws, fmt, torch.tensor(splits, device=DEV))
     dx = kernels.w4a16_grouped_gemm_dgrad(dy, wp, ws, fmt, splits)
-    assert_close(f"fwd {path} N{N} K{K} {fmt}", oracle_fwd(x, wp, ws, fmt, splits), y.float(), 1e-2)
-    assert_close(f"dgrad {path} N{N} K{K} {fmt}", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
+    assert_close(f"fwd {fwd_path} N{N} K{K} {fmt}", oracle_fwd(x, wp, ws, fmt, splits), y.float(), 1e-2)
+    assert_close(f"dgrad {dgrad_path} N{N} K{K} {fmt}", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
 
 
 def test_chunked_equals_bf16_grouped_mm():
