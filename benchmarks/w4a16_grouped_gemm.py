@@ -100,17 +100,20 @@ def parse_gluon_config(text: str) -> dict:
     """``auto`` (the kernel's own tile rows) or ``<block_m>x<decode_warps>[s<load_stages>]``, either followed by
     ``n<block_n>`` (output columns per tile, 128 or 256) and ``p`` (the persistent schedule: one program per SM),
     e.g. ``64x4``, ``128x4s4``, ``autop``, ``auton256p`` -> keyword arguments of ``gluon_w4a16``; or
-    ``rs[<block_m>][s<load_stages>][n<block_n>][k<mma_chunks>][o<ctas_per_sm>][a][p]`` (e.g. ``rs``, ``rsp``,
+    ``rs[<block_m>][s<load_stages>][n<block_n>][k<mma_chunks>][o<ctas_per_sm>][a][f][p]`` (e.g. ``rs``, ``rsp``,
     ``rs128s6p``, ``rsn128p``, ``rsn128k4p``, ``rs16n128k4o2p``, ``rsn128ap``): the forward with the weights in the
     wgmma's registers (``gluon_w4a16_rs``, its own column pick ``pick_block_n`` unless ``n<block_n>``; ``k``: wgmmas
-    per K step; ``o2``: two programs per SM; ``a``: decode ahead, the next step decoded while a wgmma runs), with ``kernel="registers"`` among the arguments. The result
+    per K step; ``o2``: two programs per SM; ``a``: decode ahead, the next step decoded while a wgmma runs; ``f``: MXFP4
+    scales folded, one multiply per decoded pair), with ``kernel="registers"`` among the arguments. The result
     is what :data:`kimi_core.kernels.GLUON_OPTIONS` holds (``kernel`` ``"smem"`` when absent)."""
-    m = re.fullmatch(r"rs(\d+)?(?:s(\d+))?(?:n(\d+))?(?:k(\d))?(?:o(\d))?(a?)(p?)", text)
+    m = re.fullmatch(r"rs(\d+)?(?:s(\d+))?(?:n(\d+))?(?:k(\d))?(?:o(\d))?(a?)(f?)(p?)", text)
     if m:
-        bm, stages, bn, chunks, ctas, ahead, persistent = m.groups()
+        bm, stages, bn, chunks, ctas, ahead, fold, persistent = m.groups()
         kw = {"kernel": "registers", "load_stages": int(stages) if stages else None}
         if ahead:
             kw["decode_ahead"] = True
+        if fold:
+            kw["fold_scales"] = True
         for key, value in (("block_m", bm), ("block_n", bn), ("mma_chunks", chunks), ("ctas_per_sm", ctas)):
             if value:
                 kw[key] = int(value)
@@ -118,7 +121,7 @@ def parse_gluon_config(text: str) -> dict:
     m = re.fullmatch(r"(auto|(\d+)x(\d+)(?:s(\d+))?)(?:n(\d+))?(p?)", text)
     if not m:
         raise ValueError(f"--gluon-configs: cannot read {text!r} (auto or <block_m>x<decode_warps>[s<load_stages>], "
-                         f"then [n<block_n>][p]; or rs[<block_m>][s<load_stages>][n<block_n>][k<mma_chunks>][o<ctas_per_sm>][a][p])")
+                         f"then [n<block_n>][p]; or rs[<block_m>][s<load_stages>][n<block_n>][k<mma_chunks>][o<ctas_per_sm>][a][f][p])")
     _, bm, warps, stages, bn, persistent = m.groups()
     kw = {"persistent": True} if persistent else {}
     if bn:

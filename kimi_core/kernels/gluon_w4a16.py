@@ -67,7 +67,8 @@ MAX_LOAD_STAGES = 8  # TMA ring depth cap (activation tile + packed bytes + scal
 RING_BUDGET = 200 * 1024  # shared bytes for the rings; the epilogue's scratch and the barriers take the rest of 227 KB
 DECODE_WARPS = 4    # warps of the decode partition (4 or 8)
 BLOCK_M_CHOICES = (8, 16, 32, 64, 128)  # activation rows per tile: the wgmma's N (see pick_block_m)
-# FMT: triton_w4a16's format ids (FMT_MXFP4 = 0, FMT_INT4 = 1, from its _fmt_id)
+# FMT: triton_w4a16's format ids (FMT_MXFP4 = 0, FMT_INT4 = 1, from its _fmt_id), and:
+FMT_MXFP4_FOLDED = 2  # MXFP4 whose E8M0 scales are all <= 128: the decode's 2^126 folded into the scales (one multiply)
 
 
 def w_stages(block_n: int = BN) -> int:
@@ -146,13 +147,18 @@ if HAVE_GLUON:
         and one by the E8M0 scale ``2^(s - 127)``. INT4: ``0x4300 | nib`` is bf16 ``128 + nib``, minus 136 is
         ``nib - 8`` exactly, times the bf16 scale. Each product is rounded once to nearest even (bf16 keeps
         subnormals), the rounding of ``kimi_core.quant.dequantize``'s float32 product, so the weights are
-        bit-exact."""
-        if FMT == 0:
+        bit-exact. ``FMT_MXFP4_FOLDED``: ``scale2`` already holds ``2^126`` times the scale (:func:`scale_bits_to_pairs`),
+        so one multiply, rounded once the same way."""
+        if FMT != 1:
             u = pairs << 6
             bits = (u & 0x01C001C0) | ((u << 6) & -0x7FFF8000)  # 0x80008000: both sign bits
-            return gl.inline_asm_elementwise(
-                "{ .reg .b32 c; mov.b32 c, 0x7E807E80; mul.rn.bf16x2 $0, $1, c; mul.rn.bf16x2 $0, $0, $2; }",
-                "=r,r,r", [bits, scale2], dtype=gl.int32, is_pure=True, pack=1)
+            if FMT == 0:
+                return gl.inline_asm_elementwise(
+                    "{ .reg .b32 c; mov.b32 c, 0x7E807E80; mul.rn.bf16x2 $0, $1, c; mul.rn.bf16x2 $0, $0, $2; }",
+                    "=r,r,r", [bits, scale2], dtype=gl.int32, is_pure=True, pack=1)
+            else:
+                return gl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [bits, scale2],
+                                                 dtype=gl.int32, is_pure=True, pack=1)
         else:
             return gl.inline_asm_elementwise(
                 "{ .reg .b32 c; mov.b32 c, 0x43084308; sub.rn.bf16x2 $0, $1, c; mul.rn.bf16x2 $0, $0, $2; }",
@@ -184,8 +190,8 @@ if HAVE_GLUON:
         groups at byte ``off`` of each row of ``s_tile`` (``[R, 16 bytes]`` row-major: E8M0 bytes for MXFP4, bf16 for
         INT4; TMA zero-fills rows past the tensor). ``LW``: the layout the rows' four words are loaded in (each
         thread all four words of its rows); when its rows lie as ``layout``'s do, no data moves between threads."""
-        SB: gl.constexpr = 1 if FMT == 0 else 2
-        MASK: gl.constexpr = 0xFF if FMT == 0 else 0xFFFF
+        SB: gl.constexpr = 2 if FMT == 1 else 1
+        MASK: gl.constexpr = 0xFFFF if FMT == 1 else 0xFF
         words = s_tile._reinterpret(gl.int32, [R, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(LW)
         cols = gl.arange(0, 4, layout=gl.SliceLayout(0, LW))
         if G == 2:  # forward: the step's two groups lie in one word (MXFP4: off even; INT4: off % 4 == 0)
@@ -211,10 +217,12 @@ if HAVE_GLUON:
     @gluon.jit
     def scale_bits_to_pairs(sb, FMT: gl.constexpr):
         """int32 bf16x2 scale pairs (the same scale in both halves) of the raw scale bits ``sb`` (int32: MXFP4's
-        E8M0 byte ``s`` -> bf16 ``2^(s - 127)``, ``s = 0`` the subnormal ``2^-127``; INT4's bf16 bits as they
-        are)."""
+        E8M0 byte ``s`` -> bf16 ``2^(s - 127)``, ``s = 0`` the subnormal ``2^-127``; ``FMT_MXFP4_FOLDED``: ``2^(s -
+        1)``, a normal bf16 for ``s <= 128``; INT4's bf16 bits as they are)."""
         if FMT == 0:
             sb = gl.where(sb == 0, 0x40, sb << 7)
+        elif FMT == 2:
+            sb = (sb + 126) << 7
         return sb | (sb << 16)
 
     @gluon.jit
@@ -301,7 +309,7 @@ if HAVE_GLUON:
                 s = it % LOAD_STAGES
                 mbarrier.wait(p_ready.index(s), (it // LOAD_STAGES) & 1)
                 b = p_ring.index(s).load(L2)
-                _, off = _scale_box(i, col0, DGRAD, BK, 1 if FMT == 0 else 2)
+                _, off = _scale_box(i, col0, DGRAD, BK, 2 if FMT == 1 else 1)
                 sc = _scale_pairs(s_ring.index(s), off, R, G, SL, FMT, LW)
                 mbarrier.arrive(p_free.index(s), count=1)
                 b = gl.convert_layout(gl.reshape(b.to(gl.int32) & 0xFF, [R, G, 16]), L3, assert_trivial=True)
@@ -453,6 +461,18 @@ def scale_smem_layout(s_block: list[int], scale_bytes: int, scales_t: bool = Fal
     if scales_t:
         return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * scale_bytes, rank=2)
     return gl.NVMMASharedLayout.get_default_for(s_block, gl.uint8 if scale_bytes == 1 else gl.bfloat16)
+
+
+def mxfp4_scales_fold(w_scale: torch.Tensor) -> bool:
+    """Whether every E8M0 byte of ``w_scale`` (uint8, any shape) is at most 128 (scales up to 2, as in any real
+    checkpoint: a weight up to 12), so ``2^(s - 1)`` is a normal bf16 and the decode can run as
+    :data:`FMT_MXFP4_FOLDED`. Read once per tensor and version (one device sync), remembered on the tensor."""
+    seen = getattr(w_scale, "_kimi_scales_fold", None)
+    if seen is not None and seen[0] == w_scale._version:
+        return seen[1]
+    fold = bool((w_scale <= 128).all())
+    w_scale._kimi_scales_fold = (w_scale._version, fold)
+    return fold
 
 
 def shape_fits(N: int, K: int, scale_bytes: int = 1) -> bool:

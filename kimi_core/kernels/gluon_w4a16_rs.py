@@ -48,6 +48,11 @@ exactly a step's groups. Shapes, dtypes, tile table, persistence and argument ch
 (``x`` bf16 ``[T, K]``, ``y`` bf16 ``[T, N]``; dgrad ``dy`` ``[T, N]`` -> ``dx`` ``[T, K]``). Extra memory: none
 beyond the output and the tile table (dgrad: and the transposed scales).
 
+``fold_scales`` (MXFP4): where every E8M0 byte is at most 128 (any real checkpoint), the decode's ``x 2^126`` is
+folded into the scale pair (``2^(s - 1)``, a normal bf16), one multiply per decoded pair instead of two, rounded
+once as before (:data:`.gluon_w4a16.FMT_MXFP4_FOLDED`); the SASS loses 5-9 % of its instructions (half the HMUL2).
+Compiled, not yet run on a GPU (2026-12-05); opt-in until measured.
+
 Status (2026-12-05): measured on the H200 and H100 (benchmarks/RESULTS.md, "W4A16 grouped GEMM: the Gluon kernels"
 and "the register-fragment dgrad and decode ahead"); :func:`kimi_core.kernels.choose_path` picks both entry points
 where :data:`kimi_core.kernels.W4A16_GLUON` says.
@@ -66,7 +71,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 __all__ = ["BLOCK_N_CHOICES", "DEFAULT_MMA_CHUNKS", "MMA_CHUNK_CHOICES", "TWO_PER_SM", "ahead_where_it_fits",
-           "block_m_choices", "default_load_stages", "grouped_gemm", "grouped_gemm_dgrad", "pick_block_m", "pick_block_n"]
+           "block_m_choices", "default_load_stages", "fmt_id", "grouped_gemm", "grouped_gemm_dgrad", "pick_block_m", "pick_block_n"]
 
 
 BLOCK_N_CHOICES = (128, 256)  # output columns per tile: two warpgroups of 64 or of 128 weight rows (the wgmma's M)
@@ -101,6 +106,15 @@ def pick_block_m(m_splits, block_n: int) -> int:
     if block_n == 128 and ws.mean_rows(m_splits) > ws.BM:
         return 256
     return ws.pick_block_m(m_splits)
+
+
+def fmt_id(run: ws.Launch, w_scale: torch.Tensor, fold_scales: bool) -> int:
+    """The kernel's format id: ``run``'s, or :data:`.gluon_w4a16.FMT_MXFP4_FOLDED` where ``fold_scales`` asks for it,
+    the format is MXFP4 and every scale byte allows it (:func:`.gluon_w4a16.mxfp4_scales_fold`; else the two-multiply
+    decode, exact for every scale)."""
+    if fold_scales and run.fmt_id == 0 and ws.mxfp4_scales_fold(w_scale):
+        return ws.FMT_MXFP4_FOLDED
+    return run.fmt_id
 
 
 def ahead_where_it_fits(block_n: int, mma_chunks: int = DEFAULT_MMA_CHUNKS, ctas_per_sm: int = 1) -> bool:
@@ -180,7 +194,7 @@ if HAVE_GLUON:
         scale pairs (``[R, G]``) of K step ``i`` (ring stage ``s``, parity ``phase``) in the fragment's layout; arrives
         on ``p_free`` once they are in registers."""
         G: gl.constexpr = BK // 32
-        SB: gl.constexpr = 1 if FMT == 0 else 2
+        SB: gl.constexpr = 2 if FMT == 1 else 1
         mbarrier.wait(p_ready.index(s), phase)
         b = gl.reshape(_fragment_bytes(p_ring.index(s).slice(HALF_INDEX * R, R), byte_layout, R, BK), [R, G, 16])
         _, off = ws._scale_box(i, col0, False, BK, SB)
@@ -246,7 +260,7 @@ if HAVE_GLUON:
         mbarrier.wait(p_ready.index(s), (it // LOAD_STAGES) & 1)
         b = p_ring.index(2 * s + HALF_INDEX).permute((1, 0)).load(_dgrad_layout2(R, BK)).to(gl.int32) & 0xFF
         s_tile = s_ring.index(s).slice(HALF_INDEX * G, G, dim=0)
-        if FMT == 0:
+        if FMT != 1:
             sb = s_tile.load(gl.SliceLayout(1, L3)).to(gl.int32) & 0xFF
         else:
             sb = s_tile.load(gl.SliceLayout(1, L3)).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
@@ -422,7 +436,7 @@ def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                  out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
                  load_stages: int | None = None, persistent: bool | int = False,
                  mma_chunks: int = DEFAULT_MMA_CHUNKS, ctas_per_sm: int = 1,
-                 decode_ahead: bool | str = False) -> torch.Tensor:
+                 decode_ahead: bool | str = False, fold_scales: bool = False) -> torch.Tensor:
     """``y[T, N]`` bf16, ``y[rows_e] = x[rows_e] . dequant(W_e)^T`` with fp32 accumulation; arguments as
     :func:`.gluon_w4a16.grouped_gemm` (no decode warps: the wgmma warpgroups decode); ``block_n`` 256 or 128
     output columns per tile (default :func:`pick_block_n`), ``block_m`` one of :func:`block_m_choices` (default
@@ -431,7 +445,8 @@ def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     (:data:`TWO_PER_SM`: tiles of at most 64 x 128 or 32 x 256; persistent = two per SM), four consumer warpgroups decoding where
     a tile has few rows; ``decode_ahead``: each warpgroup decodes step ``i + 1`` while its step-``i`` wgmma runs (one
     wgmma per K step; its fragments take twice the registers, so tiles of 128 columns); ``"auto"``: wherever the
-    tiles have 128 columns and one wgmma per K step (:func:`ahead_where_it_fits`)."""
+    tiles have 128 columns and one wgmma per K step (:func:`ahead_where_it_fits`); ``fold_scales``: MXFP4 decoded
+    with one multiply where every scale allows it (:func:`fmt_id`)."""
     where = "gluon_w4a16_rs.grouped_gemm"
     if decode_ahead == "auto":
         block_n = pick_block_n(m_splits) if block_n is None else block_n
@@ -458,8 +473,8 @@ def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     if run.empty:
         return run.out
     w4a16_rs_kernel[run.grid](*run.descs, run.out, run.tiles, run.n_tiles, run.n_col_tiles, run.N, run.K,
-                              run.out.stride(0), run.fmt_id, run.block_m, block_n, BK, run.stages,
-                              CONSUMER_REGS if ctas_per_sm == 1 else TWO_PER_SM["consumer_regs"], mma_chunks,
+                              run.out.stride(0), fmt_id(run, w_scale, fold_scales), run.block_m, block_n, BK,
+                              run.stages, CONSUMER_REGS if ctas_per_sm == 1 else TWO_PER_SM["consumer_regs"], mma_chunks,
                               bool(decode_ahead), False,
                               num_warps=4, **({} if ctas_per_sm == 1 else {"maxnreg": TWO_PER_SM["maxnreg"]}))
     return run.out
@@ -468,15 +483,15 @@ def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
 def grouped_gemm_dgrad(dy: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, fmt: str, m_splits,
                        out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
                        load_stages: int | None = None, persistent: bool | int = False,
-                       decode_ahead: bool | str = False) -> torch.Tensor:
+                       decode_ahead: bool | str = False, fold_scales: bool = False) -> torch.Tensor:
     """``dx[T, K]`` bf16, ``dx[rows_e] = dy[rows_e] . dequant(W_e)`` with fp32 accumulation (``dy`` bf16 ``[T,
     N]``; ``N`` a multiple of 64), the weights decoded into the wgmma's register A fragment as ``W^T`` (``K``
     output columns x ``N``): the two nibbles of a packed byte are neighbouring output columns, which one m64
     fragment spreads over rows ``r`` and ``r + 8`` of one thread, so the fragment's rows are the output columns
     reordered (:func:`_dgrad_rows`; put back before the store) and each thread decodes whole bytes. The scales go as
     a transposed copy ``[E * K / 32, N]`` made per call (extra memory: 1/16 of the packed bytes, e.g. 77 MB for K3
-    fc1 MXFP4) so a step's scales are one ``[block_n / 32, 64]`` TMA box. Tiles, persistence and ``decode_ahead`` as
-    :func:`grouped_gemm` (its one-wgmma-per-step form)."""
+    fc1 MXFP4) so a step's scales are one ``[block_n / 32, 64]`` TMA box. Tiles, persistence, ``decode_ahead`` and
+    ``fold_scales`` as :func:`grouped_gemm` (its one-wgmma-per-step form)."""
     where = "gluon_w4a16_rs.grouped_gemm_dgrad"
     if decode_ahead == "auto":
         block_n = pick_block_n(m_splits) if block_n is None else block_n
@@ -494,6 +509,7 @@ def grouped_gemm_dgrad(dy: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
     if run.empty:
         return run.out
     w4a16_rs_kernel[run.grid](*run.descs, run.out, run.tiles, run.n_tiles, run.n_col_tiles, run.N, run.K,
-                              run.out.stride(0), run.fmt_id, run.block_m, block_n, BK, run.stages, CONSUMER_REGS, 1,
+                              run.out.stride(0), fmt_id(run, w_scale, fold_scales), run.block_m, block_n, BK,
+                              run.stages, CONSUMER_REGS, 1,
                               bool(decode_ahead), True, num_warps=4)
     return run.out

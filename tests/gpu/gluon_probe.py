@@ -12,7 +12,8 @@ across them: a parity slip there hangs or corrupts the next tile).
                                                        # rsn128 = it with 128 columns and 256 rows per tile,
                                                        # k4 = 4 wgmmas per K step, o2 = 2 programs per SM,
                                                        # a = decode ahead; rsd = the register-fragment
-                                                       # dgrad, rsdn128a: 128 columns, decode ahead)
+                                                       # dgrad, rsdn128a: 128 columns, decode ahead; a
+                                                       # trailing f: MXFP4 scales folded, one multiply)
 """
 
 from __future__ import annotations
@@ -45,14 +46,16 @@ def one(fmt_name: str, op: str, programs: int) -> None:
         from kimi_core.kernels import gluon_w4a16_rs as rs
 
         rs.grouped_gemm_dgrad(a, wp, ws, fmt, splits, out=out, persistent=programs or False,
-                              block_n=128 if "n128" in op else 256, decode_ahead="a" in op[3:])
+                              block_n=128 if "n128" in op else 256, decode_ahead="a" in op[3:],
+                              fold_scales=op.endswith("f"))
     elif op.startswith("rs"):  # the forward with the weights in the wgmma's registers (rsn128: 256 rows x 128 cols;
         from kimi_core.kernels import gluon_w4a16_rs as rs  # k4: 4 wgmmas per K step; o2: 2 programs per SM;
         # a: decode ahead (rsn128a...)
 
         rs.grouped_gemm(a, wp, ws, fmt, splits, out=out, persistent=programs or False,
                         block_n=128 if op.startswith("rsn128") else 256, mma_chunks=4 if "k4" in op else 1,
-                        decode_ahead="a" in op, **({"ctas_per_sm": 2, "block_m": 16} if "o2" in op else {}))
+                        decode_ahead="a" in op, fold_scales=op.endswith("f"),
+                        **({"ctas_per_sm": 2, "block_m": 16} if "o2" in op else {}))
     else:
         (gw.grouped_gemm_dgrad if op == "dgrad" else gw.grouped_gemm)(a, wp, ws, fmt, splits, out=out,
                                                                        persistent=programs or False)
@@ -74,7 +77,7 @@ def main() -> int:
     timeout = int(os.environ.get("GLUON_PROBE_TIMEOUT", "60"))
     bad = 0
     for fmt in ("mxfp4", "int4"):
-        for op in os.environ.get("GLUON_PROBE_OPS", "fwd,dgrad,rs,rsn128,rsn128k4,rsk4o2,rsn128a,rsn128ao2,rsd,rsdn128,rsdn128a").split(","):
+        for op in os.environ.get("GLUON_PROBE_OPS", "fwd,dgrad,rs,rsn128,rsn128k4,rsk4o2,rsn128a,rsn128ao2,rsd,rsdn128,rsdn128a,rsn128af,rsdn128af").split(","):
             for programs in ("0", "2"):  # one program per tile (the binary compiles once), then 2 persistent ones
                 name = f"{fmt} {op} programs {programs}"
                 try:

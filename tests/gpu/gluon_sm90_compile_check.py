@@ -191,3 +191,15 @@ for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16")):
         serialized = wgmma_serialization_warnings(ptx)
         assert not serialized, f"ptxas serializes the wgmmas of this variant: {serialized}"
         dump(k, f"rs_dgrad_{fmt}_n{bn}_m{bm}_a{ahead}")
+
+# MXFP4 with the 2^126 folded into the scales (one multiply per decoded pair; gw.FMT_MXFP4_FOLDED), forward and dgrad
+for dgrad, bn, bm, ahead in ((0, 128, 256, 1), (0, 256, BMAX, 0), (1, 128, 256, 1), (1, 256, BMAX, 0)):
+    stages = rs.default_load_stages(bm, bn, dgrad=bool(dgrad))
+    k, ptx, usage = compile_w4a16(rs.w4a16_rs_kernel, dgrad, bm, bn, "u8", {
+        "FMT": gw.FMT_MXFP4_FOLDED, "BM": bm, "BN": bn, "BK": gw.BK, "LOAD_STAGES": stages,
+        "CONSUMER_REGS": rs.CONSUMER_REGS, "MMA_CHUNKS": 1, "DECODE_AHEAD": ahead, "DGRAD": bool(dgrad)}, 4,
+        scales_t=bool(dgrad))
+    print("w4a16_rs", "dgrad" if dgrad else "fwd", "mxfp4 folded", f"BN {bn} BM {bm} decode ahead {ahead}",
+          "| bf16x2 muls:", ptx.count("mul.rn.bf16x2"), "| shared bytes:", k.metadata.shared, "|", usage, flush=True)
+    assert not wgmma_serialization_warnings(ptx), "ptxas serializes the wgmmas of this variant"
+    dump(k, f"rs_{'dgrad' if dgrad else 'fwd'}_folded_n{bn}_m{bm}_a{ahead}")

@@ -39,6 +39,8 @@ def load_benchmark():
                   "persistent": True}),
     ("rs64o2a", {"kernel": "registers", "block_m": 64, "load_stages": None, "ctas_per_sm": 2,
                  "decode_ahead": True}),
+    ("rsn128afp", {"kernel": "registers", "load_stages": None, "block_n": 128, "decode_ahead": True,
+                   "fold_scales": True, "persistent": True}),
 ])
 def test_config_strings_read_into_kernel_arguments(text, want):
     from kimi_core.kernels import gluon_w4a16 as gw

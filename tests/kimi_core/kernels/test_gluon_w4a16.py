@@ -248,3 +248,21 @@ def test_register_dgrad_refuses_options_it_cannot_run_by_name(kw, match):
     wp, ws = random_packed(MXFP4, 2, 256, 512)
     with pytest.raises(ValueError, match=r"gluon_w4a16_rs.grouped_gemm_dgrad: " + match):
         rs.grouped_gemm_dgrad(torch.zeros(16, 256, dtype=torch.bfloat16), wp, ws, MXFP4, [8, 8], **kw)
+
+
+def test_mxfp4_scale_fold_is_taken_only_where_every_scale_allows_it():
+    """``fold_scales`` (MXFP4 decoded with one multiply by ``2^(s - 1)``, a normal bf16 only for E8M0 bytes ``s <=
+    128``) runs the folded format id only when every scale byte of the tensor is at most 128, read once per tensor
+    version; otherwise, and for INT4, the exact two-multiply decode."""
+    from kimi_core.kernels import gluon_w4a16 as gw
+    from kimi_core.kernels import gluon_w4a16_rs as rs
+
+    scales = torch.full((2, 8, 16), 128, dtype=torch.uint8)
+    mxfp4, int4 = gw.Launch(out=torch.empty(0), fmt_id=0), gw.Launch(out=torch.empty(0), fmt_id=1)
+    assert rs.fmt_id(mxfp4, scales, True) == gw.FMT_MXFP4_FOLDED
+    assert rs.fmt_id(mxfp4, scales, False) == 0
+    scales[1, 3, 5] = 129  # in place: a new version, read again
+    assert rs.fmt_id(mxfp4, scales, True) == 0
+    scales[1, 3, 5] = 0
+    assert gw.mxfp4_scales_fold(scales)
+    assert rs.fmt_id(int4, torch.ones(2, 8, 16, dtype=torch.bfloat16), True) == 1

@@ -12,7 +12,7 @@ import torch
 from utils import assert_close
 
 sys.path.insert(0, os.path.dirname(__file__))
-from w4a16_cases import FORMATS, oracle_dgrad, oracle_fwd, ragged_splits, random_packed  # noqa: E402
+from w4a16_cases import FORMATS, MXFP4, oracle_dgrad, oracle_fwd, ragged_splits, random_packed  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -99,7 +99,10 @@ def every_scale(ws: torch.Tensor, seed: int) -> torch.Tensor:
                                                  ("registers", 256, {"mma_chunks": 2}),
                                                  ("registers", 128, {"decode_ahead": True}),
                                                  ("registers-dgrad", 256, {}), ("registers-dgrad", 128, {}),
-                                                 ("registers-dgrad", 128, {"decode_ahead": True})])
+                                                 ("registers-dgrad", 128, {"decode_ahead": True}),
+                                                 # scales above 128: the fold is refused, the exact decode runs
+                                                 ("registers", 128, {"decode_ahead": True, "fold_scales": True}),
+                                                 ("registers-dgrad", 256, {"fold_scales": True})])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gluon_decoded_weights_are_bit_exact_over_every_scale(fmt, kernel, block_n, rs_kw):
     """An identity activation reads the decoded weights back exactly (one product per output, ``1 * w``): forward
@@ -252,3 +255,36 @@ def test_gluon_rs_dgrad_matches_oracle(fmt, E, K, N, mean, kw):
     contraction lengths that are no multiple of 64 and odd step counts (decode ahead's pairs), persistent programs
     whose rings wrap across tiles, against the fp32 oracle."""
     register_kernel_against_oracle("dgrad", fmt, E, K, N, mean, kw, seed=8)
+
+
+@pytest.mark.parametrize("op,block_n,kw", [("fwd", 128, {"decode_ahead": True}), ("fwd", 256, {}),
+                                           ("dgrad", 128, {"decode_ahead": True}), ("dgrad", 256, {})])
+def test_folded_mxfp4_decode_is_bit_exact(op, block_n, kw):
+    """MXFP4 with the decode's ``2^126`` folded into the scales (``fold_scales``: one multiply per decoded pair, by
+    ``2^(s - 1)``) over every E8M0 byte it takes (0..128): an identity activation reads the decoded weights back
+    equal to :func:`kimi_core.quant.dequantize`, forward (``W^T``) and dgrad (``W``)."""
+    from kimi_core.kernels import gluon_w4a16 as gw
+    from kimi_core.kernels import gluon_w4a16_rs as rs
+    from kimi_core.quant import dequantize
+
+    if not gw.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    fmt = MXFP4
+    E, N, K = 2, 256, 512
+    wp, _ = random_packed(fmt, E, N, K, seed=9, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(10)
+    ws = torch.randint(0, 129, (E, N, K // 32), dtype=torch.uint8, device="cuda", generator=g)
+    assert gw.mxfp4_scales_fold(ws), "every byte is at most 128: the folded decode must run"
+    for e in range(E):
+        splits = [0] * E
+        splits[e] = K if op == "fwd" else N
+        want = dequantize(fmt, wp[e], ws[e], torch.bfloat16)  # [N, K]
+        if op == "fwd":
+            got = rs.grouped_gemm(torch.eye(K, device="cuda").bfloat16(), wp, ws, fmt, splits, block_n=block_n,
+                                  fold_scales=True, **kw).t()
+        else:
+            got = rs.grouped_gemm_dgrad(torch.eye(N, device="cuda").bfloat16(), wp, ws, fmt, splits,
+                                        block_n=block_n, fold_scales=True, **kw)
+        same = got == want
+        assert bool(same.all()), (f"folded {op} block_n {block_n} {kw} expert {e}: {int((~same).sum())} decoded "
+                                  f"weights differ from kimi_core.quant.dequantize")
