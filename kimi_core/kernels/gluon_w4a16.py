@@ -254,8 +254,9 @@ if HAVE_GLUON:
                 s = it % LOAD_STAGES
                 phase = ((it // LOAD_STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
                 mbarrier.wait(p_free.index(s), phase)
+                P_BOXES: gl.constexpr = 2 if SCALES_T else 1
+                mbarrier.expect(p_ready.index(s), P_BOXES * p_desc.block_type.nbytes + s_desc.block_type.nbytes)
                 if SCALES_T:  # the bytes as two boxes, one per consumer warpgroup's half of the columns
-                    mbarrier.expect(p_ready.index(s), 2 * p_desc.block_type.nbytes + s_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(p_desc, [expert * N + i * BK, col0 // 2], p_ready.index(s),
                                                     p_ring.index(2 * s))
                     tma.async_copy_global_to_shared(p_desc, [expert * N + i * BK, col0 // 2 + BN // 4],
@@ -263,14 +264,12 @@ if HAVE_GLUON:
                     tma.async_copy_global_to_shared(s_desc, [expert * KG + col0 // 32, i * BK], p_ready.index(s),
                                                     s_ring.index(s))
                 elif DGRAD:
-                    mbarrier.expect(p_ready.index(s), p_desc.block_type.nbytes + s_desc.block_type.nbytes)
                     box0, _ = _scale_box(i, col0, DGRAD, BK, 16 // s_desc.block_type.shape[1])
                     tma.async_copy_global_to_shared(p_desc, [expert * N + i * BK, col0 // 2], p_ready.index(s),
                                                     p_ring.index(s))
                     tma.async_copy_global_to_shared(s_desc, [expert * N + i * BK, box0], p_ready.index(s),
                                                     s_ring.index(s))
                 else:
-                    mbarrier.expect(p_ready.index(s), p_desc.block_type.nbytes + s_desc.block_type.nbytes)
                     box0, _ = _scale_box(i, col0, DGRAD, BK, 16 // s_desc.block_type.shape[1])
                     tma.async_copy_global_to_shared(p_desc, [expert * N + col0, i * (BK // 2)], p_ready.index(s),
                                                     p_ring.index(s))

@@ -218,17 +218,22 @@ if HAVE_GLUON:
         return w
 
     @gluon.constexpr_function
-    def _dgrad_layout(R, BK):
+    def _dgrad_layout(R, BK, flat=False):
         """Where one dgrad warpgroup holds its weights ``[G, 16, BK]`` (scale group ``g`` of its ``R`` output
         columns, byte ``jj`` of the group's 16, contraction index ``n``): byte ``j = 16 g + jj`` holds the output
         columns ``2 j`` and ``2 j + 1``, and lies with the thread whose A-fragment rows are ``j``'s two rows of
         :func:`_dgrad_rows` (``j = q + 8 w + 32 x``: ``q`` = lane / 4, ``w`` = warp, ``x`` the second m64 block
-        when ``R`` = 128); the thread's ``n`` are the fragment's columns (``2 (lane % 4) + {0, 1, 8, 9} + 16 s``)."""
-        G: gl.constexpr = R // 32
-        return gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 0, 8], [0, 0, 16], [0, 0, 32]] + ([[2, 0, 0]] if R == 128 else []),
-            lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-            warp_bases=[[0, 8, 0], [1, 0, 0]], block_bases=[], shape=[G, 16, BK])
+        when ``R`` = 128); the thread's ``n`` are the fragment's columns (``2 (lane % 4) + {0, 1, 8, 9} + 16 s``).
+        ``flat``: the same over ``[R / 2, BK]`` (byte ``j``, ``n``), the layout the bytes are loaded in."""
+        reg = [[0, 0, 1], [0, 0, 8], [0, 0, 16], [0, 0, 32]] + ([[2, 0, 0]] if R == 128 else [])
+        lane = [[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]]
+        warp = [[0, 8, 0], [1, 0, 0]]
+        shape = [R // 32, 16, BK]
+        if flat:  # (g, jj, n) -> (16 g + jj, n)
+            reg, lane, warp = ([[16 * g + jj, n] for g, jj, n in bases] for bases in (reg, lane, warp))
+            shape = [R // 2, BK]
+        return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
+                                          shape=shape)
 
     @gluon.jit
     def _dgrad_rows(t, R: gl.constexpr, G: gl.constexpr, TO_FRAGMENT: gl.constexpr):
@@ -258,7 +263,7 @@ if HAVE_GLUON:
         G: gl.constexpr = R // 32
         L3: gl.constexpr = _dgrad_layout(R, BK)
         mbarrier.wait(p_ready.index(s), (it // LOAD_STAGES) & 1)
-        b = p_ring.index(2 * s + HALF_INDEX).permute((1, 0)).load(_dgrad_layout2(R, BK)).to(gl.int32) & 0xFF
+        b = p_ring.index(2 * s + HALF_INDEX).permute((1, 0)).load(_dgrad_layout(R, BK, True)).to(gl.int32) & 0xFF
         s_tile = s_ring.index(s).slice(HALF_INDEX * G, G, dim=0)
         if FMT != 1:
             sb = s_tile.load(gl.SliceLayout(1, L3)).to(gl.int32) & 0xFF
@@ -271,14 +276,6 @@ if HAVE_GLUON:
         hi = (pairs >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
         w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         return gl.convert_layout(_dgrad_rows(gl.join(lo, hi), R, G, True), w_layout, assert_trivial=True)
-
-    @gluon.constexpr_function
-    def _dgrad_layout2(R, BK):
-        """:func:`_dgrad_layout` over ``[R / 2, BK]`` (byte ``j``, contraction ``n``): how the bytes are loaded."""
-        return gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 8], [0, 16], [0, 32]] + ([[32, 0]] if R == 128 else []),
-            lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[R // 2, BK])
 
     @gluon.jit
     def _issue(w, acc, a_ring, a_ready, it, LOAD_STAGES: gl.constexpr):
@@ -349,50 +346,44 @@ if HAVE_GLUON:
                 for i in range(steps):
                     s = it % LOAD_STAGES
                     phase = (it // LOAD_STAGES) & 1
-                    if DGRAD:
-                        w = _dgrad_fragment(p_ring, s_ring, p_ready, p_free, it, HALF_INDEX, FMT, R, BK, LOAD_STAGES,
-                                            acc_layout)
+                    if MMA_CHUNKS == 1:  # forward or dgrad
+                        w = _step_fragment(p_ring, s_ring, p_ready, p_free, it, i, col0, HALF_INDEX, FMT, R, BK,
+                                           LOAD_STAGES, byte_layout, SW, acc_layout, DGRAD)
                         acc = _issue(w, acc, a_ring, a_ready, it, LOAD_STAGES)
-                        acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))
+                        acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))  # before w's registers are reused
                     else:
-                        b, sc = _step_operands(p_ring, s_ring, p_ready, p_free, s, phase, i, col0, HALF_INDEX, FMT, R, BK,
-                                               byte_layout, SW)
+                        # the step in K slices (forward only), each decoded while the previous slice's wgmma runs
+                        b, sc = _step_operands(p_ring, s_ring, p_ready, p_free, s, phase, i, col0, HALF_INDEX, FMT, R,
+                                               BK, byte_layout, SW)
                         a_tile = a_ring.index(s)
-                        if MMA_CHUNKS == 1:
-                            w = _decode(b, gl.expand_dims(sc, 2), FMT, R, BK, acc_layout)
+                        scw, b = gl.broadcast(gl.expand_dims(sc, 2), b)  # [R, G, 16] scale of each byte's group
+                        if MMA_CHUNKS == 2:  # slice j = scale group j
+                            b0, b1 = gl.split(gl.permute(b, (0, 2, 1)))
+                            s0, s1 = gl.split(gl.permute(scw, (0, 2, 1)))
+                            w0 = _decode(b0, s0, FMT, R, BK // 2, acc_layout)
                             mbarrier.wait(a_ready.index(s), phase)
-                            acc = warpgroup_mma(w, a_tile.permute((1, 0)), acc, is_async=True)
-                            acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))  # before w's registers are reused
-                        else:
-                            # the step in K slices, each decoded while the previous slice's wgmma runs (its own registers)
-                            scw, b = gl.broadcast(gl.expand_dims(sc, 2), b)  # [R, G, 16] scale of each byte's group
-                            if MMA_CHUNKS == 2:  # slice j = scale group j
-                                b0, b1 = gl.split(gl.permute(b, (0, 2, 1)))
-                                s0, s1 = gl.split(gl.permute(scw, (0, 2, 1)))
-                                w0 = _decode(b0, s0, FMT, R, BK // 2, acc_layout)
-                                mbarrier.wait(a_ready.index(s), phase)
-                                acc = warpgroup_mma(w0, a_tile.slice(0, BK // 2, dim=1).permute((1, 0)), acc,
-                                                    is_async=True)
-                                w1 = _decode(b1, s1, FMT, R, BK // 2, acc_layout)
-                                acc = warpgroup_mma(w1, a_tile.slice(BK // 2, BK // 2, dim=1).permute((1, 0)), acc,
-                                                    is_async=True)
-                                acc, w0, w1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1))
-                            else:  # 4 slices of 16: slice 2 g + h = half h of scale group g
-                                b0, b2, b1, b3 = _quarters(b, R)
-                                s0, s2, s1, s3 = _quarters(scw, R)
-                                Q: gl.constexpr = BK // 4
-                                w0 = _decode(b0, s0, FMT, R, Q, acc_layout)
-                                mbarrier.wait(a_ready.index(s), phase)
-                                acc = warpgroup_mma(w0, a_tile.slice(0, Q, dim=1).permute((1, 0)), acc, is_async=True)
-                                w1 = _decode(b1, s1, FMT, R, Q, acc_layout)
-                                acc = warpgroup_mma(w1, a_tile.slice(Q, Q, dim=1).permute((1, 0)), acc, is_async=True)
-                                w2 = _decode(b2, s2, FMT, R, Q, acc_layout)
-                                acc = warpgroup_mma(w2, a_tile.slice(2 * Q, Q, dim=1).permute((1, 0)), acc,
-                                                    is_async=True)
-                                w3 = _decode(b3, s3, FMT, R, Q, acc_layout)
-                                acc = warpgroup_mma(w3, a_tile.slice(3 * Q, Q, dim=1).permute((1, 0)), acc,
-                                                    is_async=True)
-                                acc, w0, w1, w2, w3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1, w2, w3))
+                            acc = warpgroup_mma(w0, a_tile.slice(0, BK // 2, dim=1).permute((1, 0)), acc,
+                                                is_async=True)
+                            w1 = _decode(b1, s1, FMT, R, BK // 2, acc_layout)
+                            acc = warpgroup_mma(w1, a_tile.slice(BK // 2, BK // 2, dim=1).permute((1, 0)), acc,
+                                                is_async=True)
+                            acc, w0, w1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1))
+                        else:  # 4 slices of 16: slice 2 g + h = half h of scale group g
+                            b0, b2, b1, b3 = _quarters(b, R)
+                            s0, s2, s1, s3 = _quarters(scw, R)
+                            Q: gl.constexpr = BK // 4
+                            w0 = _decode(b0, s0, FMT, R, Q, acc_layout)
+                            mbarrier.wait(a_ready.index(s), phase)
+                            acc = warpgroup_mma(w0, a_tile.slice(0, Q, dim=1).permute((1, 0)), acc, is_async=True)
+                            w1 = _decode(b1, s1, FMT, R, Q, acc_layout)
+                            acc = warpgroup_mma(w1, a_tile.slice(Q, Q, dim=1).permute((1, 0)), acc, is_async=True)
+                            w2 = _decode(b2, s2, FMT, R, Q, acc_layout)
+                            acc = warpgroup_mma(w2, a_tile.slice(2 * Q, Q, dim=1).permute((1, 0)), acc,
+                                                is_async=True)
+                            w3 = _decode(b3, s3, FMT, R, Q, acc_layout)
+                            acc = warpgroup_mma(w3, a_tile.slice(3 * Q, Q, dim=1).permute((1, 0)), acc,
+                                                is_async=True)
+                            acc, w0, w1, w2, w3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1, w2, w3))
                     mbarrier.arrive(a_free.index(s), count=1)
                     it += 1
             if DGRAD:
