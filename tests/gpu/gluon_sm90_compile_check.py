@@ -113,6 +113,16 @@ def wgmma_serialization_warnings(ptx: str) -> list[str]:
     return [line for line in done.stderr.splitlines() if re.search(r"C751\d", line)]
 
 
+def assert_register_wgmma(ptx: str) -> bool:
+    """The RS kernel's wgmmas take A from registers (a register list ``{%r..}``, not a shared-memory descriptor) and
+    ptxas serializes none of them; returns True for the printout."""
+    rs_form = any("wgmma.mma_async" in line and ", {%r" in line for line in ptx.splitlines())
+    assert rs_form, "the RS kernel's wgmma must take A from registers"
+    serialized = wgmma_serialization_warnings(ptx)
+    assert not serialized, f"ptxas serializes the wgmmas of this variant: {serialized}"
+    return rs_form
+
+
 def dump(k, name: str) -> None:
     """``GLUON_DUMP=<prefix>``: write the variant's PTX, TTGIR and cubin beside ``<prefix>_<name>``."""
     if os.environ.get("GLUON_DUMP"):
@@ -163,33 +173,23 @@ for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16")):
             "DECODE_AHEAD": ahead, "DGRAD": False}, 4, None if ctas == 1 else two["maxnreg"])
         if ctas == 2:  # two programs must fit one SM: registers at launch and shared memory
             assert 2 * 384 * int(re.search(r"REG:(\d+)", usage).group(1)) <= 65536 and k.metadata.shared <= 113 * 1024
-        # RS form: the A operand is a register list ({%r..}), not a shared-memory descriptor
-        rs_form = any("wgmma.mma_async" in line and ", {%r" in line for line in ptx.splitlines())
         print("w4a16_rs fwd", "mxfp4" if fmt == MXFP4 else "int4", f"BN {bn} BM {bm} load stages {stages}",
               f"wgmmas per K step {chunks} programs per SM {ctas} decode ahead {ahead}",
-              "| wgmma with register A:", rs_form, "| shared bytes:", k.metadata.shared, "|", usage)
-        assert rs_form, "the RS kernel's wgmma must take A from registers"
-        serialized = wgmma_serialization_warnings(ptx)
-        assert not serialized, f"ptxas serializes the wgmmas of this variant: {serialized}"
+              "| wgmma with register A:", assert_register_wgmma(ptx), "| shared bytes:", k.metadata.shared, "|",
+              usage)
         dump(k, f"rs_{fmt}_n{bn}_m{bm}_c{chunks}_o{ctas}_a{ahead}")
 
 # the dgrad with the decoded weights in the register A fragment (rows reordered, transposed scales)
 for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16")):
     for bn, bm, ahead in ((256, BMAX, 0), (256, 16, 0), (128, 256, 0), (128, BMAX, 0), (128, 16, 0), (128, 256, 1),
                           (128, 16, 1)):
-        if os.environ.get("GLUON_ONLY") and os.environ["GLUON_ONLY"] != "rs_dgrad":
-            break
         stages = rs.default_load_stages(bm, bn, dgrad=True)
         k, ptx, usage = compile_w4a16(rs.w4a16_rs_kernel, 1, bm, bn, ws, {
             "FMT": fmt, "BM": bm, "BN": bn, "BK": gw.BK, "LOAD_STAGES": stages, "CONSUMER_REGS": rs.CONSUMER_REGS,
             "MMA_CHUNKS": 1, "DECODE_AHEAD": ahead, "DGRAD": True}, 4, scales_t=True)
-        rs_form = any("wgmma.mma_async" in line and ", {%r" in line for line in ptx.splitlines())
         print("w4a16_rs dgrad", "mxfp4" if fmt == MXFP4 else "int4", f"BN {bn} BM {bm} load stages {stages}",
-              f"decode ahead {ahead}", "| wgmma with register A:", rs_form, "| shared bytes:", k.metadata.shared,
-              "|", usage, flush=True)
-        assert rs_form, "the RS kernel's wgmma must take A from registers"
-        serialized = wgmma_serialization_warnings(ptx)
-        assert not serialized, f"ptxas serializes the wgmmas of this variant: {serialized}"
+              f"decode ahead {ahead}", "| wgmma with register A:", assert_register_wgmma(ptx), "| shared bytes:",
+              k.metadata.shared, "|", usage, flush=True)
         dump(k, f"rs_dgrad_{fmt}_n{bn}_m{bm}_a{ahead}")
 
 # MXFP4 with the 2^126 folded into the scales (one multiply per decoded pair; gw.FMT_MXFP4_FOLDED), forward and dgrad
@@ -200,6 +200,6 @@ for dgrad, bn, bm, ahead in ((0, 128, 256, 1), (0, 256, BMAX, 0), (1, 128, 256, 
         "CONSUMER_REGS": rs.CONSUMER_REGS, "MMA_CHUNKS": 1, "DECODE_AHEAD": ahead, "DGRAD": bool(dgrad)}, 4,
         scales_t=bool(dgrad))
     print("w4a16_rs", "dgrad" if dgrad else "fwd", "mxfp4 folded", f"BN {bn} BM {bm} decode ahead {ahead}",
-          "| bf16x2 muls:", ptx.count("mul.rn.bf16x2"), "| shared bytes:", k.metadata.shared, "|", usage, flush=True)
-    assert not wgmma_serialization_warnings(ptx), "ptxas serializes the wgmmas of this variant"
+          "| wgmma with register A:", assert_register_wgmma(ptx), "| bf16x2 muls:", ptx.count("mul.rn.bf16x2"),
+          "| shared bytes:", k.metadata.shared, "|", usage, flush=True)
     dump(k, f"rs_{'dgrad' if dgrad else 'fwd'}_folded_n{bn}_m{bm}_a{ahead}")
