@@ -8,6 +8,7 @@
 #   bash tests/gpu/h200_session.sh sglang_bench  # benchmarks/sglang_serving.py (K3 real-width slice), after sglang
 #   bash tests/gpu/h200_session.sh w4a16    # kernels GPU tests + benchmarks/w4a16_grouped_gemm.py
 #   bash tests/gpu/h200_session.sh gluon    # the experimental Gluon W4A16 fwd + dgrad (#21): GPU test, then table
+#   bash tests/gpu/h200_session.sh w4a16_profile  # Nsight Compute of W4A16 vs BF16 GEMM calls (#21's gap)
 #   bash tests/gpu/h200_session.sh vllm1    # carry .gpu/vllm1: stash part 1
 #   bash tests/gpu/h200_session.sh vllm2    # carry .gpu/vllm2: stash part 2
 #   bash tests/gpu/h200_session.sh vllm3    # carry .gpu/vllm3 (+ .gpu/sglang1): unstage vLLM 0.26.0, the vLLM GPU lane
@@ -114,6 +115,27 @@ run_w4a16() {
   timeout "$(left)" python3 benchmarks/w4a16_grouped_gemm.py --no-append --json "$OUT/w4a16.json" --out "$OUT/w4a16.md" \
     ${W4A16_BENCH_ARGS:-} > "$OUT/w4a16_bench.log" 2>&1
   echo "bench rc=$?"; cat "$OUT/w4a16.md" 2>/dev/null | head -80
+}
+
+# issue #21's profile: Nsight Compute on one call of each case (benchmarks/w4a16_ncu_profile.py), W4A16 next to BF16;
+# the CSVs come back and are summarized into one table (PROFILE_CASES: "shape;tokens;fmt;op;path ...")
+run_w4a16_profile() {
+  export PYTHONPATH=$PWD
+  local ncu; ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null) || { echo "no ncu on this machine"; return; }
+  mkdir -p "$OUT/ncu"
+  local cases=${PROFILE_CASES:-"K3 fc1;2048;mxfp4;fwd;gluon K3 fc1;2048;mxfp4;fwd;bf16 K3 fc1;2048;mxfp4;dgrad;gluon K3 fc1;2048;mxfp4;dgrad;bf16 K3 fc1;8;mxfp4;fwd;fused K3 fc1;8;mxfp4;fwd;bf16"}
+  local IFS=$'\n'
+  for c in $(echo "$cases" | sed 's/\([a-z0-9]\) K/\1\nK/g'); do
+    IFS=';' read -r shape tok fmt op path <<< "$c"
+    local tag; tag=$(echo "${shape}_${tok}_${fmt}_${op}_${path}" | tr ' ' '_')
+    [ "$(left)" -gt 30 ] || { echo "out of time before $tag"; break; }
+    timeout $(( $(left) < 120 ? $(left) : 120 )) "$ncu" --nvtx --nvtx-include "profile/" --section SpeedOfLight \
+      --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats --print-details all \
+      --csv --page details python3 benchmarks/w4a16_ncu_profile.py run --shape "$shape" --tokens "$tok" --fmt "$fmt" \
+      --op "$op" --path "$path" > "$OUT/ncu/$tag.csv" 2> "$OUT/ncu/$tag.err"
+    echo "$tag rc=$? $(grep -c '' "$OUT/ncu/$tag.csv") lines; $(grep -m1 -i 'err' "$OUT/ncu/$tag.err")"
+  done
+  python3 benchmarks/w4a16_ncu_profile.py summarize "$OUT"/ncu/*.csv | tee "$OUT/ncu_summary.md"
 }
 
 # the experimental Gluon kernels (issue #21) alone: the probe (each variant in its own process under a timeout: a barrier
@@ -226,6 +248,7 @@ case "$phase" in
   bisect) run_bisect ;;
   w4a16) run_w4a16 ;;
   gluon) run_gluon ;;
+  w4a16_profile) run_w4a16_profile ;;
   vllm1) mkdir -p /tmp/stash && cp .gpu/vllm1/* /tmp/stash/ && ls /tmp/stash ;;
   vllm2) cp .gpu/vllm2/* /tmp/stash/ && ls /tmp/stash ;;
   vllm3) run_vllm3 ;;
