@@ -19,7 +19,9 @@ import datetime
 import json
 import os
 import re
+import statistics
 import sys
+import time
 
 import torch
 
@@ -42,22 +44,31 @@ REPS = 20
 DEV = "cuda"
 
 
-def bench(fn, reps: int = REPS, warmup: int = 3) -> float:
-    """Median ms of ``fn`` over ``reps`` CUDA-event-timed runs, L2 flushed before each."""
+def timed(fn, reps: int = REPS, warmup: int = 3) -> tuple[float, float]:
+    """(median GPU ms, median host ms) of ``fn`` over ``reps`` runs, L2 flushed before each: GPU time between CUDA
+    events around the call, host time of the call itself (Python, argument checks, launches; a hidden device sync
+    makes it the GPU time). The flush (a 256 MiB memset, ~0.1 ms) is all the head start the host gets: where the
+    host time exceeds it the GPU waited for the launch, and the GPU time includes that wait."""
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device=DEV)
     for _ in range(warmup):
         fn()
-    times = []
+    times, host = [], []
     for _ in range(reps):
         flush.zero_()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
+        t0 = time.perf_counter()
         fn()
+        host.append((time.perf_counter() - t0) * 1e3)
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    return statistics.median(times), statistics.median(host)
+
+
+def bench(fn, reps: int = REPS, warmup: int = 3) -> float:
+    """Median GPU ms of ``fn`` (:func:`timed`)."""
+    return timed(fn, reps, warmup)[0]
 
 
 def peak_extra(fn) -> float:
@@ -92,10 +103,11 @@ def commit() -> str:
 HEADER = ("| shape | E | K | N | tok/exp | fmt | BF16 fwd ms | fused fwd ms | chunked fwd ms | workspace GiB (chunks) "
           "| chunked peak extra GiB | auto fwd | auto fwd speed vs BF16 | auto fwd TFLOP/s | auto fwd TB/s "
           "| auto fwd % roofline | BF16 dgrad ms | fused dgrad ms | chunked dgrad ms | auto dgrad "
-          "| auto dgrad speed vs BF16 | auto dgrad TFLOP/s | auto dgrad TB/s | auto dgrad % roofline |")
+          "| auto dgrad speed vs BF16 | auto dgrad TFLOP/s | auto dgrad TB/s | auto dgrad % roofline "
+          "| auto host ms fwd / dgrad |")
 DECODE_HEADER = "| shape | fmt | experts decoded | decode ms | read GB | written GB | decode TB/s |"
 GLUON_HEADER = ("| shape | tok/exp | fmt | op | config (block_m x decode warps [s load stages] [n block_n] "
-                "[p persistent]) | BF16 ms | gluon ms | speed vs BF16 | TFLOP/s | rel err vs BF16 |")
+                "[p persistent]) | BF16 ms | gluon ms | speed vs BF16 | TFLOP/s | rel err vs BF16 | host ms |")
 
 
 def parse_gluon_config(text: str) -> dict:
@@ -174,15 +186,16 @@ def measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe, alt_bytes: int | None = Non
         row[f"chunked_{op}_workspace_gib"] = plan.workspace_bytes / 2**30
         row[f"chunked_{op}_chunks"] = plan.num_chunks
         for path in ("bf16", "fused", "chunked"):
-            row[f"{path}_{op}_ms"] = bench(fns[f"{path}_{op}"])
+            row[f"{path}_{op}_ms"], row[f"{path}_{op}_host_ms"] = timed(fns[f"{path}_{op}"])
         auto = kernels.choose_path(op, T, E, N, K, x.device)
         row[f"auto_{op}"] = auto
         if auto == "gluon":  # the dispatcher's Gluon kernel (GLUON_OPTIONS), checked and timed as the others
             gluon_fn = (lambda: kernels.w4a16_grouped_gemm(x, wp, ws, fmt, splits, path="gluon")) if op == "fwd" \
                 else (lambda: kernels.w4a16_grouped_gemm_dgrad(dy, wp, ws, fmt, splits, path="gluon"))
             row[f"gluon_{op}_rel_err"] = rel_err(fns[f"bf16_{op}"](), gluon_fn())
-            row[f"gluon_{op}_ms"] = bench(gluon_fn)
+            row[f"gluon_{op}_ms"], row[f"gluon_{op}_host_ms"] = timed(gluon_fn)
         row[f"auto_{op}_ms"] = row[f"{auto}_{op}_ms"]  # the dispatcher calls exactly this path
+        row[f"auto_{op}_host_ms"] = row[f"{auto}_{op}_host_ms"]
         row[f"auto_{op}_speed_vs_bf16"] = row[f"bf16_{op}_ms"] / row[f"auto_{op}_ms"]
         worst = max(row[f"fused_{op}_rel_err"], row[f"chunked_{op}_rel_err"], row.get(f"gluon_{op}_rel_err", 0.0))
         if worst > 1e-2:
@@ -228,7 +241,7 @@ def measure_gluon(fns, x, dy, wp, ws, fmt, splits, flops, configs: list[str]) ->
                 ref = fns[f"bf16_{op}"]()
                 r["rel_err"] = rel_err(ref, fn())
                 del ref
-                r["ms"] = bench(fn)
+                r["ms"], r["host_ms"] = timed(fn)
                 r["tflops"] = flops / r["ms"] / 1e9
             except Exception as e:  # noqa: BLE001 - recorded in the table
                 r["error"] = f"{type(e).__name__}: {e}"[:200]
@@ -246,7 +259,7 @@ def format_row(r: dict) -> str:
             f"| {r['auto_fwd_tb_per_s']:.2f} | {r['auto_fwd_roofline_pct']:.0f}% | {r['bf16_dgrad_ms']:.3f} "
             f"| {r['fused_dgrad_ms']:.3f} | {r['chunked_dgrad_ms']:.3f} | {r['auto_dgrad']} "
             f"| {r['auto_dgrad_speed_vs_bf16']:.2f}x | {r['auto_dgrad_tflops']:.0f} | {r['auto_dgrad_tb_per_s']:.2f} "
-            f"| {r['auto_dgrad_roofline_pct']:.0f}% |")
+            f"| {r['auto_dgrad_roofline_pct']:.0f}% | {r['auto_fwd_host_ms']:.3f} / {r['auto_dgrad_host_ms']:.3f} |")
 
 
 def measure_decode(name, E, K, N, fmt, wp, ws) -> dict:
@@ -272,9 +285,9 @@ def gluon_lines(r: dict) -> list[str]:
         lead = f"| {r['shape']} | {r['tokens_per_expert']} | {short} | {op} | {g['config']} | {r[f'bf16_{op}_ms']:.3f} "
         if "ms" in g:
             lines.append(lead + f"| {g['ms']:.3f} | {r[f'bf16_{op}_ms'] / g['ms']:.2f}x | {g['tflops']:.0f} "
-                         f"| {g['rel_err']:.1e} |")
+                         f"| {g['rel_err']:.1e} | {g['host_ms']:.3f} |")
         else:
-            lines.append(lead + f"| {g.get('error', 'not run')} | | | |")
+            lines.append(lead + f"| {g.get('error', 'not run')} | | | | |")
     return lines
 
 
@@ -393,7 +406,8 @@ def main() -> None:
              "(output, workspace and per-chunk GEMM outputs). Speed vs BF16 = BF16 ms / ms (higher is faster); "
              "auto = `kimi_core.kernels.choose_path`, its tables = "
              f"`{_crossover_text()}`; roofline = max(bytes / {hbm_bytes_per_s() / 1e12:.2f} TB/s, FLOPs / 700 TFLOP/s) "
-             "(bytes: packed weights, scales, activations in and out; TB/s and TFLOP/s are what the row achieved).\n", HEADER,
+             "(bytes: packed weights, scales, activations in and out; TB/s and TFLOP/s are what the row achieved); host ms = "
+             "the Python call's own time: above the flush's ~0.1 ms head start the GPU waited for the launch.\n", HEADER,
              "|" + "---|" * (HEADER.count("|") - 1)]
     if args.gluon_only:  # the Gluon table alone
         block = [f"\n## W4A16 grouped GEMM: BF16 vs the experimental Gluon kernel ({date}, {gpu}, commit {commit()})\n",
