@@ -118,14 +118,14 @@ run_w4a16() {
 }
 
 # issue #21's profile: Nsight Compute on one call of each case (benchmarks/w4a16_ncu_profile.py), W4A16 next to BF16;
-# the CSVs come back and are summarized into one table (PROFILE_CASES: "shape;tokens;fmt;op;path ...")
+# the CSVs come back and are summarized into one table (PROFILE_CASES: "shape;tokens;fmt;op;path,..." comma-separated)
 run_w4a16_profile() {
   export PYTHONPATH=$PWD
   local ncu; ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null) || { echo "no ncu on this machine"; return; }
   mkdir -p "$OUT/ncu"
-  local cases=${PROFILE_CASES:-"K3 fc1;2048;mxfp4;fwd;gluon K3 fc1;2048;mxfp4;fwd;bf16 K3 fc1;2048;mxfp4;dgrad;gluon K3 fc1;2048;mxfp4;dgrad;bf16 K3 fc1;8;mxfp4;fwd;fused K3 fc1;8;mxfp4;fwd;bf16"}
-  local IFS=$'\n'
-  for c in $(echo "$cases" | sed 's/\([a-z0-9]\) K/\1\nK/g'); do
+  local cases=${PROFILE_CASES:-"K3 fc1;2048;mxfp4;fwd;gluon,K3 fc1;2048;mxfp4;fwd;bf16,K3 fc1;2048;mxfp4;dgrad;gluon,K3 fc1;2048;mxfp4;dgrad;bf16,K3 fc1;8;mxfp4;fwd;fused,K3 fc1;8;mxfp4;fwd;bf16"}
+  local IFS=','
+  for c in $cases; do
     IFS=';' read -r shape tok fmt op path <<< "$c"
     local tag; tag=$(echo "${shape}_${tok}_${fmt}_${op}_${path}" | tr ' ' '_')
     [ "$(left)" -gt 30 ] || { echo "out of time before $tag"; break; }
