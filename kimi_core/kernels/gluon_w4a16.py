@@ -165,6 +165,14 @@ if HAVE_GLUON:
                 "=r,r,r", [pairs | 0x43004300, scale2], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
+    def bf16_halves(pairs):
+        """bf16 ``[..., 2]`` of int32 bf16x2 ``pairs`` (:func:`_bf16x2_decode`'s): element ``2j`` (low half) then
+        ``2j + 1`` (high half) along a new last axis; the registers are the same, only relabelled."""
+        lo = (pairs & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        hi = (pairs >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        return gl.join(lo, hi)
+
+    @gluon.jit
     def _scale_box(step, col0, DGRAD: gl.constexpr, BK: gl.constexpr, SB: gl.constexpr):
         """(first scale group of the 16-byte TMA box, byte offset of the step's groups inside it). TMA needs the
         innermost coordinate 16-byte aligned, so the box starts at the aligned group at or below the step's first
@@ -244,8 +252,8 @@ if HAVE_GLUON:
         step into the ``LOAD_STAGES``-deep load rings (forward: bytes ``[BN rows, BK / 2]``, scales of those rows;
         dgrad: bytes ``[BK rows, BN / 2]``, scales of those rows; ``SCALES_T``: dgrad with the scales transposed,
         ``[E * KG, N]`` with ``KG = K / 32`` groups per expert, a ``[BN / 32, BK]`` box of the tile's groups). The
-        scales go by TMA, not by the decoder's own
-        loads: its fence before each wgmma hand-off (``MEMBAR``) would wait for them. The rings run on across this
+        scales go by TMA, not by the decoder's own loads: its fence before each wgmma hand-off (``MEMBAR``) would
+        wait for them. The rings run on across this
         program's work items (``it`` counts its K steps), so the next tile's first loads overlap this one's end."""
         it = 0
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -263,18 +271,18 @@ if HAVE_GLUON:
                                                     p_ready.index(s), p_ring.index(2 * s + 1))
                     tma.async_copy_global_to_shared(s_desc, [expert * KG + col0 // 32, i * BK], p_ready.index(s),
                                                     s_ring.index(s))
-                elif DGRAD:
-                    box0, _ = _scale_box(i, col0, DGRAD, BK, 16 // s_desc.block_type.shape[1])
-                    tma.async_copy_global_to_shared(p_desc, [expert * N + i * BK, col0 // 2], p_ready.index(s),
-                                                    p_ring.index(s))
-                    tma.async_copy_global_to_shared(s_desc, [expert * N + i * BK, box0], p_ready.index(s),
-                                                    s_ring.index(s))
                 else:
                     box0, _ = _scale_box(i, col0, DGRAD, BK, 16 // s_desc.block_type.shape[1])
-                    tma.async_copy_global_to_shared(p_desc, [expert * N + col0, i * (BK // 2)], p_ready.index(s),
-                                                    p_ring.index(s))
-                    tma.async_copy_global_to_shared(s_desc, [expert * N + col0, box0], p_ready.index(s),
-                                                    s_ring.index(s))
+                    if DGRAD:
+                        tma.async_copy_global_to_shared(p_desc, [expert * N + i * BK, col0 // 2], p_ready.index(s),
+                                                        p_ring.index(s))
+                        tma.async_copy_global_to_shared(s_desc, [expert * N + i * BK, box0], p_ready.index(s),
+                                                        s_ring.index(s))
+                    else:
+                        tma.async_copy_global_to_shared(p_desc, [expert * N + col0, i * (BK // 2)], p_ready.index(s),
+                                                        p_ring.index(s))
+                        tma.async_copy_global_to_shared(s_desc, [expert * N + col0, box0], p_ready.index(s),
+                                                        s_ring.index(s))
                 mbarrier.wait(a_free.index(s), phase)
                 mbarrier.expect(a_ready.index(s), a_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(a_desc, [row0, i * BK], a_ready.index(s), a_ring.index(s))
@@ -317,9 +325,7 @@ if HAVE_GLUON:
                 if DGRAD:  # step rows past N belong to the next expert (or are TMA zero-fill): their weights are 0
                     n = i * BK + gl.arange(0, R, layout=gl.SliceLayout(1, SL))
                     pairs = gl.where(gl.expand_dims(gl.expand_dims(n < N, 1), 2), pairs, 0)
-                lo = (pairs & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
-                hi = (pairs >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
-                w = gl.reshape(gl.join(lo, hi), [R, 2 * C])
+                w = gl.reshape(bf16_halves(pairs), [R, 2 * C])
                 ws = it % W_STAGES
                 mbarrier.wait(w_free.index(ws), ((it // W_STAGES) & 1) ^ 1)
                 w_ring.index(ws).store(w)

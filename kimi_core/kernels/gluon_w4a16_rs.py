@@ -125,6 +125,20 @@ def ahead_where_it_fits(block_n: int, mma_chunks: int = DEFAULT_MMA_CHUNKS, ctas
     return block_n == 128 and mma_chunks == 1 and ctas_per_sm == 1
 
 
+def _resolve_columns(where: str, m_splits, block_n: int | None, decode_ahead: bool | str,
+                    mma_chunks: int = DEFAULT_MMA_CHUNKS, ctas_per_sm: int = 1) -> tuple[int, bool]:
+    """``(block_n, decode_ahead)`` of one call: ``decode_ahead="auto"`` -> :func:`ahead_where_it_fits` on the
+    columns asked for or picked (:func:`pick_block_n`); ``block_n`` None -> 128 under decode ahead, else
+    :func:`pick_block_n`; a ``block_n`` not in :data:`BLOCK_N_CHOICES` is refused by name (``where``)."""
+    if decode_ahead == "auto":
+        block_n = pick_block_n(m_splits) if block_n is None else block_n
+        decode_ahead = ahead_where_it_fits(block_n, mma_chunks, ctas_per_sm)
+    block_n = (128 if decode_ahead else pick_block_n(m_splits)) if block_n is None else block_n
+    if block_n not in BLOCK_N_CHOICES:
+        raise ValueError(f"{where}: block_n must be one of {BLOCK_N_CHOICES}, got {block_n}")
+    return block_n, bool(decode_ahead)
+
+
 def default_load_stages(block_m: int, block_n: int, ctas_per_sm: int = 1, dgrad: bool = False) -> int:
     """Depth of the TMA rings (2 to :data:`MAX_LOAD_STAGES`): with no decoded-tile ring, as many stages of
     activation tile, packed bytes and scale box of a ``block_n``-column tile as fit :data:`RING_BUDGET` (with two
@@ -171,10 +185,8 @@ if HAVE_GLUON:
         bf16x2 scale pairs ``scale2`` (broadcastable to ``b``): :func:`.gluon_w4a16._bf16x2_decode` of each byte's
         two codes, low nibble first."""
         pairs = ws._bf16x2_decode((b * 0x1001) & 0x000F000F, scale2, FMT)
-        lo = (pairs & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
-        hi = (pairs >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
         w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        return gl.convert_layout(gl.reshape(gl.join(lo, hi), [R, KC]), w_layout, assert_trivial=True)
+        return gl.convert_layout(gl.reshape(ws.bf16_halves(pairs), [R, KC]), w_layout, assert_trivial=True)
 
     @gluon.jit
     def _quarters(t, R: gl.constexpr):
@@ -272,10 +284,8 @@ if HAVE_GLUON:
         mbarrier.arrive(p_free.index(s), count=1)
         b = gl.convert_layout(gl.reshape(b, [G, 16, BK]), L3, assert_trivial=True)
         pairs = ws._bf16x2_decode((b * 0x1001) & 0x000F000F, gl.expand_dims(ws.scale_bits_to_pairs(sb, FMT), 1), FMT)
-        lo = (pairs & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
-        hi = (pairs >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
         w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        return gl.convert_layout(_dgrad_rows(gl.join(lo, hi), R, G, True), w_layout, assert_trivial=True)
+        return gl.convert_layout(_dgrad_rows(ws.bf16_halves(pairs), R, G, True), w_layout, assert_trivial=True)
 
     @gluon.jit
     def _issue(w, acc, a_ring, a_ready, it, LOAD_STAGES: gl.constexpr):
@@ -439,12 +449,7 @@ def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     tiles have 128 columns and one wgmma per K step (:func:`ahead_where_it_fits`); ``fold_scales``: MXFP4 decoded
     with one multiply where every scale allows it (:func:`fmt_id`)."""
     where = "gluon_w4a16_rs.grouped_gemm"
-    if decode_ahead == "auto":
-        block_n = pick_block_n(m_splits) if block_n is None else block_n
-        decode_ahead = ahead_where_it_fits(block_n, mma_chunks, ctas_per_sm)
-    block_n = (128 if decode_ahead else pick_block_n(m_splits)) if block_n is None else block_n
-    if block_n not in BLOCK_N_CHOICES:
-        raise ValueError(f"{where}: block_n must be one of {BLOCK_N_CHOICES}, got {block_n}")
+    block_n, decode_ahead = _resolve_columns(where, m_splits, block_n, decode_ahead, mma_chunks, ctas_per_sm)
     if mma_chunks not in MMA_CHUNK_CHOICES:
         raise ValueError(f"{where}: mma_chunks must be one of {MMA_CHUNK_CHOICES}, got {mma_chunks}")
     if decode_ahead and (mma_chunks != 1 or block_n != 128):
@@ -466,7 +471,7 @@ def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     w4a16_rs_kernel[run.grid](*run.descs, run.out, run.tiles, run.n_tiles, run.n_col_tiles, run.N, run.K,
                               run.out.stride(0), fmt_id(run, w_scale, fold_scales), run.block_m, block_n, BK,
                               run.stages, CONSUMER_REGS if ctas_per_sm == 1 else TWO_PER_SM["consumer_regs"], mma_chunks,
-                              bool(decode_ahead), False,
+                              decode_ahead, False,
                               num_warps=4, **({} if ctas_per_sm == 1 else {"maxnreg": TWO_PER_SM["maxnreg"]}))
     return run.out
 
@@ -484,12 +489,7 @@ def grouped_gemm_dgrad(dy: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
     fc1 MXFP4) so a step's scales are one ``[block_n / 32, 64]`` TMA box. Tiles, persistence, ``decode_ahead`` and
     ``fold_scales`` as :func:`grouped_gemm` (its one-wgmma-per-step form)."""
     where = "gluon_w4a16_rs.grouped_gemm_dgrad"
-    if decode_ahead == "auto":
-        block_n = pick_block_n(m_splits) if block_n is None else block_n
-        decode_ahead = ahead_where_it_fits(block_n)
-    block_n = (128 if decode_ahead else pick_block_n(m_splits)) if block_n is None else block_n
-    if block_n not in BLOCK_N_CHOICES:
-        raise ValueError(f"{where}: block_n must be one of {BLOCK_N_CHOICES}, got {block_n}")
+    block_n, decode_ahead = _resolve_columns(where, m_splits, block_n, decode_ahead)
     if decode_ahead and block_n != 128:
         raise ValueError(f"{where}: decode_ahead runs on 128-column tiles (two fragments in registers), got block_n "
                          f"{block_n}")
@@ -502,5 +502,5 @@ def grouped_gemm_dgrad(dy: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
     w4a16_rs_kernel[run.grid](*run.descs, run.out, run.tiles, run.n_tiles, run.n_col_tiles, run.N, run.K,
                               run.out.stride(0), fmt_id(run, w_scale, fold_scales), run.block_m, block_n, BK,
                               run.stages, CONSUMER_REGS, 1,
-                              bool(decode_ahead), True, num_warps=4)
+                              decode_ahead, True, num_warps=4)
     return run.out
