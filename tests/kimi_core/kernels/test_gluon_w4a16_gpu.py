@@ -94,6 +94,30 @@ def every_scale(ws: torch.Tensor, seed: int) -> torch.Tensor:
         torch.randint(-133, 20, ws.shape, device="cuda", generator=g).float())).bfloat16()
 
 
+def read_back_weights(kernel: str, wp, ws, fmt: str, e: int, block_n: int, kw: dict) -> dict[str, torch.Tensor]:
+    """Expert ``e``'s decoded weights ``[N, K]`` as ``kernel`` computes them, read back through an identity
+    activation (one product per output, ``1 * w``): ``"registers"`` the register forward (``W^T``, transposed back),
+    ``"registers-dgrad"`` the register dgrad (``W``), ``"smem"`` the shared-memory forward and dgrad; keyed by op."""
+    from kimi_core.kernels import gluon_w4a16 as gw
+    from kimi_core.kernels import gluon_w4a16_rs as rs
+
+    E, N, K = wp.shape[0], ws.shape[1], ws.shape[2] * 32
+    fwd_splits, dgrad_splits = ([K if i == e else 0 for i in range(E)], [N if i == e else 0 for i in range(E)])
+    eye_k, eye_n = torch.eye(K, device=wp.device).bfloat16(), torch.eye(N, device=wp.device).bfloat16()
+    if kernel == "registers":
+        return {"fwd": rs.grouped_gemm(eye_k, wp, ws, fmt, fwd_splits, block_n=block_n, **kw).t()}
+    if kernel == "registers-dgrad":  # the fragment's rows are the output columns reordered
+        return {"dgrad": rs.grouped_gemm_dgrad(eye_n, wp, ws, fmt, dgrad_splits, block_n=block_n, **kw)}
+    return {"fwd": gw.grouped_gemm(eye_k, wp, ws, fmt, fwd_splits, block_n=block_n).t(),
+            "dgrad": gw.grouped_gemm_dgrad(eye_n, wp, ws, fmt, dgrad_splits, block_n=block_n)}
+
+
+def assert_bit_exact(label: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    same = got == want
+    assert bool(same.all()), (f"{label}: {int((~same).sum())} decoded weights differ from "
+                              f"kimi_core.quant.dequantize, first at {(~same).nonzero()[0].tolist()}")
+
+
 @pytest.mark.parametrize("kernel,block_n,rs_kw", [("smem", 128, {}), ("smem", 256, {}), ("registers", 256, {}),
                                                  ("registers", 128, {}), ("registers", 128, {"mma_chunks": 4}),
                                                  ("registers", 256, {"mma_chunks": 2}),
@@ -114,7 +138,6 @@ def test_gluon_decoded_weights_are_bit_exact_over_every_scale(fmt, kernel, block
     equality (``==``: the fp32 sum of the identity row cannot keep a weight's sign of zero, so -0 reads back as
     +0)."""
     from kimi_core.kernels import gluon_w4a16 as gw
-    from kimi_core.kernels import gluon_w4a16_rs as rs
     from kimi_core.quant import dequantize
 
     if not gw.HAVE_GLUON:
@@ -122,25 +145,10 @@ def test_gluon_decoded_weights_are_bit_exact_over_every_scale(fmt, kernel, block
     E, N, K = 2, 256, 512
     wp, ws = random_packed(fmt, E, N, K, seed=3, device="cuda")
     ws = every_scale(ws, seed=4)
-    eye_k, eye_n = torch.eye(K, device="cuda").bfloat16(), torch.eye(N, device="cuda").bfloat16()
     for e in range(E):
-        splits = [0] * E
         want = dequantize(fmt, wp[e], ws[e], torch.bfloat16)  # [N, K]
-        splits[e] = K
-        if kernel == "registers":
-            got = {"fwd": rs.grouped_gemm(eye_k, wp, ws, fmt, splits, block_n=block_n, **rs_kw).t()}
-        elif kernel == "registers-dgrad":  # the fragment's rows are the output columns reordered
-            splits[e] = N
-            got = {"dgrad": rs.grouped_gemm_dgrad(eye_n, wp, ws, fmt, splits, block_n=block_n, **rs_kw)}
-        else:
-            got = {"fwd": gw.grouped_gemm(eye_k, wp, ws, fmt, splits, block_n=block_n).t()}
-            splits[e] = N
-            got["dgrad"] = gw.grouped_gemm_dgrad(eye_n, wp, ws, fmt, splits, block_n=block_n)  # [N, K] = W
-        for name, w in got.items():
-            same = w == want
-            assert bool(same.all()), (f"gluon {kernel} {rs_kw} {name} {fmt} block_n {block_n} expert {e}: "
-                                      f"{int((~same).sum())} decoded weights differ from kimi_core.quant.dequantize, "
-                                      f"first at {(~same).nonzero()[0].tolist()}")
+        for name, w in read_back_weights(kernel, wp, ws, fmt, e, block_n, rs_kw).items():
+            assert_bit_exact(f"gluon {kernel} {rs_kw} {name} {fmt} block_n {block_n} expert {e}", w, want)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -264,7 +272,6 @@ def test_folded_mxfp4_decode_is_bit_exact(op, block_n, kw):
     ``2^(s - 1)``) over every E8M0 byte it takes (0..128): an identity activation reads the decoded weights back
     equal to :func:`kimi_core.quant.dequantize`, forward (``W^T``) and dgrad (``W``)."""
     from kimi_core.kernels import gluon_w4a16 as gw
-    from kimi_core.kernels import gluon_w4a16_rs as rs
     from kimi_core.quant import dequantize
 
     if not gw.HAVE_GLUON:
@@ -275,16 +282,8 @@ def test_folded_mxfp4_decode_is_bit_exact(op, block_n, kw):
     g = torch.Generator(device="cuda").manual_seed(10)
     ws = torch.randint(0, 129, (E, N, K // 32), dtype=torch.uint8, device="cuda", generator=g)
     assert gw.mxfp4_scales_fold(ws), "every byte is at most 128: the folded decode must run"
+    kernel = "registers" if op == "fwd" else "registers-dgrad"
     for e in range(E):
-        splits = [0] * E
-        splits[e] = K if op == "fwd" else N
         want = dequantize(fmt, wp[e], ws[e], torch.bfloat16)  # [N, K]
-        if op == "fwd":
-            got = rs.grouped_gemm(torch.eye(K, device="cuda").bfloat16(), wp, ws, fmt, splits, block_n=block_n,
-                                  fold_scales=True, **kw).t()
-        else:
-            got = rs.grouped_gemm_dgrad(torch.eye(N, device="cuda").bfloat16(), wp, ws, fmt, splits,
-                                        block_n=block_n, fold_scales=True, **kw)
-        same = got == want
-        assert bool(same.all()), (f"folded {op} block_n {block_n} {kw} expert {e}: {int((~same).sum())} decoded "
-                                  f"weights differ from kimi_core.quant.dequantize")
+        (w,) = read_back_weights(kernel, wp, ws, fmt, e, block_n, {**kw, "fold_scales": True}).values()
+        assert_bit_exact(f"folded {op} block_n {block_n} {kw} expert {e}", w, want)
