@@ -42,19 +42,25 @@ HBM_BY_GPU = {"H100": 3.35e12 * 0.875, "H200": HBM}  # the same share of each ca
 MMA = 700e12  # reachable dense BF16 MMA, both cards (cuBLAS-class kernels measure 690-720 TFLOP/s on either)
 REPS = 20
 DEV = "cuda"
+# the GPU spins this long before each timed call (timed): a head start for the host's launches
+HEAD_START_MS = 2.0
+HEAD_START_CYCLES = int(HEAD_START_MS * 2.0e6)  # at ~2 GHz SM clock (H100 1.98, H200 1.98 GHz boost)
 
 
 def timed(fn, reps: int = REPS, warmup: int = 3) -> tuple[float, float]:
     """(median GPU ms, median host ms) of ``fn`` over ``reps`` runs, L2 flushed before each: GPU time between CUDA
     events around the call, host time of the call itself (Python, argument checks, launches; a hidden device sync
-    makes it the GPU time). The flush (a 256 MiB memset, ~0.1 ms) is all the head start the host gets: where the
-    host time exceeds it the GPU waited for the launch, and the GPU time includes that wait."""
+    makes it the GPU time). After the flush the GPU spins for :data:`HEAD_START_MS` (``torch.cuda._sleep``) before
+    the first event, so the host has queued the whole call by the time the GPU reaches it and the GPU time is the
+    kernels' alone, as in a training step where the host runs ahead of the GPU; a host time above the head start
+    says the GPU would wait for this call's launches there too."""
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device=DEV)
     for _ in range(warmup):
         fn()
     times, host = [], []
     for _ in range(reps):
         flush.zero_()
+        torch.cuda._sleep(HEAD_START_CYCLES)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         t0 = time.perf_counter()
