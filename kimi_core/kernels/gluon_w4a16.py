@@ -49,6 +49,8 @@ import dataclasses
 
 import torch
 
+from kimi_core.kernels.host_ints import int32_on
+
 try:  # Triton >= 3.5 ships Gluon; older Tritons (and CPU-only installs) have no such module
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -132,7 +134,7 @@ def tile_table(m_splits, block_m: int, device) -> torch.Tensor:
     for e, m in enumerate(int(v) for v in splits):
         rows += [(e, r, start + m) for r in range(start, start + m, block_m)]
         start += m
-    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(-1, 3)
+    return int32_on(rows, device).reshape(-1, 3)  # reshape: no tiles at all gives [0] -> [0, 3]
 
 
 if HAVE_GLUON:

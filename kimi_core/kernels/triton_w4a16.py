@@ -483,6 +483,8 @@ def _offsets(m_splits, num_experts: int, device):
     """``(offsets int32 [E + 1] on device, host list of splits or None)``."""
     import torch
 
+    from kimi_core.kernels.host_ints import int32_on
+
     if isinstance(m_splits, torch.Tensor):
         if m_splits.device.type == "cpu":
             splits = [int(v) for v in m_splits.tolist()]
@@ -495,8 +497,7 @@ def _offsets(m_splits, num_experts: int, device):
     off = [0]
     for v in splits:
         off.append(off[-1] + v)
-    host = torch.tensor(off, dtype=torch.int32, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True), splits
+    return int32_on(off, device), splits
 
 
 def _num_programs(splits, total_rows: int, num_experts: int, block_m: int, num_cols: int) -> int:

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kimi_core.kernels.host_ints import int32_on
+
 DEFAULT_WORKSPACE_BYTES = 1 << 30
 WORKSPACE_ENV = "KIMI_W4A16_WORKSPACE_BYTES"
 _WHERE = "kimi_core/kernels/w4a16_chunked"
@@ -272,8 +274,7 @@ def _grouped(a: torch.Tensor, out_rows: int, out_cols: int, w_packed, w_scale, f
         off = _host_offsets(m_splits)
         rel = [off[e + 1] - off[plan.bounds[c]] for c in range(plan.num_chunks)
                for e in range(plan.bounds[c], plan.bounds[c + 1])]  # per chunk: ends relative to its first row
-        host = torch.tensor(rel, dtype=torch.int32, pin_memory=dev.type == "cuda")
-        ends = host.to(dev, non_blocking=True)
+        ends = int32_on(rel, dev)
         chunks = [c for c in range(plan.num_chunks) if off[plan.bounds[c + 1]] > off[plan.bounds[c]]]
     if streams is None:
         streams = CudaStreams(dev) if dev.type == "cuda" and len(chunks) > 1 else InlineStreams()

@@ -1,0 +1,21 @@
+"""Small integer tables built on the host (expert offsets, tile tables) moved to the kernels' device.
+
+A CUDA copy from ordinary (pageable) host memory holds the host until the GPU has finished every kernel queued before
+it, a hidden device sync per call: measured on an H100 (benchmarks/RESULTS.md, 2026-12-06), the Gluon W4A16 call's
+host time was the GPU's own (1.2-1.6 ms at K3 fc1, 128 tokens per expert) until its tile table went through here
+(0.27-0.29 ms). From pinned memory the copy is queued like a kernel and the host runs on; the caching host allocator
+keeps the pinned buffer until the copy has run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def int32_on(values, device) -> torch.Tensor:
+    """``values`` (a list of ints, or of equal-length tuples of ints) as an int32 tensor on ``device``: ``[n]`` or
+    ``[n, width]``; a CUDA device gets it without the host waiting for the GPU."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    table = torch.tensor(values, dtype=torch.int32, pin_memory=cuda)
+    return table.to(device, non_blocking=True) if cuda else table.to(device)
