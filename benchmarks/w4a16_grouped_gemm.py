@@ -413,7 +413,8 @@ def main() -> None:
              "auto = `kimi_core.kernels.choose_path`, its tables = "
              f"`{_crossover_text()}`; roofline = max(bytes / {hbm_bytes_per_s() / 1e12:.2f} TB/s, FLOPs / 700 TFLOP/s) "
              "(bytes: packed weights, scales, activations in and out; TB/s and TFLOP/s are what the row achieved); host ms = "
-             "the Python call's own time: above the flush's ~0.1 ms head start the GPU waited for the launch.\n", HEADER,
+             f"the Python call's own time (the GPU gets a {HEAD_START_MS:g} ms head start, so GPU ms are the kernels' alone; "
+             "a host ms near the GPU ms means the call waits for the GPU).\n", HEADER,
              "|" + "---|" * (HEADER.count("|") - 1)]
     if args.gluon_only:  # the Gluon table alone
         block = [f"\n## W4A16 grouped GEMM: BF16 vs the experimental Gluon kernel ({date}, {gpu}, commit {commit()})\n",
