@@ -11,13 +11,11 @@ Shapes and dtypes: ``x`` ``[T, K]``, ``w`` ``[E, N, K]``, ``m_splits`` ``E`` row
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
 
 from kimi_core.kernels import _capability
-from kimi_core.kernels.host_ints import int32_on
+from kimi_core.kernels.host_ints import host_offsets, int32_on
 
 __all__ = ["bf16_grouped_linear", "uses_grouped_mm"]
 
@@ -45,7 +43,7 @@ def bf16_grouped_linear(x: torch.Tensor, w: torch.Tensor, m_splits) -> torch.Ten
     if x.shape[0] == 0:  # no rows: an empty product that still reaches w in the graph (zero gradient), no reduction
         return F.linear(x, w[0]) if w.shape[0] else x.new_zeros(0, w.shape[1])
     if uses_grouped_mm(x, w):
-        offs = int32_on(list(itertools.accumulate(splits)), x.device)
+        offs = int32_on(host_offsets(splits)[1:], x.device)  # each expert's end row
         return torch._grouped_mm(x.contiguous(), w.transpose(1, 2), offs=offs, out_dtype=x.dtype)
     outs = [F.linear(xe, w[e]) for e, xe in enumerate(x.split(splits))]
     return torch.cat(outs)

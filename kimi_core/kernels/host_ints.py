@@ -12,6 +12,16 @@ from __future__ import annotations
 import torch
 
 
+def host_offsets(m_splits) -> list[int]:
+    """``[0, m_0, m_0 + m_1, ..., T]`` (``E + 1`` ints) of ``m_splits`` (a list of ints or an integer tensor; a CUDA
+    tensor is read back, a device-to-host sync)."""
+    splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits
+    off = [0]
+    for v in splits:
+        off.append(off[-1] + int(v))
+    return off
+
+
 def int32_on(values, device) -> torch.Tensor:
     """``values`` (a list of ints, or of equal-length tuples of ints) as an int32 tensor on ``device``: ``[n]`` or
     ``[n, width]``; a CUDA device gets it without the host waiting for the GPU."""

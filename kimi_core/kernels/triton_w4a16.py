@@ -483,7 +483,7 @@ def _offsets(m_splits, num_experts: int, device):
     """``(offsets int32 [E + 1] on device, host list of splits or None)``."""
     import torch
 
-    from kimi_core.kernels.host_ints import int32_on
+    from kimi_core.kernels.host_ints import host_offsets, int32_on
 
     if isinstance(m_splits, torch.Tensor):
         if m_splits.device.type == "cpu":
@@ -494,10 +494,7 @@ def _offsets(m_splits, num_experts: int, device):
             return off, None
     else:
         splits = [int(v) for v in m_splits]
-    off = [0]
-    for v in splits:
-        off.append(off[-1] + v)
-    return int32_on(off, device), splits
+    return int32_on(host_offsets(splits), device), splits
 
 
 def _num_programs(splits, total_rows: int, num_experts: int, block_m: int, num_cols: int) -> int:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kimi_core.kernels.host_ints import int32_on
+from kimi_core.kernels.host_ints import host_offsets, int32_on
 
 DEFAULT_WORKSPACE_BYTES = 1 << 30
 WORKSPACE_ENV = "KIMI_W4A16_WORKSPACE_BYTES"
@@ -243,15 +243,6 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _host_offsets(m_splits) -> list[int]:
-    """``[0, m_0, m_0 + m_1, ...]`` on the host (a device-to-host sync for a CUDA tensor)."""
-    splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits
-    off = [0]
-    for v in splits:
-        off.append(off[-1] + int(v))
-    return off
-
-
 @torch.no_grad()  # like the Triton kernels: no autograd graph (it would keep the workspace alive)
 def _grouped(a: torch.Tensor, out_rows: int, out_cols: int, w_packed, w_scale, fmt: str, m_splits, op: str,
              out, workspace_bytes, streams) -> torch.Tensor:
@@ -271,7 +262,7 @@ def _grouped(a: torch.Tensor, out_rows: int, out_cols: int, w_packed, w_scale, f
         off, ends = None, m_splits.to(device=dev, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         chunks = [0]
     else:
-        off = _host_offsets(m_splits)
+        off = host_offsets(m_splits)
         rel = [off[e + 1] - off[plan.bounds[c]] for c in range(plan.num_chunks)
                for e in range(plan.bounds[c], plan.bounds[c + 1])]  # per chunk: ends relative to its first row
         ends = int32_on(rel, dev)

@@ -1,19 +1,16 @@
-"""``kimi_core.kernels.host_ints.int32_on`` on the CPU: values, shapes and dtype of the tables the kernels get
+"""``kimi_core.kernels.host_ints`` on the CPU: offsets, values, shapes and dtype of the tables the kernels get
 (the GPU side, no host wait, is tests/kimi_core/kernels/test_no_host_sync_gpu.py)."""
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from kimi_core.kernels.gluon_w4a16 import tile_table
-from kimi_core.kernels.host_ints import int32_on
+from kimi_core.kernels.host_ints import host_offsets, int32_on
 
 
 def test_offsets_and_tables_keep_their_values():
-    splits = [3, 0, 5, 1]
-    off = int32_on([0, *itertools.accumulate(splits)], "cpu")
+    off = int32_on(host_offsets(torch.tensor([3, 0, 5, 1])), "cpu")
     assert off.dtype == torch.int32 and off.tolist() == [0, 3, 3, 8, 9]
     table = int32_on([(0, 0, 3), (2, 3, 8)], torch.device("cpu"))
     assert table.shape == (2, 3) and table.dtype == torch.int32 and table[1].tolist() == [2, 3, 8]
