@@ -98,6 +98,10 @@ def random_weights(fmt, E, N, K):
     return wp, ws
 
 
+def fmt_name(fmt: str) -> str:
+    return "MXFP4" if fmt.startswith("mxfp4") else "INT4"
+
+
 def rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
     return ((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
@@ -256,7 +260,7 @@ def measure_gluon(fns, x, dy, wp, ws, fmt, splits, flops, configs: list[str]) ->
 
 
 def format_row(r: dict) -> str:
-    short = "MXFP4" if r["fmt"].startswith("mxfp4") else "INT4"
+    short = fmt_name(r["fmt"])
     return (f"| {r['shape']} | {r['E']} | {r['K']} | {r['N']} | {r['tokens_per_expert']} | {short} "
             f"| {r['bf16_fwd_ms']:.3f} | {r['fused_fwd_ms']:.3f} | {r['chunked_fwd_ms']:.3f} "
             f"| {r['chunked_fwd_workspace_gib']:.2f} ({r['chunked_fwd_chunks']}) "
@@ -284,7 +288,7 @@ def measure_decode(name, E, K, N, fmt, wp, ws) -> dict:
 
 def gluon_lines(r: dict) -> list[str]:
     """Markdown rows of one measurement's experimental Gluon kernels (``--gluon``); a failed run shows its error."""
-    short = "MXFP4" if r["fmt"].startswith("mxfp4") else "INT4"
+    short = fmt_name(r["fmt"])
     lines = []
     for g in r.get("gluon", []):
         op = g["op"]
@@ -309,7 +313,7 @@ def target_speed(tokens_per_expert: int) -> float:
 def gluon_best_lines(r: dict) -> str:
     """One summary row: the fastest correct Gluon config per op of one measurement (rel err vs BF16 <= 1e-2),
     its speed vs BF16 and the issue's target at these tokens per expert."""
-    short = "MXFP4" if r["fmt"].startswith("mxfp4") else "INT4"
+    short = fmt_name(r["fmt"])
     cells = []
     for op in ("fwd", "dgrad"):
         ok = [g for g in r.get("gluon", []) if g["op"] == op and "ms" in g and g["rel_err"] <= 1e-2]
@@ -346,7 +350,8 @@ def main() -> None:
                     help=f"bound of the chunked path's workspace (sets {wc.WORKSPACE_ENV}; default 1024)")
     ap.add_argument("--alt-workspace-mib", type=int, default=None,
                     help="also time the chunked path under this bound (e.g. 96: one expert per buffer, L2-sized)")
-    ap.add_argument("--sweep", action="store_true", help="time tile configs on K3 fc1 instead of the table")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the fused kernels' tile configs instead of the table (--tokens 8,128,512 at most)")
     ap.add_argument("--gluon", action="store_true",
                     help="also time the experimental warp-specialised Gluon forward and dgrad (issue #21; Hopper, "
                          "Triton >= 3.5)")
@@ -359,7 +364,7 @@ def main() -> None:
     ap.add_argument("--gluon-only", action="store_true", help="with --gluon: time BF16 and the Gluon kernels only")
     args = ap.parse_args()
     if args.sweep:
-        return sweep()
+        return sweep(SHAPES[:1] if args.quick else SHAPES, [int(t) for t in args.tokens.split(",")], args.out)
     if args.workspace_mib is not None:
         os.environ[wc.WORKSPACE_ENV] = str(args.workspace_mib << 20)
     os.environ.pop(kernels.PATH_ENV, None)  # the auto column is the dispatcher's own choice
@@ -463,33 +468,73 @@ def _crossover_text() -> str:
     return json.dumps(dict(tables, GLUON_OPTIONS=kernels.GLUON_OPTIONS))
 
 
-def sweep() -> None:
-    """Time a few tile configurations on K3 fc1 (used to pick ``fwd_config`` / ``dgrad_config``)."""
-    name, E, K, N = SHAPES[0]
-    fwd = {8: [(16, 64, 4, 4), (16, 128, 4, 4), (16, 128, 4, 6), (16, 256, 4, 4), (16, 256, 8, 4), (16, 128, 8, 4)],
-           128: [(32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),
-                 (64, 256, 8, 3), (128, 256, 8, 3)],
-           512: [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3), (64, 256, 8, 3),
-                 (128, 256, 8, 3), (256, 128, 8, 3)]}
-    dg = {8: [(16, 64, 4, 4), (16, 32, 4, 4), (16, 64, 4, 6), (16, 128, 4, 4)],
-          128: [(64, 64, 4, 3), (32, 64, 4, 4), (64, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3)],
-          512: [(64, 64, 4, 3), (64, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3)]}
-    for fmt in FORMATS:
-        wp, ws = random_weights(fmt, E, N, K)
-        for tpe in (8, 128, 512):
-            T = E * tpe
-            splits = [tpe] * E
-            x = torch.randn(T, K, device=DEV).bfloat16()
-            dy = torch.randn(T, N, device=DEV).bfloat16()
-            for kind, table, fn, a in (("fwd", fwd, tw.grouped_gemm, x), ("dgrad", dg, tw.grouped_gemm_dgrad, dy)):
-                for bm, bn, nw, ns in table[tpe]:
-                    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
-                    try:
-                        t = bench(lambda: fn(a, wp, ws, fmt, splits, config=dict(cfg)), reps=10)
-                        print(f"sweep {fmt[:5]} {kind} tpe={tpe} {bm}x{bn} w{nw} s{ns}: {t:.3f} ms "
-                              f"{2.0 * T * N * K / t / 1e9:.0f} TFLOP/s", flush=True)
-                    except Exception as exc:  # out of resources and the like
-                        print(f"sweep {fmt[:5]} {kind} tpe={tpe} {bm}x{bn} w{nw} s{ns}: failed {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+# the fused kernels' tile configs the sweep times: (BLOCK_M, BLOCK_N, num_warps, num_stages[, SPLIT_N (dgrad)])
+SWEEP_FWD = {8: [(16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 4, 4), (16, 128, 4, 6), (16, 128, 8, 4), (16, 256, 4, 4),
+                 (16, 256, 8, 4), (16, 64, 4, 6)],
+             128: [(32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),
+                   (64, 256, 8, 3), (128, 256, 8, 3)],
+             512: [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3), (64, 256, 8, 3),
+                   (128, 256, 8, 3), (256, 128, 8, 3)]}
+SWEEP_DGRAD = {8: [(16, 64, 4, 4), (16, 64, 4, 6), (16, 32, 4, 4), (16, 128, 4, 4), (16, 64, 8, 4), (16, 64, 4, 4, 2),
+                   (16, 64, 4, 6, 2), (16, 64, 4, 4, 4), (16, 128, 4, 4, 2)],
+               128: [(64, 64, 4, 3), (32, 64, 4, 4), (64, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3),
+                     (128, 32, 8, 3)],
+               512: [(64, 64, 4, 3), (64, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3)]}
+
+
+def sweep_config(t: tuple) -> dict:
+    cfg = dict(BLOCK_M=t[0], BLOCK_N=t[1], num_warps=t[2], num_stages=t[3])
+    if len(t) > 4:
+        cfg["SPLIT_N"] = t[4]
+    return cfg
+
+
+def sweep_label(t: tuple) -> str:
+    return f"{t[0]}x{t[1]} w{t[2]} s{t[3]}" + (f" split{t[4]}" if len(t) > 4 else "")
+
+
+def sweep(shapes, tokens: list[int], out: str | None) -> None:
+    """Time the fused kernels' tile configs (:data:`SWEEP_FWD`, :data:`SWEEP_DGRAD`) next to BF16 ``_grouped_mm`` on
+    ``shapes`` x both formats x ``tokens`` per expert (used to pick ``fwd_config`` / ``dgrad_config``); prints each
+    timing and a table of the best config per row (also written to ``out``)."""
+    lines = ["| shape | tok/exp | fmt | op | BF16 ms | shipped config ms | best config | best ms | best speed vs BF16 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, E, K, N in shapes:
+        for fmt in FORMATS:
+            wp, ws = random_weights(fmt, E, N, K)
+            w_bf16 = torch.stack([dequantize(fmt, wp[e], ws[e], torch.bfloat16) for e in range(E)])  # [E, N, K]
+            for tpe in tokens:
+                T, splits = E * tpe, [tpe] * E
+                x = torch.randn(T, K, device=DEV).bfloat16()
+                dy = torch.randn(T, N, device=DEV).bfloat16()
+                offs = torch.arange(1, E + 1, device=DEV, dtype=torch.int32) * tpe
+                ops = (("fwd", SWEEP_FWD, tw.grouped_gemm, x, tw.fwd_config,
+                        lambda: torch._grouped_mm(x, w_bf16.transpose(1, 2), offs=offs, out_dtype=torch.bfloat16)),
+                       ("dgrad", SWEEP_DGRAD, tw.grouped_gemm_dgrad, dy, tw.dgrad_config,
+                        lambda: torch._grouped_mm(dy, w_bf16, offs=offs, out_dtype=torch.bfloat16)))
+                for kind, table, fn, a, shipped, bf16 in ops:
+                    t_bf16 = bench(bf16, reps=10)
+                    t_ship = bench(lambda: fn(a, wp, ws, fmt, splits, config=shipped(tpe, fmt)), reps=10)
+                    best = (t_ship, "shipped")
+                    for cfg_t in table[tpe]:
+                        label = sweep_label(cfg_t)
+                        try:
+                            t = bench(lambda: fn(a, wp, ws, fmt, splits, config=sweep_config(cfg_t)), reps=10)
+                        except Exception as exc:  # out of resources and the like
+                            print(f"sweep {name} {fmt[:5]} {kind} tpe={tpe} {label}: failed {type(exc).__name__}: "
+                                  f"{str(exc)[:100]}", flush=True)
+                            continue
+                        print(f"sweep {name} {fmt[:5]} {kind} tpe={tpe} {label}: {t:.3f} ms ({t_bf16 / t:.2f}x BF16 "
+                              f"{t_bf16:.3f} ms) {2.0 * T * N * K / t / 1e9:.0f} TFLOP/s", flush=True)
+                        best = min(best, (t, label))
+                    lines.append(f"| {name} | {tpe} | {fmt_name(fmt)} | {kind} | {t_bf16:.3f} | {t_ship:.3f} | "
+                                 f"{best[1]} | {best[0]:.3f} | {t_bf16 / best[0]:.2f}x |")
+            del w_bf16
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":

@@ -565,9 +565,11 @@ def prepare(a, w_packed, w_scale, fmt: str, m_splits, out, dgrad: bool, where: s
     packed = w_packed.contiguous().view(torch.uint8).reshape(E * N, K // 2)  # INT4 words are the same bytes
     if scales_t:  # [E, N, K/32] -> [E, K/32, N]: each kw group's scales along n, one TMA box per step; rows
         # padded to 16 bytes for TMA, the box past N zero-filled (a finite scale: its weights meet dy's zero fill)
+        from kimi_core.kernels.triton_transpose import transpose_last_two
+
         pad = -N % (16 // scale_bytes)
         scales = torch.empty((E * K // 32, N + pad), dtype=w_scale.dtype, device=a.device)[:, :N]
-        scales.view(E, K // 32, N).copy_(w_scale.reshape(E, N, K // 32).transpose(1, 2))
+        transpose_last_two(w_scale.reshape(E, N, K // 32), scales.view(E, K // 32, N))  # tiled: coalesced both ways
     else:
         scales = w_scale.reshape(E * N, K // 32)
     a_block, p_block, s_block = descriptor_blocks(dgrad, block_m, scale_bytes, block_n, scales_t)

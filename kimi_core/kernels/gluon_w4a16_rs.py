@@ -43,10 +43,10 @@ spread over threads; so the fragment's rows are the output columns reordered (fr
 column ``2 q + h + 16 w``: rows ``r`` and ``r + 8`` of one thread are the two nibbles of one byte), each thread
 loads whole bytes of its 16 contraction rows per step and the accumulator's rows are put back before the store
 (:func:`_dgrad_rows`, a relabelling of registers). The scales vary along the contraction there, so they go as a
-transposed copy ``[E * K / 32, N]`` (made per call, 1/16 of the packed bytes) whose ``[BN / 32, 64]`` box holds
-exactly a step's groups. Shapes, dtypes, tile table, persistence and argument checks as :mod:`.gluon_w4a16`
-(``x`` bf16 ``[T, K]``, ``y`` bf16 ``[T, N]``; dgrad ``dy`` ``[T, N]`` -> ``dx`` ``[T, K]``). Extra memory: none
-beyond the output and the tile table (dgrad: and the transposed scales).
+transposed copy ``[E * K / 32, N]`` (made per call by :mod:`.triton_transpose`, 1/16 of the packed bytes) whose
+``[BN / 32, 64]`` box holds exactly a step's groups. Shapes, dtypes, tile table, persistence and argument checks
+as :mod:`.gluon_w4a16` (``x`` bf16 ``[T, K]``, ``y`` bf16 ``[T, N]``; dgrad ``dy`` ``[T, N]`` -> ``dx`` ``[T,
+K]``). Extra memory: none beyond the output and the tile table (dgrad: and the transposed scales).
 
 ``fold_scales`` (MXFP4): where every E8M0 byte is at most 128 (any real checkpoint), the decode's ``x 2^126`` is
 folded into the scale pair (``2^(s - 1)``, a normal bf16), one multiply per decoded pair instead of two, rounded
@@ -485,9 +485,9 @@ def grouped_gemm_dgrad(dy: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
     output columns x ``N``): the two nibbles of a packed byte are neighbouring output columns, which one m64
     fragment spreads over rows ``r`` and ``r + 8`` of one thread, so the fragment's rows are the output columns
     reordered (:func:`_dgrad_rows`; put back before the store) and each thread decodes whole bytes. The scales go as
-    a transposed copy ``[E * K / 32, N]`` made per call (extra memory: 1/16 of the packed bytes, e.g. 77 MB for K3
-    fc1 MXFP4) so a step's scales are one ``[block_n / 32, 64]`` TMA box. Tiles, persistence, ``decode_ahead`` and
-    ``fold_scales`` as :func:`grouped_gemm` (its one-wgmma-per-step form)."""
+    a transposed copy ``[E * K / 32, N]`` made per call by a tiled Triton transpose (extra memory: 1/16 of the packed
+    bytes, e.g. 77 MB for K3 fc1 MXFP4) so a step's scales are one ``[block_n / 32, 64]`` TMA box. Tiles,
+    persistence, ``decode_ahead`` and ``fold_scales`` as :func:`grouped_gemm` (its one-wgmma-per-step form)."""
     where = "gluon_w4a16_rs.grouped_gemm_dgrad"
     block_n, decode_ahead = _resolve_columns(where, m_splits, block_n, decode_ahead)
     if decode_ahead and block_n != 128:

@@ -400,8 +400,14 @@ def w4a16_dgrad_perm_kernel(dy_ptr, wq_ptr, ws_ptr, dx_ptr, offsets_ptr, N, K, E
                             stride_dyt, stride_we, stride_wn, stride_se, stride_sn, stride_dxt,
                             FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             GROUP_M: tl.constexpr, E_POW2: tl.constexpr, USE_ASM: tl.constexpr,
-                            EVEN_N: tl.constexpr, INTERP: tl.constexpr = False):
+                            EVEN_N: tl.constexpr, INTERP: tl.constexpr = False, SPLIT_N: tl.constexpr = 1,
+                            stride_part=0):
     """dgrad with word-level decoding; 256 input columns per program, ``K % 256 == 0``.
+
+    ``SPLIT_N > 1`` splits the reduction over ``N`` into that many ranges of whole ``BLOCK_N`` steps, range
+    ``program_id(1)``; each writes its fp32 partial sum to ``dx_ptr + program_id(1) * stride_part`` (a ``[SPLIT_N,
+    T, K]`` fp32 buffer the launcher sums). For layers with few output tiles (K2 fc2: ``K = 2048`` is 8 tiles per
+    expert, 192 programs for 132 SMs at 8 tokens per expert) it multiplies the programs in flight.
 
     The MMA computes ``acc[256, BLOCK_M] = W^T . dy^T`` with the 256 rows in a permuted order:
     physical column ``k = 8m + e`` of the tile (word ``m = 8a + 4b + c``, element ``e = 4r1 + 2r0 + h``)
@@ -425,7 +431,9 @@ def w4a16_dgrad_perm_kernel(dy_ptr, wq_ptr, ws_ptr, dx_ptr, offsets_ptr, N, K, E
         grp = 2 * i_a[:, None] + i_b[None, :]  # [4(a), 2(b)] scale group of the tile
         word = k0 // 8 + 4 * grp[:, :, None] + i_c[None, None, :]  # [4, 2, 4]
         acc = tl.zeros((256, BLOCK_M), dtype=tl.float32)
-        for n0 in range(0, N, BLOCK_N):
+        n_steps = tl.cdiv(tl.cdiv(N, BLOCK_N), SPLIT_N)  # BLOCK_N steps per range
+        n_lo = tl.program_id(1) * n_steps * BLOCK_N
+        for n0 in range(n_lo, tl.minimum(N, n_lo + n_steps * BLOCK_N), BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < N
             w_ptrs = wq_e + offs_n[:, None, None, None] * stride_wn + word[None, :, :, :]
@@ -448,11 +456,15 @@ def w4a16_dgrad_perm_kernel(dy_ptr, wq_ptr, ws_ptr, dx_ptr, offsets_ptr, N, K, E
             # p: [BN, a, b, c, h, r0, r1] -> [r1, r0, a, h, b, c, BN]
             wt = tl.permute(p, (6, 5, 1, 4, 2, 3, 0)).reshape(256, BLOCK_N)
             acc = _mma(wt, tl.trans(dy), acc, INTERP)  # [256, BM]
-        d = tl.trans(acc).to(tl.bfloat16)  # [BM, 256] logical columns
+        if SPLIT_N == 1:
+            d = tl.trans(acc).to(tl.bfloat16)  # [BM, 256] logical columns
+        else:
+            d = tl.trans(acc)  # fp32 partial sum
         # [BM, r1, r0, a, h, b, c] -> [BM, a, b, c, r1, r0, h]
         d = tl.permute(d.reshape(BLOCK_M, 2, 2, 4, 2, 2, 4), (0, 3, 5, 6, 1, 2, 4)).reshape(BLOCK_M, 256)
         offs_k = k0 + tl.arange(0, 256)
-        dx_ptrs = dx_ptr + rows.to(tl.int64)[:, None] * stride_dxt + offs_k[None, :]
+        part = dx_ptr + tl.program_id(1).to(tl.int64) * stride_part
+        dx_ptrs = part + rows.to(tl.int64)[:, None] * stride_dxt + offs_k[None, :]
         tl.store(dx_ptrs, d, mask=row_mask[:, None])
 
 
@@ -586,11 +598,17 @@ def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict |
     fmt_id = _fmt_id(fmt)
     if K % 256 == 0 and cfg.pop("PERM", True):
         wq = _as_words(w_packed)
-        grid = (_num_programs(splits, T, E, cfg["BLOCK_M"], K // 256),)
+        split = min(cfg.pop("SPLIT_N", 1), triton.cdiv(N, cfg["BLOCK_N"]))
+        # split > 1: fp32 partial sums [split, T, K] (T * K * 4 bytes each), summed below
+        part = dx if split == 1 else torch.empty((split, T, K), dtype=torch.float32, device=dy.device)
+        grid = (_num_programs(splits, T, E, cfg["BLOCK_M"], K // 256), split)
         w4a16_dgrad_perm_kernel[grid](
-            dy, wq, ws, dx, offsets, N, K, E, dy.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
-            ws.stride(1), dx.stride(0), FMT=fmt_id, GROUP_M=8, E_POW2=_e_pow2(E),
-            USE_ASM=not _interpreting(), EVEN_N=N % cfg["BLOCK_N"] == 0, INTERP=_interpreting(), **cfg)
+            dy, wq, ws, part, offsets, N, K, E, dy.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
+            ws.stride(1), part.stride(-2), FMT=fmt_id, GROUP_M=8, E_POW2=_e_pow2(E),
+            USE_ASM=not _interpreting(), EVEN_N=N % cfg["BLOCK_N"] == 0, INTERP=_interpreting(), SPLIT_N=split,
+            stride_part=part.stride(0) if split > 1 else 0, **cfg)
+        if split > 1:
+            dx.copy_(part.sum(0))
     else:
         wq = w_packed.contiguous()
         cfg.setdefault("BLOCK_K", 128 if K % 128 == 0 else 32)

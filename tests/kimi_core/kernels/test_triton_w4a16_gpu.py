@@ -71,6 +71,26 @@ def test_odd_shapes_and_device_splits(fmt, E, K, N):
     _run(fmt, E, K, N, ragged_splits(E, 23, seed=K), seed=N, tensor_splits=True)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("split", [2, 3, 4])
+@pytest.mark.parametrize("tensor_splits", [False, True])
+def test_dgrad_split_reduction(fmt, split, tensor_splits):
+    """The permuted dgrad with its reduction over N split into ``SPLIT_N`` ranges (fp32 partial sums, summed by the
+    launcher), at K2 fc2's shape (N = 7168 in 112 steps, 3 does not divide it evenly) with ragged and empty experts
+    and device splits (the upper-bound grid), matches the oracle and leaves no row unwritten."""
+    from kimi_core.kernels import triton_w4a16 as tw
+
+    E, K, N = 24, 2048, 7168
+    splits = ragged_splits(E, 9, seed=split)
+    wp, ws = random_packed(fmt, E, N, K, seed=split, device="cuda")
+    dy = torch.randn(sum(splits), N, device="cuda").bfloat16()
+    dx = torch.full((sum(splits), K), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ms = torch.tensor(splits, device="cuda") if tensor_splits else splits
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4, SPLIT_N=split)
+    tw.grouped_gemm_dgrad(dy, wp, ws, fmt, ms, config=cfg, out=dx)
+    assert_close(f"dgrad split {split} {fmt}", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
+
+
 def test_mxfp4_wide_scale_range():
     """E8M0 scales above 2^1 (s > 128) and tiny ones decode exactly (the two-multiply path)."""
     _run(MXFP4, 4, 256, 128, [17, 0, 40, 3], seed=5, scale_range=(60, 150))

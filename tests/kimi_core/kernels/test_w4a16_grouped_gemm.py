@@ -100,6 +100,16 @@ for fmt in ("mxfp4-pack-quantized", "pack-quantized"):
         dx = tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, config=dict(base, BLOCK_N=32, **({} if perm else {"BLOCK_K": 64})))
         for ref, got in ((ref_y, y), (ref_dx, dx)):
             worst = max(worst, ((got.float() - ref).norm() / ref.norm()).item())
+    # the permuted dgrad with its reduction over N split: 3 BLOCK_N steps in 2 (uneven), 3 and 4 (clamped) ranges
+    wp3, ws3 = random_packed(fmt, E, 96, K, seed=4)
+    dy3 = torch.randn(25, 96).bfloat16()
+    ref3 = oracle_dgrad(dy3, wp3, ws3, fmt, splits)
+    for split in (2, 3, 4):
+        dx3 = tw.grouped_gemm_dgrad(dy3, wp3, ws3, fmt, splits,
+                                    config=dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1, SPLIT_N=split))
+        err = ((dx3.float() - ref3).norm() / ref3.norm()).item()
+        assert err < 1e-2, (fmt, split, err)
+        worst = max(worst, err)
 print("WORST", worst)
 """
 
