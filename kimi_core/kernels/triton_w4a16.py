@@ -532,10 +532,26 @@ def fwd_config(tokens_per_expert: float, fmt: str = "") -> dict:
     return dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3)
 
 
+# the permuted dgrad splits its reduction over N in SPLIT_N_FEW_PROGRAMS ranges when it would otherwise run fewer than
+# SPLIT_BELOW_WAVES programs per SM (H100, 8 tokens per expert, 2026-12-06: K2 fc2, 192 programs on 132 SMs, 0.194 ->
+# 0.148 ms MXFP4, 0.176 -> 0.149 ms INT4 with 4 ranges; K2 fc1's 672 programs gain nothing, K3's 1568 lose 5-20 %)
+SPLIT_BELOW_WAVES = 2
+SPLIT_N_FEW_PROGRAMS = 4
+
+
+def _sm_count(device) -> int:
+    """Streaming multiprocessors of ``device`` (a CPU run under the interpreter: 1, so nothing splits)."""
+    import torch
+
+    device = torch.device(device)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def dgrad_config(tokens_per_expert: float, fmt: str = "") -> dict:
-    """dgrad tiles by mean tokens per expert (swept on K3 fc1 on the H200, 2026-11-29)."""
+    """dgrad tiles by mean tokens per expert (swept on K3 fc1 on the H200, 2026-11-29; at 16 and fewer on every shape
+    on an H100, 2026-12-06: INT4 gains 3-13 % from 32-row reduction steps, MXFP4 loses 9-20 % with them)."""
     if tokens_per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=6 if fmt == "mxfp4-pack-quantized" else 4)
+        return dict(BLOCK_M=16, BLOCK_N=64 if fmt == "mxfp4-pack-quantized" else 32, num_warps=4, num_stages=4)
     if tokens_per_expert <= 32:
         return dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=4)
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
@@ -598,10 +614,14 @@ def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict |
     fmt_id = _fmt_id(fmt)
     if K % 256 == 0 and cfg.pop("PERM", True):
         wq = _as_words(w_packed)
+        programs = _num_programs(splits, T, E, cfg["BLOCK_M"], K // 256)
+        if config is None and programs < SPLIT_BELOW_WAVES * _sm_count(dy.device):
+            cfg.update(BLOCK_N=64, SPLIT_N=SPLIT_N_FEW_PROGRAMS)
         split = min(cfg.pop("SPLIT_N", 1), triton.cdiv(N, cfg["BLOCK_N"]))
-        # split > 1: fp32 partial sums [split, T, K] (T * K * 4 bytes each), summed below
+        # split > 1: fp32 partial sums [split, T, K], summed below; automatic only under 2 programs per SM, where
+        # T * K < 2 * SMs * BLOCK_M * 256 bounds them (69 MB at 132 SMs and 64-row tiles)
         part = dx if split == 1 else torch.empty((split, T, K), dtype=torch.float32, device=dy.device)
-        grid = (_num_programs(splits, T, E, cfg["BLOCK_M"], K // 256), split)
+        grid = (programs, split)
         w4a16_dgrad_perm_kernel[grid](
             dy, wq, ws, part, offsets, N, K, E, dy.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
             ws.stride(1), part.stride(-2), FMT=fmt_id, GROUP_M=8, E_POW2=_e_pow2(E),
