@@ -63,16 +63,15 @@ W4A16_CROSSOVER: dict[str, dict] = {"fwd": {"default": 512}, "dgrad": {"default"
 #: in the format each model ships (K3: MXFP4, K2: INT4). From 128 tokens per expert the register kernels beat fused
 #: on every shape, forward and dgrad (K3 fc1 MXFP4 128: forward 1.33x BF16 vs fused 0.76x, dgrad 1.05x vs 0.68x;
 #: K2 fc2 INT4 128: dgrad 0.81x vs 0.46x), and chunked at 512 (K3 fc1 MXFP4 dgrad 0.80x vs 0.57x). At 2048 the forward
-#: stays Gluon (K3 fc1 MXFP4 0.87x vs chunked 0.83x, K2 fc1 INT4 0.85-0.96x vs 0.77x), while chunked's dgrad is ahead
-#: on K3 fc1 / fc2 (0.85x / 0.84x vs 0.80x / 0.78x) and K2 fc2 (0.81x vs 0.77x): those stop at 1024 (between the
-#: measured 512 and 2048). At 8 the fused kernel wins everywhere (forward 1.4-2.2x BF16 vs the register kernel's
-#: 1.2-1.9x). Shapes not measured (e.g. the demos' small models) keep the fused / chunked table.
-W4A16_GLUON: dict[str, dict] = {
-    "fwd": {"default": None, (6144, 3584): (128, None), (3584, 3072): (128, None), (4096, 7168): (128, None),
-            (7168, 2048): (128, None)},
-    "dgrad": {"default": None, (6144, 3584): (128, 1024), (3584, 3072): (128, 1024), (4096, 7168): (128, None),
-              (7168, 2048): (128, 1024)},
-}
+#: stays Gluon (K3 fc1 MXFP4 0.87x vs chunked 0.83x, K2 fc1 INT4 0.85-0.96x vs 0.77x), and so does the dgrad since
+#: its per-call transposed scales go through a tiled transpose (benchmarks/RESULTS.md, 2026-12-06, H100: dgrad at 2048
+#: K3 fc1 0.85x / 0.92x MXFP4 / INT4 vs chunked 0.80x / 0.79x, K3 fc2 0.84x / 0.90x vs 0.77x / 0.77x, K2 fc2 0.83x /
+#: 0.89x vs 0.85x / 0.85x, without chunked's 0.66-0.98 GiB workspace). At 8 the fused kernel wins everywhere (forward
+#: 1.4-2.2x BF16 vs the register kernel's 1.2-1.9x). Shapes not measured (e.g. the demos' small models) keep the
+#: fused / chunked table.
+_MEASURED_SHAPES = ((6144, 3584), (3584, 3072), (4096, 7168), (7168, 2048))  # (N, K): K3 fc1, K3 fc2, K2 fc1, K2 fc2
+W4A16_GLUON: dict[str, dict] = {op: {"default": None, **{shape: (128, None) for shape in _MEASURED_SHAPES}}
+                                for op in ("fwd", "dgrad")}
 
 #: The kernel and options the ``"gluon"`` path runs, per op: ``kernel`` ``"smem"`` (:mod:`.gluon_w4a16`, decoded
 #: tiles in shared memory) or ``"registers"`` (:mod:`.gluon_w4a16_rs`, the weights decoded into the wgmma's
