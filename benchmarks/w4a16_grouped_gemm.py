@@ -468,36 +468,39 @@ def _crossover_text() -> str:
     return json.dumps(dict(tables, GLUON_OPTIONS=kernels.GLUON_OPTIONS))
 
 
-# the fused kernels' tile configs the sweep times: (BLOCK_M, BLOCK_N, num_warps, num_stages[, SPLIT_N (dgrad)])
-SWEEP_FWD = {8: [(16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 4, 4), (16, 128, 4, 6), (16, 128, 8, 4), (16, 256, 4, 4),
-                 (16, 256, 8, 4), (16, 64, 4, 6)],
+# the fused kernels' tile configs the sweep times: (BLOCK_M, BLOCK_N, num_warps, num_stages[, extra options]), the
+# extras e.g. SPLIT_N (dgrad: the reduction in that many ranges) or maxnreg (a register cap: at 8 tok/exp 183-254
+# registers a thread leave 2 blocks of 4 warps per SM, 168 leaves 3; tests/gpu/fused_sm90_resources.py)
+SWEEP_FWD = {8: [(16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 4, 4), (16, 128, 4, 6), (16, 128, 8, 4), (16, 256, 8, 4),
+                 (16, 128, 4, 3, {"maxnreg": 168}), (16, 128, 4, 4, {"maxnreg": 168}),
+                 (16, 128, 4, 4, {"maxnreg": 128}), (16, 64, 4, 4, {"maxnreg": 128})],
              128: [(32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),
                    (64, 256, 8, 3), (128, 256, 8, 3)],
              512: [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3), (64, 256, 8, 3),
                    (128, 256, 8, 3), (256, 128, 8, 3)]}
-SWEEP_DGRAD = {8: [(16, 64, 4, 4), (16, 64, 4, 6), (16, 32, 4, 4), (16, 128, 4, 4), (16, 64, 8, 4), (16, 64, 4, 4, 2),
-                   (16, 64, 4, 6, 2), (16, 64, 4, 4, 4), (16, 128, 4, 4, 2)],
+SWEEP_DGRAD = {8: [(16, 64, 4, 4), (16, 32, 4, 4), (16, 128, 4, 4), (16, 64, 4, 4, {"SPLIT_N": 2}),
+                   (16, 64, 4, 4, {"SPLIT_N": 4}), (16, 64, 4, 4, {"maxnreg": 168}),
+                   (16, 64, 4, 4, {"SPLIT_N": 4, "maxnreg": 168}), (16, 64, 4, 4, {"maxnreg": 128}),
+                   (16, 32, 4, 6)],
                128: [(64, 64, 4, 3), (32, 64, 4, 4), (64, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3),
                      (128, 32, 8, 3)],
                512: [(64, 64, 4, 3), (64, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3)]}
 
 
 def sweep_config(t: tuple) -> dict:
-    cfg = dict(BLOCK_M=t[0], BLOCK_N=t[1], num_warps=t[2], num_stages=t[3])
-    if len(t) > 4:
-        cfg["SPLIT_N"] = t[4]
-    return cfg
+    return dict(BLOCK_M=t[0], BLOCK_N=t[1], num_warps=t[2], num_stages=t[3], **(t[4] if len(t) > 4 else {}))
 
 
 def sweep_label(t: tuple) -> str:
-    return f"{t[0]}x{t[1]} w{t[2]} s{t[3]}" + (f" split{t[4]}" if len(t) > 4 else "")
+    extra = t[4] if len(t) > 4 else {}
+    return f"{t[0]}x{t[1]} w{t[2]} s{t[3]}" + "".join(f" {k.lower().replace('_n', '')}{v}" for k, v in extra.items())
 
 
 def sweep(shapes, tokens: list[int], out: str | None) -> None:
     """Time the fused kernels' tile configs (:data:`SWEEP_FWD`, :data:`SWEEP_DGRAD`) next to BF16 ``_grouped_mm`` on
     ``shapes`` x both formats x ``tokens`` per expert (used to pick ``fwd_config`` / ``dgrad_config``); prints each
     timing and a table of the best config per row (also written to ``out``)."""
-    lines = ["| shape | tok/exp | fmt | op | BF16 ms | shipped config ms | best config | best ms | best speed vs BF16 |",
+    lines = ["| shape | tok/exp | fmt | op | BF16 ms | shipped ms | best config | best ms | best speed vs BF16 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, E, K, N in shapes:
         for fmt in FORMATS:
@@ -508,13 +511,13 @@ def sweep(shapes, tokens: list[int], out: str | None) -> None:
                 x = torch.randn(T, K, device=DEV).bfloat16()
                 dy = torch.randn(T, N, device=DEV).bfloat16()
                 offs = torch.arange(1, E + 1, device=DEV, dtype=torch.int32) * tpe
-                ops = (("fwd", SWEEP_FWD, tw.grouped_gemm, x, tw.fwd_config,
+                ops = (("fwd", SWEEP_FWD, tw.grouped_gemm, x,
                         lambda: torch._grouped_mm(x, w_bf16.transpose(1, 2), offs=offs, out_dtype=torch.bfloat16)),
-                       ("dgrad", SWEEP_DGRAD, tw.grouped_gemm_dgrad, dy, tw.dgrad_config,
+                       ("dgrad", SWEEP_DGRAD, tw.grouped_gemm_dgrad, dy,
                         lambda: torch._grouped_mm(dy, w_bf16, offs=offs, out_dtype=torch.bfloat16)))
-                for kind, table, fn, a, shipped, bf16 in ops:
+                for kind, table, fn, a, bf16 in ops:
                     t_bf16 = bench(bf16, reps=10)
-                    t_ship = bench(lambda: fn(a, wp, ws, fmt, splits, config=shipped(tpe, fmt)), reps=10)
+                    t_ship = bench(lambda: fn(a, wp, ws, fmt, splits), reps=10)  # the launcher's own choice
                     best = (t_ship, "shipped")
                     for cfg_t in table[tpe]:
                         label = sweep_label(cfg_t)

@@ -59,6 +59,9 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 sys.path.insert(0, ".")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sm90_cubin import resource_usage  # noqa: E402
+
 from kimi_core.kernels import gluon_w4a16 as gw  # noqa: E402
 from kimi_core.kernels.triton_w4a16 import FMT_INT4 as INT4, FMT_MXFP4 as MXFP4  # noqa: E402
 
@@ -68,17 +71,6 @@ def desc_sig(dtype: str, block: list[int], gl_dtype, layout=None) -> str:
     ``layout``: default swizzle unless given)."""
     layout = layout or gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
     return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
-
-
-def resource_usage(cubin: bytes) -> str:
-    """``REG:.. STACK:.. SHARED:.. LOCAL:..`` of a cubin, from the cuobjdump in Triton's wheel (LOCAL > 0: spills)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    usage = re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", out)
-    return usage.group(0) if usage else "resource usage: ?"
 
 
 def compile_w4a16(kernel, dgrad: int, bm: int, bn: int, ws: str, constexprs: dict, num_warps: int,

@@ -1,0 +1,83 @@
+"""Registers, spills and resident blocks per SM of the fused Triton W4A16 kernels (issue #21's 8 tokens/expert rows),
+compiled for sm_90a on a CPU machine with the GPU's Triton (3.6.0; setup as in tests/gpu/gluon_sm90_compile_check.py).
+
+At 8 tokens per expert these kernels are memory-bound and reach 48-61 % of an H100's HBM bandwidth (Nsight Compute:
+MIO throttle first, 1.1 eligible warps per scheduler). A block of 4 warps needs 183-254 registers a thread, so an SM
+holds 2 of them: few warps to cover the loads. ``maxnreg`` (a launch option of the shipped config dicts) caps the
+registers; this prints, for each shipped config and each candidate cap, what ptxas makes of it:
+
+    /tmp/tri36/venv/bin/python tests/gpu/fused_sm90_resources.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, ".")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sm90_cubin import blocks_per_sm, resource_usage, sass_instructions  # noqa: E402
+
+from kimi_core.kernels import triton_w4a16 as tw  # noqa: E402
+
+FORMATS = {"mxfp4": (tw.FMT_MXFP4, "*u8"), "int4": (tw.FMT_INT4, "*bf16")}
+INTS = ("N", "K", "E")
+
+
+def signature(kernel, scale_type: str) -> dict:
+    """Argument types of a fused kernel: pointers by name (``ws_ptr``: the format's scale type, ``wq_ptr``: int32
+    words, ``offsets_ptr``: int32, other ``*_ptr``: bf16), the rest int32 unless constexpr."""
+    sig = {}
+    for p in kernel.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name == "ws_ptr":
+            sig[p.name] = scale_type
+        elif p.name in ("wq_ptr", "offsets_ptr"):
+            sig[p.name] = "*i32"
+        elif p.name.endswith("_ptr"):
+            sig[p.name] = "*bf16"
+        else:
+            sig[p.name] = "i32"
+    return sig
+
+
+def compile_fused(op: str, fmt: str, config: dict):
+    """One fused kernel (``op`` fwd / dgrad, permuted word decode) in ``config`` (a shipped config dict, optionally with
+    ``maxnreg``) for sm_90a; returns the compiled kernel."""
+    fmt_id, scale_type = FORMATS[fmt]
+    cfg = dict(config)
+    options = {k: cfg.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in cfg}
+    kernel = tw.w4a16_fwd_perm_kernel if op == "fwd" else tw.w4a16_dgrad_perm_kernel
+    const = dict(FMT=fmt_id, GROUP_M=8, E_POW2=128, USE_ASM=True, INTERP=False, BLOCK_M=cfg["BLOCK_M"],
+                 BLOCK_N=cfg["BLOCK_N"])
+    if op == "dgrad":
+        const.update(EVEN_N=True, SPLIT_N=cfg.get("SPLIT_N", 1))
+    src = ASTSource(kernel, signature(kernel, scale_type), constexprs=const)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def main() -> None:
+    print(f"triton {triton.__version__}, sm_90a")
+    print("| op | fmt | config | maxnreg | REG / STACK / LOCAL | SASS instructions | blocks per SM (registers, shared) |")
+    print("|---|---|---|---|---|---|---|")
+    for op, shipped in (("fwd", tw.fwd_config), ("dgrad", tw.dgrad_config)):
+        for fmt, (_, _) in FORMATS.items():
+            base = shipped(8, "mxfp4-pack-quantized" if fmt == "mxfp4" else "pack-quantized")
+            for cap in (None, 168, 128):
+                cfg = dict(base, **({"maxnreg": cap} if cap else {}))
+                k = compile_fused(op, fmt, cfg)
+                usage = resource_usage(k.asm["cubin"])
+                regs = int(usage.split()[0].split(":")[1])
+                by_regs, by_shared = blocks_per_sm(regs, base["num_warps"], k.metadata.shared)
+                label = f"{base['BLOCK_M']}x{base['BLOCK_N']} w{base['num_warps']} s{base['num_stages']}"
+                print(f"| {op} | {fmt} | {label} | {cap or '-'} | {usage.replace('SHARED:', 'SHARED(static):')} | "
+                      f"{sass_instructions(k.asm['cubin'])} | {by_regs}, {by_shared} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
