@@ -12,19 +12,21 @@ Public ops (validated here, once):
 * :func:`kimi_core.kernels.bf16_grouped.bf16_grouped_linear`: the same grouped linear over bf16 experts
   (``torch._grouped_mm``), the BF16 baseline.
 
-Two paths compute the grouped GEMM, chosen per call by :func:`choose_path` from the mean tokens per expert:
+Three paths compute the grouped GEMM, chosen per call by :func:`choose_path` from the mean tokens per expert and
+the weight shape:
 
 * ``"fused"``: CUDA tensors run the Triton kernels of :mod:`kimi_core.kernels.triton_w4a16` (decode in
   registers, no bf16 weight in HBM); anything else runs the pure-torch twin :mod:`kimi_core.kernels.reference`.
 * ``"chunked"``: :mod:`kimi_core.kernels.w4a16_chunked`, a few experts at a time decoded into a bf16 workspace
   of at most 1 GiB (``KIMI_W4A16_WORKSPACE_BYTES``) and multiplied by ``torch._grouped_mm``, the next decode
   overlapped on a side stream. Also runs on CPU tensors (torch decode), for tests.
+* ``"gluon"``: the warp-specialised Gluon kernels (Hopper only; :data:`GLUON_OPTIONS` picks
+  :mod:`kimi_core.kernels.gluon_w4a16_rs`, the weights decoded into the wgmma's registers, forward and dgrad, or
+  :mod:`kimi_core.kernels.gluon_w4a16`), where :data:`W4A16_GLUON` lists a range: from 128 tokens per expert on the
+  four measured K3 / K2 expert shapes (issue #21).
 
-``KIMI_W4A16_PATH=fused|chunked|gluon|auto`` (or the ``path=`` argument, which wins) forces a path. ``"gluon"`` is
-one of the experimental Gluon kernels (:data:`GLUON_OPTIONS`: :mod:`kimi_core.kernels.gluon_w4a16` or, forward,
-:mod:`kimi_core.kernels.gluon_w4a16_rs`; Hopper only); auto picks it only where :data:`W4A16_GLUON` says, which is
-nowhere until one is measured faster (issue #21). Triton is imported only on first GPU use, so this package
-imports on machines without a GPU or without Triton.
+``KIMI_W4A16_PATH=fused|chunked|gluon|auto`` (or the ``path=`` argument, which wins) forces a path. Triton is
+imported only on first GPU use, so this package imports on machines without a GPU or without Triton.
 
 Example::
 
