@@ -469,18 +469,15 @@ def _crossover_text() -> str:
 
 
 # the fused kernels' tile configs the sweep times: (BLOCK_M, BLOCK_N, num_warps, num_stages[, extra options]), the
-# extras e.g. SPLIT_N (dgrad: the reduction in that many ranges) or maxnreg (a register cap: at 8 tok/exp 183-254
-# registers a thread leave 2 blocks of 4 warps per SM, 168 leaves 3; tests/gpu/fused_sm90_resources.py)
+# extras e.g. SPLIT_N (dgrad: the reduction in that many ranges)
 SWEEP_FWD = {8: [(16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 4, 4), (16, 128, 4, 6), (16, 128, 8, 4), (16, 256, 8, 4),
-                 (16, 128, 4, 3, {"maxnreg": 168}), (16, 128, 4, 4, {"maxnreg": 168}),
-                 (16, 128, 4, 4, {"maxnreg": 128}), (16, 64, 4, 4, {"maxnreg": 128})],
+                 (16, 256, 4, 4), (16, 64, 4, 6)],
              128: [(32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),
                    (64, 256, 8, 3), (128, 256, 8, 3)],
              512: [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3), (64, 256, 8, 3),
                    (128, 256, 8, 3), (256, 128, 8, 3)]}
-SWEEP_DGRAD = {8: [(16, 64, 4, 4), (16, 32, 4, 4), (16, 128, 4, 4), (16, 64, 4, 4, {"SPLIT_N": 2}),
-                   (16, 64, 4, 4, {"SPLIT_N": 4}), (16, 64, 4, 4, {"maxnreg": 168}),
-                   (16, 64, 4, 4, {"SPLIT_N": 4, "maxnreg": 168}), (16, 64, 4, 4, {"maxnreg": 128}),
+SWEEP_DGRAD = {8: [(16, 64, 4, 4), (16, 32, 4, 4), (16, 128, 4, 4), (16, 64, 8, 4), (16, 64, 4, 4, {"SPLIT_N": 2}),
+                   (16, 64, 4, 4, {"SPLIT_N": 4}), (16, 32, 4, 4, {"SPLIT_N": 4}), (16, 128, 4, 4, {"SPLIT_N": 2}),
                    (16, 32, 4, 6)],
                128: [(64, 64, 4, 3), (32, 64, 4, 4), (64, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3),
                      (128, 32, 8, 3)],
