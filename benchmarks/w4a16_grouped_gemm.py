@@ -310,6 +310,22 @@ def target_speed(tokens_per_expert: int) -> float:
     return 2.5 if tokens_per_expert <= 8 else 0.9 if tokens_per_expert <= 128 else 0.95
 
 
+def targets_summary(rows: list[dict]) -> str:
+    """How many (row, op) pairs of the dispatcher table meet issue #21's bar (:func:`target_speed`, compared unrounded),
+    and the speed of each that does not."""
+    missed, total = [], 0
+    for r in rows:
+        for op in ("fwd", "dgrad"):
+            if f"auto_{op}_ms" not in r:
+                continue
+            total += 1
+            speed = r[f"bf16_{op}_ms"] / r[f"auto_{op}_ms"]
+            if speed < target_speed(r["tokens_per_expert"]):
+                missed.append(f"{r['shape']} {r['tokens_per_expert']} {fmt_name(r['fmt'])} {op} {speed:.3f}x")
+    return (f"Issue #21's targets (2.5x at 8 tok/exp, 0.9x at 128, 0.95x from 512; unrounded): {total - len(missed)} of "
+            f"{total} op-rows met; missed: {', '.join(missed) if missed else 'none'}.")
+
+
 def gluon_best_lines(r: dict) -> str:
     """One summary row: the fastest correct Gluon config per op of one measurement (rel err vs BF16 <= 1e-2),
     its speed vs BF16 and the issue's target at these tokens per expert."""
@@ -427,7 +443,7 @@ def main() -> None:
                  "L2 flushed before each; random codes and scales, equal tokens per expert."]
         text = "\n".join(block + gluon_table(rows)) + "\n"
         return finish(args, text, rows, [], date, gpu, cmd, bound)
-    block += lines
+    block += lines + ["", targets_summary(rows)]
     block += ["", "Decode kernel alone (one workspace buffer of experts, bf16 written):", "", DECODE_HEADER,
               "|" + "---|" * (DECODE_HEADER.count("|") - 1)] + dlines
     if args.alt_workspace_mib:

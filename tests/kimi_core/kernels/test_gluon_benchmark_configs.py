@@ -79,3 +79,16 @@ def test_best_config_row_skips_wrong_results_and_states_the_target():
     assert line.startswith("| K3 fc1 | 128 | INT4 | 1.600 (rs) | 0.94x | 0.90x met |"), line
     assert line.endswith("| none | | |"), line
     assert [bench.target_speed(t) for t in (8, 128, 512, 2048)] == [2.5, 0.9, 0.95, 0.95]
+
+
+def test_targets_summary_compares_unrounded_speeds():
+    """The dispatcher table's summary counts (row, op) pairs at or above issue #21's bar without rounding: 0.948x at
+    512 tokens per expert prints as 0.95x in the table but misses 0.95x."""
+    bench = load_benchmark()
+    rows = [dict(shape="K3 fc1", tokens_per_expert=512, fmt="mxfp4-pack-quantized", bf16_fwd_ms=0.948,
+                 auto_fwd_ms=1.0, bf16_dgrad_ms=1.0, auto_dgrad_ms=1.0),
+            dict(shape="K2 fc2", tokens_per_expert=8, fmt="pack-quantized", bf16_fwd_ms=2.5, auto_fwd_ms=1.0,
+                 bf16_dgrad_ms=2.0, auto_dgrad_ms=1.0)]
+    text = bench.targets_summary(rows)
+    assert "2 of 4 op-rows met" in text, text
+    assert text.endswith("missed: K3 fc1 512 MXFP4 fwd 0.948x, K2 fc2 8 INT4 dgrad 2.000x."), text
