@@ -485,9 +485,11 @@ def _crossover_text() -> str:
 
 
 # the fused kernels' tile configs the sweep times: (BLOCK_M, BLOCK_N, num_warps, num_stages[, extra options]), the
-# extras e.g. SPLIT_N (dgrad: the reduction in that many ranges)
+# extras e.g. SPLIT_N (dgrad: the reduction in that many ranges) or PERSISTENT (forward: that many programs per SM
+# walking the tiles in one flattened, pipelined loop nest)
 SWEEP_FWD = {8: [(16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 4, 4), (16, 128, 4, 6), (16, 128, 8, 4), (16, 256, 8, 4),
-                 (16, 256, 4, 4), (16, 64, 4, 6)],
+                 (16, 128, 4, 4, {"PERSISTENT": 2}), (16, 128, 4, 3, {"PERSISTENT": 2}),
+                 (16, 128, 4, 4, {"PERSISTENT": 3}), (16, 64, 4, 4, {"PERSISTENT": 4})],
              128: [(32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),
                    (64, 256, 8, 3), (128, 256, 8, 3)],
              512: [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3), (64, 256, 8, 3),

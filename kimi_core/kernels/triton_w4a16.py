@@ -300,30 +300,71 @@ def _fwd_perm_tile(wq_ptr, ws_ptr, x_rows, row_mask, offs_n, n_mask, k0, stride_
 
 
 @triton.jit
+def _total_tiles(offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """Row tiles of all experts together (the count :func:`_schedule` numbers)."""
+    ev = tl.arange(0, E_POW2)
+    lo = tl.load(offsets_ptr + ev, mask=ev < E, other=0)
+    hi = tl.load(offsets_ptr + ev + 1, mask=ev < E, other=0)
+    return tl.sum((hi - lo + BLOCK_M - 1) // BLOCK_M, 0)
+
+
+@triton.jit
+def _output_tile_bases(x_ptr, wq_ptr, ws_ptr, e, pid_n, rows, N, stride_xt, stride_we, stride_se,
+                       BLOCK_N: tl.constexpr):
+    """Columns ``offs_n`` (and their mask) of output tile ``pid_n``, expert ``e``'s weight and scale bases and the
+    activation rows' pointers ``[BM, 1]``."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    e64 = e.to(tl.int64)
+    wq_e = wq_ptr + e64 * stride_we
+    ws_e = ws_ptr + e64 * stride_se
+    return offs_n, n_mask, wq_e, ws_e, x_ptr + rows.to(tl.int64)[:, None] * stride_xt
+
+
+@triton.jit
+def _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K,
+                     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
+                     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
+                     INTERP: tl.constexpr):
+    """One output tile of the permuted forward: ``y[rows, pid_n * BLOCK_N :][:BLOCK_N]`` of expert ``e``."""
+    offs_n, n_mask, wq_e, ws_e, x_rows = _output_tile_bases(x_ptr, wq_ptr, ws_ptr, e, pid_n, rows, N, stride_xt,
+                                                            stride_we, stride_se, BLOCK_N)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, 128):
+        w, x = _fwd_perm_tile(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn,
+                              FMT, BLOCK_N, USE_ASM)
+        acc = _mma(w, tl.trans(x), acc, INTERP)  # [BN, BM]
+    y = tl.trans(acc).to(tl.bfloat16)  # [BM, BN]
+    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
+    tl.store(y_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def w4a16_fwd_perm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, offsets_ptr, N, K, E,
                           stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
                           FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           GROUP_M: tl.constexpr, E_POW2: tl.constexpr, USE_ASM: tl.constexpr,
-                          INTERP: tl.constexpr = False):
-    """Forward with word-level decoding; ``K % 128 == 0``, weights viewed as int32 words ``[E, N, K / 8]``."""
+                          INTERP: tl.constexpr = False, PERSISTENT: tl.constexpr = False):
+    """Forward with word-level decoding; ``K % 128 == 0``, weights viewed as int32 words ``[E, N, K / 8]``.
+
+    One program per output tile, or (``PERSISTENT``, experimental) fewer programs each walking the tiles
+    ``program_id, program_id + programs, ...`` in one loop nest that the compiler flattens, so the loads of a tile's
+    first K steps are issued while the previous tile's last steps run (at 8 tokens per expert a K3 fc1 tile is only
+    28 K steps, each program otherwise ramping its own 3-stage pipeline).
+    """
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
-    valid, e, pid_n, rows, row_mask = _schedule(pid, offsets_ptr, E, num_n, BLOCK_M, E_POW2, GROUP_M)
-    if valid:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        e64 = e.to(tl.int64)
-        wq_e = wq_ptr + e64 * stride_we
-        ws_e = ws_ptr + e64 * stride_se
-        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xt  # [BM, 1]
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, K, 128):
-            w, x = _fwd_perm_tile(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn,
-                                  FMT, BLOCK_N, USE_ASM)
-            acc = _mma(w, tl.trans(x), acc, INTERP)  # [BN, BM]
-        y = tl.trans(acc).to(tl.bfloat16)  # [BM, BN]
-        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
-        tl.store(y_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
+    if PERSISTENT:
+        total = _total_tiles(offsets_ptr, E, BLOCK_M, E_POW2) * num_n
+        for t in tl.range(pid, total, tl.num_programs(0), flatten=True):
+            _, e, pid_n, rows, row_mask = _schedule(t, offsets_ptr, E, num_n, BLOCK_M, E_POW2, GROUP_M)
+            _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K, stride_xt, stride_we,
+                             stride_wn, stride_se, stride_sn, stride_yt, FMT, BLOCK_M, BLOCK_N, USE_ASM, INTERP)
+    else:
+        valid, e, pid_n, rows, row_mask = _schedule(pid, offsets_ptr, E, num_n, BLOCK_M, E_POW2, GROUP_M)
+        if valid:
+            _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K, stride_xt, stride_we,
+                             stride_wn, stride_se, stride_sn, stride_yt, FMT, BLOCK_M, BLOCK_N, USE_ASM, INTERP)
 
 
 @triton.jit
@@ -337,12 +378,8 @@ def w4a16_fwd_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, offsets_ptr, N, K, E,
     num_n = tl.cdiv(N, BLOCK_N)
     valid, e, pid_n, rows, row_mask = _schedule(pid, offsets_ptr, E, num_n, BLOCK_M, E_POW2, GROUP_M)
     if valid:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        e64 = e.to(tl.int64)
-        wq_e = wq_ptr + e64 * stride_we
-        ws_e = ws_ptr + e64 * stride_se
-        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xt  # [BM, 1]
+        offs_n, n_mask, wq_e, ws_e, x_rows = _output_tile_bases(x_ptr, wq_ptr, ws_ptr, e, pid_n, rows, N, stride_xt,
+                                                                stride_we, stride_se, BLOCK_N)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -560,7 +597,8 @@ def dgrad_config(tokens_per_expert: float, fmt: str = "") -> dict:
 def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None = None, out=None):
     """Triton forward; arguments as :func:`kimi_core.kernels.w4a16_grouped_gemm` (already validated).
 
-    ``config`` overrides the tile choice (benchmarks); ``out`` is an optional ``[T, N]`` bf16 output.
+    ``config`` overrides the tile choice (benchmarks; ``PERSISTENT``: that many programs per SM walking the tiles,
+    experimental); ``out`` is an optional ``[T, N]`` bf16 output.
     """
     import torch
 
@@ -575,12 +613,15 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
     ws = w_scale.contiguous()
     fmt_id = _fmt_id(fmt)
     use_asm = not _interpreting()
+    per_sm = cfg.pop("PERSISTENT", 0)  # experimental (permuted kernel): this many programs per SM walk all the tiles
     if K % 128 == 0 and cfg.pop("PERM", True):
         wq = _as_words(w_packed)
-        grid = (_num_programs(splits, T, E, cfg["BLOCK_M"], triton.cdiv(N, cfg["BLOCK_N"])),)
+        programs = _num_programs(splits, T, E, cfg["BLOCK_M"], triton.cdiv(N, cfg["BLOCK_N"]))
+        grid = (min(programs, per_sm * _sm_count(x.device)) if per_sm else programs,)
         w4a16_fwd_perm_kernel[grid](
             x, wq, ws, y, offsets, N, K, E, x.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
-            ws.stride(1), y.stride(0), FMT=fmt_id, GROUP_M=8, E_POW2=_e_pow2(E), USE_ASM=use_asm, INTERP=not use_asm, **cfg)
+            ws.stride(1), y.stride(0), FMT=fmt_id, GROUP_M=8, E_POW2=_e_pow2(E), USE_ASM=use_asm,
+            INTERP=not use_asm, PERSISTENT=bool(per_sm), **cfg)
     else:
         wq = w_packed.contiguous()
         cfg.setdefault("BLOCK_K", 128 if K % 128 == 0 else 32)
@@ -595,7 +636,8 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
 def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict | None = None, out=None):
     """Triton dgrad; arguments as :func:`kimi_core.kernels.w4a16_grouped_gemm_dgrad` (already validated).
 
-    ``config`` overrides the tile choice (benchmarks); ``out`` is an optional ``[T, K]`` bf16 output.
+    ``config`` overrides the tile choice (benchmarks; ``SPLIT_N``: the reduction over N in that many ranges);
+    ``out`` is an optional ``[T, K]`` bf16 output.
     """
     import torch
 

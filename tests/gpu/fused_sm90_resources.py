@@ -58,6 +58,8 @@ def compile_fused(op: str, fmt: str, config: dict):
                  BLOCK_N=cfg["BLOCK_N"])
     if op == "dgrad":
         const.update(EVEN_N=True, SPLIT_N=cfg.get("SPLIT_N", 1))
+    else:
+        const.update(PERSISTENT=bool(cfg.get("PERSISTENT", 0)))
     sig = signature(kernel, scale_type)
     # what the launcher's specialization tells the compiler at the benchmark shapes: every pointer 16-byte aligned and
     # every int but E (24 for K2) a multiple of 16, so loads can be vectorized
@@ -71,16 +73,20 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_90a")
     print("| op | fmt | config | REG / STACK / LOCAL | SASS instructions | blocks per SM (registers, shared) |")
     print("|---|---|---|---|---|---|")
-    for op, shipped in (("fwd", tw.fwd_config), ("dgrad", tw.dgrad_config)):
-        for fmt in FORMATS:
-            cfg = shipped(8, "mxfp4-pack-quantized" if fmt == "mxfp4" else "pack-quantized")
-            k = compile_fused(op, fmt, cfg)
-            usage = resource_usage(k.asm["cubin"])
-            regs = int(usage.split()[0].split(":")[1])
-            by_regs, by_shared = blocks_per_sm(regs, cfg["num_warps"], k.metadata.shared)
-            label = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
-            print(f"| {op} | {fmt} | {label} | {usage.replace('SHARED:', 'SHARED(static):')} | "
-                  f"{sass_instructions(k.asm['cubin'])} | {by_regs}, {by_shared} |", flush=True)
+    variants = [(op, shipped, fmt, {}) for op, shipped in (("fwd", tw.fwd_config), ("dgrad", tw.dgrad_config))
+                for fmt in FORMATS]
+    variants += [("fwd", tw.fwd_config, fmt, {"PERSISTENT": 2}) for fmt in FORMATS]  # the experimental walk
+    for op, shipped, fmt, extra in variants:
+        cfg = dict(shipped(8, "mxfp4-pack-quantized" if fmt == "mxfp4" else "pack-quantized"), **extra)
+        k = compile_fused(op, fmt, cfg)
+        usage = resource_usage(k.asm["cubin"])
+        regs = int(usage.split()[0].split(":")[1])
+        by_regs, by_shared = blocks_per_sm(regs, cfg["num_warps"], k.metadata.shared)
+        label = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}" + (
+            " persistent" if extra else "")
+        print(f"| {op} | {fmt} | {label} | {usage.replace('SHARED:', 'SHARED(static):')} | "
+              f"{sass_instructions(k.asm['cubin'])} | {by_regs}, {by_shared} |", flush=True)
+
 
 if __name__ == "__main__":
     main()

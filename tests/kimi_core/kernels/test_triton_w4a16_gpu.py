@@ -91,6 +91,27 @@ def test_dgrad_split_reduction(fmt, split, tensor_splits):
     assert_close(f"dgrad split {split} {fmt}", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("E,K,N", BENCH_SHAPES)
+@pytest.mark.parametrize("tensor_splits", [False, True])
+def test_persistent_forward(fmt, E, K, N, tensor_splits):
+    """The experimental persistent forward (2 programs per SM walking every tile in one flattened loop nest) at each
+    benchmark shape with few ragged tokens per expert and empty experts, host and device splits: bit for bit the
+    one-program-per-tile result, and the oracle's."""
+    from kimi_core.kernels import triton_w4a16 as tw
+
+    splits = ragged_splits(E, 9, seed=K)
+    wp, ws = random_packed(fmt, E, N, K, seed=N, device="cuda")
+    x = torch.randn(sum(splits), K, device="cuda").bfloat16()
+    ms = torch.tensor(splits, device="cuda") if tensor_splits else splits
+    cfg = tw.fwd_config(9, fmt)
+    one_per_tile = tw.grouped_gemm(x, wp, ws, fmt, ms, config=dict(cfg))
+    y = torch.full_like(one_per_tile, float("nan"))
+    tw.grouped_gemm(x, wp, ws, fmt, ms, config=dict(cfg, PERSISTENT=2), out=y)
+    assert torch.equal(y, one_per_tile)
+    assert_close(f"persistent fwd {fmt} E{E} K{K} N{N}", oracle_fwd(x, wp, ws, fmt, splits), y.float(), 1e-2)
+
+
 def test_mxfp4_wide_scale_range():
     """E8M0 scales above 2^1 (s > 128) and tiny ones decode exactly (the two-multiply path)."""
     _run(MXFP4, 4, 256, 128, [17, 0, 40, 3], seed=5, scale_range=(60, 150))
