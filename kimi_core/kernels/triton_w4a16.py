@@ -36,6 +36,16 @@ FMT_INT4 = 1
 
 
 @triton.jit
+def _expert_row_tiles(offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """``(ev, lo, hi, ntiles)``: expert indices ``[E_POW2]`` (past ``E``: empty), each expert's first and end row,
+    and its row tiles of ``BLOCK_M``."""
+    ev = tl.arange(0, E_POW2)
+    lo = tl.load(offsets_ptr + ev, mask=ev < E, other=0)
+    hi = tl.load(offsets_ptr + ev + 1, mask=ev < E, other=0)
+    return ev, lo, hi, (hi - lo + BLOCK_M - 1) // BLOCK_M
+
+
+@triton.jit
 def _schedule(pid, offsets_ptr, E, num_cols, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr,
               GROUP_M: tl.constexpr):
     """Map a program id to ``(valid, expert, col_block, rows, row_mask)``.
@@ -43,10 +53,7 @@ def _schedule(pid, offsets_ptr, E, num_cols, BLOCK_M: tl.constexpr, E_POW2: tl.c
     Row tiles of all experts are numbered back to back; ``GROUP_M`` consecutive row tiles share a
     sweep over the column blocks so that their weight tiles and activation tiles meet in L2.
     """
-    ev = tl.arange(0, E_POW2)
-    lo = tl.load(offsets_ptr + ev, mask=ev < E, other=0)
-    hi = tl.load(offsets_ptr + ev + 1, mask=ev < E, other=0)
-    ntiles = (hi - lo + BLOCK_M - 1) // BLOCK_M  # [E_POW2] row tiles per expert
+    ev, lo, hi, ntiles = _expert_row_tiles(offsets_ptr, E, BLOCK_M, E_POW2)
     cum = tl.cumsum(ntiles, 0)  # inclusive prefix sum
     total = tl.sum(ntiles, 0)
     per_group = GROUP_M * num_cols
@@ -302,10 +309,7 @@ def _fwd_perm_tile(wq_ptr, ws_ptr, x_rows, row_mask, offs_n, n_mask, k0, stride_
 @triton.jit
 def _total_tiles(offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
     """Row tiles of all experts together (the count :func:`_schedule` numbers)."""
-    ev = tl.arange(0, E_POW2)
-    lo = tl.load(offsets_ptr + ev, mask=ev < E, other=0)
-    hi = tl.load(offsets_ptr + ev + 1, mask=ev < E, other=0)
-    return tl.sum((hi - lo + BLOCK_M - 1) // BLOCK_M, 0)
+    return tl.sum(_expert_row_tiles(offsets_ptr, E, BLOCK_M, E_POW2)[3], 0)
 
 
 @triton.jit
