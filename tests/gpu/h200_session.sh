@@ -9,6 +9,7 @@
 #   bash tests/gpu/h200_session.sh w4a16    # kernels GPU tests + benchmarks/w4a16_grouped_gemm.py
 #   bash tests/gpu/h200_session.sh gluon    # the experimental Gluon W4A16 fwd + dgrad (#21): GPU test, then table
 #   bash tests/gpu/h200_session.sh w4a16_profile  # Nsight Compute of W4A16 vs BF16 GEMM calls (#21's gap)
+#   bash tests/gpu/h200_session.sh w4a16_sweep    # the fused kernels' tile configs vs BF16 at 8 tok/exp (#21)
 #   bash tests/gpu/h200_session.sh vllm1    # carry .gpu/vllm1: stash part 1
 #   bash tests/gpu/h200_session.sh vllm2    # carry .gpu/vllm2: stash part 2
 #   bash tests/gpu/h200_session.sh vllm3    # carry .gpu/vllm3 (+ .gpu/sglang1): unstage vLLM 0.26.0, the vLLM GPU lane
@@ -117,12 +118,23 @@ run_w4a16() {
   echo "bench rc=$?"; cat "$OUT/w4a16.md" 2>/dev/null | head -80
 }
 
+# the fused kernels' tile configs next to BF16 (issue #21's 8 tok/exp rows; SWEEP_TOKENS, default 8): each timing in
+# w4a16_sweep.log, the best config per row in w4a16_sweep.md
+run_w4a16_sweep() {
+  export PYTHONPATH=$PWD
+  timeout "$(left)" python3 benchmarks/w4a16_grouped_gemm.py --sweep --tokens "${SWEEP_TOKENS:-8}" \
+    --out "$OUT/w4a16_sweep.md" > "$OUT/w4a16_sweep.log" 2>&1
+  echo "sweep rc=$?"; cat "$OUT/w4a16_sweep.md" 2>/dev/null
+}
+
 # issue #21's profile: Nsight Compute on one call of each case (benchmarks/w4a16_ncu_profile.py), W4A16 next to BF16;
 # the CSVs come back and are summarized into one table (PROFILE_CASES: "shape;tokens;fmt;op;path,..." comma-separated)
 run_w4a16_profile() {
   export PYTHONPATH=$PWD
   local ncu; ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null) || { echo "no ncu on this machine"; return; }
   mkdir -p "$OUT/ncu"
+  local extra=()  # NCU_EXTRA_SECTIONS: more Nsight Compute sections, e.g. MemoryWorkloadAnalysis (shared / L1 / L2)
+  local sec; for sec in ${NCU_EXTRA_SECTIONS:-}; do extra+=(--section "$sec"); done
   local cases=${PROFILE_CASES:-"K3 fc1;2048;mxfp4;fwd;gluon,K3 fc1;2048;mxfp4;fwd;bf16,K3 fc1;2048;mxfp4;dgrad;gluon,K3 fc1;2048;mxfp4;dgrad;bf16,K3 fc1;8;mxfp4;fwd;fused,K3 fc1;8;mxfp4;fwd;bf16"}
   local IFS=','
   for c in $cases; do
@@ -130,7 +142,8 @@ run_w4a16_profile() {
     local tag; tag=$(echo "${shape}_${tok}_${fmt}_${op}_${path}" | tr ' ' '_')
     [ "$(left)" -gt 30 ] || { echo "out of time before $tag"; break; }
     timeout $(( $(left) < 120 ? $(left) : 120 )) "$ncu" --nvtx --nvtx-include "profile/" --section SpeedOfLight \
-      --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats --print-details all \
+      --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats ${extra[@]+"${extra[@]}"} \
+      --print-details all \
       --csv --page details python3 benchmarks/w4a16_ncu_profile.py run --shape "$shape" --tokens "$tok" --fmt "$fmt" \
       --op "$op" --path "$path" > "$OUT/ncu/$tag.csv" 2> "$OUT/ncu/$tag.err"
     echo "$tag rc=$? $(grep -c '' "$OUT/ncu/$tag.csv") lines; $(grep -m1 -i 'err' "$OUT/ncu/$tag.err")"
@@ -249,6 +262,7 @@ case "$phase" in
   w4a16) run_w4a16 ;;
   gluon) run_gluon ;;
   w4a16_profile) run_w4a16_profile ;;
+  w4a16_sweep) run_w4a16_sweep ;;
   vllm1) mkdir -p /tmp/stash && cp .gpu/vllm1/* /tmp/stash/ && ls /tmp/stash ;;
   vllm2) cp .gpu/vllm2/* /tmp/stash/ && ls /tmp/stash ;;
   vllm3) run_vllm3 ;;
@@ -256,6 +270,6 @@ case "$phase" in
   skyrl_demo) run_demo vllm_env skyrl ;;
   miles_demo) run_demo sglang_env miles ;;
   megatron_bench) run_megatron_bench ;;
-  *) echo "usage: $0 sglang|sglang_unstage|bisect|sglang_bench|w4a16|gluon|vllm1|vllm2|vllm3|vllm_bench|skyrl_demo|miles_demo|megatron_bench" >&2; exit 2 ;;
+  *) echo "usage: $0 sglang|sglang_unstage|bisect|sglang_bench|w4a16|w4a16_sweep|w4a16_profile|gluon|vllm1|vllm2|vllm3|vllm_bench|skyrl_demo|miles_demo|megatron_bench" >&2; exit 2 ;;
 esac
 done
