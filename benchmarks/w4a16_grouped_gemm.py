@@ -98,6 +98,23 @@ def random_weights(fmt, E, N, K):
     return wp, ws
 
 
+def bf16_layer(fmt, wp, ws, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The BF16 baseline's experts: ``wp`` / ``ws`` dequantized one expert at a time (no layer-sized temporaries)
+    into ``out`` (bf16 ``[E, N, K]``, allocated when None)."""
+    E, N, K = wp.shape[0], wp.shape[1], ws.shape[2] * 32
+    out = torch.empty((E, N, K), dtype=torch.bfloat16, device=DEV) if out is None else out
+    for e in range(E):
+        out[e] = dequantize(fmt, wp[e], ws[e], torch.bfloat16)
+    return out
+
+
+def bf16_ops(x, dy, w_bf16, offs) -> dict:
+    """BF16 ``_grouped_mm`` forward (``x . W^T``) and dgrad (``dy . W``) over ``w_bf16`` ``[E, N, K]`` with expert end
+    rows ``offs``: the baseline every W4A16 timing is divided by."""
+    return {"fwd": lambda: torch._grouped_mm(x, w_bf16.transpose(1, 2), offs=offs, out_dtype=torch.bfloat16),
+            "dgrad": lambda: torch._grouped_mm(dy, w_bf16, offs=offs, out_dtype=torch.bfloat16)}
+
+
 def fmt_name(fmt: str) -> str:
     return "MXFP4" if fmt.startswith("mxfp4") else "INT4"
 
@@ -171,11 +188,12 @@ def measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe, alt_bytes: int | None = Non
     offs = torch.arange(1, E + 1, device=DEV, dtype=torch.int32) * tpe
     x = torch.randn(T, K, device=DEV).bfloat16()
     dy = torch.randn(T, N, device=DEV).bfloat16()
+    bf16 = bf16_ops(x, dy, w_bf16, offs)
     fns = {
-        "bf16_fwd": lambda: torch._grouped_mm(x, w_bf16.transpose(1, 2), offs=offs, out_dtype=torch.bfloat16),
+        "bf16_fwd": bf16["fwd"],
         "fused_fwd": lambda: tw.grouped_gemm(x, wp, ws, fmt, splits),
         "chunked_fwd": lambda: wc.grouped_gemm(x, wp, ws, fmt, splits),
-        "bf16_dgrad": lambda: torch._grouped_mm(dy, w_bf16, offs=offs, out_dtype=torch.bfloat16),
+        "bf16_dgrad": bf16["dgrad"],
         "fused_dgrad": lambda: tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits),
         "chunked_dgrad": lambda: wc.grouped_gemm_dgrad(dy, wp, ws, fmt, splits),
     }
@@ -394,10 +412,7 @@ def main() -> None:
         w_bf16 = None
         for fmt in FORMATS:
             wp, ws = random_weights(fmt, E, N, K)
-            if w_bf16 is None:  # BF16 baseline: the same experts dequantized once, [E, N, K]
-                w_bf16 = torch.empty((E, N, K), dtype=torch.bfloat16, device=DEV)
-            for e in range(E):
-                w_bf16[e] = dequantize(fmt, wp[e], ws[e], torch.bfloat16)
+            w_bf16 = bf16_layer(fmt, wp, ws, w_bf16)  # BF16 baseline: the same experts, one buffer for both formats
             for tpe in tokens:
                 r = measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe,
                             args.alt_workspace_mib << 20 if args.alt_workspace_mib else None, gluon, args.gluon_only)
@@ -520,16 +535,14 @@ def sweep(shapes, tokens: list[int], out: str | None) -> None:
     for name, E, K, N in shapes:
         for fmt in FORMATS:
             wp, ws = random_weights(fmt, E, N, K)
-            w_bf16 = torch.stack([dequantize(fmt, wp[e], ws[e], torch.bfloat16) for e in range(E)])  # [E, N, K]
+            w_bf16 = bf16_layer(fmt, wp, ws)
             for tpe in tokens:
                 T, splits = E * tpe, [tpe] * E
                 x = torch.randn(T, K, device=DEV).bfloat16()
                 dy = torch.randn(T, N, device=DEV).bfloat16()
-                offs = torch.arange(1, E + 1, device=DEV, dtype=torch.int32) * tpe
-                ops = (("fwd", SWEEP_FWD, tw.grouped_gemm, x,
-                        lambda: torch._grouped_mm(x, w_bf16.transpose(1, 2), offs=offs, out_dtype=torch.bfloat16)),
-                       ("dgrad", SWEEP_DGRAD, tw.grouped_gemm_dgrad, dy,
-                        lambda: torch._grouped_mm(dy, w_bf16, offs=offs, out_dtype=torch.bfloat16)))
+                bf16 = bf16_ops(x, dy, w_bf16, torch.arange(1, E + 1, device=DEV, dtype=torch.int32) * tpe)
+                ops = (("fwd", SWEEP_FWD, tw.grouped_gemm, x, bf16["fwd"]),
+                       ("dgrad", SWEEP_DGRAD, tw.grouped_gemm_dgrad, dy, bf16["dgrad"]))
                 for kind, table, fn, a, bf16 in ops:
                     t_bf16 = bench(bf16, reps=10)
                     t_ship = bench(lambda: fn(a, wp, ws, fmt, splits), reps=10)  # the launcher's own choice

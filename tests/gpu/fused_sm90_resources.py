@@ -26,7 +26,6 @@ from sm90_cubin import blocks_per_sm, resource_usage, sass_instructions  # noqa:
 from kimi_core.kernels import triton_w4a16 as tw  # noqa: E402
 
 FORMATS = {"mxfp4": (tw.FMT_MXFP4, "*u8"), "int4": (tw.FMT_INT4, "*bf16")}
-INTS = ("N", "K", "E")
 
 
 def signature(kernel, scale_type: str) -> dict:
@@ -52,7 +51,7 @@ def compile_fused(op: str, fmt: str, config: dict):
     returns the compiled kernel."""
     fmt_id, scale_type = FORMATS[fmt]
     cfg = dict(config)
-    options = {k: cfg.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in cfg}
+    options = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
     kernel = tw.w4a16_fwd_perm_kernel if op == "fwd" else tw.w4a16_dgrad_perm_kernel
     const = dict(FMT=fmt_id, GROUP_M=8, E_POW2=128, USE_ASM=True, INTERP=False, BLOCK_M=cfg["BLOCK_M"],
                  BLOCK_N=cfg["BLOCK_N"])

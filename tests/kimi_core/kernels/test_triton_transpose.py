@@ -29,8 +29,8 @@ for dtype in (torch.uint8, torch.bfloat16):
         dst = torch.full((B * C, R + pad), 7, dtype=dtype)[:, :R].view(B, C, R)
         transpose_last_two(src, dst)
         assert torch.equal(dst, src.transpose(1, 2)), (dtype, B, R, C, pad)
-        base = dst.as_strided((B * C, R + pad), (R + pad, 1)) if pad else None
         if pad:  # the padding columns are not written
+            base = dst.as_strided((B * C, R + pad), (R + pad, 1))
             assert bool((base[:, R:] == 7).all()), (dtype, B, R, C, pad)
 print("OK")
 """
