@@ -502,14 +502,18 @@ def _crossover_text() -> str:
 # the fused kernels' tile configs the sweep times: (BLOCK_M, BLOCK_N, num_warps, num_stages[, extra options]), the
 # extras e.g. SPLIT_N (dgrad: the reduction in that many ranges), PERSISTENT (forward: that many programs per SM
 # walking the tiles in one flattened, pipelined loop nest) or X_PERMUTED (forward: the activation permuted once by the
-# launcher, so the MMA reads it from the load pipeline and runs asynchronously beside the next K slice's decode)
+# launcher, so the MMA reads it from the load pipeline and runs asynchronously beside the next K slice's decode) or
+# ROW_LOADS (forward: a row's words of a K step loaded as one run, 4 lanes per row instead of 32 rows per instruction)
 XP = {"X_PERMUTED": True}
+RL = {"ROW_LOADS": True}
 SWEEP_FWD = {8: [(16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 4, 4), (16, 128, 4, 6), (16, 128, 8, 4), (16, 256, 8, 4),
                  (16, 128, 4, 4, {"PERSISTENT": 2}), (16, 128, 4, 3, {"PERSISTENT": 2}),
-                 (16, 64, 4, 4, XP), (16, 128, 4, 3, XP), (16, 128, 4, 4, XP), (16, 128, 4, 6, XP),
-                 (16, 256, 8, 4, XP), (16, 128, 4, 4, dict(XP, PERSISTENT=2))],
-             32: [(32, 128, 4, 4), (32, 128, 4, 4, XP), (32, 128, 4, 3, XP)],
-             64: [(64, 128, 4, 3), (64, 128, 4, 3, XP), (64, 128, 4, 4, XP)],
+                 (16, 128, 4, 3, XP), (16, 128, 4, 4, XP),
+                 (16, 64, 4, 4, RL), (16, 128, 4, 3, RL), (16, 128, 4, 4, RL), (16, 128, 4, 6, RL), (16, 128, 8, 4, RL),
+                 (16, 128, 4, 3, dict(RL, **XP)), (16, 128, 4, 3, dict(RL, PERSISTENT=2))],
+             32: [(32, 128, 4, 4), (32, 128, 4, 3, XP), (32, 128, 4, 4, RL), (32, 128, 4, 3, RL),
+                  (32, 128, 4, 3, dict(RL, **XP))],
+             64: [(64, 128, 4, 3), (64, 128, 4, 4, XP), (64, 128, 4, 3, RL), (64, 128, 4, 4, dict(RL, **XP))],
              128: [(32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),
                    (64, 256, 8, 3), (128, 256, 8, 3)],
              512: [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3), (64, 256, 8, 3),

@@ -272,7 +272,8 @@ def _decode_words(words, scale, FMT: tl.constexpr, USE_ASM: tl.constexpr):
 
 @triton.jit
 def _fwd_perm_tile(wq_ptr, ws_ptr, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn,
-                   FMT: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr, X_PERMUTED: tl.constexpr):
+                   FMT: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr, X_PERMUTED: tl.constexpr,
+                   ROW_LOADS: tl.constexpr):
     """Decoded weight tile and activation tile of one 128-wide K step, both in the permuted K order.
 
     Physical column ``c = 32t + 8w + 4u + j`` (``t, w, j < 4``, ``u < 2``) is logical column
@@ -288,9 +289,14 @@ def _fwd_perm_tile(wq_ptr, ws_ptr, x_rows, row_mask, offs_n, n_mask, k0, stride_
     BLOCK_M: tl.constexpr = x_rows.shape[0]
     wt = tl.arange(0, 4)
     ww = tl.arange(0, 4)
-    word = k0 // 8 + wt[:, None] * 4 + ww[None, :]  # [4(t), 4(w)] word index in the row
-    q = tl.load(wq_ptr + offs_n[:, None, None] * stride_wn + word[None, :, :],
-                mask=n_mask[:, None, None], other=0)  # int32 [BN, 4, 4]
+    if ROW_LOADS:
+        # the step's 16 words of a row as one contiguous run, so 4 lanes share a row's 64 bytes
+        q = tl.load(wq_ptr + offs_n[:, None] * stride_wn + (k0 // 8 + tl.arange(0, 16))[None, :],
+                    mask=n_mask[:, None], other=0).reshape(BLOCK_N, 4, 4)  # int32 [BN, 4(t), 4(w)]
+    else:
+        word = k0 // 8 + wt[:, None] * 4 + ww[None, :]  # [4(t), 4(w)] word index in the row
+        q = tl.load(wq_ptr + offs_n[:, None, None] * stride_wn + word[None, :, :],
+                    mask=n_mask[:, None, None], other=0)  # int32 [BN, 4, 4]
     if FMT == 0:
         sb = tl.load(ws_ptr + offs_n[:, None] * stride_sn + (k0 // 32 + wt)[None, :],
                      mask=n_mask[:, None], other=127)
@@ -334,14 +340,14 @@ def _output_tile_bases(x_ptr, wq_ptr, ws_ptr, e, pid_n, rows, N, stride_xt, stri
 def _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K,
                      stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
                      FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
-                     INTERP: tl.constexpr, X_PERMUTED: tl.constexpr):
+                     INTERP: tl.constexpr, X_PERMUTED: tl.constexpr, ROW_LOADS: tl.constexpr):
     """One output tile of the permuted forward: ``y[rows, pid_n * BLOCK_N :][:BLOCK_N]`` of expert ``e``."""
     offs_n, n_mask, wq_e, ws_e, x_rows = _output_tile_bases(x_ptr, wq_ptr, ws_ptr, e, pid_n, rows, N, stride_xt,
                                                             stride_we, stride_se, BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, 128):
         w, x = _fwd_perm_tile(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn,
-                              FMT, BLOCK_N, USE_ASM, X_PERMUTED)
+                              FMT, BLOCK_N, USE_ASM, X_PERMUTED, ROW_LOADS)
         acc = _mma(w, tl.trans(x), acc, INTERP)  # [BN, BM]
     y = tl.trans(acc).to(tl.bfloat16)  # [BM, BN]
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
@@ -354,7 +360,7 @@ def w4a16_fwd_perm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, offsets_ptr, N, K, E,
                           FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           GROUP_M: tl.constexpr, E_POW2: tl.constexpr, USE_ASM: tl.constexpr,
                           INTERP: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
-                          X_PERMUTED: tl.constexpr = False):
+                          X_PERMUTED: tl.constexpr = False, ROW_LOADS: tl.constexpr = False):
     """Forward with word-level decoding; ``K % 128 == 0``, weights viewed as int32 words ``[E, N, K / 8]``.
 
     One program per output tile, or (``PERSISTENT``, experimental) fewer programs each walking the tiles
@@ -370,13 +376,13 @@ def w4a16_fwd_perm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, offsets_ptr, N, K, E,
             _, e, pid_n, rows, row_mask = _schedule(t, offsets_ptr, E, num_n, BLOCK_M, E_POW2, GROUP_M)
             _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K, stride_xt, stride_we,
                              stride_wn, stride_se, stride_sn, stride_yt, FMT, BLOCK_M, BLOCK_N, USE_ASM, INTERP,
-                             X_PERMUTED)
+                             X_PERMUTED, ROW_LOADS)
     else:
         valid, e, pid_n, rows, row_mask = _schedule(pid, offsets_ptr, E, num_n, BLOCK_M, E_POW2, GROUP_M)
         if valid:
             _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K, stride_xt, stride_we,
                              stride_wn, stride_se, stride_sn, stride_yt, FMT, BLOCK_M, BLOCK_N, USE_ASM, INTERP,
-                             X_PERMUTED)
+                             X_PERMUTED, ROW_LOADS)
 
 
 @triton.jit

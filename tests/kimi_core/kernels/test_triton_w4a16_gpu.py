@@ -91,16 +91,18 @@ def test_dgrad_split_reduction(fmt, split, tensor_splits):
     assert_close(f"dgrad split {split} {fmt}", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
 
 
-@pytest.mark.parametrize("variant", [{"PERSISTENT": 2}, {"X_PERMUTED": True}, {"X_PERMUTED": True, "PERSISTENT": 2}],
-                         ids=["persistent", "x-permuted", "x-permuted-persistent"])
+@pytest.mark.parametrize("variant", [{"PERSISTENT": 2}, {"X_PERMUTED": True}, {"X_PERMUTED": True, "PERSISTENT": 2},
+                                     {"ROW_LOADS": True}, {"ROW_LOADS": True, "X_PERMUTED": True}],
+                         ids=["persistent", "x-permuted", "x-permuted-persistent", "row-loads", "row-loads-x-permuted"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("E,K,N", BENCH_SHAPES)
 @pytest.mark.parametrize("tensor_splits", [False, True])
 def test_forward_variants(fmt, E, K, N, tensor_splits, variant):
     """The permuted forward's options at each benchmark shape with few ragged tokens per expert and empty experts,
     host and device splits: the experimental persistent walk (2 programs per SM, every tile in one flattened loop
-    nest) and the activation permuted once by the launcher (``X_PERMUTED``: the MMA reads it from the load pipeline)
-    give bit for bit the one-program-per-tile result, and the oracle's."""
+    nest), the activation permuted once by the launcher (``X_PERMUTED``: the MMA reads it from the load pipeline) and
+    the weights loaded as one contiguous run per row (``ROW_LOADS``) give bit for bit the one-program-per-tile
+    result, and the oracle's."""
     from kimi_core.kernels import triton_w4a16 as tw
 
     splits = ragged_splits(E, 9, seed=K)
@@ -108,7 +110,7 @@ def test_forward_variants(fmt, E, K, N, tensor_splits, variant):
     x = torch.randn(sum(splits), K, device="cuda").bfloat16()
     ms = torch.tensor(splits, device="cuda") if tensor_splits else splits
     cfg = tw.fwd_config(9, fmt)
-    one_per_tile = tw.grouped_gemm(x, wp, ws, fmt, ms, config=dict(cfg, X_PERMUTED=False))
+    one_per_tile = tw.grouped_gemm(x, wp, ws, fmt, ms, config=dict(cfg, X_PERMUTED=False, ROW_LOADS=False))
     y = torch.full_like(one_per_tile, float("nan"))
     tw.grouped_gemm(x, wp, ws, fmt, ms, config=dict(cfg, **variant), out=y)
     assert torch.equal(y, one_per_tile)

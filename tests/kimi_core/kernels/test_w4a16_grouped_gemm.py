@@ -117,10 +117,10 @@ for fmt in ("mxfp4-pack-quantized", "pack-quantized"):
     walking = tw.grouped_gemm(x, wp, ws, fmt, splits, config=dict(cfg, PERSISTENT=2))
     assert torch.equal(one_per_tile, walking), fmt
     worst = max(worst, ((walking.float() - ref_y).norm() / ref_y.norm()).item())
-    # the activation permuted once by the launcher instead of per step in the kernel: the same sums in the same
-    # order, bit for bit (one program per tile and walking)
-    for extra in ({}, {"PERSISTENT": 2}):
-        pre = tw.grouped_gemm(x, wp, ws, fmt, splits, config=dict(cfg, X_PERMUTED=True, **extra))
+    # the activation permuted once by the launcher instead of per step in the kernel, the weights loaded as one run
+    # per row: the same sums in the same order, bit for bit (one program per tile and walking)
+    for extra in ({"X_PERMUTED": True}, {"X_PERMUTED": True, "PERSISTENT": 2}, {"ROW_LOADS": True}):
+        pre = tw.grouped_gemm(x, wp, ws, fmt, splits, config=dict(cfg, **extra))
         assert torch.equal(one_per_tile, pre), (fmt, extra)
 print("WORST", worst)
 """
