@@ -501,28 +501,23 @@ def _crossover_text() -> str:
 
 # the fused kernels' tile configs the sweep times: (BLOCK_M, BLOCK_N, num_warps, num_stages[, extra options]), the
 # extras e.g. SPLIT_N (dgrad: the reduction in that many ranges), PERSISTENT (forward: that many programs per SM
-# walking the tiles in one flattened, pipelined loop nest) or X_PERMUTED (forward: the activation permuted once by the
-# launcher, so the MMA reads it from the load pipeline and runs asynchronously beside the next K slice's decode) or
-# ROW_LOADS (forward: a row's words of a K step loaded as one run, 4 lanes per row instead of 32 rows per instruction)
-XP = {"X_PERMUTED": True}
+# walking the tiles in one flattened, pipelined loop nest) or ROW_LOADS (a row's words of a step loaded as runs along the row: forward 4 lanes per row's 64 bytes, dgrad 2 lanes
+# per 32 bytes, instead of 32 rows of 16 bytes per instruction)
 RL = {"ROW_LOADS": True}
-SWEEP_FWD = {8: [(16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 4, 4), (16, 128, 4, 6), (16, 128, 8, 4), (16, 256, 8, 4),
-                 (16, 128, 4, 4, {"PERSISTENT": 2}), (16, 128, 4, 3, {"PERSISTENT": 2}),
-                 (16, 128, 4, 3, XP), (16, 128, 4, 4, XP),
-                 (16, 64, 4, 4, RL), (16, 128, 4, 3, RL), (16, 128, 4, 4, RL), (16, 128, 4, 6, RL), (16, 128, 8, 4, RL),
-                 (16, 128, 4, 3, dict(RL, **XP)), (16, 128, 4, 3, dict(RL, PERSISTENT=2))],
-             32: [(32, 128, 4, 4), (32, 128, 4, 3, XP), (32, 128, 4, 4, RL), (32, 128, 4, 3, RL),
-                  (32, 128, 4, 3, dict(RL, **XP))],
-             64: [(64, 128, 4, 3), (64, 128, 4, 4, XP), (64, 128, 4, 3, RL), (64, 128, 4, 4, dict(RL, **XP))],
+SWEEP_FWD = {8: [(16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 4, RL), (16, 128, 4, 3, RL), (16, 128, 4, 4, RL),
+                 (16, 128, 8, 4, RL), (16, 64, 4, 6, RL), (16, 64, 8, 4, RL), (16, 128, 4, 3, dict(RL, PERSISTENT=2))],
+             32: [(32, 128, 4, 4), (32, 128, 4, 3, RL), (32, 128, 4, 4, RL), (32, 64, 4, 4, RL)],
+             64: [(64, 128, 4, 3), (64, 128, 4, 3, RL), (64, 128, 4, 4, RL), (64, 64, 4, 4, RL)],
              128: [(32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),
-                   (64, 256, 8, 3), (128, 256, 8, 3)],
+                   (64, 256, 8, 3), (128, 256, 8, 3), (64, 128, 4, 3, RL), (128, 256, 8, 3, RL), (128, 128, 8, 3, RL)],
              512: [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3), (64, 256, 8, 3),
                    (128, 256, 8, 3), (256, 128, 8, 3)]}
-SWEEP_DGRAD = {8: [(16, 64, 4, 4), (16, 32, 4, 4), (16, 128, 4, 4), (16, 64, 8, 4), (16, 64, 4, 4, {"SPLIT_N": 2}),
-                   (16, 64, 4, 4, {"SPLIT_N": 4}), (16, 32, 4, 4, {"SPLIT_N": 4}), (16, 128, 4, 4, {"SPLIT_N": 2}),
-                   (16, 32, 4, 6)],
+SWEEP_DGRAD = {8: [(16, 64, 4, 4), (16, 32, 4, 4), (16, 64, 4, 4, RL), (16, 32, 4, 4, RL), (16, 128, 4, 4, RL),
+                   (16, 64, 4, 4, dict(RL, SPLIT_N=4)), (16, 32, 4, 4, dict(RL, SPLIT_N=4))],
+               32: [(32, 64, 4, 4), (32, 64, 4, 4, RL), (32, 32, 4, 4, RL)],
+               64: [(64, 64, 4, 3), (64, 64, 4, 3, RL), (64, 32, 4, 4, RL)],
                128: [(64, 64, 4, 3), (32, 64, 4, 4), (64, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3),
-                     (128, 32, 8, 3)],
+                     (128, 32, 8, 3), (64, 64, 4, 3, RL)],
                512: [(64, 64, 4, 3), (64, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3)]}
 
 

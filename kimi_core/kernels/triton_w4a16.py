@@ -272,8 +272,7 @@ def _decode_words(words, scale, FMT: tl.constexpr, USE_ASM: tl.constexpr):
 
 @triton.jit
 def _fwd_perm_tile(wq_ptr, ws_ptr, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn,
-                   FMT: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr, X_PERMUTED: tl.constexpr,
-                   ROW_LOADS: tl.constexpr):
+                   FMT: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr, ROW_LOADS: tl.constexpr):
     """Decoded weight tile and activation tile of one 128-wide K step, both in the permuted K order.
 
     Physical column ``c = 32t + 8w + 4u + j`` (``t, w, j < 4``, ``u < 2``) is logical column
@@ -282,9 +281,9 @@ def _fwd_perm_tile(wq_ptr, ws_ptr, x_rows, row_mask, offs_n, n_mask, k0, stride_
     ``j`` and ``j + 4`` of word ``4t + w``. So each thread decodes four whole words of one scale
     group (group ``t``) into exactly its operand registers. Returns ``(w [BN, 128], x [BM, 128])``.
 
-    ``X_PERMUTED``: the activation is already in the logical order (:func:`permute_activation`), so its tile goes
-    from the load pipeline's shared buffer straight to the MMA; otherwise it is permuted here in registers and
-    written back to shared memory every step (a barrier, and each MMA waited for before the next step's decode).
+    ``ROW_LOADS``: a row's 16 words of the step are loaded as one contiguous run ``[BN, 16]`` and split into ``[BN,
+    4(t), 4(w)]`` after the load, so 4 lanes share a row's 64 bytes and one 16-byte ``cp.async`` instruction covers 8
+    rows; loaded as ``[BN, 4, 4]`` the compiler spreads a warp's lanes over 32 rows of 16 bytes each.
     """
     BLOCK_M: tl.constexpr = x_rows.shape[0]
     wt = tl.arange(0, 4)
@@ -310,10 +309,9 @@ def _fwd_perm_tile(wq_ptr, ws_ptr, x_rows, row_mask, offs_n, n_mask, k0, stride_
     # p: [BN, t, w, u, j_lo, j_hi] -> [BN, w, j_hi, j_lo, t, u]
     w = tl.permute(p, (0, 2, 5, 4, 1, 3)).reshape(BLOCK_N, 128)
     offs_k = k0 + tl.arange(0, 128)
-    x = tl.load(x_rows + offs_k[None, :], mask=row_mask[:, None], other=0.0)  # [BM, 128]
-    if not X_PERMUTED:
-        # physical [BM, t, w, u, j] -> logical [BM, w, j, t, u]
-        x = tl.permute(x.reshape(BLOCK_M, 4, 4, 2, 4), (0, 2, 4, 1, 3)).reshape(BLOCK_M, 128)
+    x = tl.load(x_rows + offs_k[None, :], mask=row_mask[:, None], other=0.0)  # [BM, 128] physical
+    # physical [BM, t, w, u, j] -> logical [BM, w, j, t, u]
+    x = tl.permute(x.reshape(BLOCK_M, 4, 4, 2, 4), (0, 2, 4, 1, 3)).reshape(BLOCK_M, 128)
     return w, x
 
 
@@ -340,14 +338,14 @@ def _output_tile_bases(x_ptr, wq_ptr, ws_ptr, e, pid_n, rows, N, stride_xt, stri
 def _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K,
                      stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
                      FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
-                     INTERP: tl.constexpr, X_PERMUTED: tl.constexpr, ROW_LOADS: tl.constexpr):
+                     INTERP: tl.constexpr, ROW_LOADS: tl.constexpr):
     """One output tile of the permuted forward: ``y[rows, pid_n * BLOCK_N :][:BLOCK_N]`` of expert ``e``."""
     offs_n, n_mask, wq_e, ws_e, x_rows = _output_tile_bases(x_ptr, wq_ptr, ws_ptr, e, pid_n, rows, N, stride_xt,
                                                             stride_we, stride_se, BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, 128):
         w, x = _fwd_perm_tile(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn,
-                              FMT, BLOCK_N, USE_ASM, X_PERMUTED, ROW_LOADS)
+                              FMT, BLOCK_N, USE_ASM, ROW_LOADS)
         acc = _mma(w, tl.trans(x), acc, INTERP)  # [BN, BM]
     y = tl.trans(acc).to(tl.bfloat16)  # [BM, BN]
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
@@ -360,7 +358,7 @@ def w4a16_fwd_perm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, offsets_ptr, N, K, E,
                           FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           GROUP_M: tl.constexpr, E_POW2: tl.constexpr, USE_ASM: tl.constexpr,
                           INTERP: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
-                          X_PERMUTED: tl.constexpr = False, ROW_LOADS: tl.constexpr = False):
+                          ROW_LOADS: tl.constexpr = False):
     """Forward with word-level decoding; ``K % 128 == 0``, weights viewed as int32 words ``[E, N, K / 8]``.
 
     One program per output tile, or (``PERSISTENT``, experimental) fewer programs each walking the tiles
@@ -376,13 +374,13 @@ def w4a16_fwd_perm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, offsets_ptr, N, K, E,
             _, e, pid_n, rows, row_mask = _schedule(t, offsets_ptr, E, num_n, BLOCK_M, E_POW2, GROUP_M)
             _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K, stride_xt, stride_we,
                              stride_wn, stride_se, stride_sn, stride_yt, FMT, BLOCK_M, BLOCK_N, USE_ASM, INTERP,
-                             X_PERMUTED, ROW_LOADS)
+                             ROW_LOADS)
     else:
         valid, e, pid_n, rows, row_mask = _schedule(pid, offsets_ptr, E, num_n, BLOCK_M, E_POW2, GROUP_M)
         if valid:
             _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K, stride_xt, stride_we,
                              stride_wn, stride_se, stride_sn, stride_yt, FMT, BLOCK_M, BLOCK_N, USE_ASM, INTERP,
-                             X_PERMUTED, ROW_LOADS)
+                             ROW_LOADS)
 
 
 @triton.jit
@@ -456,7 +454,7 @@ def w4a16_dgrad_perm_kernel(dy_ptr, wq_ptr, ws_ptr, dx_ptr, offsets_ptr, N, K, E
                             FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             GROUP_M: tl.constexpr, E_POW2: tl.constexpr, USE_ASM: tl.constexpr,
                             EVEN_N: tl.constexpr, INTERP: tl.constexpr = False, SPLIT_N: tl.constexpr = 1,
-                            stride_part=0):
+                            stride_part=0, ROW_LOADS: tl.constexpr = False):
     """dgrad with word-level decoding; 256 input columns per program, ``K % 256 == 0``.
 
     ``SPLIT_N > 1`` splits the reduction over ``N`` into that many ranges of whole ``BLOCK_N`` steps, range
@@ -483,6 +481,7 @@ def w4a16_dgrad_perm_kernel(dy_ptr, wq_ptr, ws_ptr, dx_ptr, offsets_ptr, N, K, E
         i_a = tl.arange(0, 4)
         i_b = tl.arange(0, 2)
         i_c = tl.arange(0, 4)
+        i_8 = tl.arange(0, 8)
         grp = 2 * i_a[:, None] + i_b[None, :]  # [4(a), 2(b)] scale group of the tile
         word = k0 // 8 + 4 * grp[:, :, None] + i_c[None, None, :]  # [4, 2, 4]
         acc = tl.zeros((256, BLOCK_M), dtype=tl.float32)
@@ -491,19 +490,25 @@ def w4a16_dgrad_perm_kernel(dy_ptr, wq_ptr, ws_ptr, dx_ptr, offsets_ptr, N, K, E
         for n0 in range(n_lo, tl.minimum(N, n_lo + n_steps * BLOCK_N), BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < N
-            w_ptrs = wq_e + offs_n[:, None, None, None] * stride_wn + word[None, :, :, :]
+            if ROW_LOADS:  # a row's 32 words of the tile as 4 runs of 8, lanes along a row's runs first
+                w_ptrs = wq_e + offs_n[:, None, None] * stride_wn + (k0 // 8 + 8 * i_a[:, None] + i_8[None, :])[None]
+                w_mask = n_mask[:, None, None]
+            else:
+                w_ptrs = wq_e + offs_n[:, None, None, None] * stride_wn + word[None, :, :, :]
+                w_mask = n_mask[:, None, None, None]
             s_ptrs = ws_e + offs_n[:, None] * stride_sn + (k0 // 32 + tl.arange(0, 8))[None, :]
             if EVEN_N:
                 dy = tl.load(dy_rows + offs_n[None, :], mask=row_mask[:, None], other=0.0)
-                q = tl.load(w_ptrs)  # int32 [BN, 4(a), 2(b), 4(c)]
+                q = tl.load(w_ptrs)
                 sb = tl.load(s_ptrs)  # [BN, 8]
             else:
                 dy = tl.load(dy_rows + offs_n[None, :], mask=row_mask[:, None] & n_mask[None, :], other=0.0)
-                q = tl.load(w_ptrs, mask=n_mask[:, None, None, None], other=0)
+                q = tl.load(w_ptrs, mask=w_mask, other=0)
                 if FMT == 0:
                     sb = tl.load(s_ptrs, mask=n_mask[:, None], other=127)
                 else:
                     sb = tl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
+            q = q.reshape(BLOCK_N, 4, 2, 4)  # int32 [BN, 4(a), 2(b), 4(c)]
             sb = _scale_bf16(sb.reshape(BLOCK_N, 4, 2), FMT)
             s4 = tl.broadcast_to(sb[:, :, :, None], (BLOCK_N, 4, 2, 4))
             o0, o1, o2, o3, o4, o5, o6, o7 = _decode_words(q, s4, FMT, USE_ASM)
@@ -577,13 +582,15 @@ def _e_pow2(num_experts: int) -> int:
 
 
 def fwd_config(tokens_per_expert: float, fmt: str = "") -> dict:
-    """Forward tiles by mean tokens per expert (swept on K3 fc1 on the H200, 2026-11-29)."""
+    """Forward tiles by mean tokens per expert (swept on K3 fc1 on the H200, 2026-11-29). Up to 64 tokens per expert
+    the weights go as one contiguous run per row (``ROW_LOADS``; H100, every benchmark shape and both formats,
+    2026-12-06: 8 tok/exp 10-20 % faster, 32 and 64 tok/exp 12-25 %, benchmarks/RESULTS.md)."""
     if tokens_per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=128, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4, ROW_LOADS=True)
     if tokens_per_expert <= 32:
-        return dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3, ROW_LOADS=True)
     if tokens_per_expert <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, ROW_LOADS=True)
     return dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3)
 
 
@@ -612,21 +619,12 @@ def dgrad_config(tokens_per_expert: float, fmt: str = "") -> dict:
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
-def permute_activation(x):
-    """``x`` bf16 ``[T, K]`` (``K % 128 == 0``) with each 128-column block in the permuted forward's K order
-    (:func:`_fwd_perm_tile`): column ``32 w + 8 j + 2 t + u`` of a block holds column ``32 t + 8 w + 4 u + j``
-    (``t, w, j < 4``, ``u < 2``). A new ``[T, K]`` tensor; the kernel then feeds its tiles to the MMA as loaded."""
-    T, K = x.shape
-    return x.view(T, K // 128, 4, 4, 2, 4).permute(0, 1, 3, 5, 2, 4).reshape(T, K)
-
-
 def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None = None, out=None):
     """Triton forward; arguments as :func:`kimi_core.kernels.w4a16_grouped_gemm` (already validated).
 
     ``config`` overrides the tile choice (benchmarks; ``PERSISTENT``: that many programs per SM walking the tiles,
-    experimental; ``X_PERMUTED``: the activation permuted once (:func:`permute_activation`, a ``[T, K]`` copy) so
-    the kernel's MMA reads its tiles from the load pipeline's buffers); ``out`` is an optional ``[T, N]`` bf16
-    output.
+    experimental; ``ROW_LOADS``: the permuted kernels' weight loads as runs along a row); ``out`` is an optional
+    ``[T, N]`` bf16 output.
     """
     import torch
 
@@ -642,17 +640,14 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
     fmt_id = _fmt_id(fmt)
     use_asm = not _interpreting()
     per_sm = cfg.pop("PERSISTENT", 0)  # experimental (permuted kernel): this many programs per SM walk all the tiles
-    x_permuted = cfg.pop("X_PERMUTED", False)  # permuted kernel: the activation permuted once here, not per step
     if K % 128 == 0 and cfg.pop("PERM", True):
         wq = _as_words(w_packed)
-        if x_permuted:
-            x = permute_activation(x)
         programs = _num_programs(splits, T, E, cfg["BLOCK_M"], triton.cdiv(N, cfg["BLOCK_N"]))
         grid = (min(programs, per_sm * _sm_count(x.device)) if per_sm else programs,)
         w4a16_fwd_perm_kernel[grid](
             x, wq, ws, y, offsets, N, K, E, x.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
             ws.stride(1), y.stride(0), FMT=fmt_id, GROUP_M=8, E_POW2=_e_pow2(E), USE_ASM=use_asm,
-            INTERP=not use_asm, PERSISTENT=bool(per_sm), X_PERMUTED=bool(x_permuted), **cfg)
+            INTERP=not use_asm, PERSISTENT=bool(per_sm), **cfg)
     else:
         wq = w_packed.contiguous()
         cfg.setdefault("BLOCK_K", 128 if K % 128 == 0 else 32)

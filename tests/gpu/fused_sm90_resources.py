@@ -54,7 +54,7 @@ def compile_fused(op: str, fmt: str, config: dict):
     options = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
     kernel = tw.w4a16_fwd_perm_kernel if op == "fwd" else tw.w4a16_dgrad_perm_kernel
     const = dict(FMT=fmt_id, GROUP_M=8, E_POW2=128, USE_ASM=True, INTERP=False, BLOCK_M=cfg["BLOCK_M"],
-                 BLOCK_N=cfg["BLOCK_N"])
+                 BLOCK_N=cfg["BLOCK_N"], ROW_LOADS=cfg.get("ROW_LOADS", False))
     if op == "dgrad":
         const.update(EVEN_N=True, SPLIT_N=cfg.get("SPLIT_N", 1))
     else:
@@ -82,7 +82,7 @@ def main() -> None:
         regs = int(usage.split()[0].split(":")[1])
         by_regs, by_shared = blocks_per_sm(regs, cfg["num_warps"], k.metadata.shared)
         label = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}" + (
-            " persistent" if extra else "")
+            " row loads" if cfg.get("ROW_LOADS") else "") + (" persistent" if extra else "")
         print(f"| {op} | {fmt} | {label} | {usage.replace('SHARED:', 'SHARED(static):')} | "
               f"{sass_instructions(k.asm['cubin'])} | {by_regs}, {by_shared} |", flush=True)
 

@@ -91,30 +91,51 @@ def test_dgrad_split_reduction(fmt, split, tensor_splits):
     assert_close(f"dgrad split {split} {fmt}", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
 
 
-@pytest.mark.parametrize("variant", [{"PERSISTENT": 2}, {"X_PERMUTED": True}, {"X_PERMUTED": True, "PERSISTENT": 2},
-                                     {"ROW_LOADS": True}, {"ROW_LOADS": True, "X_PERMUTED": True}],
-                         ids=["persistent", "x-permuted", "x-permuted-persistent", "row-loads", "row-loads-x-permuted"])
+@pytest.mark.parametrize("variant", [{"PERSISTENT": 2}, {"ROW_LOADS": True}, {"ROW_LOADS": True, "PERSISTENT": 2}],
+                         ids=["persistent", "row-loads", "row-loads-persistent"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("E,K,N", BENCH_SHAPES)
 @pytest.mark.parametrize("tensor_splits", [False, True])
 def test_forward_variants(fmt, E, K, N, tensor_splits, variant):
     """The permuted forward's options at each benchmark shape with few ragged tokens per expert and empty experts,
     host and device splits: the experimental persistent walk (2 programs per SM, every tile in one flattened loop
-    nest), the activation permuted once by the launcher (``X_PERMUTED``: the MMA reads it from the load pipeline) and
-    the weights loaded as one contiguous run per row (``ROW_LOADS``) give bit for bit the one-program-per-tile
-    result, and the oracle's."""
+    nest) and the weights loaded as one contiguous run per row (``ROW_LOADS``) give bit for bit the one-program-per-
+    tile result with the weights loaded ``[BN, 4, 4]``, and the oracle's."""
     from kimi_core.kernels import triton_w4a16 as tw
 
     splits = ragged_splits(E, 9, seed=K)
     wp, ws = random_packed(fmt, E, N, K, seed=N, device="cuda")
     x = torch.randn(sum(splits), K, device="cuda").bfloat16()
     ms = torch.tensor(splits, device="cuda") if tensor_splits else splits
-    cfg = tw.fwd_config(9, fmt)
-    one_per_tile = tw.grouped_gemm(x, wp, ws, fmt, ms, config=dict(cfg, X_PERMUTED=False, ROW_LOADS=False))
+    base = dict(tw.fwd_config(9, fmt), ROW_LOADS=False)
+    one_per_tile = tw.grouped_gemm(x, wp, ws, fmt, ms, config=dict(base))
     y = torch.full_like(one_per_tile, float("nan"))
-    tw.grouped_gemm(x, wp, ws, fmt, ms, config=dict(cfg, **variant), out=y)
+    tw.grouped_gemm(x, wp, ws, fmt, ms, config=dict(base, **variant), out=y)
     assert torch.equal(y, one_per_tile)
     assert_close(f"{variant} fwd {fmt} E{E} K{K} N{N}", oracle_fwd(x, wp, ws, fmt, splits), y.float(), 1e-2)
+
+
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("E,K,N", BENCH_SHAPES)
+@pytest.mark.parametrize("tensor_splits", [False, True])
+def test_dgrad_row_loads(fmt, E, K, N, tensor_splits, split):
+    """The permuted dgrad with its weights loaded as runs along each row (``ROW_LOADS``), whole or with the reduction
+    split in 4, at each benchmark shape with few ragged tokens per expert and empty experts: bit for bit the result
+    with the weights loaded ``[BN, 4, 2, 4]``, and the oracle's."""
+    from kimi_core.kernels import triton_w4a16 as tw
+
+    splits = ragged_splits(E, 9, seed=N)
+    wp, ws = random_packed(fmt, E, N, K, seed=K, device="cuda")
+    dy = torch.randn(sum(splits), N, device="cuda").bfloat16()
+    ms = torch.tensor(splits, device="cuda") if tensor_splits else splits
+    base = dict(tw.dgrad_config(9, fmt), ROW_LOADS=False, SPLIT_N=split)
+    plain = tw.grouped_gemm_dgrad(dy, wp, ws, fmt, ms, config=dict(base))
+    dx = torch.full_like(plain, float("nan"))
+    tw.grouped_gemm_dgrad(dy, wp, ws, fmt, ms, config=dict(base, ROW_LOADS=True), out=dx)
+    assert torch.equal(dx, plain)
+    assert_close(f"row-loads dgrad split {split} {fmt} E{E} K{K} N{N}", oracle_dgrad(dy, wp, ws, fmt, splits),
+                 dx.float(), 1e-2)
 
 
 def test_mxfp4_wide_scale_range():
