@@ -582,16 +582,18 @@ def _e_pow2(num_experts: int) -> int:
 
 
 def fwd_config(tokens_per_expert: float, fmt: str = "") -> dict:
-    """Forward tiles by mean tokens per expert (swept on K3 fc1 on the H200, 2026-11-29). Up to 64 tokens per expert
-    the weights go as one contiguous run per row (``ROW_LOADS``; H100, every benchmark shape and both formats,
-    2026-12-06: 8 tok/exp 10-20 % faster, 32 and 64 tok/exp 12-25 %, benchmarks/RESULTS.md)."""
+    """Forward tiles by mean tokens per expert (swept on K3 fc1 on the H200, 2026-11-29; up to 128 on every benchmark
+    shape and both formats on an H100, 2026-12-06, benchmarks/RESULTS.md). The weights go as runs along each row
+    (``ROW_LOADS``): 10-25 % faster up to 64 tokens per expert; at 128-row tiles MXFP4 gains 3-7 %, INT4 loses
+    3-6 %. At 16 and fewer, INT4 takes 6 stages (4-5 % faster), MXFP4 4 (6 are 10-18 % slower)."""
+    mxfp4 = fmt == "mxfp4-pack-quantized"
     if tokens_per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4, ROW_LOADS=True)
+        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4 if mxfp4 else 6, ROW_LOADS=True)
     if tokens_per_expert <= 32:
         return dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3, ROW_LOADS=True)
     if tokens_per_expert <= 64:
         return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, ROW_LOADS=True)
-    return dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3, ROW_LOADS=mxfp4)
 
 
 # the permuted dgrad splits its reduction over N in SPLIT_N_FEW_PROGRAMS ranges when it would otherwise run fewer than
@@ -610,13 +612,16 @@ def _sm_count(device) -> int:
 
 
 def dgrad_config(tokens_per_expert: float, fmt: str = "") -> dict:
-    """dgrad tiles by mean tokens per expert (swept on K3 fc1 on the H200, 2026-11-29; at 16 and fewer on every shape
-    on an H100, 2026-12-06: INT4 gains 3-13 % from 32-row reduction steps, MXFP4 loses 9-20 % with them)."""
+    """dgrad tiles by mean tokens per expert (swept on K3 fc1 on the H200, 2026-11-29; up to 128 on every benchmark
+    shape and both formats on an H100, 2026-12-06): the weights as runs along each row (``ROW_LOADS``, 10-35 % faster
+    at every measured count); 64-row reduction steps, except INT4 from 17 to 32 tokens per expert (32-row steps, 1-10 %
+    faster there)."""
     if tokens_per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64 if fmt == "mxfp4-pack-quantized" else 32, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4, ROW_LOADS=True)
     if tokens_per_expert <= 32:
-        return dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=32, BLOCK_N=64 if fmt == "mxfp4-pack-quantized" else 32, num_warps=4, num_stages=4,
+                    ROW_LOADS=True)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, ROW_LOADS=True)
 
 
 def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None = None, out=None):
@@ -640,6 +645,7 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
     fmt_id = _fmt_id(fmt)
     use_asm = not _interpreting()
     per_sm = cfg.pop("PERSISTENT", 0)  # experimental (permuted kernel): this many programs per SM walk all the tiles
+    row_loads = cfg.pop("ROW_LOADS", False)  # permuted kernel only
     if K % 128 == 0 and cfg.pop("PERM", True):
         wq = _as_words(w_packed)
         programs = _num_programs(splits, T, E, cfg["BLOCK_M"], triton.cdiv(N, cfg["BLOCK_N"]))
@@ -647,7 +653,7 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
         w4a16_fwd_perm_kernel[grid](
             x, wq, ws, y, offsets, N, K, E, x.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
             ws.stride(1), y.stride(0), FMT=fmt_id, GROUP_M=8, E_POW2=_e_pow2(E), USE_ASM=use_asm,
-            INTERP=not use_asm, PERSISTENT=bool(per_sm), **cfg)
+            INTERP=not use_asm, PERSISTENT=bool(per_sm), ROW_LOADS=bool(row_loads), **cfg)
     else:
         wq = w_packed.contiguous()
         cfg.setdefault("BLOCK_K", 128 if K % 128 == 0 else 32)
@@ -680,6 +686,7 @@ def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict |
     dy = dy.contiguous()
     ws = w_scale.contiguous()
     fmt_id = _fmt_id(fmt)
+    row_loads = cfg.pop("ROW_LOADS", False)  # permuted kernel only
     if K % 256 == 0 and cfg.pop("PERM", True):
         wq = _as_words(w_packed)
         programs = _num_programs(splits, T, E, cfg["BLOCK_M"], K // 256)
@@ -694,7 +701,7 @@ def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict |
             dy, wq, ws, part, offsets, N, K, E, dy.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
             ws.stride(1), part.stride(-2), FMT=fmt_id, GROUP_M=8, E_POW2=_e_pow2(E),
             USE_ASM=not _interpreting(), EVEN_N=N % cfg["BLOCK_N"] == 0, INTERP=_interpreting(), SPLIT_N=split,
-            stride_part=part.stride(0) if split > 1 else 0, **cfg)
+            stride_part=part.stride(0) if split > 1 else 0, ROW_LOADS=bool(row_loads), **cfg)
         if split > 1:
             dx.copy_(part.sum(0))
     else:

@@ -124,6 +124,12 @@ for fmt in ("mxfp4-pack-quantized", "pack-quantized"):
     plain_dx = tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, config=dict(cfg))
     rows_dx = tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, config=dict(cfg, ROW_LOADS=True))
     assert torch.equal(plain_dx, rows_dx), fmt
+    # the launchers' own configs where K rules out the permuted kernels (their options must not reach the generic ones)
+    wp5, ws5 = random_packed(fmt, 2, 32, 160, seed=5)
+    x5, dy5 = torch.randn(9, 160).bfloat16(), torch.randn(9, 32).bfloat16()
+    for got, ref in ((tw.grouped_gemm(x5, wp5, ws5, fmt, [4, 5]), oracle_fwd(x5, wp5, ws5, fmt, [4, 5])),
+                     (tw.grouped_gemm_dgrad(dy5, wp5, ws5, fmt, [4, 5]), oracle_dgrad(dy5, wp5, ws5, fmt, [4, 5]))):
+        worst = max(worst, ((got.float() - ref).norm() / ref.norm()).item())
 print("WORST", worst)
 """
 
