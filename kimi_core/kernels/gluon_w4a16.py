@@ -496,7 +496,9 @@ def programs(n_tiles: int, persistent: bool | int, device) -> int:
     if persistent is False:
         return n_tiles
     if persistent is True:
-        persistent = torch.cuda.get_device_properties(device).multi_processor_count
+        from kimi_core.kernels.triton_w4a16 import sm_count
+
+        persistent = sm_count(device)
     if persistent < 1:
         raise ValueError(f"gluon_w4a16: persistent must be a bool or a positive number of programs, got {persistent}")
     return min(n_tiles, persistent)

@@ -463,7 +463,9 @@ def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                          f"consumers have {TWO_PER_SM['consumer_regs']} registers), got block_m {block_m} x "
                          f"block_n {block_n}")
     if persistent is True and ctas_per_sm == 2:
-        persistent = 2 * torch.cuda.get_device_properties(x.device).multi_processor_count
+        from kimi_core.kernels.triton_w4a16 import sm_count
+
+        persistent = 2 * sm_count(x.device)
     run = ws.prepare(x, w_packed, w_scale, fmt, m_splits, out, False, where, block_m, block_n, load_stages,
                      persistent, lambda bm: default_load_stages(bm, block_n, ctas_per_sm), block_m_choices(block_n))
     if run.empty:

@@ -603,7 +603,7 @@ SPLIT_BELOW_WAVES = 2
 SPLIT_N_FEW_PROGRAMS = 4
 
 
-def _sm_count(device) -> int:
+def sm_count(device) -> int:
     """Streaming multiprocessors of ``device`` (a CPU run under the interpreter: 1, so nothing splits)."""
     import torch
 
@@ -649,7 +649,7 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
     if K % 128 == 0 and cfg.pop("PERM", True):
         wq = _as_words(w_packed)
         programs = _num_programs(splits, T, E, cfg["BLOCK_M"], triton.cdiv(N, cfg["BLOCK_N"]))
-        grid = (min(programs, per_sm * _sm_count(x.device)) if per_sm else programs,)
+        grid = (min(programs, per_sm * sm_count(x.device)) if per_sm else programs,)
         w4a16_fwd_perm_kernel[grid](
             x, wq, ws, y, offsets, N, K, E, x.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
             ws.stride(1), y.stride(0), FMT=fmt_id, GROUP_M=8, E_POW2=_e_pow2(E), USE_ASM=use_asm,
@@ -690,7 +690,7 @@ def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict |
     if K % 256 == 0 and cfg.pop("PERM", True):
         wq = _as_words(w_packed)
         programs = _num_programs(splits, T, E, cfg["BLOCK_M"], K // 256)
-        if config is None and programs < SPLIT_BELOW_WAVES * _sm_count(dy.device):
+        if config is None and programs < SPLIT_BELOW_WAVES * sm_count(dy.device):
             cfg.update(BLOCK_N=64, SPLIT_N=SPLIT_N_FEW_PROGRAMS)
         split = min(cfg.pop("SPLIT_N", 1), triton.cdiv(N, cfg["BLOCK_N"]))
         # split > 1: fp32 partial sums [split, T, K], summed below; automatic only under 2 programs per SM, where
