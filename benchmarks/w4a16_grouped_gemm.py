@@ -373,12 +373,28 @@ def gluon_table(rows: list[dict]) -> list[str]:
     return lines + [gluon_best_lines(r) for r in rows if r.get("gluon")]
 
 
+def pick_shapes(names: str | None, quick: bool = False) -> list:
+    """The benchmark shapes named in ``names`` (comma-separated, as in :data:`SHAPES`; an unknown name is refused),
+    K3 fc1 alone with ``quick``, else all."""
+    if quick:
+        return SHAPES[:1]
+    if not names:
+        return SHAPES
+    by_name = {s[0]: s for s in SHAPES}
+    wanted = [n.strip() for n in names.split(",")]
+    unknown = [n for n in wanted if n not in by_name]
+    if unknown:
+        raise SystemExit(f"--shapes: unknown shape(s) {unknown}; known: {list(by_name)}")
+    return [by_name[n] for n in wanted]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="also write the markdown tables to this file")
     ap.add_argument("--json", default=None, help="also write every measurement as JSON to this path")
     ap.add_argument("--no-append", action="store_true", help="do not append to benchmarks/RESULTS.md")
     ap.add_argument("--quick", action="store_true", help="K3 fc1 only")
+    ap.add_argument("--shapes", default=None, help="comma-separated shape names, e.g. 'K2 fc1,K2 fc2' (default: all)")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="tokens per expert, comma-separated")
     ap.add_argument("--workspace-mib", type=int, default=None,
                     help=f"bound of the chunked path's workspace (sets {wc.WORKSPACE_ENV}; default 1024)")
@@ -397,15 +413,15 @@ def main() -> None:
                          "with the weights in the wgmma's registers")
     ap.add_argument("--gluon-only", action="store_true", help="with --gluon: time BF16 and the Gluon kernels only")
     args = ap.parse_args()
+    shapes = pick_shapes(args.shapes, args.quick)
     if args.sweep:
-        return sweep(SHAPES[:1] if args.quick else SHAPES, [int(t) for t in args.tokens.split(",")], args.out)
+        return sweep(shapes, [int(t) for t in args.tokens.split(",")], args.out)
     if args.workspace_mib is not None:
         os.environ[wc.WORKSPACE_ENV] = str(args.workspace_mib << 20)
     os.environ.pop(kernels.PATH_ENV, None)  # the auto column is the dispatcher's own choice
     torch.manual_seed(0)
     tokens = [int(t) for t in args.tokens.split(",")]
     gluon = args.gluon_configs.split(",") if args.gluon or args.gluon_only else None
-    shapes = SHAPES[:1] if args.quick else SHAPES
     rows, decodes, lines, dlines = [], [], [], []
     print(GLUON_HEADER if args.gluon_only else HEADER, flush=True)
     for name, E, K, N in shapes:
@@ -505,7 +521,9 @@ def _crossover_text() -> str:
 # per 32 bytes, instead of 32 rows of 16 bytes per instruction)
 RL = {"ROW_LOADS": True}
 SWEEP_FWD = {8: [(16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 4, RL), (16, 128, 4, 3, RL), (16, 128, 4, 4, RL),
-                 (16, 128, 8, 4, RL), (16, 64, 4, 6, RL), (16, 64, 8, 4, RL), (16, 128, 4, 3, dict(RL, PERSISTENT=2))],
+                 (16, 128, 8, 4, RL), (16, 64, 4, 6, RL), (16, 128, 4, 3, dict(RL, PERSISTENT=2)),
+                 (16, 64, 4, 4, dict(RL, SPLIT_K=2)), (16, 64, 4, 6, dict(RL, SPLIT_K=2)),
+                 (16, 128, 8, 4, dict(RL, SPLIT_K=2)), (16, 64, 4, 4, dict(RL, SPLIT_K=4))],
              32: [(32, 128, 4, 4), (32, 128, 4, 3, RL), (32, 128, 4, 4, RL), (32, 64, 4, 4, RL)],
              64: [(64, 128, 4, 3), (64, 128, 4, 3, RL), (64, 128, 4, 4, RL), (64, 64, 4, 4, RL)],
              128: [(32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),
@@ -513,7 +531,9 @@ SWEEP_FWD = {8: [(16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 4, RL), (16, 128,
              512: [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3), (64, 256, 8, 3),
                    (128, 256, 8, 3), (256, 128, 8, 3)]}
 SWEEP_DGRAD = {8: [(16, 64, 4, 4), (16, 32, 4, 4), (16, 64, 4, 4, RL), (16, 32, 4, 4, RL), (16, 128, 4, 4, RL),
-                   (16, 64, 4, 4, dict(RL, SPLIT_N=4)), (16, 32, 4, 4, dict(RL, SPLIT_N=4))],
+                   (16, 64, 4, 4, dict(RL, SPLIT_N=2)), (16, 64, 4, 4, dict(RL, SPLIT_N=4)),
+                   (16, 32, 4, 4, dict(RL, SPLIT_N=4)), (16, 64, 4, 4, dict(RL, SPLIT_N=8)),
+                   (16, 32, 4, 4, dict(RL, SPLIT_N=8))],
                32: [(32, 64, 4, 4), (32, 64, 4, 4, RL), (32, 32, 4, 4, RL)],
                64: [(64, 64, 4, 3), (64, 64, 4, 3, RL), (64, 32, 4, 4, RL)],
                128: [(64, 64, 4, 3), (32, 64, 4, 4), (64, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3),
