@@ -338,29 +338,16 @@ def _output_tile_bases(x_ptr, wq_ptr, ws_ptr, e, pid_n, rows, N, stride_xt, stri
 def _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K,
                      stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
                      FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
-                     INTERP: tl.constexpr, ROW_LOADS: tl.constexpr, SPLIT_K: tl.constexpr, stride_part):
-    """One output tile of the permuted forward: ``y[rows, pid_n * BLOCK_N :][:BLOCK_N]`` of expert ``e``; with
-    ``SPLIT_K > 1``, range ``program_id(1)`` of the reduction's 128-wide steps, its fp32 partial sum written to
-    ``y_ptr + program_id(1) * stride_part``."""
+                     INTERP: tl.constexpr, ROW_LOADS: tl.constexpr):
+    """One output tile of the permuted forward: ``y[rows, pid_n * BLOCK_N :][:BLOCK_N]`` of expert ``e``."""
     offs_n, n_mask, wq_e, ws_e, x_rows = _output_tile_bases(x_ptr, wq_ptr, ws_ptr, e, pid_n, rows, N, stride_xt,
                                                             stride_we, stride_se, BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    k_lo = 0
-    k_hi = K
-    if SPLIT_K > 1:
-        k_len = tl.cdiv(K // 128, SPLIT_K) * 128  # columns per range (whole steps)
-        k_lo = tl.program_id(1) * k_len
-        k_hi = tl.minimum(K, k_lo + k_len)
-    for k0 in range(k_lo, k_hi, 128):
+    for k0 in range(0, K, 128):
         w, x = _fwd_perm_tile(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn,
                               FMT, BLOCK_N, USE_ASM, ROW_LOADS)
         acc = _mma(w, tl.trans(x), acc, INTERP)  # [BN, BM]
-    if SPLIT_K == 1:
-        y = tl.trans(acc).to(tl.bfloat16)  # [BM, BN]
-    else:
-        y = tl.trans(acc)  # fp32 partial sum
-    if SPLIT_K > 1:
-        y_ptr += tl.program_id(1).to(tl.int64) * stride_part
+    y = tl.trans(acc).to(tl.bfloat16)  # [BM, BN]
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
     tl.store(y_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
 
@@ -371,15 +358,13 @@ def w4a16_fwd_perm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, offsets_ptr, N, K, E,
                           FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           GROUP_M: tl.constexpr, E_POW2: tl.constexpr, USE_ASM: tl.constexpr,
                           INTERP: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
-                          ROW_LOADS: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, stride_part=0):
+                          ROW_LOADS: tl.constexpr = False):
     """Forward with word-level decoding; ``K % 128 == 0``, weights viewed as int32 words ``[E, N, K / 8]``.
 
     One program per output tile, or (``PERSISTENT``, experimental) fewer programs each walking the tiles
     ``program_id, program_id + programs, ...`` in one loop nest that the compiler flattens, so the loads of a tile's
     first K steps are issued while the previous tile's last steps run (at 8 tokens per expert a K3 fc1 tile is only
-    28 K steps, each program otherwise ramping its own 3-stage pipeline). ``SPLIT_K > 1``: the reduction in that
-    many ranges of whole steps (``program_id(1)``), fp32 partial sums into a ``[SPLIT_K, T, N]`` buffer the
-    launcher sums (more, shorter programs where few long tiles would leave the last wave of SMs half empty).
+    28 K steps, each program otherwise ramping its own 3-stage pipeline).
     """
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -389,13 +374,13 @@ def w4a16_fwd_perm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, offsets_ptr, N, K, E,
             _, e, pid_n, rows, row_mask = _schedule(t, offsets_ptr, E, num_n, BLOCK_M, E_POW2, GROUP_M)
             _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K, stride_xt, stride_we,
                              stride_wn, stride_se, stride_sn, stride_yt, FMT, BLOCK_M, BLOCK_N, USE_ASM, INTERP,
-                             ROW_LOADS, SPLIT_K, stride_part)
+                             ROW_LOADS)
     else:
         valid, e, pid_n, rows, row_mask = _schedule(pid, offsets_ptr, E, num_n, BLOCK_M, E_POW2, GROUP_M)
         if valid:
             _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K, stride_xt, stride_we,
                              stride_wn, stride_se, stride_sn, stride_yt, FMT, BLOCK_M, BLOCK_N, USE_ASM, INTERP,
-                             ROW_LOADS, SPLIT_K, stride_part)
+                             ROW_LOADS)
 
 
 @triton.jit
@@ -643,8 +628,8 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
     """Triton forward; arguments as :func:`kimi_core.kernels.w4a16_grouped_gemm` (already validated).
 
     ``config`` overrides the tile choice (benchmarks; ``PERSISTENT``: that many programs per SM walking the tiles,
-    experimental; ``ROW_LOADS``: the permuted kernels' weight loads as runs along a row; ``SPLIT_K``: the reduction
-    in that many ranges, fp32 partial sums); ``out`` is an optional ``[T, N]`` bf16 output.
+    experimental; ``ROW_LOADS``: the permuted kernels' weight loads as runs along a row); ``out`` is an optional
+    ``[T, N]`` bf16 output.
     """
     import torch
 
@@ -661,21 +646,14 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
     use_asm = not _interpreting()
     per_sm = cfg.pop("PERSISTENT", 0)  # experimental (permuted kernel): this many programs per SM walk all the tiles
     row_loads = cfg.pop("ROW_LOADS", False)  # permuted kernel only
-    split = cfg.pop("SPLIT_K", 1)  # permuted kernel only
     if K % 128 == 0 and cfg.pop("PERM", True):
         wq = _as_words(w_packed)
         programs = _num_programs(splits, T, E, cfg["BLOCK_M"], triton.cdiv(N, cfg["BLOCK_N"]))
-        split = min(split, K // 128)
-        # split > 1: fp32 partial sums [split, T, N], summed below
-        part = y if split == 1 else torch.empty((split, T, N), dtype=torch.float32, device=x.device)
-        grid = (min(programs, per_sm * sm_count(x.device)) if per_sm else programs, split)
+        grid = (min(programs, per_sm * sm_count(x.device)) if per_sm else programs,)
         w4a16_fwd_perm_kernel[grid](
-            x, wq, ws, part, offsets, N, K, E, x.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
-            ws.stride(1), part.stride(-2), FMT=fmt_id, GROUP_M=8, E_POW2=_e_pow2(E), USE_ASM=use_asm,
-            INTERP=not use_asm, PERSISTENT=bool(per_sm), ROW_LOADS=bool(row_loads), SPLIT_K=split,
-            stride_part=part.stride(0) if split > 1 else 0, **cfg)
-        if split > 1:
-            y.copy_(part.sum(0))
+            x, wq, ws, y, offsets, N, K, E, x.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
+            ws.stride(1), y.stride(0), FMT=fmt_id, GROUP_M=8, E_POW2=_e_pow2(E), USE_ASM=use_asm,
+            INTERP=not use_asm, PERSISTENT=bool(per_sm), ROW_LOADS=bool(row_loads), **cfg)
     else:
         wq = w_packed.contiguous()
         cfg.setdefault("BLOCK_K", 128 if K % 128 == 0 else 32)

@@ -121,12 +121,6 @@ for fmt in ("mxfp4-pack-quantized", "pack-quantized"):
     for extra in ({"ROW_LOADS": True}, {"ROW_LOADS": True, "PERSISTENT": 2}):
         rows = tw.grouped_gemm(x, wp, ws, fmt, splits, config=dict(cfg, **extra))
         assert torch.equal(one_per_tile, rows), (fmt, extra)
-    # the forward with its reduction split: 2 steps in 2 ranges, and in 3 (clamped to 2)
-    for split in (2, 3):
-        ys = tw.grouped_gemm(x, wp, ws, fmt, splits, config=dict(cfg, SPLIT_K=split))
-        err = ((ys.float() - ref_y).norm() / ref_y.norm()).item()
-        assert err < 1e-2, (fmt, split, err)
-        worst = max(worst, err)
     plain_dx = tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, config=dict(cfg))
     rows_dx = tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, config=dict(cfg, ROW_LOADS=True))
     assert torch.equal(plain_dx, rows_dx), fmt
