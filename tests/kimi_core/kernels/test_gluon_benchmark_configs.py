@@ -92,3 +92,15 @@ def test_targets_summary_compares_unrounded_speeds():
     text = bench.targets_summary(rows)
     assert "2 of 4 op-rows met" in text, text
     assert text.endswith("missed: K3 fc1 512 MXFP4 fwd 0.948x, K2 fc2 8 INT4 dgrad 2.000x."), text
+
+
+def test_shapes_flag_picks_named_shapes_and_refuses_unknown_ones():
+    """``--shapes 'K2 fc1,K2 fc2'`` keeps those rows in that order; ``--quick`` is K3 fc1; an unknown name stops the
+    run naming the flag and the known shapes."""
+    bench = load_benchmark()
+    assert [s[0] for s in bench.pick_shapes("K2 fc2, K2 fc1")] == ["K2 fc2", "K2 fc1"]
+    assert bench.pick_shapes("K2 fc1")[0] == ("K2 fc1", 24, 7168, 4096)
+    assert bench.pick_shapes(None, quick=True) == bench.SHAPES[:1]
+    assert bench.pick_shapes(None) == bench.SHAPES
+    with pytest.raises(SystemExit, match=r"--shapes: unknown shape\(s\) \['K9 fc1'\]; known: \['K3 fc1'"):
+        bench.pick_shapes("K9 fc1")
