@@ -481,7 +481,6 @@ def w4a16_dgrad_perm_kernel(dy_ptr, wq_ptr, ws_ptr, dx_ptr, offsets_ptr, N, K, E
         i_a = tl.arange(0, 4)
         i_b = tl.arange(0, 2)
         i_c = tl.arange(0, 4)
-        i_8 = tl.arange(0, 8)
         grp = 2 * i_a[:, None] + i_b[None, :]  # [4(a), 2(b)] scale group of the tile
         word = k0 // 8 + 4 * grp[:, :, None] + i_c[None, None, :]  # [4, 2, 4]
         acc = tl.zeros((256, BLOCK_M), dtype=tl.float32)
@@ -490,8 +489,10 @@ def w4a16_dgrad_perm_kernel(dy_ptr, wq_ptr, ws_ptr, dx_ptr, offsets_ptr, N, K, E
         for n0 in range(n_lo, tl.minimum(N, n_lo + n_steps * BLOCK_N), BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < N
-            if ROW_LOADS:  # a row's 32 words of the tile as 4 runs of 8, lanes along a row's runs first
-                w_ptrs = wq_e + offs_n[:, None, None] * stride_wn + (k0 // 8 + 8 * i_a[:, None] + i_8[None, :])[None]
+            if ROW_LOADS:  # a row's 32 words of the tile as 2 runs of 16: 4 lanes per row's 64 bytes (a flat [BN, 32]
+                # load gets a row-fastest shared layout and 4-byte copies; [BN, 4, 8] gets 16 rows x 32 bytes)
+                w_ptrs = wq_e + offs_n[:, None, None] * stride_wn + (k0 // 8 + 16 * tl.arange(0, 2)[:, None]
+                                                                     + tl.arange(0, 16)[None, :])[None]
                 w_mask = n_mask[:, None, None]
             else:
                 w_ptrs = wq_e + offs_n[:, None, None, None] * stride_wn + word[None, :, :, :]
