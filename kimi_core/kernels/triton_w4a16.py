@@ -614,9 +614,9 @@ def sm_count(device) -> int:
 
 def dgrad_config(tokens_per_expert: float, fmt: str = "") -> dict:
     """dgrad tiles by mean tokens per expert (swept on K3 fc1 on the H200, 2026-11-29; up to 128 on every benchmark
-    shape and both formats on an H100, 2026-12-06): the weights as runs along each row (``ROW_LOADS``, 10-35 % faster
-    at every measured count); 64-row reduction steps, except INT4 from 17 to 32 tokens per expert (32-row steps, 1-10 %
-    faster there)."""
+    shape and both formats on an H100, 2026-12-06): the weights as runs along each row (``ROW_LOADS``: 14-45 % faster
+    from 8 to 64 tokens per expert); 64-row reduction steps, except INT4 from 17 to 32 tokens per expert (32-row
+    steps, 1-10 % faster there)."""
     if tokens_per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4, ROW_LOADS=True)
     if tokens_per_expert <= 32:
