@@ -287,13 +287,12 @@ def _fwd_perm_tile(wq_ptr, ws_ptr, x_rows, row_mask, offs_n, n_mask, k0, stride_
     """
     BLOCK_M: tl.constexpr = x_rows.shape[0]
     wt = tl.arange(0, 4)
-    ww = tl.arange(0, 4)
     if ROW_LOADS:
         # the step's 16 words of a row as one contiguous run, so 4 lanes share a row's 64 bytes
         q = tl.load(wq_ptr + offs_n[:, None] * stride_wn + (k0 // 8 + tl.arange(0, 16))[None, :],
                     mask=n_mask[:, None], other=0).reshape(BLOCK_N, 4, 4)  # int32 [BN, 4(t), 4(w)]
     else:
-        word = k0 // 8 + wt[:, None] * 4 + ww[None, :]  # [4(t), 4(w)] word index in the row
+        word = k0 // 8 + wt[:, None] * 4 + tl.arange(0, 4)[None, :]  # [4(t), 4(w)] word index in the row
         q = tl.load(wq_ptr + offs_n[:, None, None] * stride_wn + word[None, :, :],
                     mask=n_mask[:, None, None], other=0)  # int32 [BN, 4, 4]
     if FMT == 0:
@@ -468,6 +467,10 @@ def w4a16_dgrad_perm_kernel(dy_ptr, wq_ptr, ws_ptr, dx_ptr, offsets_ptr, N, K, E
     ``{64 r + 16 warp + g + 8 h}`` sit in one thread, so the 8 elements of a word land in the
     thread that decoded it; its two rows ``n, n + 1`` pair up along the reduction axis as the
     operand registers want. The epilogue undoes the permutation before the store.
+
+    ``ROW_LOADS``: a row's 32 words of the tile are loaded as ``[BN, 2, 16]`` (two 64-byte runs) and reshaped to
+    ``[BN, 4, 2, 4]`` after the load, so 4 lanes share 64 bytes of a row and a 16-byte ``cp.async`` instruction covers
+    8 rows (loaded as ``[BN, 4, 2, 4]`` a warp's lanes sit on 32 rows of 16 bytes each).
     """
     pid = tl.program_id(0)
     num_k = K // 256
