@@ -1,11 +1,12 @@
 """Registers, spills and resident blocks per SM of the fused Triton W4A16 kernels (issue #21's 8 tokens/expert rows),
 compiled for sm_90a on a CPU machine with the GPU's Triton (3.6.0; setup as in tests/gpu/gluon_sm90_compile_check.py).
 
-At 8 tokens per expert these kernels are memory-bound and reach 48-61 % of an H100's HBM bandwidth (Nsight Compute:
-MIO throttle first, 1.1 eligible warps per scheduler). This prints, for each shipped 8 tok/exp config, what ptxas
-makes of it, compiled with the launcher's specialization at the benchmark shapes (16-byte aligned pointers, ints
-multiples of 16): without it the loads are not vectorized and the register counts are far off (183-254 instead of
-112-127).
+At 8 tokens per expert these kernels are memory-bound: 48-61 % of an H100's HBM bandwidth with the weight tile
+loaded as ``[BN, 4, 4]`` (a warp's lanes on 32 rows of 16 bytes; Nsight Compute: MIO throttle first), 51-78 % with
+the shipped row loads (``ROW_LOADS``: 4 lanes per row's 64 bytes; ed6197c's table in benchmarks/RESULTS.md). This prints,
+for each shipped 8 tok/exp config, what ptxas makes of it, compiled with the launcher's specialization at the
+benchmark shapes (16-byte aligned pointers, ints multiples of 16): without it the loads are not vectorized and the
+register counts are far off.
 
     /tmp/tri36/venv/bin/python tests/gpu/fused_sm90_resources.py
 """
