@@ -3,8 +3,8 @@ compiled for sm_90a on a CPU machine with the GPU's Triton (3.6.0; setup as in t
 
 At 8 tokens per expert these kernels are memory-bound: 48-61 % of an H100's HBM bandwidth with the weight tile
 loaded as ``[BN, 4, 4]`` (a warp's lanes on 32 rows of 16 bytes; Nsight Compute: MIO throttle first), 51-78 % with
-the shipped row loads (``ROW_LOADS``: 4 lanes per row's 64 bytes; ed6197c's table in benchmarks/RESULTS.md). This prints,
-for each shipped 8 tok/exp config, what ptxas makes of it, compiled with the launcher's specialization at the
+the shipped row loads (``ROW_LOADS``: 4 lanes per row's 64 bytes; ed6197c's table in benchmarks/RESULTS.md). This
+prints, for each shipped 8 tok/exp config, what ptxas makes of it, compiled with the launcher's specialization at the
 benchmark shapes (16-byte aligned pointers, ints multiples of 16): without it the loads are not vectorized and the
 register counts are far off.
 
