@@ -401,7 +401,8 @@ def main() -> None:
     ap.add_argument("--alt-workspace-mib", type=int, default=None,
                     help="also time the chunked path under this bound (e.g. 96: one expert per buffer, L2-sized)")
     ap.add_argument("--sweep", action="store_true",
-                    help="time the fused kernels' tile configs instead of the table (--tokens 8,128,512 at most)")
+                    help="time the fused kernels' tile configs instead of the table (--tokens among 8, 32, 64, "
+                         "128, 512: the token counts SWEEP_FWD / SWEEP_DGRAD list)")
     ap.add_argument("--gluon", action="store_true",
                     help="also time the experimental warp-specialised Gluon forward and dgrad (issue #21; Hopper, "
                          "Triton >= 3.5)")
@@ -517,8 +518,8 @@ def _crossover_text() -> str:
 
 # the fused kernels' tile configs the sweep times: (BLOCK_M, BLOCK_N, num_warps, num_stages[, extra options]), the
 # extras e.g. SPLIT_N (dgrad: the reduction in that many ranges), PERSISTENT (forward: that many programs per SM
-# walking the tiles in one flattened, pipelined loop nest) or ROW_LOADS (a row's words of a step loaded as runs along the row: forward 4 lanes per row's 64 bytes, dgrad 2 lanes
-# per 32 bytes, instead of 32 rows of 16 bytes per instruction)
+# walking the tiles in one flattened, pipelined loop nest) or ROW_LOADS (a row's words of a step loaded as 64-byte
+# runs along the row, 4 lanes per run, instead of 32 rows of 16 bytes per instruction)
 RL = {"ROW_LOADS": True}
 SWEEP_FWD = {8: [(16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 4, RL), (16, 128, 4, 3, RL), (16, 128, 4, 4, RL),
                  (16, 128, 8, 4, RL), (16, 64, 4, 6, RL), (16, 128, 4, 3, dict(RL, PERSISTENT=2))],
@@ -566,8 +567,8 @@ def sweep(shapes, tokens: list[int], out: str | None) -> None:
                 bf16 = bf16_ops(x, dy, w_bf16, torch.arange(1, E + 1, device=DEV, dtype=torch.int32) * tpe)
                 ops = (("fwd", SWEEP_FWD, tw.grouped_gemm, x, bf16["fwd"]),
                        ("dgrad", SWEEP_DGRAD, tw.grouped_gemm_dgrad, dy, bf16["dgrad"]))
-                for kind, table, fn, a, bf16 in ops:
-                    t_bf16 = bench(bf16, reps=10)
+                for kind, table, fn, a, baseline in ops:
+                    t_bf16 = bench(baseline, reps=10)
                     t_ship = bench(lambda: fn(a, wp, ws, fmt, splits), reps=10)  # the launcher's own choice
                     best = (t_ship, "shipped")
                     for cfg_t in table.get(tpe, ()):

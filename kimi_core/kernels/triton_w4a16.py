@@ -589,7 +589,7 @@ def fwd_config(tokens_per_expert: float, fmt: str = "") -> dict:
     """Forward tiles by mean tokens per expert (swept on K3 fc1 on the H200, 2026-11-29; up to 128 on every benchmark
     shape and both formats on an H100, 2026-12-06, benchmarks/RESULTS.md). The weights go as runs along each row
     (``ROW_LOADS``): 10-25 % faster up to 64 tokens per expert; at 128-row tiles MXFP4 gains 3-7 %, INT4 loses
-    3-6 %. At 16 and fewer, INT4 takes 6 stages (4-5 % faster), MXFP4 4 (6 are 10-18 % slower)."""
+    3-6 %. At 16 and fewer, INT4 takes 6 stages (3-4 % faster), MXFP4 4 (6 are 5-18 % slower)."""
     mxfp4 = fmt == "mxfp4-pack-quantized"
     if tokens_per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4 if mxfp4 else 6, ROW_LOADS=True)
