@@ -1,12 +1,12 @@
 """Registers, spills and resident blocks per SM of the fused Triton W4A16 kernels (issue #21's 8 tokens/expert rows),
 compiled for sm_90a on a CPU machine with the GPU's Triton (3.6.0; setup as in tests/gpu/gluon_sm90_compile_check.py).
 
-At 8 tokens per expert these kernels are memory-bound: 48-61 % of an H100's HBM bandwidth with the weight tile
-loaded as ``[BN, 4, 4]`` (a warp's lanes on 32 rows of 16 bytes; Nsight Compute: MIO throttle first), 51-78 % with
-the shipped row loads (``ROW_LOADS``: 4 lanes per row's 64 bytes; ed6197c's table in benchmarks/RESULTS.md). This
-prints, for each shipped 8 tok/exp config, what ptxas makes of it, compiled with the launcher's specialization at the
-benchmark shapes (16-byte aligned pointers, ints multiples of 16): without it the loads are not vectorized and the
-register counts are far off.
+Compiled as the launcher's calls are specialized at the benchmark shapes (16-byte aligned pointers, every int that is
+a multiple of 16 marked so, K3's 112 experts but not K2's 24, a split dgrad's fp32 partial sums): without that the
+loads are not vectorized, and even an unused int's divisibility changes ptxas's allocation (the MXFP4 dgrad: 115
+registers without ``stride_part``'s, 162 with it). Every row of this table matched ``CompiledKernel.n_regs`` of the
+kernels the H100 ran on 2026-12-06 (forward 89 / 95 on K3, 85 / 95 on K2; dgrad 162 / 109 on K3, 178 / 110 on K2 fc1,
+177 / 183 for K2 fc2's split; MXFP4 / INT4; benchmarks/RESULTS.md, session 24).
 
     /tmp/tri36/venv/bin/python tests/gpu/fused_sm90_resources.py
 """
@@ -29,9 +29,10 @@ from kimi_core.kernels import triton_w4a16 as tw  # noqa: E402
 FORMATS = {"mxfp4": (tw.FMT_MXFP4, "*u8"), "int4": (tw.FMT_INT4, "*bf16")}
 
 
-def signature(kernel, scale_type: str) -> dict:
+def signature(kernel, scale_type: str, partial_sums: bool = False) -> dict:
     """Argument types of a fused kernel: pointers by name (``ws_ptr``: the format's scale type, ``wq_ptr``: int32
-    words, ``offsets_ptr``: int32, other ``*_ptr``: bf16), the rest int32 unless constexpr."""
+    words, ``offsets_ptr``: int32, ``dx_ptr``: fp32 where ``partial_sums`` (a split dgrad), other ``*_ptr``: bf16),
+    the rest int32 unless constexpr."""
     sig = {}
     for p in kernel.params:
         if p.is_constexpr:
@@ -40,6 +41,8 @@ def signature(kernel, scale_type: str) -> dict:
             sig[p.name] = scale_type
         elif p.name in ("wq_ptr", "offsets_ptr"):
             sig[p.name] = "*i32"
+        elif p.name == "dx_ptr" and partial_sums:
+            sig[p.name] = "*fp32"
         elif p.name.endswith("_ptr"):
             sig[p.name] = "*bf16"
         else:
@@ -47,45 +50,54 @@ def signature(kernel, scale_type: str) -> dict:
     return sig
 
 
-def compile_fused(op: str, fmt: str, config: dict):
-    """One fused kernel (``op`` fwd / dgrad, permuted word decode) in ``config`` (a shipped config dict) for sm_90a;
-    returns the compiled kernel."""
+def compile_fused(op: str, fmt: str, config: dict, experts: int = 112):
+    """One fused kernel (``op`` fwd / dgrad, permuted word decode) in ``config`` (a shipped config dict) for sm_90a,
+    specialized as the launcher's call on a layer of ``experts`` experts at the benchmark shapes is; returns the
+    compiled kernel."""
     fmt_id, scale_type = FORMATS[fmt]
     cfg = dict(config)
     options = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
     kernel = tw.w4a16_fwd_perm_kernel if op == "fwd" else tw.w4a16_dgrad_perm_kernel
-    const = dict(FMT=fmt_id, GROUP_M=8, E_POW2=128, USE_ASM=True, INTERP=False, BLOCK_M=cfg["BLOCK_M"],
-                 BLOCK_N=cfg["BLOCK_N"], ROW_LOADS=cfg.get("ROW_LOADS", False))
+    const = dict(FMT=fmt_id, GROUP_M=8, E_POW2=triton.next_power_of_2(experts), USE_ASM=True, INTERP=False,
+                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], ROW_LOADS=cfg.get("ROW_LOADS", False))
     if op == "dgrad":
         const.update(EVEN_N=True, SPLIT_N=cfg.get("SPLIT_N", 1))
     else:
         const.update(PERSISTENT=bool(cfg.get("PERSISTENT", 0)))
-    sig = signature(kernel, scale_type)
-    # what the launcher's specialization tells the compiler at the benchmark shapes: every pointer 16-byte aligned and
-    # every int but E (24 for K2) a multiple of 16, so loads can be vectorized
+    sig = signature(kernel, scale_type, cfg.get("SPLIT_N", 1) > 1)
+    # Triton's runtime specialization of the launcher's arguments at the benchmark shapes: every pointer 16-byte
+    # aligned, every int a multiple of 16 but E where it is not (K2's 24 experts); stride_part is 0 or T * K. Leaving
+    # out an int the runtime specializes changes ptxas's allocation (the MXFP4 dgrad compiled without stride_part's
+    # divisibility: 115 registers; as launched: 162)
     aligned = {(i,): [["tt.divisibility", 16]] for i, (name, t) in enumerate(sig.items())
-               if t != "constexpr" and name not in ("E", "stride_part")}
+               if t != "constexpr" and not (name == "E" and experts % 16)}
     src = ASTSource(kernel, sig, constexprs=const, attrs=aligned)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def main() -> None:
     print(f"triton {triton.__version__}, sm_90a")
-    print("| op | fmt | config | REG / STACK / LOCAL | SASS instructions | blocks per SM (registers, shared) |")
-    print("|---|---|---|---|---|---|")
-    variants = [(op, shipped, fmt, {}) for op, shipped in (("fwd", tw.fwd_config), ("dgrad", tw.dgrad_config))
-                for fmt in FORMATS]
-    variants += [("fwd", tw.fwd_config, fmt, {"PERSISTENT": 2}) for fmt in FORMATS]  # the experimental walk
-    for op, shipped, fmt, extra in variants:
-        cfg = dict(shipped(8, "mxfp4-pack-quantized" if fmt == "mxfp4" else "pack-quantized"), **extra)
-        k = compile_fused(op, fmt, cfg)
-        usage = resource_usage(k.asm["cubin"])
-        regs = int(usage.split()[0].split(":")[1])
-        by_regs, by_shared = blocks_per_sm(regs, cfg["num_warps"], k.metadata.shared)
-        label = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}" + (
-            " row loads" if cfg.get("ROW_LOADS") else "") + (" persistent" if extra else "")
-        print(f"| {op} | {fmt} | {label} | {usage.replace('SHARED:', 'SHARED(static):')} | "
-              f"{sass_instructions(k.asm['cubin'])} | {by_regs}, {by_shared} |", flush=True)
+    print("| op | fmt | layer | config | REG / STACK / LOCAL | SASS instructions | blocks per SM (registers, shared) |")
+    print("|---|---|---|---|---|---|---|")
+    # (op, shipped config, layer label, experts, extra config): K2 fc2's dgrad at 8 tok/exp has 24 x 8 programs, under
+    # two per SM, so the launcher splits its reduction (SPLIT_N_FEW_PROGRAMS ranges of 64-row steps)
+    split = {"BLOCK_N": 64, "SPLIT_N": tw.SPLIT_N_FEW_PROGRAMS}
+    variants = [("fwd", tw.fwd_config, "K3", 112, {}), ("fwd", tw.fwd_config, "K2", 24, {}),
+                ("dgrad", tw.dgrad_config, "K3", 112, {}), ("dgrad", tw.dgrad_config, "K2 fc1", 24, {}),
+                ("dgrad", tw.dgrad_config, "K2 fc2", 24, split),
+                ("fwd", tw.fwd_config, "K3", 112, {"PERSISTENT": 2})]  # the experimental walk
+    for op, shipped, layer, experts, extra in variants:
+        for fmt in FORMATS:
+            cfg = dict(shipped(8, "mxfp4-pack-quantized" if fmt == "mxfp4" else "pack-quantized"), **extra)
+            k = compile_fused(op, fmt, cfg, experts)
+            usage = resource_usage(k.asm["cubin"])
+            regs = int(usage.split()[0].split(":")[1])
+            by_regs, by_shared = blocks_per_sm(regs, cfg["num_warps"], k.metadata.shared)
+            label = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}" + (
+                " row loads" if cfg.get("ROW_LOADS") else "") + "".join(
+                f" {k.lower()} {v}" for k, v in extra.items() if k != "BLOCK_N")
+            print(f"| {op} | {fmt} | {layer} | {label} | {usage.replace('SHARED:', 'SHARED(static):')} | "
+                  f"{sass_instructions(k.asm['cubin'])} | {by_regs}, {by_shared} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,9 @@ run_w4a16() {
   # (W4A16_BENCH_ARGS: e.g. --quick for K3 fc1 only; W4A16_TESTS=0: the table alone, W4A16_BENCH=0: the tests alone,
   # so the two can go to different calls of one lease)
   if [ "${W4A16_TESTS:-1}" = 1 ]; then
-    timeout "${KERNELS_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rfE -p no:cacheprovider tests/kimi_core/kernels \
+    # cold (a fresh machine, no Triton cache) the suite compiles for ~8 minutes (264 of 394 tests in 330 s on an H100,
+    # 2026-12-06; warm it runs in 28 s), so on a fresh machine the table goes to the next call (W4A16_TESTS=0)
+    timeout "${KERNELS_TIMEOUT:-540}" python3 -m pytest -q -m gpu -rfE -p no:cacheprovider tests/kimi_core/kernels \
       > "$OUT/pytest_kernels.log" 2>&1
     echo "kernels rc=$? $(tail -1 "$OUT/pytest_kernels.log")"
   fi
