@@ -283,9 +283,20 @@ if HAVE_GLUON:
             sb = s_tile.load(gl.SliceLayout(1, L3)).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
         mbarrier.arrive(p_free.index(s), count=1)
         b = gl.convert_layout(gl.reshape(b, [G, 16, BK]), L3, assert_trivial=True)
-        pairs = ws._bf16x2_decode((b * 0x1001) & 0x000F000F, gl.expand_dims(ws.scale_bits_to_pairs(sb, FMT), 1), FMT)
+        # a fragment register holds one output column at contraction n and n + 1 (the thread's registers 0 / 1 of
+        # L3): bytes n and n + 1 side by side in one word ([G, 16, BK / 2]), so its low nibbles decode straight to
+        # column 2 j's register and its high nibbles to column 2 j + 1's, each half with its own n's scale
+        b_n, b_n1 = gl.split(gl.reshape(b, [G, 16, BK // 2, 2]))
+        words = b_n | (b_n1 << 16)
+        # the scales over the bytes too (the byte axis lies on lanes and warps: no registers), split as the bytes are
+        sb, _ = gl.broadcast(gl.expand_dims(sb, 1), b)
+        s_n, s_n1 = gl.split(gl.reshape(sb, [G, 16, BK // 2, 2]))
+        scale2 = ws.scale_pair_bits(s_n, s_n1, FMT)
+        low = ws._bf16x2_decode(words & 0x000F000F, scale2, FMT)
+        high = ws._bf16x2_decode((words >> 4) & 0x000F000F, scale2, FMT)
+        cols = gl.join(gl.reshape(ws.bf16_halves(low), [G, 16, BK]), gl.reshape(ws.bf16_halves(high), [G, 16, BK]))
         w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        return gl.convert_layout(_dgrad_rows(ws.bf16_halves(pairs), R, G, True), w_layout, assert_trivial=True)
+        return gl.convert_layout(_dgrad_rows(cols, R, G, True), w_layout, assert_trivial=True)
 
     @gluon.jit
     def _issue(w, acc, a_ring, a_ready, it, LOAD_STAGES: gl.constexpr):
