@@ -42,7 +42,11 @@ rows, the contraction over ``N``. A byte's two nibbles are neighbouring output c
 spread over threads; so the fragment's rows are the output columns reordered (fragment row ``q + 8 h + 16 w`` =
 column ``2 q + h + 16 w``: rows ``r`` and ``r + 8`` of one thread are the two nibbles of one byte), each thread
 loads whole bytes of its 16 contraction rows per step and the accumulator's rows are put back before the store
-(:func:`_dgrad_rows`, a relabelling of registers). The scales vary along the contraction there, so they go as a
+(:func:`_dgrad_rows`, a relabelling of registers). A fragment register holds one row at contraction ``n`` and ``n +
+1``, so the bytes of ``n`` and ``n + 1`` are decoded side by side in one word, low nibbles into one column's register
+and high nibbles into the next column's, each half with its own ``n``'s scale (no bf16 halves repacked: 434 / 300
+SASS instructions per two K steps for MXFP4 / INT4 where a byte per register took 494 / 386; INT4 dgrad 7.5-14 %
+faster, MXFP4 0-7 %, H100, benchmarks/RESULTS.md 2026-12-06). The scales vary along the contraction there, so they go as a
 transposed copy ``[E * K / 32, N]`` (made per call by :mod:`.triton_transpose`, 1/16 of the packed bytes) whose
 ``[BN / 32, 64]`` box holds exactly a step's groups. Shapes, dtypes, tile table, persistence and argument checks
 as :mod:`.gluon_w4a16` (``x`` bf16 ``[T, K]``, ``y`` bf16 ``[T, N]``; dgrad ``dy`` ``[T, N]`` -> ``dx`` ``[T,
@@ -269,8 +273,9 @@ if HAVE_GLUON:
         warpgroup's ``R`` output columns: ``W^T`` (output columns x contraction ``n``), rows in the order of
         :func:`_dgrad_rows`. Reads its half of the stage's packed bytes ``[BK (n), R / 2]`` (each thread its byte column
         ``j`` in its 16 rows ``n``) and the transposed scales ``[BN / 32, BK]`` (its group's row), arrives on
-        ``p_free``, decodes each byte's two nibbles with the scale of ``(n, group)`` (the same exact arithmetic as
-        the forward) and pairs them into the fragment's registers."""
+        ``p_free`` and decodes them with the scale of ``(n, group)`` (the same exact arithmetic as the forward):
+        bytes ``n`` and ``n + 1`` (the thread's consecutive registers of :func:`_dgrad_layout`) as one word whose
+        low nibbles are column ``2 j``'s fragment register and high nibbles column ``2 j + 1``'s."""
         s = it % LOAD_STAGES
         G: gl.constexpr = R // 32
         L3: gl.constexpr = _dgrad_layout(R, BK)
