@@ -44,10 +44,10 @@ column ``2 q + h + 16 w``: rows ``r`` and ``r + 8`` of one thread are the two ni
 loads whole bytes of its 16 contraction rows per step and the accumulator's rows are put back before the store
 (:func:`_dgrad_rows`, a relabelling of registers). A fragment register holds one row at contraction ``n`` and ``n +
 1``, so the bytes of ``n`` and ``n + 1`` are decoded side by side in one word, low nibbles into one column's register
-and high nibbles into the next column's, each half with its own ``n``'s scale (no bf16 halves repacked: 434 / 300
+and high nibbles into the next column's, each half with its own ``n``'s scale (no bf16 halves repacked: 430 / 290
 SASS instructions per two K steps for MXFP4 / INT4 where a byte per register took 494 / 386; INT4 dgrad 7.5-14 %
-faster, MXFP4 0-7 %, H100, benchmarks/RESULTS.md 2026-12-06). The scales vary along the contraction there, so they go as a
-transposed copy ``[E * K / 32, N]`` (made per call by :mod:`.triton_transpose`, 1/16 of the packed bytes) whose
+faster, MXFP4 0-7 %, H100, benchmarks/RESULTS.md 2026-12-06). The scales vary along the contraction there, so they
+go as a transposed copy ``[E * K / 32, N]`` (made per call by :mod:`.triton_transpose`, 1/16 of the packed bytes) whose
 ``[BN / 32, 64]`` box holds exactly a step's groups. Shapes, dtypes, tile table, persistence and argument checks
 as :mod:`.gluon_w4a16` (``x`` bf16 ``[T, K]``, ``y`` bf16 ``[T, N]``; dgrad ``dy`` ``[T, N]`` -> ``dx`` ``[T,
 K]``). Extra memory: none beyond the output and the tile table (dgrad: and the transposed scales).

@@ -60,7 +60,7 @@ import tempfile  # noqa: E402
 
 sys.path.insert(0, ".")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sm90_cubin import resource_usage  # noqa: E402
+from sm90_cubin import mma_loop, resource_usage  # noqa: E402
 
 from kimi_core.kernels import gluon_w4a16 as gw  # noqa: E402
 from kimi_core.kernels.triton_w4a16 import FMT_INT4 as INT4, FMT_MXFP4 as MXFP4  # noqa: E402
@@ -147,7 +147,8 @@ for fmt, ws, dgrad, warps, bm, bn in configs:
         print("  TMA metadata:", k.metadata.tensordesc_meta, "| warps:", k.metadata.num_warps)
     dump(k, f"{'dgrad' if dgrad else 'fwd'}_{fmt}_n{bn}_w{warps}_m{bm}")
 
-# the forward with the decoded weights in the wgmma's register A fragment (kimi_core.kernels.gluon_w4a16_rs)
+# the forward with the decoded weights in the wgmma's register A fragment (kimi_core.kernels.gluon_w4a16_rs); "K loop
+# SASS": the instructions of the innermost loop issuing wgmmas (sm90_cubin.mma_loop; decode ahead: two K steps)
 from kimi_core.kernels import gluon_w4a16_rs as rs  # noqa: E402
 
 for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16")):
@@ -168,7 +169,7 @@ for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16")):
         print("w4a16_rs fwd", "mxfp4" if fmt == MXFP4 else "int4", f"BN {bn} BM {bm} load stages {stages}",
               f"wgmmas per K step {chunks} programs per SM {ctas} decode ahead {ahead}",
               "| wgmma with register A:", assert_register_wgmma(ptx), "| shared bytes:", k.metadata.shared, "|",
-              usage)
+              usage, "| K loop SASS:", mma_loop(k.asm["cubin"])[0])
         dump(k, f"rs_{fmt}_n{bn}_m{bm}_c{chunks}_o{ctas}_a{ahead}")
 
 # the dgrad with the decoded weights in the register A fragment (rows reordered, transposed scales)
@@ -181,7 +182,7 @@ for fmt, ws in ((MXFP4, "u8"), (INT4, "bf16")):
             "MMA_CHUNKS": 1, "DECODE_AHEAD": ahead, "DGRAD": True}, 4, scales_t=True)
         print("w4a16_rs dgrad", "mxfp4" if fmt == MXFP4 else "int4", f"BN {bn} BM {bm} load stages {stages}",
               f"decode ahead {ahead}", "| wgmma with register A:", assert_register_wgmma(ptx), "| shared bytes:",
-              k.metadata.shared, "|", usage, flush=True)
+              k.metadata.shared, "|", usage, "| K loop SASS:", mma_loop(k.asm["cubin"])[0], flush=True)
         dump(k, f"rs_dgrad_{fmt}_n{bn}_m{bm}_a{ahead}")
 
 # MXFP4 with the 2^126 folded into the scales (one multiply per decoded pair; gw.FMT_MXFP4_FOLDED), forward and dgrad

@@ -40,3 +40,24 @@ def blocks_per_sm(registers: int, num_warps: int, shared_bytes: int) -> tuple[in
     by_regs = SM90_REGISTERS // (-(-registers // 8) * 8 * 32 * num_warps)
     by_shared = SM90_SHARED // (shared_bytes + 1024) if shared_bytes else SM90_THREADS // (32 * num_warps)
     return by_regs, min(by_shared, SM90_THREADS // (32 * num_warps))
+
+
+def mma_loop(cubin: bytes) -> tuple[int, dict[str, int]]:
+    """``(instructions, {opcode: count})`` of the innermost loop that issues wgmmas (``HGMMA``): of the address ranges
+    closed by a backward branch, the shortest holding an ``HGMMA`` (a K loop, its body as ptxas unrolled it; the
+    register Gluon kernels under decode ahead hold two K steps). ``(0, {})`` where no loop issues one."""
+    sass = _cuobjdump(cubin, "-sass")
+    code = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    index = {address: i for i, (address, _) in enumerate(code)}
+    best: list[str] = []
+    for i, (address, text) in enumerate(code):
+        target = re.search(r"BRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address and int(target.group(1), 16) in index:
+            body = [t for _, t in code[index[int(target.group(1), 16)]:i + 1]]
+            opcodes = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body]
+            if "HGMMA" in opcodes and (not best or len(body) < len(best)):
+                best = opcodes
+    counts: dict[str, int] = {}
+    for op in best:
+        counts[op] = counts.get(op, 0) + 1
+    return len(best), dict(sorted(counts.items(), key=lambda kv: -kv[1]))
