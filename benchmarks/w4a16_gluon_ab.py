@@ -5,11 +5,13 @@ machines of one kind differ by several per cent (benchmarks/RESULTS.md, 2026-12-
 ``export`` copies a revision's ``kimi_core/kernels/gluon_w4a16.py`` and ``gluon_w4a16_rs.py`` into
 ``benchmarks/_ab_before/`` (git-ignored; carry it to the GPU machine), their imports of each other pointed at the
 copies; ``run`` times those against the working tree's, both with ``kimi_core.kernels.GLUON_OPTIONS`` (what the
-dispatcher runs, ``--options`` adds keyword arguments, e.g. ``'{"fold_scales": true}'``), twice each, alternating, the
-best of each, beside BF16 ``_grouped_mm``, and says whether the two outputs are bitwise equal.
+dispatcher runs, ``--options`` adds keyword arguments, e.g. ``'{"fold_scales": true}'``, ``--before-options`` other
+ones for the exported side: one revision exported can so time an option against its absence), twice each,
+alternating, the best of each, beside BF16 ``_grouped_mm``, and says whether the two outputs are bitwise equal.
 
     python benchmarks/w4a16_gluon_ab.py export 639daea          # CPU machine, a git checkout
     python benchmarks/w4a16_gluon_ab.py run --tokens 512,2048    # GPU machine (carry benchmarks/_ab_before)
+    python benchmarks/w4a16_gluon_ab.py run --fmts mxfp4 --options '{"fold_scales": true}' --before-options '{}'
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def export(rev: str) -> None:
     print(f"{rev}'s {', '.join(MODULES)} -> {BEFORE}")
 
 
-def run(tokens: list[int], ops: list[str], fmts: list[str], extra: dict) -> None:
+def run(tokens: list[int], ops: list[str], fmts: list[str], extra: dict, before_extra: dict | None = None) -> None:
     """Print one markdown row per shape x format x tokens x op: BF16 ms, before / after ms and speed vs BF16, after
     / before speed, and whether the outputs are bitwise equal."""
     import torch
@@ -58,7 +60,9 @@ def run(tokens: list[int], ops: list[str], fmts: list[str], extra: dict) -> None
 
     before = importlib.import_module("before_gluon_w4a16_rs")
     after = importlib.import_module("kimi_core.kernels.gluon_w4a16_rs")
-    print(f"before: {before.__file__}\nafter: {after.__file__}\noptions: GLUON_OPTIONS + {json.dumps(extra)}\n")
+    before_extra = extra if before_extra is None else before_extra
+    print(f"before: {before.__file__} with GLUON_OPTIONS + {json.dumps(before_extra)}\n"
+          f"after: {after.__file__} with GLUON_OPTIONS + {json.dumps(extra)}\n")
     print("| shape | fmt | tok/exp | op | BF16 ms | before ms (vs BF16) | after ms (vs BF16) | after / before speed "
           "| outputs |\n|---|---|---|---|---|---|---|---|---|", flush=True)
     for name, E, K, N in wb.SHAPES:
@@ -73,16 +77,18 @@ def run(tokens: list[int], ops: list[str], fmts: list[str], extra: dict) -> None
                 bf16 = wb.bf16_ops(x, dy, w_bf16, offs)
                 for op in ops:
                     a = x if op == "fwd" else dy
-                    opts = {k: v for k, v in {**GLUON_OPTIONS[op], **extra}.items() if k != "kernel"}
+                    opts = {side: {k: v for k, v in {**GLUON_OPTIONS[op], **more}.items() if k != "kernel"}
+                            for side, more in (("before", before_extra), ("after", extra))}
                     fns = {side: getattr(mod, "grouped_gemm" if op == "fwd" else "grouped_gemm_dgrad")
                            for side, mod in (("before", before), ("after", after))}
-                    same = torch.equal(fns["before"](a, wp, ws, fmt, splits, **opts),
-                                       fns["after"](a, wp, ws, fmt, splits, **opts))
+                    same = torch.equal(fns["before"](a, wp, ws, fmt, splits, **opts["before"]),
+                                       fns["after"](a, wp, ws, fmt, splits, **opts["after"]))
                     t_bf16 = wb.bench(bf16[op], reps=10)
                     best = {"before": float("inf"), "after": float("inf")}
                     for _ in range(2):
                         for side, fn in fns.items():
-                            best[side] = min(best[side], wb.bench(lambda: fn(a, wp, ws, fmt, splits, **opts), reps=10))
+                            best[side] = min(best[side], wb.bench(
+                                lambda: fn(a, wp, ws, fmt, splits, **opts[side]), reps=10))
                     print(f"| {name} | {wb.fmt_name(fmt)} | {tpe} | {op} | {t_bf16:.3f} | {best['before']:.3f} "
                           f"({t_bf16 / best['before']:.3f}x) | {best['after']:.3f} ({t_bf16 / best['after']:.3f}x) | "
                           f"{best['before'] / best['after']:.3f} | {'bitwise equal' if same else 'DIFFERENT'} |",
@@ -100,12 +106,13 @@ def main() -> None:
     rn.add_argument("--ops", default="fwd,dgrad")
     rn.add_argument("--fmts", default="mxfp4,int4")
     rn.add_argument("--options", default="{}", help="JSON keyword arguments added to GLUON_OPTIONS")
+    rn.add_argument("--before-options", default=None, help="JSON, the exported side's (default: --options)")
     args = ap.parse_args()
     if args.cmd == "export":
         export(args.rev)
     else:
         run([int(t) for t in args.tokens.split(",")], args.ops.split(","), args.fmts.split(","),
-            json.loads(args.options))
+            json.loads(args.options), None if args.before_options is None else json.loads(args.before_options))
 
 
 if __name__ == "__main__":
