@@ -95,7 +95,7 @@ def main() -> None:
             by_regs, by_shared = blocks_per_sm(regs, cfg["num_warps"], k.metadata.shared)
             label = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}" + (
                 " row loads" if cfg.get("ROW_LOADS") else "") + "".join(
-                f" {k.lower()} {v}" for k, v in extra.items() if k != "BLOCK_N")
+                f" {key.lower()} {value}" for key, value in extra.items() if key != "BLOCK_N")
             print(f"| {op} | {fmt} | {layer} | {label} | {usage.replace('SHARED:', 'SHARED(static):')} | "
                   f"{sass_instructions(k.asm['cubin'])} | {by_regs}, {by_shared} |", flush=True)
 
