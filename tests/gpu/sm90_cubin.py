@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections import Counter
 
 import triton
 
@@ -57,7 +58,4 @@ def mma_loop(cubin: bytes) -> tuple[int, dict[str, int]]:
             opcodes = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body]
             if "HGMMA" in opcodes and (not best or len(body) < len(best)):
                 best = opcodes
-    counts: dict[str, int] = {}
-    for op in best:
-        counts[op] = counts.get(op, 0) + 1
-    return len(best), dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+    return len(best), dict(Counter(best).most_common())

@@ -145,4 +145,3 @@ def test_triton_kernels_in_interpreter():
     worst = float(res.stdout.split("WORST")[-1])
     # the interpreter rounds bf16 by truncation, hence a looser bound than on the GPU
     assert worst < 1e-2, res.stdout
-
