@@ -6,12 +6,14 @@ machines of one kind differ by several per cent (benchmarks/RESULTS.md, 2026-12-
 ``benchmarks/_ab_before/`` (git-ignored; carry it to the GPU machine), their imports of each other pointed at the
 copies; ``run`` times those against the working tree's, both with ``kimi_core.kernels.GLUON_OPTIONS`` (what the
 dispatcher runs, ``--options`` adds keyword arguments, e.g. ``'{"fold_scales": true}'``, ``--before-options`` other
-ones for the exported side: one revision exported can so time an option against its absence), twice each,
+ones for the exported side: one revision exported can so time an option against its absence; ``--self`` puts the
+working tree's kernels on both sides, so an option is timed without any export), twice each,
 alternating, the best of each, beside BF16 ``_grouped_mm``, and says whether the two outputs are bitwise equal.
 
     python benchmarks/w4a16_gluon_ab.py export 639daea          # CPU machine, a git checkout
     python benchmarks/w4a16_gluon_ab.py run --tokens 512,2048    # GPU machine (carry benchmarks/_ab_before)
     python benchmarks/w4a16_gluon_ab.py run --fmts mxfp4 --options '{"fold_scales": true}' --before-options '{}'
+    python benchmarks/w4a16_gluon_ab.py run --self --options '{"fold_scales": true}' --before-options '{}'
 """
 
 from __future__ import annotations
@@ -45,12 +47,14 @@ def export(rev: str) -> None:
     print(f"{rev}'s {', '.join(MODULES)} -> {BEFORE}")
 
 
-def run(tokens: list[int], ops: list[str], fmts: list[str], extra: dict, before_extra: dict | None = None) -> None:
+def run(tokens: list[int], ops: list[str], fmts: list[str], extra: dict, before_extra: dict | None = None,
+        itself: bool = False) -> None:
     """Print one markdown row per shape x format x tokens x op: BF16 ms, before / after ms and speed vs BF16, after
-    / before speed, and whether the outputs are bitwise equal."""
+    / before speed, and whether the outputs are bitwise equal. ``itself``: the working tree's kernels on both sides
+    (only the options differ)."""
     import torch
 
-    if not os.path.isdir(BEFORE):
+    if not itself and not os.path.isdir(BEFORE):
         sys.exit(f"{BEFORE} is missing: run `python benchmarks/w4a16_gluon_ab.py export REV` first (and carry it)")
     sys.path.insert(0, BEFORE)
     sys.path.insert(0, HERE)
@@ -58,8 +62,8 @@ def run(tokens: list[int], ops: list[str], fmts: list[str], extra: dict, before_
 
     from kimi_core.kernels import GLUON_OPTIONS
 
-    before = importlib.import_module("before_gluon_w4a16_rs")
     after = importlib.import_module("kimi_core.kernels.gluon_w4a16_rs")
+    before = after if itself else importlib.import_module("before_gluon_w4a16_rs")
     before_extra = extra if before_extra is None else before_extra
     print(f"before: {before.__file__} with GLUON_OPTIONS + {json.dumps(before_extra)}\n"
           f"after: {after.__file__} with GLUON_OPTIONS + {json.dumps(extra)}\n")
@@ -107,12 +111,13 @@ def main() -> None:
     rn.add_argument("--fmts", default="mxfp4,int4")
     rn.add_argument("--options", default="{}", help="JSON keyword arguments added to GLUON_OPTIONS")
     rn.add_argument("--before-options", default=None, help="JSON, the exported side's (default: --options)")
+    rn.add_argument("--self", action="store_true", help="the working tree's kernels on both sides (no export)")
     args = ap.parse_args()
     if args.cmd == "export":
         export(args.rev)
     else:
         run([int(t) for t in args.tokens.split(",")], args.ops.split(","), args.fmts.split(","),
-            json.loads(args.options), None if args.before_options is None else json.loads(args.before_options))
+            json.loads(args.options), None if args.before_options is None else json.loads(args.before_options), itself=args.self)
 
 
 if __name__ == "__main__":
