@@ -267,6 +267,21 @@ if HAVE_GLUON:
             return gl.reshape(gl.permute(gl.reshape(t, [G, 2, 2, 8, C]), (0, 1, 3, 2, 4)), [R, C])
 
     @gluon.jit
+    def _dgrad_scale_pairs(s_tile, layout: gl.constexpr, G: gl.constexpr, BK: gl.constexpr, FMT: gl.constexpr):
+        """int32 bf16x2 scale pairs ``[G, BK / 2]`` in ``layout``: the scales of contraction rows ``2 i`` (low half)
+        and ``2 i + 1`` (high half) of each of the warpgroup's ``G`` scale groups, read from the transposed scale box
+        ``s_tile`` (``[G, BK]``, row-major, unswizzled) as one element of twice the scale's width: INT4's two bf16 are
+        the pair as they lie; MXFP4's two E8M0 bytes are spread to bytes 0 and 2 (one ``prmt``) and converted by
+        :func:`.gluon_w4a16.packed_scale_bits`."""
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        if FMT == 1:
+            return s_tile._reinterpret(gl.int32, [G, BK // 2], flat).load(layout)
+        two = s_tile._reinterpret(gl.int16, [G, BK // 2], flat).load(layout).to(gl.int32)
+        packed = gl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x4140;", "=r,r", [two], dtype=gl.int32,
+                                           is_pure=True, pack=1)
+        return ws.packed_scale_bits(packed, FMT)
+
+    @gluon.jit
     def _dgrad_fragment(p_ring, s_ring, p_ready, p_free, it, HALF_INDEX: gl.constexpr, FMT: gl.constexpr,
                         R: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr, acc_layout: gl.constexpr):
         """The decoded bf16 A fragment ``[R, BK]`` of one dgrad K step (this program's ``it``-th ring use) for the
@@ -281,22 +296,15 @@ if HAVE_GLUON:
         L3: gl.constexpr = _dgrad_layout(R, BK)
         mbarrier.wait(p_ready.index(s), (it // LOAD_STAGES) & 1)
         b = p_ring.index(2 * s + HALF_INDEX).permute((1, 0)).load(_dgrad_layout(R, BK, True)).to(gl.int32) & 0xFF
-        s_tile = s_ring.index(s).slice(HALF_INDEX * G, G, dim=0)
-        if FMT != 1:
-            sb = s_tile.load(gl.SliceLayout(1, L3)).to(gl.int32) & 0xFF
-        else:
-            sb = s_tile.load(gl.SliceLayout(1, L3)).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-        mbarrier.arrive(p_free.index(s), count=1)
         b = gl.convert_layout(gl.reshape(b, [G, 16, BK]), L3, assert_trivial=True)
         # a fragment register holds one output column at contraction n and n + 1 (the thread's registers 0 / 1 of
         # L3): bytes n and n + 1 side by side in one word ([G, 16, BK / 2]), so its low nibbles decode straight to
         # column 2 j's register and its high nibbles to column 2 j + 1's, each half with its own n's scale
         b_n, b_n1 = gl.split(gl.reshape(b, [G, 16, BK // 2, 2]))
         words = b_n | (b_n1 << 16)
-        # the scales over the bytes too (the byte axis lies on lanes and warps: no registers), split as the bytes are
-        sb, _ = gl.broadcast(gl.expand_dims(sb, 1), b)
-        s_n, s_n1 = gl.split(gl.reshape(sb, [G, 16, BK // 2, 2]))
-        scale2 = ws.scale_pair_bits(s_n, s_n1, FMT)
+        scale2 = gl.expand_dims(_dgrad_scale_pairs(s_ring.index(s).slice(HALF_INDEX * G, G, dim=0),
+                                                   gl.SliceLayout(1, words.type.layout), G, BK, FMT), 1)
+        mbarrier.arrive(p_free.index(s), count=1)
         low = ws._bf16x2_decode(words & 0x000F000F, scale2, FMT)
         high = ws._bf16x2_decode((words >> 4) & 0x000F000F, scale2, FMT)
         cols = gl.join(gl.reshape(ws.bf16_halves(low), [G, 16, BK]), gl.reshape(ws.bf16_halves(high), [G, 16, BK]))
