@@ -187,15 +187,24 @@ if HAVE_GLUON:
         return box0, (g0 - box0) * SB
 
     @gluon.jit
-    def _pick_scale(words, cols, byte, MASK: gl.constexpr):
+    def _pick_scale(words, cols, byte, MASK: gl.constexpr, WORD_SELECT: gl.constexpr = False):
         """``[R]`` int32: the scale at byte offset ``byte`` of each row of ``words`` (``[R, 4]`` int32 = the 16
-        bytes of a row's TMA box, little-endian)."""
-        w = gl.sum(gl.where(gl.expand_dims(cols, 0) == byte // 4, words, 0), axis=1)
+        bytes of a row's TMA box, little-endian). ``WORD_SELECT``: the word by two selects on its (uniform) index
+        instead of a masked sum over the four (fewer instructions, one more live register: the register forward
+        with two programs per SM and decode ahead spills with it)."""
+        if WORD_SELECT:
+            even, odd = gl.split(gl.reshape(words, [words.shape[0], 2, 2]))  # words (0, 2) and (1, 3)
+            w0, w2 = gl.split(even)
+            w1, w3 = gl.split(odd)
+            idx = byte // 4
+            w = gl.where(idx >= 2, gl.where(idx % 2 == 1, w3, w2), gl.where(idx % 2 == 1, w1, w0))
+        else:
+            w = gl.sum(gl.where(gl.expand_dims(cols, 0) == byte // 4, words, 0), axis=1)
         return (w >> ((byte % 4) * 8)) & MASK
 
     @gluon.jit
     def _scale_pairs(s_tile, off, R: gl.constexpr, G: gl.constexpr, layout: gl.constexpr, FMT: gl.constexpr,
-                     LW: gl.constexpr):
+                     LW: gl.constexpr, WORD_SELECT: gl.constexpr = False):
         """int32 ``[R, G]`` bf16x2 pairs (the same scale in both halves), in ``layout``, of the ``G`` (2, 4 or 8) scale
         groups at byte ``off`` of each row of ``s_tile`` (``[R, 16 bytes]`` row-major: E8M0 bytes for MXFP4, bf16 for
         INT4; TMA zero-fills rows past the tensor). ``LW``: the layout the rows' four words are loaded in (each
@@ -205,7 +214,7 @@ if HAVE_GLUON:
         words = s_tile._reinterpret(gl.int32, [R, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(LW)
         cols = gl.arange(0, 4, layout=gl.SliceLayout(0, LW))
         if G == 2:  # forward: the step's two groups lie in one word (MXFP4: off even; INT4: off % 4 == 0)
-            w = _pick_scale(words, cols, off // 4 * 4, -1)
+            w = _pick_scale(words, cols, off // 4 * 4, -1, WORD_SELECT)
             v = gl.join((w >> ((off % 4) * 8)) & MASK, (w >> ((off % 4 + SB) * 8)) & MASK)
         else:
             v0 = _pick_scale(words, cols, off, MASK)

@@ -205,7 +205,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _step_operands(p_ring, s_ring, p_ready, p_free, s, phase, i, col0, HALF_INDEX: gl.constexpr,
                        FMT: gl.constexpr, R: gl.constexpr, BK: gl.constexpr, byte_layout: gl.constexpr,
-                       SW: gl.constexpr):
+                       SW: gl.constexpr, WORD_SELECT: gl.constexpr):
         """This warpgroup's packed bytes (int32 ``[R, G, 16]``, ``G`` = ``BK / 32`` scale groups) and their bf16x2
         scale pairs (``[R, G]``) of K step ``i`` (ring stage ``s``, parity ``phase``) in the fragment's layout; arrives
         on ``p_free`` once they are in registers."""
@@ -215,21 +215,21 @@ if HAVE_GLUON:
         b = gl.reshape(_fragment_bytes(p_ring.index(s).slice(HALF_INDEX * R, R), byte_layout, R, BK), [R, G, 16])
         _, off = ws._scale_box(i, col0, False, BK, SB)
         sc = ws._scale_pairs(s_ring.index(s).slice(HALF_INDEX * R, R), off, R, G, gl.SliceLayout(2, b.type.layout),
-                             FMT, SW)
+                             FMT, SW, WORD_SELECT)
         mbarrier.arrive(p_free.index(s), count=1)
         return b, sc
 
     @gluon.jit
     def _step_fragment(p_ring, s_ring, p_ready, p_free, it, i, col0, HALF_INDEX: gl.constexpr, FMT: gl.constexpr,
                        R: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr, byte_layout: gl.constexpr,
-                       SW: gl.constexpr, acc_layout: gl.constexpr, DGRAD: gl.constexpr):
+                       SW: gl.constexpr, acc_layout: gl.constexpr, DGRAD: gl.constexpr, WORD_SELECT: gl.constexpr):
         """The decoded bf16 A fragment ``[R, BK]`` of K step ``i`` (this program's ``it``-th ring use); ``DGRAD``:
         :func:`_dgrad_fragment`."""
         if DGRAD:
             w = _dgrad_fragment(p_ring, s_ring, p_ready, p_free, it, HALF_INDEX, FMT, R, BK, LOAD_STAGES, acc_layout)
         else:
             b, sc = _step_operands(p_ring, s_ring, p_ready, p_free, it % LOAD_STAGES, (it // LOAD_STAGES) & 1, i,
-                                   col0, HALF_INDEX, FMT, R, BK, byte_layout, SW)
+                                   col0, HALF_INDEX, FMT, R, BK, byte_layout, SW, WORD_SELECT)
             w = _decode(b, gl.expand_dims(sc, 2), FMT, R, BK, acc_layout)
         return w
 
@@ -322,7 +322,8 @@ if HAVE_GLUON:
     def _rs_consumer(a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
                      n_col_tiles, steps, out_cols, stride_om, HALF_INDEX: gl.constexpr, FMT: gl.constexpr,
                      BM: gl.constexpr, BK: gl.constexpr, LOAD_STAGES: gl.constexpr, R: gl.constexpr,
-                     MMA_CHUNKS: gl.constexpr, DECODE_AHEAD: gl.constexpr, DGRAD: gl.constexpr):
+                     MMA_CHUNKS: gl.constexpr, DECODE_AHEAD: gl.constexpr, DGRAD: gl.constexpr,
+                     WORD_SELECT: gl.constexpr):
         """One warpgroup: columns ``[R HALF_INDEX, R HALF_INDEX + R)`` of every ``2 R``-column work item (``R`` = 128
         or 64), ``out^T [R, BM] = W_half . a_tile^T`` with the weight half decoded into the wgmma's register A
         fragment each K step (see the module docstring). Arrives on ``p_free`` once it has read a step's bytes and
@@ -346,16 +347,16 @@ if HAVE_GLUON:
                 # (a loop-carried fragment would be: ptxas then serializes every wgmma, C7513): step i + 1 is decoded
                 # into the other fragment while step i's wgmma runs
                 w_a = _step_fragment(p_ring, s_ring, p_ready, p_free, it, 0, col0, HALF_INDEX, FMT, R, BK,
-                                     LOAD_STAGES, byte_layout, SW, acc_layout, DGRAD)
+                                     LOAD_STAGES, byte_layout, SW, acc_layout, DGRAD, WORD_SELECT)
                 for j in range((steps - 1) // 2):  # steps 2 j and 2 j + 1; decodes 2 j + 1 and 2 j + 2
                     acc = _issue(w_a, acc, a_ring, a_ready, it, LOAD_STAGES)
                     w_b = _step_fragment(p_ring, s_ring, p_ready, p_free, it + 1, 2 * j + 1, col0, HALF_INDEX, FMT,
-                                         R, BK, LOAD_STAGES, byte_layout, SW, acc_layout, DGRAD)
+                                         R, BK, LOAD_STAGES, byte_layout, SW, acc_layout, DGRAD, WORD_SELECT)
                     acc, w_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_a))
                     mbarrier.arrive(a_free.index(it % LOAD_STAGES), count=1)
                     acc = _issue(w_b, acc, a_ring, a_ready, it + 1, LOAD_STAGES)
                     w_a = _step_fragment(p_ring, s_ring, p_ready, p_free, it + 2, 2 * j + 2, col0, HALF_INDEX, FMT,
-                                         R, BK, LOAD_STAGES, byte_layout, SW, acc_layout, DGRAD)
+                                         R, BK, LOAD_STAGES, byte_layout, SW, acc_layout, DGRAD, WORD_SELECT)
                     acc, w_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_b))
                     mbarrier.arrive(a_free.index((it + 1) % LOAD_STAGES), count=1)
                     it += 2
@@ -364,7 +365,7 @@ if HAVE_GLUON:
                 if steps % 2 == 0:
                     acc = _issue(w_a, acc, a_ring, a_ready, it, LOAD_STAGES)
                     w_b = _step_fragment(p_ring, s_ring, p_ready, p_free, it + 1, steps - 1, col0, HALF_INDEX, FMT,
-                                         R, BK, LOAD_STAGES, byte_layout, SW, acc_layout, DGRAD)
+                                         R, BK, LOAD_STAGES, byte_layout, SW, acc_layout, DGRAD, WORD_SELECT)
                     acc, w_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_a))
                     mbarrier.arrive(a_free.index(it % LOAD_STAGES), count=1)
                     acc = _issue(w_b, acc, a_ring, a_ready, it + 1, LOAD_STAGES)
@@ -382,13 +383,13 @@ if HAVE_GLUON:
                     phase = (it // LOAD_STAGES) & 1
                     if MMA_CHUNKS == 1:  # forward or dgrad
                         w = _step_fragment(p_ring, s_ring, p_ready, p_free, it, i, col0, HALF_INDEX, FMT, R, BK,
-                                           LOAD_STAGES, byte_layout, SW, acc_layout, DGRAD)
+                                           LOAD_STAGES, byte_layout, SW, acc_layout, DGRAD, WORD_SELECT)
                         acc = _issue(w, acc, a_ring, a_ready, it, LOAD_STAGES)
                         acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))  # before w's registers are reused
                     else:
                         # the step in K slices (forward only), each decoded while the previous slice's wgmma runs
                         b, sc = _step_operands(p_ring, s_ring, p_ready, p_free, s, phase, i, col0, HALF_INDEX, FMT, R,
-                                               BK, byte_layout, SW)
+                                               BK, byte_layout, SW, WORD_SELECT)
                         a_tile = a_ring.index(s)
                         scw, b = gl.broadcast(gl.expand_dims(sc, 2), b)  # [R, G, 16] scale of each byte's group
                         if MMA_CHUNKS == 2:  # slice j = scale group j
@@ -443,6 +444,8 @@ if HAVE_GLUON:
         a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free = ws.load_rings(a_desc, p_desc, s_desc, LOAD_STAGES, 2,
                                                                                  2 if DGRAD else 1)
         R: gl.constexpr = BN // 2
+        # the scale word by selects, except with two programs per SM and decode ahead (it spills there)
+        WORD_SELECT: gl.constexpr = CONSUMER_REGS >= 200 or not DECODE_AHEAD
         FIRST: gl.constexpr = 0
         SECOND: gl.constexpr = 1
         gl.warp_specialize([
@@ -450,10 +453,10 @@ if HAVE_GLUON:
                           n_tiles, n_col_tiles, N, K // 32, steps, DGRAD, BN, BK, LOAD_STAGES, DGRAD)),
             (_rs_consumer, (a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
                             n_col_tiles, steps, out_cols, stride_om, FIRST, FMT, BM, BK, LOAD_STAGES, R,
-                            MMA_CHUNKS, DECODE_AHEAD, DGRAD)),
+                            MMA_CHUNKS, DECODE_AHEAD, DGRAD, WORD_SELECT)),
             (_rs_consumer, (a_ring, p_ring, s_ring, a_ready, a_free, p_ready, p_free, out_ptr, tiles_ptr, n_tiles,
                             n_col_tiles, steps, out_cols, stride_om, SECOND, FMT, BM, BK, LOAD_STAGES, R,
-                            MMA_CHUNKS, DECODE_AHEAD, DGRAD)),
+                            MMA_CHUNKS, DECODE_AHEAD, DGRAD, WORD_SELECT)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
