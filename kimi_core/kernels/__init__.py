@@ -80,7 +80,7 @@ W4A16_GLUON: dict[str, dict] = {op: {"default": None, **{shape: (128, None) for 
 #: register fragment); the rest are that kernel's keyword arguments (tile sizes, persistent, decode ahead). The
 #: measured best (same source): the register kernels with their own tile pick (256 columns up to 128 mean rows,
 #: else 128 columns x 256 rows), persistent, decoding ahead on 128-column tiles, forward and dgrad.
-GLUON_OPTIONS: dict[str, dict] = {op: {"kernel": "registers", "persistent": True, "decode_ahead": "auto"}
+GLUON_OPTIONS: dict[str, dict] = {op: {"kernel": "registers", "persistent": True, "decode_ahead": "auto", "fold_scales": True}
                                   for op in ("fwd", "dgrad")}
 
 
