@@ -498,10 +498,14 @@ def scale_smem_layout(s_block: list[int], scale_bytes: int, scales_t: bool = Fal
 def mxfp4_scales_fold(w_scale: torch.Tensor) -> bool:
     """Whether every E8M0 byte of ``w_scale`` (uint8, any shape) is at most 128 (scales up to 2, as in any real
     checkpoint: a weight up to 12), so ``2^(s - 1)`` is a normal bf16 and the decode can run as
-    :data:`FMT_MXFP4_FOLDED`. Read once per tensor and version (one device sync), remembered on the tensor."""
+    :data:`FMT_MXFP4_FOLDED`. Read once per tensor and version (one device sync), remembered on the tensor; while a
+    CUDA graph is being captured (where a sync is illegal) an unread tensor answers False: the exact two-multiply
+    decode, the same bits."""
     seen = getattr(w_scale, "_kimi_scales_fold", None)
     if seen is not None and seen[0] == w_scale._version:
         return seen[1]
+    if w_scale.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
     fold = bool((w_scale <= 128).all())
     w_scale._kimi_scales_fold = (w_scale._version, fold)
     return fold
