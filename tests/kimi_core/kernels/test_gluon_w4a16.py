@@ -266,3 +266,23 @@ def test_mxfp4_scale_fold_is_taken_only_where_every_scale_allows_it():
     scales[1, 3, 5] = 0
     assert gw.mxfp4_scales_fold(scales)
     assert rs.fmt_id(int4, torch.ones(2, 8, 16, dtype=torch.bfloat16), True) == 1
+
+
+def test_mxfp4_scale_fold_reads_nothing_during_graph_capture(monkeypatch):
+    """Reading a scale tensor syncs the device, which a CUDA graph capture forbids: an unread CUDA tensor answers
+    False there (the exact two-multiply decode, the same bits) and is read at its first use outside a capture."""
+    from kimi_core.kernels import gluon_w4a16 as gw
+
+    class OnCuda(torch.Tensor):  # a CPU tensor that reports a CUDA device, so no GPU is needed
+        @property
+        def is_cuda(self):
+            return True
+
+    scales = torch.full((2, 8, 16), 120, dtype=torch.uint8).as_subclass(OnCuda)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not gw.mxfp4_scales_fold(scales)
+    assert not hasattr(scales, "_kimi_scales_fold"), "nothing may be read or remembered during a capture"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert gw.mxfp4_scales_fold(scales)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert gw.mxfp4_scales_fold(scales), "a tensor read before the capture keeps its answer"
