@@ -116,8 +116,9 @@ def main() -> None:
     if args.cmd == "export":
         export(args.rev)
     else:
+        before_options = None if args.before_options is None else json.loads(args.before_options)
         run([int(t) for t in args.tokens.split(",")], args.ops.split(","), args.fmts.split(","),
-            json.loads(args.options), None if args.before_options is None else json.loads(args.before_options), itself=args.self)
+            json.loads(args.options), before_options, itself=args.self)
 
 
 if __name__ == "__main__":

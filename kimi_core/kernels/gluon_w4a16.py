@@ -234,18 +234,12 @@ if HAVE_GLUON:
         return scale_bits_to_pairs(gl.convert_layout(v, layout), FMT)
 
     @gluon.jit
-    def scale_pair_bits(lo, hi, FMT: gl.constexpr):
-        """int32 bf16x2 scale pairs of the raw scale bits ``lo`` (low half) and ``hi`` (high half), int32 tensors of
-        one shape: MXFP4's E8M0 byte ``s`` -> bf16 ``2^(s - 127)`` = ``s << 7``, and ``s = 0`` the subnormal
+    def packed_scale_bits(packed, FMT: gl.constexpr):
+        """int32 bf16x2 scale pairs of ``packed`` (int32: the raw scale bits of the low half in bits 0-15, of the high
+        half in bits 16-31): MXFP4's E8M0 byte ``s`` -> bf16 ``2^(s - 127)`` = ``s << 7``, and ``s = 0`` the subnormal
         ``2^-127`` = ``0x40``, which is what an unsigned 16-bit maximum with ``0x40`` makes of both halves at once
         (``max.u16x2``, sm_90; every ``s >= 1`` gives ``0x80`` or more); ``FMT_MXFP4_FOLDED``: ``2^(s - 1)`` =
         ``(s + 126) << 7``, a normal bf16 for ``s <= 128``; INT4's bf16 bits as they are."""
-        return packed_scale_bits(lo | (hi << 16), FMT)
-
-    @gluon.jit
-    def packed_scale_bits(packed, FMT: gl.constexpr):
-        """int32 bf16x2 scale pairs of ``packed`` (int32: the raw scale bits of the low half in bits 0-15, of the high
-        half in bits 16-31), as :func:`scale_pair_bits`."""
         if FMT == 0:
             return gl.inline_asm_elementwise(
                 "{ .reg .b32 c; mov.b32 c, 0x00400040; max.u16x2 $0, $1, c; }", "=r,r", [packed << 7],
@@ -257,8 +251,8 @@ if HAVE_GLUON:
     @gluon.jit
     def scale_bits_to_pairs(sb, FMT: gl.constexpr):
         """int32 bf16x2 scale pairs, the same scale in both halves, of the raw scale bits ``sb``
-        (:func:`scale_pair_bits`)."""
-        return scale_pair_bits(sb, sb, FMT)
+        (:func:`packed_scale_bits`)."""
+        return packed_scale_bits(sb | (sb << 16), FMT)
 
     @gluon.jit
     def _tile_at(tiles_ptr, t, n_col_tiles, BN: gl.constexpr):

@@ -52,9 +52,10 @@ def mma_loop(cubin: bytes) -> tuple[int, dict[str, int]]:
     index = {address: i for i, (address, _) in enumerate(code)}
     best: list[str] = []
     for i, (address, text) in enumerate(code):
-        target = re.search(r"BRA\b.*?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < address and int(target.group(1), 16) in index:
-            body = [t for _, t in code[index[int(target.group(1), 16)]:i + 1]]
+        branch = re.search(r"BRA\b.*?0x([0-9a-f]+)", text)
+        target = int(branch.group(1), 16) if branch else None
+        if target is not None and target < address and target in index:
+            body = [t for _, t in code[index[target]:i + 1]]
             opcodes = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body]
             if "HGMMA" in opcodes and (not best or len(body) < len(best)):
                 best = opcodes
