@@ -14,6 +14,8 @@ alternating, the best of each, beside BF16 ``_grouped_mm``, and says whether the
     python benchmarks/w4a16_gluon_ab.py run --tokens 512,2048    # GPU machine (carry benchmarks/_ab_before)
     python benchmarks/w4a16_gluon_ab.py run --fmts mxfp4 --options '{"fold_scales": true}' --before-options '{}'
     python benchmarks/w4a16_gluon_ab.py run --self --options '{"fold_scales": true}' --before-options '{}'
+    python benchmarks/w4a16_gluon_ab.py run --fused --tokens 8 --fmts mxfp4 --options '{"fold_scales": true}' \
+        --before-options '{}'                                    # the fused Triton kernels, an option against its absence
 """
 
 from __future__ import annotations
@@ -48,12 +50,14 @@ def export(rev: str) -> None:
 
 
 def run(tokens: list[int], ops: list[str], fmts: list[str], extra: dict, before_extra: dict | None = None,
-        itself: bool = False) -> None:
+        itself: bool = False, fused: bool = False) -> None:
     """Print one markdown row per shape x format x tokens x op: BF16 ms, before / after ms and speed vs BF16, after
     / before speed, and whether the outputs are bitwise equal. ``itself``: the working tree's kernels on both sides
-    (only the options differ)."""
+    (only the options differ); ``fused``: the working tree's fused Triton kernels (:mod:`.triton_w4a16`, their own
+    tile pick) on both sides, the options their keyword arguments."""
     import torch
 
+    itself = itself or fused
     if not itself and not os.path.isdir(BEFORE):
         sys.exit(f"{BEFORE} is missing: run `python benchmarks/w4a16_gluon_ab.py export REV` first (and carry it)")
     sys.path.insert(0, BEFORE)
@@ -62,11 +66,13 @@ def run(tokens: list[int], ops: list[str], fmts: list[str], extra: dict, before_
 
     from kimi_core.kernels import GLUON_OPTIONS
 
-    after = importlib.import_module("kimi_core.kernels.gluon_w4a16_rs")
+    after = importlib.import_module("kimi_core.kernels." + ("triton_w4a16" if fused else "gluon_w4a16_rs"))
     before = after if itself else importlib.import_module("before_gluon_w4a16_rs")
+    base = {"fwd": {}, "dgrad": {}} if fused else GLUON_OPTIONS
     before_extra = extra if before_extra is None else before_extra
-    print(f"before: {before.__file__} with GLUON_OPTIONS + {json.dumps(before_extra)}\n"
-          f"after: {after.__file__} with GLUON_OPTIONS + {json.dumps(extra)}\n")
+    what = "its own tile pick" if fused else "GLUON_OPTIONS"
+    print(f"before: {before.__file__} with {what} + {json.dumps(before_extra)}\n"
+          f"after: {after.__file__} with {what} + {json.dumps(extra)}\n")
     print("| shape | fmt | tok/exp | op | BF16 ms | before ms (vs BF16) | after ms (vs BF16) | after / before speed "
           "| outputs |\n|---|---|---|---|---|---|---|---|---|", flush=True)
     for name, E, K, N in wb.SHAPES:
@@ -81,7 +87,7 @@ def run(tokens: list[int], ops: list[str], fmts: list[str], extra: dict, before_
                 bf16 = wb.bf16_ops(x, dy, w_bf16, offs)
                 for op in ops:
                     a = x if op == "fwd" else dy
-                    opts = {side: {k: v for k, v in {**GLUON_OPTIONS[op], **more}.items() if k != "kernel"}
+                    opts = {side: {k: v for k, v in {**base[op], **more}.items() if k != "kernel"}
                             for side, more in (("before", before_extra), ("after", extra))}
                     fns = {side: getattr(mod, "grouped_gemm" if op == "fwd" else "grouped_gemm_dgrad")
                            for side, mod in (("before", before), ("after", after))}
@@ -112,13 +118,15 @@ def main() -> None:
     rn.add_argument("--options", default="{}", help="JSON keyword arguments added to GLUON_OPTIONS")
     rn.add_argument("--before-options", default=None, help="JSON, the exported side's (default: --options)")
     rn.add_argument("--self", action="store_true", help="the working tree's kernels on both sides (no export)")
+    rn.add_argument("--fused", action="store_true",
+                    help="the working tree's fused Triton kernels on both sides (their own tile pick; no export)")
     args = ap.parse_args()
     if args.cmd == "export":
         export(args.rev)
     else:
         before_options = None if args.before_options is None else json.loads(args.before_options)
         run([int(t) for t in args.tokens.split(",")], args.ops.split(","), args.fmts.split(","),
-            json.loads(args.options), before_options, itself=args.self)
+            json.loads(args.options), before_options, itself=args.self, fused=args.fused)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ RING_BUDGET = 200 * 1024  # shared bytes for the rings; the epilogue's scratch a
 DECODE_WARPS = 4    # warps of the decode partition (4 or 8)
 BLOCK_M_CHOICES = (8, 16, 32, 64, 128)  # activation rows per tile: the wgmma's N (see pick_block_m)
 # FMT: triton_w4a16's format ids (FMT_MXFP4 = 0, FMT_INT4 = 1, from its _fmt_id), and:
-FMT_MXFP4_FOLDED = 2  # MXFP4 whose E8M0 scales are all <= 128: the decode's 2^126 folded into the scales (one multiply)
+FMT_MXFP4_FOLDED = 2  # MXFP4 whose E8M0 scales are all <= 128: the decode's 2^126 folded into the scales (one multiply;
+#                       triton_w4a16's permuted kernels take the same id)
 
 
 def w_stages(block_n: int = BN) -> int:

@@ -31,8 +31,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kimi_core.kernels.gluon_w4a16 import FMT_MXFP4_FOLDED, mxfp4_scales_fold
+
 FMT_MXFP4 = 0
 FMT_INT4 = 1
+# FMT_MXFP4_FOLDED (2, from gluon_w4a16; the permuted kernels only): MXFP4 whose E8M0 bytes are all <= 128, decoded
+# with one multiply
 
 
 @triton.jit
@@ -109,10 +113,13 @@ def _scale_value(s, FMT: tl.constexpr):
 @triton.jit
 def _scale_bf16(s, FMT: tl.constexpr):
     """Group scales as the bf16 factor of the word decoders: an E8M0 byte ``s`` becomes the bf16 with bits
-    ``s << 7`` (``2^(s - 127)``; ``s = 0`` the subnormal ``2^-127``, bits ``0x40``); INT4 scales are bf16 already."""
+    ``s << 7`` (``2^(s - 127)``; ``s = 0`` the subnormal ``2^-127``, bits ``0x40``); :data:`FMT_MXFP4_FOLDED`: ``2^(s
+    - 1)``, the decoders' ``2^126`` folded in; INT4 scales are bf16 already."""
     if FMT == 0:
         sb = s.to(tl.uint16)
         return tl.where(sb == 0, 0x40, sb << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    elif FMT == 2:  # FMT_MXFP4_FOLDED: 2^(s - 1), bits (s + 126) << 7, a normal bf16 for every s <= 128
+        return ((s.to(tl.uint16) + 126) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return s
 
@@ -176,40 +183,23 @@ def _load_weight_tile(wq_ptr, ws_ptr, rows_w, row_mask_w, k0, K, stride_wn, stri
 # the classic nibble masks 0x000F000F give for free, and permutes the reduction axis so that each
 # thread's MMA operand registers are exactly such pairs (see ``_fwd_perm_tile``).
 
-_MXFP4_WORD_ASM = tl.constexpr("""
-{
-.reg .b32 s2, c126, v, r;
-mov.b32 s2, {$9, $9};
-mov.b32 c126, 0x7E807E80;
-and.b32 v, $8, 0x000F000F;
-mul.lo.u32 v, v, 0x1040;
-and.b32 r, v, 0x81C081C0;
-mul.rn.bf16x2 r, r, c126;
-mul.rn.bf16x2 r, r, s2;
-mov.b32 {$0, $4}, r;
-shr.u32 v, $8, 4;
-and.b32 v, v, 0x000F000F;
-mul.lo.u32 v, v, 0x1040;
-and.b32 r, v, 0x81C081C0;
-mul.rn.bf16x2 r, r, c126;
-mul.rn.bf16x2 r, r, s2;
-mov.b32 {$1, $5}, r;
-shr.u32 v, $8, 8;
-and.b32 v, v, 0x000F000F;
-mul.lo.u32 v, v, 0x1040;
-and.b32 r, v, 0x81C081C0;
-mul.rn.bf16x2 r, r, c126;
-mul.rn.bf16x2 r, r, s2;
-mov.b32 {$2, $6}, r;
-shr.u32 v, $8, 12;
-and.b32 v, v, 0x000F000F;
-mul.lo.u32 v, v, 0x1040;
-and.b32 r, v, 0x81C081C0;
-mul.rn.bf16x2 r, r, c126;
-mul.rn.bf16x2 r, r, s2;
-mov.b32 {$3, $7}, r;
-}
-""")
+def _mxfp4_word_asm(folded: bool) -> str:
+    """PTX decoding one int32 word of 8 E2M1 codes into 8 bf16 (``$0``-``$7``, element ``e`` and ``e + 4`` from one
+    bf16x2), scale ``$9``: each pair's codes placed as bf16 bits ``s << 15 | eem << 6`` (the value times
+    ``2^-126``), then one multiply by ``2^126`` and one by the scale ``2^(s - 127)``; ``folded``: one multiply by the
+    scale ``2^(s - 1)`` (:data:`FMT_MXFP4_FOLDED`), the same exact product rounded once."""
+    lines = ["{", ".reg .b32 s2, v, r;" if folded else ".reg .b32 s2, c126, v, r;", "mov.b32 s2, {$9, $9};"]
+    lines += [] if folded else ["mov.b32 c126, 0x7E807E80;"]
+    for e in range(4):
+        lines += ([f"shr.u32 v, $8, {4 * e};", "and.b32 v, v, 0x000F000F;"] if e else ["and.b32 v, $8, 0x000F000F;"])
+        lines += ["mul.lo.u32 v, v, 0x1040;", "and.b32 r, v, 0x81C081C0;"]
+        lines += ([] if folded else ["mul.rn.bf16x2 r, r, c126;"]) + ["mul.rn.bf16x2 r, r, s2;"]
+        lines += [f"mov.b32 {{${e}, ${e + 4}}}, r;"]
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+_MXFP4_WORD_ASM = tl.constexpr(_mxfp4_word_asm(False))
+_MXFP4_FOLDED_WORD_ASM = tl.constexpr(_mxfp4_word_asm(True))
 
 _INT4_WORD_ASM = tl.constexpr("""
 {
@@ -242,8 +232,14 @@ mov.b32 {$3, $7}, r;
 
 @triton.jit
 def _word_elem(words, scale, e: tl.constexpr, FMT: tl.constexpr):
-    """Element ``e`` (nibble ``e``) of each int32 word times its bf16 scale -> bf16 (portable twin of the asm)."""
-    return (_code_value((words >> (4 * e)) & 0xF, FMT) * scale.to(tl.float32)).to(tl.bfloat16)
+    """Element ``e`` (nibble ``e``) of each int32 word times its bf16 scale -> bf16 (portable twin of the asm;
+    :data:`FMT_MXFP4_FOLDED`'s ``2^(s - 1)`` is taken back to ``2^(s - 127)`` exactly, fp32 keeps ``2^-127``)."""
+    nib = (words >> (4 * e)) & 0xF
+    if FMT == 2:
+        v = _code_value(nib, 0) * (scale.to(tl.float32) * 1.1754943508222875e-38)  # 2^-126
+    else:
+        v = _code_value(nib, FMT) * scale.to(tl.float32)
+    return v.to(tl.bfloat16)
 
 
 @triton.jit
@@ -253,6 +249,10 @@ def _decode_words(words, scale, FMT: tl.constexpr, USE_ASM: tl.constexpr):
         if FMT == 0:
             o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
                 _MXFP4_WORD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, scale], dtype=(tl.bfloat16,) * 8,
+                is_pure=True, pack=1)
+        elif FMT == 2:
+            o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                _MXFP4_FOLDED_WORD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, scale], dtype=(tl.bfloat16,) * 8,
                 is_pure=True, pack=1)
         else:
             o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
@@ -295,7 +295,7 @@ def _fwd_perm_tile(wq_ptr, ws_ptr, x_rows, row_mask, offs_n, n_mask, k0, stride_
         word = k0 // 8 + wt[:, None] * 4 + tl.arange(0, 4)[None, :]  # [4(t), 4(w)] word index in the row
         q = tl.load(wq_ptr + offs_n[:, None, None] * stride_wn + word[None, :, :],
                     mask=n_mask[:, None, None], other=0)  # int32 [BN, 4, 4]
-    if FMT == 0:
+    if FMT != 1:  # E8M0 bytes (MXFP4, folded or not)
         sb = tl.load(ws_ptr + offs_n[:, None] * stride_sn + (k0 // 32 + wt)[None, :],
                      mask=n_mask[:, None], other=127)
     else:
@@ -508,7 +508,7 @@ def w4a16_dgrad_perm_kernel(dy_ptr, wq_ptr, ws_ptr, dx_ptr, offsets_ptr, N, K, E
             else:
                 dy = tl.load(dy_rows + offs_n[None, :], mask=row_mask[:, None] & n_mask[None, :], other=0.0)
                 q = tl.load(w_ptrs, mask=w_mask, other=0)
-                if FMT == 0:
+                if FMT != 1:  # E8M0 bytes (MXFP4, folded or not)
                     sb = tl.load(s_ptrs, mask=n_mask[:, None], other=127)
                 else:
                     sb = tl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
@@ -544,6 +544,12 @@ def _interpreting() -> bool:
 
 def _fmt_id(fmt: str) -> int:
     return FMT_MXFP4 if fmt == "mxfp4-pack-quantized" else FMT_INT4
+
+
+def _folded_id(fmt_id: int, w_scale) -> int:
+    """:data:`FMT_MXFP4_FOLDED` for MXFP4 scales that all allow it (:func:`.gluon_w4a16.mxfp4_scales_fold`, read once
+    per tensor version), else ``fmt_id`` (the exact two-multiply decode; INT4 as it is)."""
+    return FMT_MXFP4_FOLDED if fmt_id == FMT_MXFP4 and mxfp4_scales_fold(w_scale) else fmt_id
 
 
 def _as_words(w_packed):
@@ -628,12 +634,14 @@ def dgrad_config(tokens_per_expert: float, fmt: str = "") -> dict:
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, ROW_LOADS=True)
 
 
-def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None = None, out=None):
+def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None = None, out=None,
+                 fold_scales: bool = False):
     """Triton forward; arguments as :func:`kimi_core.kernels.w4a16_grouped_gemm` (already validated).
 
     ``config`` overrides the tile choice (benchmarks; ``PERSISTENT``: that many programs per SM walking the tiles,
     experimental; ``ROW_LOADS``: the permuted kernels' weight loads as runs along a row); ``out`` is an optional
-    ``[T, N]`` bf16 output.
+    ``[T, N]`` bf16 output; ``fold_scales``: the permuted kernel decodes MXFP4 with one multiply where every scale
+    byte allows it (:func:`_folded_id`; the same bits).
     """
     import torch
 
@@ -656,8 +664,9 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
         grid = (min(programs, per_sm * sm_count(x.device)) if per_sm else programs,)
         w4a16_fwd_perm_kernel[grid](
             x, wq, ws, y, offsets, N, K, E, x.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
-            ws.stride(1), y.stride(0), FMT=fmt_id, GROUP_M=8, E_POW2=_e_pow2(E), USE_ASM=use_asm,
-            INTERP=not use_asm, PERSISTENT=bool(per_sm), ROW_LOADS=bool(row_loads), **cfg)
+            ws.stride(1), y.stride(0), FMT=_folded_id(fmt_id, ws) if fold_scales else fmt_id, GROUP_M=8,
+            E_POW2=_e_pow2(E), USE_ASM=use_asm, INTERP=not use_asm, PERSISTENT=bool(per_sm),
+            ROW_LOADS=bool(row_loads), **cfg)
     else:
         wq = w_packed.contiguous()
         cfg.setdefault("BLOCK_K", 128 if K % 128 == 0 else 32)
@@ -669,11 +678,12 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
     return y
 
 
-def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict | None = None, out=None):
+def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict | None = None, out=None,
+                       fold_scales: bool = False):
     """Triton dgrad; arguments as :func:`kimi_core.kernels.w4a16_grouped_gemm_dgrad` (already validated).
 
     ``config`` overrides the tile choice (benchmarks; ``SPLIT_N``: the reduction over N in that many ranges);
-    ``out`` is an optional ``[T, K]`` bf16 output.
+    ``out`` is an optional ``[T, K]`` bf16 output; ``fold_scales`` as :func:`grouped_gemm`.
     """
     import torch
 
@@ -703,7 +713,8 @@ def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict |
         grid = (programs, split)
         w4a16_dgrad_perm_kernel[grid](
             dy, wq, ws, part, offsets, N, K, E, dy.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
-            ws.stride(1), part.stride(-2), FMT=fmt_id, GROUP_M=8, E_POW2=_e_pow2(E),
+            ws.stride(1), part.stride(-2), FMT=_folded_id(fmt_id, ws) if fold_scales else fmt_id, GROUP_M=8,
+            E_POW2=_e_pow2(E),
             USE_ASM=not _interpreting(), EVEN_N=N % cfg["BLOCK_N"] == 0, INTERP=_interpreting(), SPLIT_N=split,
             stride_part=part.stride(0) if split > 1 else 0, ROW_LOADS=bool(row_loads), **cfg)
         if split > 1:

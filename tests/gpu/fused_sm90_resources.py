@@ -22,11 +22,12 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, ".")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sm90_cubin import blocks_per_sm, resource_usage, sass_instructions  # noqa: E402
+from sm90_cubin import blocks_per_sm, mma_loop, resource_usage, sass_instructions  # noqa: E402
 
 from kimi_core.kernels import triton_w4a16 as tw  # noqa: E402
 
-FORMATS = {"mxfp4": (tw.FMT_MXFP4, "*u8"), "int4": (tw.FMT_INT4, "*bf16")}
+FORMATS = {"mxfp4": (tw.FMT_MXFP4, "*u8"), "mxfp4 folded": (tw.FMT_MXFP4_FOLDED, "*u8"),
+           "int4": (tw.FMT_INT4, "*bf16")}
 
 
 def signature(kernel, scale_type: str, partial_sums: bool = False) -> dict:
@@ -77,8 +78,9 @@ def compile_fused(op: str, fmt: str, config: dict, experts: int = 112):
 
 def main() -> None:
     print(f"triton {triton.__version__}, sm_90a")
-    print("| op | fmt | layer | config | REG / STACK / LOCAL | SASS instructions | blocks per SM (registers, shared) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| op | fmt | layer | config | REG / STACK / LOCAL | SASS instructions | K loop SASS | blocks per SM (registers, "
+          "shared) |")
+    print("|---|---|---|---|---|---|---|---|")
     # (op, shipped config, layer label, experts, extra config): K2 fc2's dgrad at 8 tok/exp has 24 x 8 programs, under
     # two per SM, so the launcher splits its reduction (SPLIT_N_FEW_PROGRAMS ranges of 64-row steps)
     split = {"BLOCK_N": 64, "SPLIT_N": tw.SPLIT_N_FEW_PROGRAMS}
@@ -88,7 +90,7 @@ def main() -> None:
                 ("fwd", tw.fwd_config, "K3", 112, {"PERSISTENT": 2})]  # the experimental walk
     for op, shipped, layer, experts, extra in variants:
         for fmt in FORMATS:
-            cfg = dict(shipped(8, "mxfp4-pack-quantized" if fmt == "mxfp4" else "pack-quantized"), **extra)
+            cfg = dict(shipped(8, "mxfp4-pack-quantized" if fmt.startswith("mxfp4") else "pack-quantized"), **extra)
             k = compile_fused(op, fmt, cfg, experts)
             usage = resource_usage(k.asm["cubin"])
             regs = int(usage.split()[0].split(":")[1])
@@ -97,7 +99,8 @@ def main() -> None:
                 " row loads" if cfg.get("ROW_LOADS") else "") + "".join(
                 f" {key.lower()} {value}" for key, value in extra.items() if key != "BLOCK_N")
             print(f"| {op} | {fmt} | {layer} | {label} | {usage.replace('SHARED:', 'SHARED(static):')} | "
-                  f"{sass_instructions(k.asm['cubin'])} | {by_regs}, {by_shared} |", flush=True)
+                  f"{sass_instructions(k.asm['cubin'])} | {mma_loop(k.asm['cubin'])[0]} | {by_regs}, {by_shared} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -156,3 +156,26 @@ def test_public_api_and_autograd_on_cuda(fmt):
     y.backward(g)
     assert_close("y", oracle_fwd(x.detach(), wp, ws, fmt, splits), y.detach().float(), 1e-2)
     assert_close("dx", oracle_dgrad(g, wp, ws, fmt, splits), x.grad.float(), 1e-2)
+
+
+@pytest.mark.parametrize("E,K,N", BENCH_SHAPES)
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+def test_folded_mxfp4_decode(E, K, N, op):
+    """The permuted kernels with ``fold_scales`` (MXFP4 decoded with one bf16x2 multiply by ``2^(s - 1)`` where every
+    E8M0 byte is at most 128) over scale bytes 0..128 (the subnormal ``2^-127`` and ``2^1`` included), the shipped tiles
+    at 8 tokens per expert (the launcher's own pick, K2 fc2's split dgrad included): bit for bit the two-multiply
+    decode's result, and the oracle's."""
+    from kimi_core.kernels import triton_w4a16 as tw
+
+    splits = ragged_splits(E, 9, seed=E + K)
+    wp, _ = random_packed(MXFP4, E, N, K, seed=N, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(K)
+    ws = torch.randint(0, 129, (E, N, K // 32), dtype=torch.uint8, device="cuda", generator=g)
+    assert tw._folded_id(tw.FMT_MXFP4, ws) == tw.FMT_MXFP4_FOLDED
+    a = torch.randn(sum(splits), K if op == "fwd" else N, device="cuda").bfloat16()
+    launch = tw.grouped_gemm if op == "fwd" else tw.grouped_gemm_dgrad
+    exact = launch(a, wp, ws, MXFP4, splits)
+    folded = launch(a, wp, ws, MXFP4, splits, fold_scales=True)
+    assert torch.equal(exact, folded), f"folded {op} E{E} K{K} N{N}"
+    oracle = oracle_fwd if op == "fwd" else oracle_dgrad
+    assert_close(f"folded {op} E{E} K{K} N{N}", oracle(a, wp, ws, MXFP4, splits), folded.float(), 1e-2)

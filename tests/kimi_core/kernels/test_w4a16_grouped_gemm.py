@@ -124,6 +124,19 @@ for fmt in ("mxfp4-pack-quantized", "pack-quantized"):
     plain_dx = tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, config=dict(cfg))
     rows_dx = tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, config=dict(cfg, ROW_LOADS=True))
     assert torch.equal(plain_dx, rows_dx), fmt
+    # fold_scales (MXFP4 decoded with one multiply by 2^(s - 1) where every scale byte is at most 128; INT4 unchanged):
+    # the same values bit for bit, scales 0..128 (the subnormal 2^-127 and 2^1 included)
+    wsf = ws.clone()
+    if fmt == "mxfp4-pack-quantized":
+        wsf = torch.randint(0, 129, ws.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
+        wsf.view(-1)[:2] = torch.tensor([0, 128], dtype=torch.uint8)
+        assert tw._folded_id(tw.FMT_MXFP4, wsf) == tw.FMT_MXFP4_FOLDED
+    for extra in ({}, {"ROW_LOADS": True}):
+        for op in (tw.grouped_gemm, tw.grouped_gemm_dgrad):
+            a = x if op is tw.grouped_gemm else dy
+            exact = op(a, wp, wsf, fmt, splits, config=dict(cfg, **extra))
+            folded = op(a, wp, wsf, fmt, splits, config=dict(cfg, **extra), fold_scales=True)
+            assert torch.equal(exact, folded), (fmt, op.__name__, extra)
     # the launchers' own configs where K rules out the permuted kernels (their options must not reach the generic ones)
     wp5, ws5 = random_packed(fmt, 2, 32, 160, seed=5)
     x5, dy5 = torch.randn(9, 160).bfloat16(), torch.randn(9, 32).bfloat16()
