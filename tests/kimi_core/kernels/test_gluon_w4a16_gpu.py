@@ -287,3 +287,38 @@ def test_folded_mxfp4_decode_is_bit_exact(op, block_n, kw):
         want = dequantize(fmt, wp[e], ws[e], torch.bfloat16)  # [N, K]
         (w,) = read_back_weights(kernel, wp, ws, fmt, e, block_n, {**kw, "fold_scales": True}).values()
         assert_bit_exact(f"folded {op} block_n {block_n} {kw} expert {e}", w, want)
+
+
+def test_unread_scales_under_graph_capture_take_the_exact_decode():
+    """``fold_scales`` needs one read of the scale tensor (a device sync), which is illegal while a CUDA graph is
+    captured: a tensor not read before the capture takes the exact two-multiply decode inside the graph, without a
+    read, and the graph's outputs are bitwise the eager folded call's (forward and dgrad), which the oracle checks."""
+    from kimi_core.kernels import gluon_w4a16 as gw
+    from kimi_core.kernels import gluon_w4a16_rs as rs
+
+    if not gw.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    E, N, K = 3, 256, 512
+    splits = [40, 0, 88]
+    wp, ws = random_packed(MXFP4, E, N, K, seed=11, device="cuda")
+    x = torch.randn(sum(splits), K, device="cuda").bfloat16()
+    dy = torch.randn(sum(splits), N, device="cuda").bfloat16()
+    unfolded = ws.clone()
+    unfolded[0, 0, 0] = 129  # compiles the two-multiply kernels outside the capture
+    rs.grouped_gemm(x, wp, unfolded, MXFP4, splits, fold_scales=True)
+    rs.grouped_gemm_dgrad(dy, wp, unfolded, MXFP4, splits, fold_scales=True)
+    fresh = ws.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = rs.grouped_gemm(x, wp, fresh, MXFP4, splits, fold_scales=True)
+        dx_graph = rs.grouped_gemm_dgrad(dy, wp, fresh, MXFP4, splits, fold_scales=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not hasattr(fresh, "_kimi_scales_fold"), "the scales were read during the capture"
+    y = rs.grouped_gemm(x, wp, ws, MXFP4, splits, fold_scales=True)
+    dx = rs.grouped_gemm_dgrad(dy, wp, ws, MXFP4, splits, fold_scales=True)
+    assert gw.mxfp4_scales_fold(ws), "the eager calls must run the folded decode"
+    assert torch.equal(y_graph, y) and torch.equal(dx_graph, dx), "captured (exact) and eager (folded) differ"
+    assert_close("graph fwd", oracle_fwd(x, wp, ws, MXFP4, splits), y.float(), 1e-2)
+    assert_close("graph dgrad", oracle_dgrad(dy, wp, ws, MXFP4, splits), dx.float(), 1e-2)
