@@ -191,10 +191,10 @@ def measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe, alt_bytes: int | None = Non
     bf16 = bf16_ops(x, dy, w_bf16, offs)
     fns = {
         "bf16_fwd": bf16["fwd"],
-        "fused_fwd": lambda: tw.grouped_gemm(x, wp, ws, fmt, splits),
+        "fused_fwd": lambda: tw.grouped_gemm(x, wp, ws, fmt, splits, **kernels.FUSED_OPTIONS["fwd"]),
         "chunked_fwd": lambda: wc.grouped_gemm(x, wp, ws, fmt, splits),
         "bf16_dgrad": bf16["dgrad"],
-        "fused_dgrad": lambda: tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits),
+        "fused_dgrad": lambda: tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, **kernels.FUSED_OPTIONS["dgrad"]),
         "chunked_dgrad": lambda: wc.grouped_gemm_dgrad(dy, wp, ws, fmt, splits),
     }
     row = dict(shape=name, E=E, K=K, N=N, tokens_per_expert=tpe, fmt=fmt)
@@ -513,7 +513,7 @@ def _crossover_text() -> str:
     Gluon options."""
     tables = {name: {op: {str(k): v for k, v in t.items()} for op, t in table.items()}
               for name, table in (("W4A16_CROSSOVER", kernels.W4A16_CROSSOVER), ("W4A16_GLUON", kernels.W4A16_GLUON))}
-    return json.dumps(dict(tables, GLUON_OPTIONS=kernels.GLUON_OPTIONS))
+    return json.dumps(dict(tables, GLUON_OPTIONS=kernels.GLUON_OPTIONS, FUSED_OPTIONS=kernels.FUSED_OPTIONS))
 
 
 # the fused kernels' tile configs the sweep times: (BLOCK_M, BLOCK_N, num_warps, num_stages[, extra options]), the
