@@ -413,8 +413,14 @@ def main() -> None:
                          "rs[<block_m>][s<load_stages>][n<block_n>][k<mma_chunks>][o<ctas_per_sm>][a][p]: the forward "
                          "with the weights in the wgmma's registers")
     ap.add_argument("--gluon-only", action="store_true", help="with --gluon: time BF16 and the Gluon kernels only")
+    ap.add_argument("--fused-options", default=None,
+                    help="JSON keyword arguments added to kimi_core.kernels.FUSED_OPTIONS for both ops (the fused "
+                         "columns, the dispatcher and --sweep), e.g. '{\"fold_scales\": true}'")
     args = ap.parse_args()
     shapes = pick_shapes(args.shapes, args.quick)
+    if args.fused_options:
+        for options in kernels.FUSED_OPTIONS.values():
+            options.update(json.loads(args.fused_options))
     if args.sweep:
         return sweep(shapes, [int(t) for t in args.tokens.split(",")], args.out)
     if args.workspace_mib is not None:
@@ -555,8 +561,9 @@ def sweep_label(t: tuple) -> str:
 
 def sweep(shapes, tokens: list[int], out: str | None) -> None:
     """Time the fused kernels' tile configs (:data:`SWEEP_FWD`, :data:`SWEEP_DGRAD`) next to BF16 ``_grouped_mm`` on
-    ``shapes`` x both formats x ``tokens`` per expert (used to pick ``fwd_config`` / ``dgrad_config``); prints each
-    timing and a table of the best config per row (also written to ``out``)."""
+    ``shapes`` x both formats x ``tokens`` per expert (used to pick ``fwd_config`` / ``dgrad_config``), each call with
+    :data:`kimi_core.kernels.FUSED_OPTIONS` as the dispatcher passes them; prints each timing and a table of the best
+    config per row (also written to ``out``)."""
     lines = ["| shape | tok/exp | fmt | op | BF16 ms | shipped ms | best config | best ms | best speed vs BF16 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, E, K, N in shapes:
@@ -572,12 +579,13 @@ def sweep(shapes, tokens: list[int], out: str | None) -> None:
                        ("dgrad", SWEEP_DGRAD, tw.grouped_gemm_dgrad, dy, bf16["dgrad"]))
                 for kind, table, fn, a, baseline in ops:
                     t_bf16 = bench(baseline, reps=10)
-                    t_ship = bench(lambda: fn(a, wp, ws, fmt, splits), reps=10)  # the launcher's own choice
+                    opts = kernels.FUSED_OPTIONS[kind]
+                    t_ship = bench(lambda: fn(a, wp, ws, fmt, splits, **opts), reps=10)  # the launcher's own choice
                     best = (t_ship, "shipped")
                     for cfg_t in table.get(tpe, ()):
                         label = sweep_label(cfg_t)
                         try:
-                            t = bench(lambda: fn(a, wp, ws, fmt, splits, config=sweep_config(cfg_t)), reps=10)
+                            t = bench(lambda: fn(a, wp, ws, fmt, splits, config=sweep_config(cfg_t), **opts), reps=10)
                         except Exception as exc:  # out of resources and the like
                             print(f"sweep {name} {fmt[:5]} {kind} tpe={tpe} {label}: failed {type(exc).__name__}: "
                                   f"{str(exc)[:100]}", flush=True)
@@ -588,7 +596,7 @@ def sweep(shapes, tokens: list[int], out: str | None) -> None:
                     lines.append(f"| {name} | {tpe} | {fmt_name(fmt)} | {kind} | {t_bf16:.3f} | {t_ship:.3f} | "
                                  f"{best[1]} | {best[0]:.3f} | {t_bf16 / best[0]:.2f}x |")
             del w_bf16
-    text = "\n".join(lines)
+    text = "\n".join(lines + [f"\nFUSED_OPTIONS: {json.dumps(kernels.FUSED_OPTIONS)}"])
     print(text, flush=True)
     if out:
         with open(out, "w") as f:
