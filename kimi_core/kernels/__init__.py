@@ -88,7 +88,7 @@ GLUON_OPTIONS: dict[str, dict] = {op: {"kernel": "registers", "persistent": True
 #: The keyword arguments the ``"fused"`` path passes to :mod:`.triton_w4a16`'s launchers, per op: ``fold_scales``
 #: (MXFP4 decoded with one multiply where every scale byte allows it; the same bits) stays off until timed on a GPU
 #: (sm_90a K loop: forward 295 -> 259, dgrad 615 -> 520 instructions at 8 tokens per expert).
-FUSED_OPTIONS: dict[str, dict] = {op: {"fold_scales": False} for op in ("fwd", "dgrad")}
+FUSED_OPTIONS: dict[str, dict] = {op: {"fold_scales": True} for op in ("fwd", "dgrad")}
 
 
 def _check(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype) -> None:
