@@ -528,10 +528,7 @@ def _crossover_text() -> str:
 # runs along the row, 4 lanes per run, instead of 32 rows of 16 bytes per instruction)
 RL = {"ROW_LOADS": True}
 SWEEP_FWD = {8: [(16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 4, RL), (16, 128, 4, 3, RL), (16, 128, 4, 4, RL),
-                 (16, 128, 8, 4, RL), (16, 64, 4, 6, RL), (16, 128, 4, 3, dict(RL, PERSISTENT=2)),
-                 # 32-column tiles: twice the tiles at the same blocks per SM (sm_90a: 5 MXFP4 / 7 INT4 with 4 warps),
-                 # for K2 fc1's last wave (1536 tiles of 64 columns on 132 x 5 slots: 2.33 waves)
-                 (16, 32, 4, 4, RL), (16, 32, 2, 4, RL)],
+                 (16, 128, 8, 4, RL), (16, 64, 4, 6, RL), (16, 128, 4, 3, dict(RL, PERSISTENT=2))],
              32: [(32, 128, 4, 4), (32, 128, 4, 3, RL), (32, 128, 4, 4, RL), (32, 64, 4, 4, RL)],
              64: [(64, 128, 4, 3), (64, 128, 4, 3, RL), (64, 128, 4, 4, RL), (64, 64, 4, 4, RL)],
              128: [(32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),

@@ -158,6 +158,29 @@ def test_public_api_and_autograd_on_cuda(fmt):
     assert_close("dx", oracle_dgrad(g, wp, ws, fmt, splits), x.grad.float(), 1e-2)
 
 
+@pytest.mark.parametrize("split", [2, 3, 4])
+def test_sum_partials_rounds_once(split):
+    """A split dgrad's fp32 partial sums summed into its bf16 output in one pass (:func:`_sum_partials`, K2 fc2's 8
+    tok/exp shape, a tail under one block): the float64 sum rounded once to bf16 (sums of multiples of 1/64 under 4,
+    exact in fp32), and within half a bf16 unit of it for normal random partials (plus the fp32 sum's own rounding)."""
+    from kimi_core.kernels import triton_w4a16 as tw
+
+    T, K = 24 * 8 + 5, 2048
+    g = torch.Generator(device="cuda").manual_seed(split)
+    exact = torch.randint(-255, 256, (split, T, K), device="cuda", generator=g).float() / 64
+    normal = torch.randn((split, T, K), device="cuda", generator=g)
+    for name, part in (("exact", exact), ("normal", normal)):
+        out = torch.full((T, K), float("nan"), dtype=torch.bfloat16, device="cuda")
+        tw._sum_partials(part, out)
+        want = part.double().sum(0)
+        if name == "exact":
+            assert torch.equal(out, want.to(torch.bfloat16)), split
+        else:  # bf16 keeps 8 significant bits (a unit in the last place: 2^-7 of the value's binade); the fp32 sum
+            # may be off by split units of 2^-24 of the partials' magnitudes (cancellation)
+            ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
+            fp32_err = split * 2.0**-24 * part.double().abs().sum(0)
+            assert ((out.double() - want).abs() <= 0.5 * ulp + fp32_err).all(), split
+
 @pytest.mark.parametrize("E,K,N", BENCH_SHAPES)
 @pytest.mark.parametrize("op", ["fwd", "dgrad"])
 def test_folded_mxfp4_decode(E, K, N, op):

@@ -143,6 +143,17 @@ for fmt in ("mxfp4-pack-quantized", "pack-quantized"):
     for got, ref in ((tw.grouped_gemm(x5, wp5, ws5, fmt, [4, 5]), oracle_fwd(x5, wp5, ws5, fmt, [4, 5])),
                      (tw.grouped_gemm_dgrad(dy5, wp5, ws5, fmt, [4, 5]), oracle_dgrad(dy5, wp5, ws5, fmt, [4, 5]))):
         worst = max(worst, ((got.float() - ref).norm() / ref.norm()).item())
+# a split dgrad's fp32 partial sums into its bf16 output in one pass (and torch's sum for a strided output): sums of
+# multiples of 1/16 under 16 in magnitude, exact in fp32 and in bf16, so equal to the float64 sum whatever the rounding
+for split, (T, K) in ((2, (25, 40)), (4, (7, 448))):
+    part = (torch.randint(-63, 64, (split, T, K), generator=torch.Generator().manual_seed(split)) / 16).float()
+    want = part.double().sum(0).to(torch.bfloat16)
+    out = torch.full((T, K), float("nan"), dtype=torch.bfloat16)
+    tw._sum_partials(part, out)
+    assert torch.equal(out, want), split
+    strided = torch.full((K, T), float("nan"), dtype=torch.bfloat16).t()
+    tw._sum_partials(part, strided)
+    assert torch.equal(strided, want), split
 print("WORST", worst)
 """
 
