@@ -6,7 +6,8 @@ a multiple of 16 marked so, K3's 112 experts but not K2's 24, a split dgrad's fp
 loads are not vectorized, and even an unused int's divisibility changes ptxas's allocation (the MXFP4 dgrad: 115
 registers without ``stride_part``'s, 162 with it). Every row of this table matched ``CompiledKernel.n_regs`` of the
 kernels the H100 ran on 2026-12-06 (forward 89 / 95 on K3, 85 / 95 on K2; dgrad 162 / 109 on K3, 178 / 110 on K2 fc1,
-177 / 183 for K2 fc2's split; MXFP4 / INT4; benchmarks/RESULTS.md, session 24).
+177 / 183 for K2 fc2's split; MXFP4 / INT4; benchmarks/RESULTS.md, session 24). The "mxfp4 folded" rows (the decode
+with one multiply, ``fold_scales``) were added later and not read back from a GPU.
 
     /tmp/tri36/venv/bin/python tests/gpu/fused_sm90_resources.py
 """
