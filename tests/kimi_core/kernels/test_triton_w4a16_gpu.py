@@ -160,9 +160,11 @@ def test_public_api_and_autograd_on_cuda(fmt):
 
 @pytest.mark.parametrize("split", [2, 3, 4])
 def test_sum_partials_rounds_once(split):
-    """A split dgrad's fp32 partial sums summed into its bf16 output in one pass (:func:`_sum_partials`, K2 fc2's 8
-    tok/exp shape, a tail under one block): the float64 sum rounded once to bf16 (sums of multiples of 1/64 under 4,
-    exact in fp32), and within half a bf16 unit of it for normal random partials (plus the fp32 sum's own rounding)."""
+    """A split dgrad's fp32 partial sums summed into its bf16 output in one pass (:func:`_sum_partials`, K2 fc2's
+    dgrad output at 8 tok/exp plus 5 rows): the float64 sum rounded once to bf16 (partials are multiples of 1/64 under
+    4, so their sums are exact in fp32 but not in bf16), and within half a bf16 unit of it for normal random partials
+    (plus the fp32 sum's own rounding). A last block cut short is checked in the interpreter
+    (test_w4a16_grouped_gemm.py)."""
     from kimi_core.kernels import triton_w4a16 as tw
 
     T, K = 24 * 8 + 5, 2048
@@ -180,6 +182,7 @@ def test_sum_partials_rounds_once(split):
             ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
             fp32_err = split * 2.0**-24 * part.double().abs().sum(0)
             assert ((out.double() - want).abs() <= 0.5 * ulp + fp32_err).all(), split
+
 
 @pytest.mark.parametrize("E,K,N", BENCH_SHAPES)
 @pytest.mark.parametrize("op", ["fwd", "dgrad"])
