@@ -506,6 +506,13 @@ def mxfp4_scales_fold(w_scale: torch.Tensor) -> bool:
     return fold
 
 
+def kernel_fmt_id(fmt_id: int, w_scale: torch.Tensor, fold_scales: bool) -> int:
+    """The format id a W4A16 kernel (Gluon or fused Triton) runs: :data:`FMT_MXFP4_FOLDED` where ``fold_scales`` asks
+    for it, ``fmt_id`` is MXFP4's (0) and every scale byte allows it (:func:`mxfp4_scales_fold`), else ``fmt_id``
+    (the two-multiply decode, exact for every scale; INT4 as it is)."""
+    return FMT_MXFP4_FOLDED if fold_scales and fmt_id == 0 and mxfp4_scales_fold(w_scale) else fmt_id
+
+
 def shape_fits(N: int, K: int, scale_bytes: int = 1) -> bool:
     """Whether the Gluon kernels take ``[N, K]`` experts whose scales have ``scale_bytes`` bytes (1: MXFP4's E8M0,
     the strictest; 2: INT4's bf16): ``K`` a multiple of :data:`BK`, 16-byte scale rows for TMA (``K`` a multiple of

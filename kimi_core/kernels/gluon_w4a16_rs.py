@@ -113,15 +113,6 @@ def pick_block_m(m_splits, block_n: int) -> int:
     return ws.pick_block_m(m_splits)
 
 
-def fmt_id(run: ws.Launch, w_scale: torch.Tensor, fold_scales: bool) -> int:
-    """The kernel's format id: ``run``'s, or :data:`.gluon_w4a16.FMT_MXFP4_FOLDED` where ``fold_scales`` asks for it,
-    the format is MXFP4 and every scale byte allows it (:func:`.gluon_w4a16.mxfp4_scales_fold`; else the two-multiply
-    decode, exact for every scale)."""
-    if fold_scales and run.fmt_id == 0 and ws.mxfp4_scales_fold(w_scale):
-        return ws.FMT_MXFP4_FOLDED
-    return run.fmt_id
-
-
 def ahead_where_it_fits(block_n: int, mma_chunks: int = DEFAULT_MMA_CHUNKS, ctas_per_sm: int = 1) -> bool:
     """``decode_ahead="auto"``: decode ahead wherever it compiles, i.e. 128-column tiles with one wgmma per K step
     (two fragments in registers; one program per SM). Measured (benchmarks/RESULTS.md, H100, 2026-12-05): on
@@ -498,8 +489,9 @@ def grouped_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                      persistent, lambda bm: default_load_stages(bm, block_n, ctas_per_sm), block_m_choices(block_n))
     if run.empty:
         return run.out
+    kernel_fmt = ws.kernel_fmt_id(run.fmt_id, w_scale, fold_scales)
     w4a16_rs_kernel[run.grid](*run.descs, run.out, run.tiles, run.n_tiles, run.n_col_tiles, run.N, run.K,
-                              run.out.stride(0), fmt_id(run, w_scale, fold_scales), run.block_m, block_n, BK,
+                              run.out.stride(0), kernel_fmt, run.block_m, block_n, BK,
                               run.stages, CONSUMER_REGS if ctas_per_sm == 1 else TWO_PER_SM["consumer_regs"], mma_chunks,
                               decode_ahead, False,
                               num_warps=4, **({} if ctas_per_sm == 1 else {"maxnreg": TWO_PER_SM["maxnreg"]}))
@@ -529,8 +521,9 @@ def grouped_gemm_dgrad(dy: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
                      scales_t=True)
     if run.empty:
         return run.out
+    kernel_fmt = ws.kernel_fmt_id(run.fmt_id, w_scale, fold_scales)
     w4a16_rs_kernel[run.grid](*run.descs, run.out, run.tiles, run.n_tiles, run.n_col_tiles, run.N, run.K,
-                              run.out.stride(0), fmt_id(run, w_scale, fold_scales), run.block_m, block_n, BK,
+                              run.out.stride(0), kernel_fmt, run.block_m, block_n, BK,
                               run.stages, CONSUMER_REGS, 1,
                               decode_ahead, True, num_warps=4)
     return run.out

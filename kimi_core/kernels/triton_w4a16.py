@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimi_core.kernels.gluon_w4a16 import FMT_MXFP4_FOLDED, mxfp4_scales_fold
+from kimi_core.kernels.gluon_w4a16 import FMT_MXFP4_FOLDED, kernel_fmt_id
 
 FMT_MXFP4 = 0
 FMT_INT4 = 1
@@ -561,12 +561,6 @@ def _fmt_id(fmt: str) -> int:
     return FMT_MXFP4 if fmt == "mxfp4-pack-quantized" else FMT_INT4
 
 
-def _folded_id(fmt_id: int, w_scale) -> int:
-    """:data:`FMT_MXFP4_FOLDED` for MXFP4 scales that all allow it (:func:`.gluon_w4a16.mxfp4_scales_fold`, read once
-    per tensor version), else ``fmt_id`` (the exact two-multiply decode; INT4 as it is)."""
-    return FMT_MXFP4_FOLDED if fmt_id == FMT_MXFP4 and mxfp4_scales_fold(w_scale) else fmt_id
-
-
 def _sum_partials(part, out) -> None:
     """``out`` (bf16 ``[T, K]``) = the sum over a split's fp32 partial sums ``part`` (``[split, T, K]``, contiguous):
     :func:`sum_partials_kernel` where ``out`` is contiguous, else torch's. One pass: under Nsight Compute (H100,
@@ -670,7 +664,7 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
     ``config`` overrides the tile choice (benchmarks; ``PERSISTENT``: that many programs per SM walking the tiles,
     experimental; ``ROW_LOADS``: the permuted kernels' weight loads as runs along a row); ``out`` is an optional
     ``[T, N]`` bf16 output; ``fold_scales``: the permuted kernel decodes MXFP4 with one multiply where every scale
-    byte allows it (:func:`_folded_id`; the same bits).
+    byte allows it (:func:`.gluon_w4a16.kernel_fmt_id`; the same bits).
     """
     import torch
 
@@ -693,7 +687,7 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
         grid = (min(programs, per_sm * sm_count(x.device)) if per_sm else programs,)
         w4a16_fwd_perm_kernel[grid](
             x, wq, ws, y, offsets, N, K, E, x.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
-            ws.stride(1), y.stride(0), FMT=_folded_id(fmt_id, ws) if fold_scales else fmt_id, GROUP_M=8,
+            ws.stride(1), y.stride(0), FMT=kernel_fmt_id(fmt_id, ws, fold_scales), GROUP_M=8,
             E_POW2=_e_pow2(E), USE_ASM=use_asm, INTERP=not use_asm, PERSISTENT=bool(per_sm),
             ROW_LOADS=bool(row_loads), **cfg)
     else:
@@ -742,7 +736,7 @@ def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict |
         grid = (programs, split)
         w4a16_dgrad_perm_kernel[grid](
             dy, wq, ws, part, offsets, N, K, E, dy.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
-            ws.stride(1), part.stride(-2), FMT=_folded_id(fmt_id, ws) if fold_scales else fmt_id, GROUP_M=8,
+            ws.stride(1), part.stride(-2), FMT=kernel_fmt_id(fmt_id, ws, fold_scales), GROUP_M=8,
             E_POW2=_e_pow2(E),
             USE_ASM=not _interpreting(), EVEN_N=N % cfg["BLOCK_N"] == 0, INTERP=_interpreting(), SPLIT_N=split,
             stride_part=part.stride(0) if split > 1 else 0, ROW_LOADS=bool(row_loads), **cfg)

@@ -259,13 +259,13 @@ def test_mxfp4_scale_fold_is_taken_only_where_every_scale_allows_it():
 
     scales = torch.full((2, 8, 16), 128, dtype=torch.uint8)
     mxfp4, int4 = gw.Launch(out=torch.empty(0), fmt_id=0), gw.Launch(out=torch.empty(0), fmt_id=1)
-    assert rs.fmt_id(mxfp4, scales, True) == gw.FMT_MXFP4_FOLDED
-    assert rs.fmt_id(mxfp4, scales, False) == 0
+    assert gw.kernel_fmt_id(mxfp4.fmt_id, scales, True) == gw.FMT_MXFP4_FOLDED
+    assert gw.kernel_fmt_id(mxfp4.fmt_id, scales, False) == 0
     scales[1, 3, 5] = 129  # in place: a new version, read again
-    assert rs.fmt_id(mxfp4, scales, True) == 0
+    assert gw.kernel_fmt_id(mxfp4.fmt_id, scales, True) == 0
     scales[1, 3, 5] = 0
     assert gw.mxfp4_scales_fold(scales)
-    assert rs.fmt_id(int4, torch.ones(2, 8, 16, dtype=torch.bfloat16), True) == 1
+    assert gw.kernel_fmt_id(int4.fmt_id, torch.ones(2, 8, 16, dtype=torch.bfloat16), True) == 1
 
 
 def test_mxfp4_scale_fold_reads_nothing_during_graph_capture(monkeypatch):

@@ -197,7 +197,7 @@ def test_folded_mxfp4_decode(E, K, N, op):
     wp, _ = random_packed(MXFP4, E, N, K, seed=N, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(K)
     ws = torch.randint(0, 129, (E, N, K // 32), dtype=torch.uint8, device="cuda", generator=g)
-    assert tw._folded_id(tw.FMT_MXFP4, ws) == tw.FMT_MXFP4_FOLDED
+    assert tw.kernel_fmt_id(tw.FMT_MXFP4, ws, True) == tw.FMT_MXFP4_FOLDED
     a = torch.randn(sum(splits), K if op == "fwd" else N, device="cuda").bfloat16()
     launch = tw.grouped_gemm if op == "fwd" else tw.grouped_gemm_dgrad
     exact = launch(a, wp, ws, MXFP4, splits)

@@ -130,7 +130,7 @@ for fmt in ("mxfp4-pack-quantized", "pack-quantized"):
     if fmt == "mxfp4-pack-quantized":
         wsf = torch.randint(0, 129, ws.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
         wsf.view(-1)[:2] = torch.tensor([0, 128], dtype=torch.uint8)
-        assert tw._folded_id(tw.FMT_MXFP4, wsf) == tw.FMT_MXFP4_FOLDED
+        assert tw.kernel_fmt_id(tw.FMT_MXFP4, wsf, True) == tw.FMT_MXFP4_FOLDED
     for extra in ({}, {"ROW_LOADS": True}):
         for op in (tw.grouped_gemm, tw.grouped_gemm_dgrad):
             a = x if op is tw.grouped_gemm else dy
