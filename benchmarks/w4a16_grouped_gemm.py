@@ -528,7 +528,12 @@ def _crossover_text() -> str:
 # runs along the row, 4 lanes per run, instead of 32 rows of 16 bytes per instruction)
 RL = {"ROW_LOADS": True}
 SWEEP_FWD = {8: [(16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 4, RL), (16, 128, 4, 3, RL), (16, 128, 4, 4, RL),
-                 (16, 128, 8, 4, RL), (16, 64, 4, 6, RL), (16, 128, 4, 3, dict(RL, PERSISTENT=2))],
+                 (16, 128, 8, 4, RL), (16, 64, 4, 6, RL), (16, 128, 4, 3, dict(RL, PERSISTENT=2)),
+                 # the last wave's tiles split over the reduction (resident programs per SM on sm_90a: 5 with 4 stages,
+                 # 4 with INT4's 6, by shared memory; tests/gpu/fused_sm90_resources.py)
+                 (16, 64, 4, 4, dict(RL, TAIL_SPLIT=4, SLOTS_PER_SM=5)),
+                 (16, 64, 4, 4, dict(RL, TAIL_SPLIT=2, SLOTS_PER_SM=5)),
+                 (16, 64, 4, 6, dict(RL, TAIL_SPLIT=4, SLOTS_PER_SM=4))],
              32: [(32, 128, 4, 4), (32, 128, 4, 3, RL), (32, 128, 4, 4, RL), (32, 64, 4, 4, RL)],
              64: [(64, 128, 4, 3), (64, 128, 4, 3, RL), (64, 128, 4, 4, RL), (64, 64, 4, 4, RL)],
              128: [(32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),

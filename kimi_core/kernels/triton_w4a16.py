@@ -352,18 +352,59 @@ def _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, 
 
 
 @triton.jit
+def _fwd_perm_tail_piece(x_ptr, wq_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, piece, e, pid_n, rows, row_mask, N, K,
+                         stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
+                         FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
+                         INTERP: tl.constexpr, ROW_LOADS: tl.constexpr, TAIL_SPLIT: tl.constexpr):
+    """Piece ``piece % TAIL_SPLIT`` of tail tile ``piece // TAIL_SPLIT``: that range of the reduction's 128-wide steps
+    (whole steps, the last range shorter), its fp32 partial sum ``[BN, BM]`` written to ``part_ptr`` slot ``piece``;
+    the tile's last piece to finish (a counter per tile in ``count_ptr``, zeroed by the launcher) adds the tile's
+    ``TAIL_SPLIT`` partial sums in piece order and stores the bf16 tile, so the result does not depend on which piece
+    finished last."""
+    offs_n, n_mask, wq_e, ws_e, x_rows = _output_tile_bases(x_ptr, wq_ptr, ws_ptr, e, pid_n, rows, N, stride_xt,
+                                                            stride_we, stride_se, BLOCK_N)
+    j = piece // TAIL_SPLIT
+    k_len = tl.cdiv(K // 128, TAIL_SPLIT) * 128
+    k_lo = (piece % TAIL_SPLIT) * k_len
+    k_hi = tl.minimum(K, k_lo + k_len)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, 128):
+        w, x = _fwd_perm_tile(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn,
+                              FMT, BLOCK_N, USE_ASM, ROW_LOADS)
+        acc = _mma(w, tl.trans(x), acc, INTERP)  # [BN, BM]
+    offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(part_ptr + piece.to(tl.int64) * (BLOCK_N * BLOCK_M) + offs, acc)
+    tl.debug_barrier()  # every thread's partial stored before the counter's release
+    done = tl.atomic_add(count_ptr + j, 1, sem="acq_rel", scope="gpu")
+    if done == TAIL_SPLIT - 1:
+        first = part_ptr + (j * TAIL_SPLIT).to(tl.int64) * (BLOCK_N * BLOCK_M) + offs
+        total = tl.load(first, cache_modifier=".cg")  # from L2: other SMs wrote the pieces
+        for s in tl.static_range(1, TAIL_SPLIT):
+            total += tl.load(first + s * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
+        y = tl.trans(total).to(tl.bfloat16)  # [BM, BN]
+        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
+        tl.store(y_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def w4a16_fwd_perm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, offsets_ptr, N, K, E,
                           stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
                           FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           GROUP_M: tl.constexpr, E_POW2: tl.constexpr, USE_ASM: tl.constexpr,
                           INTERP: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
-                          ROW_LOADS: tl.constexpr = False):
+                          ROW_LOADS: tl.constexpr = False, TAIL_SPLIT: tl.constexpr = 1, full_tiles=0,
+                          part_ptr=None, count_ptr=None):
     """Forward with word-level decoding; ``K % 128 == 0``, weights viewed as int32 words ``[E, N, K / 8]``.
 
     One program per output tile, or (``PERSISTENT``, experimental) fewer programs each walking the tiles
     ``program_id, program_id + programs, ...`` in one loop nest that the compiler flattens, so the loads of a tile's
     first K steps are issued while the previous tile's last steps run (at 8 tokens per expert a K3 fc1 tile is only
     28 K steps, each program otherwise ramping its own 3-stage pipeline).
+
+    ``TAIL_SPLIT > 1`` (one program per tile only): the tiles from ``full_tiles`` on, the last, partly filled wave of
+    programs, each run as ``TAIL_SPLIT`` programs over ranges of the reduction (:func:`_fwd_perm_tail_piece`: fp32
+    partial sums in ``part_ptr``, ``[tail tiles * TAIL_SPLIT, BN, BM]``, a zeroed int32 counter per tail tile in
+    ``count_ptr``), so the last wave takes a fraction of a tile's time instead of a whole one.
     """
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -374,6 +415,19 @@ def w4a16_fwd_perm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, offsets_ptr, N, K, E,
             _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K, stride_xt, stride_we,
                              stride_wn, stride_se, stride_sn, stride_yt, FMT, BLOCK_M, BLOCK_N, USE_ASM, INTERP,
                              ROW_LOADS)
+    elif TAIL_SPLIT > 1:
+        piece = pid - full_tiles  # >= 0: a piece of tail tile full_tiles + piece // TAIL_SPLIT
+        tile = tl.where(piece < 0, pid, full_tiles + piece // TAIL_SPLIT)
+        valid, e, pid_n, rows, row_mask = _schedule(tile, offsets_ptr, E, num_n, BLOCK_M, E_POW2, GROUP_M)
+        if valid:
+            if piece < 0:
+                _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K, stride_xt,
+                                 stride_we, stride_wn, stride_se, stride_sn, stride_yt, FMT, BLOCK_M, BLOCK_N,
+                                 USE_ASM, INTERP, ROW_LOADS)
+            else:
+                _fwd_perm_tail_piece(x_ptr, wq_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, piece, e, pid_n, rows,
+                                     row_mask, N, K, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
+                                     stride_yt, FMT, BLOCK_M, BLOCK_N, USE_ASM, INTERP, ROW_LOADS, TAIL_SPLIT)
     else:
         valid, e, pid_n, rows, row_mask = _schedule(pid, offsets_ptr, E, num_n, BLOCK_M, E_POW2, GROUP_M)
         if valid:
@@ -614,6 +668,19 @@ def _e_pow2(num_experts: int) -> int:
     return max(16, triton.next_power_of_2(num_experts))
 
 
+def tail_pieces(programs: int, slots: int, most: int, steps: int) -> tuple[int, int]:
+    """``(full, pieces)``: the forward's ``programs`` tiles on ``slots`` resident programs (SMs x programs per SM)
+    fill ``programs // slots`` whole waves, the ``full`` first tiles; each of the ``programs - full`` left (the last,
+    partly filled wave, or every tile under one wave) runs as ``pieces`` programs over ranges of its ``steps``
+    reduction steps, as many as fit in one wave of slots, at most ``most``, none of them empty (1: no split)."""
+    n_tail = programs % slots if slots > 0 else 0
+    if n_tail == 0:
+        return programs, 1
+    pieces = max(1, min(most, slots // n_tail, steps))
+    per_piece = -(-steps // pieces)  # whole steps per piece, as the kernel cuts them
+    return programs - n_tail, -(-steps // per_piece)  # no empty piece
+
+
 def fwd_config(tokens_per_expert: float, fmt: str = "") -> dict:
     """Forward tiles by mean tokens per expert (swept on K3 fc1 on the H200, 2026-11-29; up to 128 on every benchmark
     shape and both formats on an H100, 2026-12-06, benchmarks/RESULTS.md). The weights go as runs along each row
@@ -662,9 +729,10 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
     """Triton forward; arguments as :func:`kimi_core.kernels.w4a16_grouped_gemm` (already validated).
 
     ``config`` overrides the tile choice (benchmarks; ``PERSISTENT``: that many programs per SM walking the tiles,
-    experimental; ``ROW_LOADS``: the permuted kernels' weight loads as runs along a row); ``out`` is an optional
-    ``[T, N]`` bf16 output; ``fold_scales``: the permuted kernel decodes MXFP4 with one multiply where every scale
-    byte allows it (:func:`.gluon_w4a16.kernel_fmt_id`; the same bits).
+    experimental; ``ROW_LOADS``: the permuted kernels' weight loads as runs along a row; ``TAIL_SPLIT`` with
+    ``SLOTS_PER_SM``, host splits only: the last wave's tiles in up to that many pieces, :func:`tail_pieces`,
+    experimental); ``out`` is an optional ``[T, N]`` bf16 output; ``fold_scales``: the permuted kernel decodes MXFP4
+    with one multiply where every scale byte allows it (:func:`.gluon_w4a16.kernel_fmt_id`; the same bits).
     """
     import torch
 
@@ -681,15 +749,27 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
     use_asm = not _interpreting()
     per_sm = cfg.pop("PERSISTENT", 0)  # experimental (permuted kernel): this many programs per SM walk all the tiles
     row_loads = cfg.pop("ROW_LOADS", False)  # permuted kernel only
+    tail_split = cfg.pop("TAIL_SPLIT", 1)  # permuted kernel, one program per tile: see tail_pieces
+    slots_per_sm = cfg.pop("SLOTS_PER_SM", 0)
     if K % 128 == 0 and cfg.pop("PERM", True):
         wq = _as_words(w_packed)
         programs = _num_programs(splits, T, E, cfg["BLOCK_M"], triton.cdiv(N, cfg["BLOCK_N"]))
         grid = (min(programs, per_sm * sm_count(x.device)) if per_sm else programs,)
+        tail = {}
+        if tail_split > 1 and not per_sm and splits is not None:
+            full, pieces = tail_pieces(programs, slots_per_sm * sm_count(x.device), tail_split, K // 128)
+            if pieces > 1:
+                n_tail = programs - full
+                tail = dict(TAIL_SPLIT=pieces, full_tiles=full,
+                            part_ptr=torch.empty((n_tail * pieces, cfg["BLOCK_N"], cfg["BLOCK_M"]),
+                                                 dtype=torch.float32, device=x.device),
+                            count_ptr=torch.zeros(n_tail, dtype=torch.int32, device=x.device))
+                grid = (full + n_tail * pieces,)
         w4a16_fwd_perm_kernel[grid](
             x, wq, ws, y, offsets, N, K, E, x.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
             ws.stride(1), y.stride(0), FMT=kernel_fmt_id(fmt_id, ws, fold_scales), GROUP_M=8,
             E_POW2=_e_pow2(E), USE_ASM=use_asm, INTERP=not use_asm, PERSISTENT=bool(per_sm),
-            ROW_LOADS=bool(row_loads), **cfg)
+            ROW_LOADS=bool(row_loads), **tail, **cfg)
     else:
         wq = w_packed.contiguous()
         cfg.setdefault("BLOCK_K", 128 if K % 128 == 0 else 32)

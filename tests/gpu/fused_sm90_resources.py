@@ -41,8 +41,10 @@ def signature(kernel, scale_type: str, partial_sums: bool = False) -> dict:
             sig[p.name] = "constexpr"
         elif p.name == "ws_ptr":
             sig[p.name] = scale_type
-        elif p.name in ("wq_ptr", "offsets_ptr"):
+        elif p.name in ("wq_ptr", "offsets_ptr", "count_ptr"):
             sig[p.name] = "*i32"
+        elif p.name == "part_ptr":
+            sig[p.name] = "*fp32"
         elif p.name == "dx_ptr" and partial_sums:
             sig[p.name] = "*fp32"
         elif p.name.endswith("_ptr"):
@@ -65,8 +67,11 @@ def compile_fused(op: str, fmt: str, config: dict, experts: int = 112):
     if op == "dgrad":
         const.update(EVEN_N=True, SPLIT_N=cfg.get("SPLIT_N", 1))
     else:
-        const.update(PERSISTENT=bool(cfg.get("PERSISTENT", 0)))
+        const.update(PERSISTENT=bool(cfg.get("PERSISTENT", 0)), TAIL_SPLIT=cfg.get("TAIL_SPLIT", 1))
     sig = signature(kernel, scale_type, cfg.get("SPLIT_N", 1) > 1)
+    if op == "fwd" and const["TAIL_SPLIT"] == 1:  # the launcher passes no tail buffers: None, a constexpr
+        const.update(part_ptr=None, count_ptr=None)
+        sig.update(part_ptr="constexpr", count_ptr="constexpr")
     # Triton's runtime specialization of the launcher's arguments at the benchmark shapes: every pointer 16-byte
     # aligned, every int a multiple of 16 but E where it is not (K2's 24 experts); stride_part is 0 or T * K. Leaving
     # out an int the runtime specializes changes ptxas's allocation (the MXFP4 dgrad compiled without stride_part's

@@ -205,3 +205,37 @@ def test_folded_mxfp4_decode(E, K, N, op):
     assert torch.equal(exact, folded), f"folded {op} E{E} K{K} N{N}"
     oracle = oracle_fwd if op == "fwd" else oracle_dgrad
     assert_close(f"folded {op} E{E} K{K} N{N}", oracle(a, wp, ws, MXFP4, splits), folded.float(), 1e-2)
+
+
+@pytest.mark.parametrize("slots_per_sm,most", [(5, 4), (5, 2), (1, 4), (40, 4)])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("E,K,N", BENCH_SHAPES)
+def test_forward_tail_split(fmt, E, K, N, slots_per_sm, most):
+    """The forward with its last wave's tiles split over the reduction (``TAIL_SPLIT``, ``SLOTS_PER_SM``: 5 = the
+    16x64 tile's resident programs per SM on sm_90a, 1 = many waves and a short tail, 40 = every tile split), at each
+    benchmark shape with few ragged tokens per expert (one expert grown by a row tile at a time until the last wave
+    splits) and empty experts: every output written, the oracle's result, the same bits on a second run (the last piece
+    to finish adds the pieces in piece order) and within bf16 rounding of the unsplit tiles."""
+    from kimi_core.kernels import triton_w4a16 as tw
+
+    splits = ragged_splits(E, 9, seed=K + slots_per_sm)
+    cfg = dict(tw.fwd_config(9, fmt), TAIL_SPLIT=most, SLOTS_PER_SM=slots_per_sm)
+    for grow in range(64):
+        programs = tw._num_programs(splits, sum(splits), E, cfg["BLOCK_M"], -(-N // cfg["BLOCK_N"]))
+        full, pieces = tw.tail_pieces(programs, slots_per_sm * tw.sm_count("cuda"), most, K // 128)
+        if pieces > 1:
+            break
+        splits[grow % E] += cfg["BLOCK_M"]
+    assert pieces > 1, "no split found"
+    wp, ws = random_packed(fmt, E, N, K, seed=N, device="cuda")
+    x = torch.randn(sum(splits), K, device="cuda").bfloat16()
+    whole = tw.grouped_gemm(x, wp, ws, fmt, splits)
+    runs = []
+    for _ in range(2):
+        y = torch.full_like(whole, float("nan"))
+        tw.grouped_gemm(x, wp, ws, fmt, splits, config=dict(cfg), out=y)
+        runs.append(y)
+    assert torch.equal(runs[0], runs[1]), "the split forward is not deterministic"
+    assert_close(f"tail split {pieces} from tile {full} of {programs} {fmt} E{E} K{K} N{N}",
+                 oracle_fwd(x, wp, ws, fmt, splits), runs[0].float(), 1e-2)
+    assert_close(f"tail split vs whole tiles {fmt} E{E} K{K} N{N}", whole.float(), runs[0].float(), 1e-2)

@@ -137,6 +137,25 @@ for fmt in ("mxfp4-pack-quantized", "pack-quantized"):
             exact = op(a, wp, wsf, fmt, splits, config=dict(cfg, **extra))
             folded = op(a, wp, wsf, fmt, splits, config=dict(cfg, **extra), fold_scales=True)
             assert torch.equal(exact, folded), (fmt, op.__name__, extra)
+    # the last wave's tiles split over the reduction (TAIL_SPLIT, SLOTS_PER_SM; one program per "SM" here): 6 tiles of
+    # 5 steps on 5 slots leave 1 tile in 3 pieces; on 20 slots every tile in 3. Each piece adds its steps' products to
+    # its own sum and the pieces' sums are added in piece order, which in the interpreter repeats the unsplit sum bit
+    # for bit; every tail tile's counter ends at its piece count
+    wp6, ws6 = random_packed(fmt, E, 64, 640, seed=7)
+    x6 = torch.randn(25, 640).bfloat16()
+    one_pass = tw.grouped_gemm(x6, wp6, ws6, fmt, splits, config=dict(cfg, ROW_LOADS=True))
+    for slots, full, pieces in ((5, 5, 3), (20, 0, 3)):
+        assert tw.tail_pieces(6, slots, 4, 5) == (full, pieces)
+        counters = []
+        zeros = torch.zeros
+        torch.zeros = lambda *a, **k: counters.append(zeros(*a, **k)) or counters[-1]
+        try:
+            split_y = tw.grouped_gemm(x6, wp6, ws6, fmt, splits,
+                                      config=dict(cfg, ROW_LOADS=True, TAIL_SPLIT=4, SLOTS_PER_SM=slots))
+        finally:
+            torch.zeros = zeros
+        assert [c.tolist() for c in counters] == [[pieces] * (6 - full)], (fmt, slots, counters)
+        assert torch.equal(split_y, one_pass), (fmt, slots)
     # the launchers' own configs where K rules out the permuted kernels (their options must not reach the generic ones)
     wp5, ws5 = random_packed(fmt, 2, 32, 160, seed=5)
     x5, dy5 = torch.randn(9, 160).bfloat16(), torch.randn(9, 32).bfloat16()
@@ -169,3 +188,19 @@ def test_triton_kernels_in_interpreter():
     worst = float(res.stdout.split("WORST")[-1])
     # the interpreter rounds bf16 by truncation, hence a looser bound than on the GPU
     assert worst < 1e-2, res.stdout
+
+
+def test_tail_pieces():
+    """The forward's last-wave split (:func:`triton_w4a16.tail_pieces`): whole waves run whole, the tiles left split
+    in as many pieces as one wave of slots holds, capped, none of them empty."""
+    pytest.importorskip("triton")
+    from kimi_core.kernels.triton_w4a16 import tail_pieces
+
+    assert tail_pieces(1536, 660, 4, 56) == (1320, 3)   # K2 fc1 at 8 tok/exp: 216 tiles left, 3 x 216 <= 660
+    assert tail_pieces(2688, 660, 4, 16) == (2640, 4)   # K2 fc2: 48 left, capped at 4
+    assert tail_pieces(1320, 660, 4, 56) == (1320, 1)   # whole waves only
+    assert tail_pieces(6272, 660, 4, 24) == (5940, 1)   # 332 left: two pieces each would not fit in one wave
+    assert tail_pieces(300, 660, 4, 56) == (0, 2)       # under one wave: every tile in 2
+    assert tail_pieces(6, 5, 4, 5) == (5, 3)            # 4 pieces of 5 steps would leave one empty: 3 (2, 2, 1)
+    assert tail_pieces(100, 0, 4, 56) == (100, 1)       # no slot count: no split
+
