@@ -529,11 +529,10 @@ def _crossover_text() -> str:
 RL = {"ROW_LOADS": True}
 SWEEP_FWD = {8: [(16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 4, RL), (16, 128, 4, 3, RL), (16, 128, 4, 4, RL),
                  (16, 128, 8, 4, RL), (16, 64, 4, 6, RL), (16, 128, 4, 3, dict(RL, PERSISTENT=2)),
-                 # the last wave's tiles split over the reduction (resident programs per SM on sm_90a: 5 with 4 stages,
-                 # 4 with INT4's 6, by shared memory; tests/gpu/fused_sm90_resources.py)
-                 (16, 64, 4, 4, dict(RL, TAIL_SPLIT=4, SLOTS_PER_SM=5)),
-                 (16, 64, 4, 4, dict(RL, TAIL_SPLIT=2, SLOTS_PER_SM=5)),
-                 (16, 64, 4, 6, dict(RL, TAIL_SPLIT=4, SLOTS_PER_SM=4))],
+                 # the last wave's tiles split over the reduction (up to TAIL_SPLIT pieces on the resident programs
+                 # the driver counts; the shipped tiles split in up to 4, the two above without)
+                 (16, 64, 4, 4, dict(RL, TAIL_SPLIT=2)), (16, 128, 4, 4, dict(RL, TAIL_SPLIT=4)),
+                 (16, 128, 8, 4, dict(RL, TAIL_SPLIT=4)), (16, 128, 4, 3, dict(RL, TAIL_SPLIT=4))],
              32: [(32, 128, 4, 4), (32, 128, 4, 3, RL), (32, 128, 4, 4, RL), (32, 64, 4, 4, RL)],
              64: [(64, 128, 4, 3), (64, 128, 4, 3, RL), (64, 128, 4, 4, RL), (64, 64, 4, 4, RL)],
              128: [(32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),

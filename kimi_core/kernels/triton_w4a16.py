@@ -668,27 +668,57 @@ def _e_pow2(num_experts: int) -> int:
     return max(16, triton.next_power_of_2(num_experts))
 
 
+# the forward's last wave is split over the reduction only when at least this share of the slots runs it
+TAIL_MIN_FILL = 0.25
+
+
 def tail_pieces(programs: int, slots: int, most: int, steps: int) -> tuple[int, int]:
     """``(full, pieces)``: the forward's ``programs`` tiles on ``slots`` resident programs (SMs x programs per SM)
     fill ``programs // slots`` whole waves, the ``full`` first tiles; each of the ``programs - full`` left (the last,
     partly filled wave, or every tile under one wave) runs as ``pieces`` programs over ranges of its ``steps``
-    reduction steps, as many as fit in one wave of slots, at most ``most``, none of them empty (1: no split)."""
+    reduction steps, as many as fit in one wave of slots, at most ``most``, none of them empty (1: no split).
+
+    A last wave under :data:`TAIL_MIN_FILL` of the slots is not split: its few tiles run with the whole GPU's memory
+    bandwidth to themselves, and the split's partial sums and counters cost more than it saves (H100, 2026-12-06,
+    8 tok/exp: K2 fc2's 48 tiles on 660 slots 2 % slower split in 4; K2 fc1's third-full last wave 6 % faster)."""
     n_tail = programs % slots if slots > 0 else 0
-    if n_tail == 0:
+    if n_tail == 0 or n_tail < TAIL_MIN_FILL * slots:
         return programs, 1
     pieces = max(1, min(most, slots // n_tail, steps))
     per_piece = -(-steps // pieces)  # whole steps per piece, as the kernel cuts them
     return programs - n_tail, -(-steps // per_piece)  # no empty piece
 
 
+_SLOTS_PER_SM: dict = {}
+
+
+def _fwd_slots_per_sm(args: tuple, consts: dict) -> int:
+    """Programs of the unsplit forward kernel (``w4a16_fwd_perm_kernel`` with ``args`` / ``consts``, compiled if not
+    yet) resident per SM of the current device, as the driver counts them (:mod:`.occupancy`). The split kernel
+    (``TAIL_SPLIT > 1``) has the same registers and shared memory on sm_90a (tests/gpu/fused_sm90_resources.py).
+    Cached per device, constants and the ints' specialization (Triton's: equal to 1, a multiple of 16), so a shape
+    always splits the same way and its results do not depend on what ran before."""
+    import torch
+
+    ints = tuple((a == 1, a % 16 == 0) for a in args if isinstance(a, int))
+    key = (torch.cuda.current_device(), ints, tuple(sorted(consts.items())))
+    if key not in _SLOTS_PER_SM:
+        from kimi_core.kernels.occupancy import resident_programs
+
+        _SLOTS_PER_SM[key] = resident_programs(w4a16_fwd_perm_kernel.warmup(*args, grid=(1,), **consts))
+    return _SLOTS_PER_SM[key]
+
+
 def fwd_config(tokens_per_expert: float, fmt: str = "") -> dict:
     """Forward tiles by mean tokens per expert (swept on K3 fc1 on the H200, 2026-11-29; up to 128 on every benchmark
     shape and both formats on an H100, 2026-12-06, benchmarks/RESULTS.md). The weights go as runs along each row
     (``ROW_LOADS``): 10-25 % faster up to 64 tokens per expert; at 128-row tiles MXFP4 gains 3-7 %, INT4 loses
-    3-6 %. At 16 and fewer, INT4 takes 6 stages (3-4 % faster), MXFP4 4 (6 are 5-18 % slower)."""
+    3-6 %. At 16 and fewer, INT4 takes 6 stages (3-4 % faster), MXFP4 4 (6 are 5-18 % slower), and the last wave's
+    tiles split over the reduction in up to 4 pieces (``TAIL_SPLIT``, :func:`tail_pieces`; K2 fc1 MXFP4 at 8 tok/exp
+    6 % faster, H100 2026-12-06)."""
     mxfp4 = fmt == "mxfp4-pack-quantized"
     if tokens_per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4 if mxfp4 else 6, ROW_LOADS=True)
+        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4 if mxfp4 else 6, ROW_LOADS=True, TAIL_SPLIT=4)
     if tokens_per_expert <= 32:
         return dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3, ROW_LOADS=True)
     if tokens_per_expert <= 64:
@@ -729,10 +759,12 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
     """Triton forward; arguments as :func:`kimi_core.kernels.w4a16_grouped_gemm` (already validated).
 
     ``config`` overrides the tile choice (benchmarks; ``PERSISTENT``: that many programs per SM walking the tiles,
-    experimental; ``ROW_LOADS``: the permuted kernels' weight loads as runs along a row; ``TAIL_SPLIT`` with
-    ``SLOTS_PER_SM``, host splits only: the last wave's tiles in up to that many pieces, :func:`tail_pieces`,
-    experimental); ``out`` is an optional ``[T, N]`` bf16 output; ``fold_scales``: the permuted kernel decodes MXFP4
-    with one multiply where every scale byte allows it (:func:`.gluon_w4a16.kernel_fmt_id`; the same bits).
+    experimental; ``ROW_LOADS``: the permuted kernels' weight loads as runs along a row; ``TAIL_SPLIT``, host splits
+    only: the last wave's tiles in up to that many pieces, :func:`tail_pieces`, on as many resident programs per SM
+    as ``SLOTS_PER_SM`` says, or else as the driver counts for the compiled kernel (:func:`_fwd_slots_per_sm`; on the
+    CPU none, so nothing splits)); ``out`` is an optional ``[T, N]`` bf16 output; ``fold_scales``: the permuted kernel
+    decodes MXFP4 with one multiply where every scale byte allows it (:func:`.gluon_w4a16.kernel_fmt_id`; the same
+    bits).
     """
     import torch
 
@@ -755,8 +787,14 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
         wq = _as_words(w_packed)
         programs = _num_programs(splits, T, E, cfg["BLOCK_M"], triton.cdiv(N, cfg["BLOCK_N"]))
         grid = (min(programs, per_sm * sm_count(x.device)) if per_sm else programs,)
+        args = (x, wq, ws, y, offsets, N, K, E, x.stride(0), wq.stride(0), wq.stride(1), ws.stride(0), ws.stride(1),
+                y.stride(0))
+        consts = dict(FMT=kernel_fmt_id(fmt_id, ws, fold_scales), GROUP_M=8, E_POW2=_e_pow2(E), USE_ASM=use_asm,
+                      INTERP=not use_asm, PERSISTENT=bool(per_sm), ROW_LOADS=bool(row_loads), **cfg)
         tail = {}
         if tail_split > 1 and not per_sm and splits is not None:
+            if not slots_per_sm and use_asm and x.device.type == "cuda":
+                slots_per_sm = _fwd_slots_per_sm(args, consts)
             full, pieces = tail_pieces(programs, slots_per_sm * sm_count(x.device), tail_split, K // 128)
             if pieces > 1:
                 n_tail = programs - full
@@ -765,11 +803,7 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
                                                  dtype=torch.float32, device=x.device),
                             count_ptr=torch.zeros(n_tail, dtype=torch.int32, device=x.device))
                 grid = (full + n_tail * pieces,)
-        w4a16_fwd_perm_kernel[grid](
-            x, wq, ws, y, offsets, N, K, E, x.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
-            ws.stride(1), y.stride(0), FMT=kernel_fmt_id(fmt_id, ws, fold_scales), GROUP_M=8,
-            E_POW2=_e_pow2(E), USE_ASM=use_asm, INTERP=not use_asm, PERSISTENT=bool(per_sm),
-            ROW_LOADS=bool(row_loads), **tail, **cfg)
+        w4a16_fwd_perm_kernel[grid](*args, **tail, **consts)
     else:
         wq = w_packed.contiguous()
         cfg.setdefault("BLOCK_K", 128 if K % 128 == 0 else 32)

@@ -138,13 +138,13 @@ for fmt in ("mxfp4-pack-quantized", "pack-quantized"):
             folded = op(a, wp, wsf, fmt, splits, config=dict(cfg, **extra), fold_scales=True)
             assert torch.equal(exact, folded), (fmt, op.__name__, extra)
     # the last wave's tiles split over the reduction (TAIL_SPLIT, SLOTS_PER_SM; one program per "SM" here): 6 tiles of
-    # 5 steps on 5 slots leave 1 tile in 3 pieces; on 20 slots every tile in 3. Each piece adds its steps' products to
+    # 5 steps on 4 slots leave 2 tiles in 2 pieces; on 20 slots every tile in 3. Each piece adds its steps' products to
     # its own sum and the pieces' sums are added in piece order, which in the interpreter repeats the unsplit sum bit
     # for bit; every tail tile's counter ends at its piece count
     wp6, ws6 = random_packed(fmt, E, 64, 640, seed=7)
     x6 = torch.randn(25, 640).bfloat16()
     one_pass = tw.grouped_gemm(x6, wp6, ws6, fmt, splits, config=dict(cfg, ROW_LOADS=True))
-    for slots, full, pieces in ((5, 5, 3), (20, 0, 3)):
+    for slots, full, pieces in ((4, 4, 2), (20, 0, 3)):
         assert tw.tail_pieces(6, slots, 4, 5) == (full, pieces)
         counters = []
         zeros = torch.zeros
@@ -197,10 +197,13 @@ def test_tail_pieces():
     from kimi_core.kernels.triton_w4a16 import tail_pieces
 
     assert tail_pieces(1536, 660, 4, 56) == (1320, 3)   # K2 fc1 at 8 tok/exp: 216 tiles left, 3 x 216 <= 660
-    assert tail_pieces(2688, 660, 4, 16) == (2640, 4)   # K2 fc2: 48 left, capped at 4
+    assert tail_pieces(2688, 660, 4, 16) == (2688, 1)   # K2 fc2: 48 left, under a quarter of the slots: no split
+    assert tail_pieces(825, 660, 4, 16) == (660, 4)     # 165 left, a quarter: 4 pieces
+    assert tail_pieces(824, 660, 4, 16) == (824, 1)     # 164: under a quarter
     assert tail_pieces(1320, 660, 4, 56) == (1320, 1)   # whole waves only
     assert tail_pieces(6272, 660, 4, 24) == (5940, 1)   # 332 left: two pieces each would not fit in one wave
     assert tail_pieces(300, 660, 4, 56) == (0, 2)       # under one wave: every tile in 2
-    assert tail_pieces(6, 5, 4, 5) == (5, 3)            # 4 pieces of 5 steps would leave one empty: 3 (2, 2, 1)
+    assert tail_pieces(6, 4, 4, 5) == (4, 2)            # 2 left, 2 pieces of (3, 2) steps
+    assert tail_pieces(6, 20, 4, 5) == (0, 3)           # 4 pieces of 5 steps would leave one empty: 3 (2, 2, 1)
     assert tail_pieces(100, 0, 4, 56) == (100, 1)       # no slot count: no split
 
