@@ -695,7 +695,8 @@ _SLOTS_PER_SM: dict = {}
 def _fwd_slots_per_sm(args: tuple, consts: dict) -> int:
     """Programs of the unsplit forward kernel (``w4a16_fwd_perm_kernel`` with ``args`` / ``consts``, compiled if not
     yet) resident per SM of the current device, as the driver counts them (:mod:`.occupancy`). The split kernel
-    (``TAIL_SPLIT > 1``) has the same registers and shared memory on sm_90a (tests/gpu/fused_sm90_resources.py).
+    (``TAIL_SPLIT > 1``) holds as many on sm_90a: the same shared memory, registers within 4 of the unsplit kernel's,
+    the same blocks per SM at every shipped 8 tok/exp config (tests/gpu/fused_sm90_resources.py, 2026-12-06).
     Cached per device, constants and the ints' specialization (Triton's: equal to 1, a multiple of 16), so a shape
     always splits the same way and its results do not depend on what ran before."""
     import torch

@@ -7,7 +7,9 @@ loads are not vectorized, and even an unused int's divisibility changes ptxas's 
 registers without ``stride_part``'s, 162 with it). Every row of this table matched ``CompiledKernel.n_regs`` of the
 kernels the H100 ran on 2026-12-06 (forward 89 / 95 on K3, 85 / 95 on K2; dgrad 162 / 109 on K3, 178 / 110 on K2 fc1,
 177 / 183 for K2 fc2's split; MXFP4 / INT4; benchmarks/RESULTS.md, session 24). The "mxfp4 folded" rows (the decode
-with one multiply, ``fold_scales``) were added later and not read back from a GPU.
+with one multiply, ``fold_scales``) were added later and not read back from a GPU. The forward rows compile the shipped
+config, which since 00be372 includes the last-wave split (``TAIL_SPLIT=4``): K2's MXFP4 forward is 89 registers with it,
+85 without (the launcher sizes the split by the unsplit kernel's resident blocks; both 5 per SM).
 
     /tmp/tri36/venv/bin/python tests/gpu/fused_sm90_resources.py
 """
