@@ -531,8 +531,12 @@ SWEEP_FWD = {8: [(16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 4, RL), (16, 128,
                  (16, 128, 8, 4, RL), (16, 64, 4, 6, RL), (16, 128, 4, 3, dict(RL, PERSISTENT=2)),
                  # the last wave's tiles split over the reduction (up to TAIL_SPLIT pieces on the resident programs
                  # the driver counts; the shipped tiles split in up to 4, the two above without)
-                 (16, 64, 4, 4, dict(RL, TAIL_SPLIT=2)), (16, 128, 4, 4, dict(RL, TAIL_SPLIT=4)),
-                 (16, 128, 8, 4, dict(RL, TAIL_SPLIT=4)), (16, 128, 4, 3, dict(RL, TAIL_SPLIT=4))],
+                 (16, 64, 4, 4, dict(RL, TAIL_SPLIT=2)), (16, 64, 4, 5, dict(RL, TAIL_SPLIT=4)),
+                 # registers capped at 80 (Triton's maxnreg): on sm_90a the folded MXFP4 forward fits without a spill
+                 # and the same K loop (259 SASS lines), 6 programs per SM instead of 5; INT4 spills 8 bytes
+                 # (tests/gpu/fused_sm90_resources.py, 2026-12-06)
+                 (16, 64, 4, 4, dict(RL, TAIL_SPLIT=4, maxnreg=80)), (16, 64, 4, 5, dict(RL, TAIL_SPLIT=4, maxnreg=80)),
+                 (16, 64, 4, 6, dict(RL, TAIL_SPLIT=4, maxnreg=80))],
              32: [(32, 128, 4, 4), (32, 128, 4, 3, RL), (32, 128, 4, 4, RL), (32, 64, 4, 4, RL)],
              64: [(64, 128, 4, 3), (64, 128, 4, 3, RL), (64, 128, 4, 4, RL), (64, 64, 4, 4, RL)],
              128: [(32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),
