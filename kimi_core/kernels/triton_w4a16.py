@@ -334,6 +334,28 @@ def _output_tile_bases(x_ptr, wq_ptr, ws_ptr, e, pid_n, rows, N, stride_xt, stri
 
 
 @triton.jit
+def _fwd_perm_steps(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k_lo, k_hi, stride_wn, stride_sn,
+                    FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
+                    INTERP: tl.constexpr, ROW_LOADS: tl.constexpr):
+    """fp32 ``acc [BN, BM]`` = the permuted forward's products over the 128-wide K steps from ``k_lo`` to ``k_hi``,
+    added in step order."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, 128):
+        w, x = _fwd_perm_tile(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn,
+                              FMT, BLOCK_N, USE_ASM, ROW_LOADS)
+        acc = _mma(w, tl.trans(x), acc, INTERP)  # [BN, BM]
+    return acc
+
+
+@triton.jit
+def _store_fwd_tile(y_ptr, acc, rows, row_mask, offs_n, n_mask, stride_yt):
+    """``y[rows, offs_n] = bf16(acc^T)`` for fp32 ``acc [BN, BM]``, masked to the tile's rows and columns."""
+    y = tl.trans(acc).to(tl.bfloat16)  # [BM, BN]
+    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
+    tl.store(y_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K,
                      stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
                      FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
@@ -341,14 +363,9 @@ def _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, 
     """One output tile of the permuted forward: ``y[rows, pid_n * BLOCK_N :][:BLOCK_N]`` of expert ``e``."""
     offs_n, n_mask, wq_e, ws_e, x_rows = _output_tile_bases(x_ptr, wq_ptr, ws_ptr, e, pid_n, rows, N, stride_xt,
                                                             stride_we, stride_se, BLOCK_N)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, 128):
-        w, x = _fwd_perm_tile(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn,
-                              FMT, BLOCK_N, USE_ASM, ROW_LOADS)
-        acc = _mma(w, tl.trans(x), acc, INTERP)  # [BN, BM]
-    y = tl.trans(acc).to(tl.bfloat16)  # [BM, BN]
-    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
-    tl.store(y_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
+    acc = _fwd_perm_steps(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, 0, K, stride_wn, stride_sn, FMT, BLOCK_M,
+                          BLOCK_N, USE_ASM, INTERP, ROW_LOADS)
+    _store_fwd_tile(y_ptr, acc, rows, row_mask, offs_n, n_mask, stride_yt)
 
 
 @triton.jit
@@ -367,11 +384,8 @@ def _fwd_perm_tail_piece(x_ptr, wq_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, piec
     k_len = tl.cdiv(K // 128, TAIL_SPLIT) * 128
     k_lo = (piece % TAIL_SPLIT) * k_len
     k_hi = tl.minimum(K, k_lo + k_len)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, 128):
-        w, x = _fwd_perm_tile(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn,
-                              FMT, BLOCK_N, USE_ASM, ROW_LOADS)
-        acc = _mma(w, tl.trans(x), acc, INTERP)  # [BN, BM]
+    acc = _fwd_perm_steps(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k_lo, k_hi, stride_wn, stride_sn, FMT,
+                          BLOCK_M, BLOCK_N, USE_ASM, INTERP, ROW_LOADS)
     offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
     tl.store(part_ptr + piece.to(tl.int64) * (BLOCK_N * BLOCK_M) + offs, acc)
     tl.debug_barrier()  # every thread's partial stored before the counter's release
@@ -381,9 +395,7 @@ def _fwd_perm_tail_piece(x_ptr, wq_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, piec
         total = tl.load(first, cache_modifier=".cg")  # from L2: other SMs wrote the pieces
         for s in tl.static_range(1, TAIL_SPLIT):
             total += tl.load(first + s * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
-        y = tl.trans(total).to(tl.bfloat16)  # [BM, BN]
-        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
-        tl.store(y_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
+        _store_fwd_tile(y_ptr, total, rows, row_mask, offs_n, n_mask, stride_yt)
 
 
 @triton.jit
@@ -459,9 +471,7 @@ def w4a16_fwd_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, offsets_ptr, N, K, E,
             w = _load_weight_tile(wq_e, ws_e, offs_n, n_mask, k0, K, stride_wn, stride_sn,
                                   FMT, BLOCK_N, BLOCK_K, EVEN_K)  # [BN, BK] bf16
             acc = _mma(w, tl.trans(x), acc, INTERP)  # [BN, BM]
-        y = tl.trans(acc).to(tl.bfloat16)  # [BM, BN]
-        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
-        tl.store(y_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
+        _store_fwd_tile(y_ptr, acc, rows, row_mask, offs_n, n_mask, stride_yt)
 
 
 @triton.jit
