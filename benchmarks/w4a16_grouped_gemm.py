@@ -400,6 +400,7 @@ def main() -> None:
                     help=f"bound of the chunked path's workspace (sets {wc.WORKSPACE_ENV}; default 1024)")
     ap.add_argument("--alt-workspace-mib", type=int, default=None,
                     help="also time the chunked path under this bound (e.g. 96: one expert per buffer, L2-sized)")
+    ap.add_argument("--sweep-ops", default="fwd,dgrad", help="with --sweep: the ops to time, comma-separated")
     ap.add_argument("--sweep", action="store_true",
                     help="time the fused kernels' tile configs instead of the table (--tokens among 8, 32, 64, "
                          "128, 512: the token counts SWEEP_FWD / SWEEP_DGRAD list)")
@@ -422,7 +423,7 @@ def main() -> None:
         for options in kernels.FUSED_OPTIONS.values():
             options.update(json.loads(args.fused_options))
     if args.sweep:
-        return sweep(shapes, [int(t) for t in args.tokens.split(",")], args.out)
+        return sweep(shapes, [int(t) for t in args.tokens.split(",")], args.out, args.sweep_ops.split(","))
     if args.workspace_mib is not None:
         os.environ[wc.WORKSPACE_ENV] = str(args.workspace_mib << 20)
     os.environ.pop(kernels.PATH_ENV, None)  # the auto column is the dispatcher's own choice
@@ -564,9 +565,9 @@ def sweep_label(t: tuple) -> str:
         f" {k.lower().replace('_n', '')}{'' if v is True else v}" for k, v in extra.items())
 
 
-def sweep(shapes, tokens: list[int], out: str | None) -> None:
+def sweep(shapes, tokens: list[int], out: str | None, ops=("fwd", "dgrad")) -> None:
     """Time the fused kernels' tile configs (:data:`SWEEP_FWD`, :data:`SWEEP_DGRAD`) next to BF16 ``_grouped_mm`` on
-    ``shapes`` x both formats x ``tokens`` per expert (used to pick ``fwd_config`` / ``dgrad_config``), each call with
+    ``shapes`` x both formats x ``tokens`` per expert x ``ops`` (used to pick ``fwd_config`` / ``dgrad_config``), each call with
     :data:`kimi_core.kernels.FUSED_OPTIONS` as the dispatcher passes them; prints each timing and a table of the best
     config per row (also written to ``out``)."""
     lines = ["| shape | tok/exp | fmt | op | BF16 ms | shipped ms | best config | best ms | best speed vs BF16 |",
@@ -580,9 +581,10 @@ def sweep(shapes, tokens: list[int], out: str | None) -> None:
                 x = torch.randn(T, K, device=DEV).bfloat16()
                 dy = torch.randn(T, N, device=DEV).bfloat16()
                 bf16 = bf16_ops(x, dy, w_bf16, torch.arange(1, E + 1, device=DEV, dtype=torch.int32) * tpe)
-                ops = (("fwd", SWEEP_FWD, tw.grouped_gemm, x, bf16["fwd"]),
-                       ("dgrad", SWEEP_DGRAD, tw.grouped_gemm_dgrad, dy, bf16["dgrad"]))
-                for kind, table, fn, a, baseline in ops:
+                ops_here = [op for op in (("fwd", SWEEP_FWD, tw.grouped_gemm, x, bf16["fwd"]),
+                                          ("dgrad", SWEEP_DGRAD, tw.grouped_gemm_dgrad, dy, bf16["dgrad"]))
+                            if op[0] in ops]
+                for kind, table, fn, a, baseline in ops_here:
                     t_bf16 = bench(baseline, reps=10)
                     opts = kernels.FUSED_OPTIONS[kind]
                     t_ship = bench(lambda: fn(a, wp, ws, fmt, splits, **opts), reps=10)  # the launcher's own choice
