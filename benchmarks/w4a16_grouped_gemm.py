@@ -537,7 +537,11 @@ SWEEP_FWD = {8: [(16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 4, RL), (16, 128,
                  # and the same K loop (259 SASS lines), 6 programs per SM instead of 5; INT4 spills 8 bytes
                  # (tests/gpu/fused_sm90_resources.py, 2026-12-06)
                  (16, 64, 4, 4, dict(RL, TAIL_SPLIT=4, maxnreg=80)), (16, 64, 4, 5, dict(RL, TAIL_SPLIT=4, maxnreg=80)),
-                 (16, 64, 4, 6, dict(RL, TAIL_SPLIT=4, maxnreg=80))],
+                 (16, 64, 4, 6, dict(RL, TAIL_SPLIT=4, maxnreg=80)),
+                 # two K steps per iteration, a row's 128 bytes of them as one run (K_PAIRS; each stage holds both)
+                 (16, 64, 4, 2, dict(RL, TAIL_SPLIT=4, K_PAIRS=True)),
+                 (16, 64, 4, 3, dict(RL, TAIL_SPLIT=4, K_PAIRS=True)),
+                 (16, 64, 4, 3, dict(RL, TAIL_SPLIT=4))],
              32: [(32, 128, 4, 4), (32, 128, 4, 3, RL), (32, 128, 4, 4, RL), (32, 64, 4, 4, RL)],
              64: [(64, 128, 4, 3), (64, 128, 4, 3, RL), (64, 128, 4, 4, RL), (64, 64, 4, 4, RL)],
              128: [(32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),

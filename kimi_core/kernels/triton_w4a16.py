@@ -271,6 +271,40 @@ def _decode_words(words, scale, FMT: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _fwd_perm_scales(ws_ptr, offs_n, n_mask, k0, stride_sn, FMT: tl.constexpr, GROUPS: tl.constexpr):
+    """Raw scales ``[BN, GROUPS]`` of the 32-wide groups from K column ``k0`` on (E8M0 bytes or bf16 for INT4;
+    masked rows: a neutral byte / zero)."""
+    if FMT != 1:  # E8M0 bytes (MXFP4, folded or not)
+        return tl.load(ws_ptr + offs_n[:, None] * stride_sn + (k0 // 32 + tl.arange(0, GROUPS))[None, :],
+                       mask=n_mask[:, None], other=127)
+    return tl.load(ws_ptr + offs_n[:, None] * stride_sn + (k0 // 32 + tl.arange(0, GROUPS))[None, :],
+                   mask=n_mask[:, None], other=0.0)
+
+
+@triton.jit
+def _fwd_perm_decode(q, sb, FMT: tl.constexpr, USE_ASM: tl.constexpr):
+    """Decoded bf16 weight tile ``[BN, 128]`` of one 128-wide K step in the permuted K order, from the step's int32
+    words ``q [BN, 4(t), 4(w)]`` and raw scales ``sb [BN, 4(t)]`` (layout in :func:`_fwd_perm_tile`)."""
+    BLOCK_N: tl.constexpr = q.shape[0]
+    sb = _scale_bf16(sb, FMT)
+    s3 = tl.broadcast_to(sb[:, :, None], (BLOCK_N, 4, 4))
+    o0, o1, o2, o3, o4, o5, o6, o7 = _decode_words(q, s3, FMT, USE_ASM)  # each [BN, 4(t), 4(w)]
+    p = tl.join(tl.join(tl.join(o0, o4), tl.join(o1, o5)), tl.join(tl.join(o2, o6), tl.join(o3, o7)))
+    # p: [BN, t, w, u, j_lo, j_hi] -> [BN, w, j_hi, j_lo, t, u]
+    return tl.permute(p, (0, 2, 5, 4, 1, 3)).reshape(BLOCK_N, 128)
+
+
+@triton.jit
+def _fwd_perm_x(x_rows, row_mask, k0):
+    """Activation tile ``[BM, 128]`` (bf16) of the 128-wide K step from column ``k0``, in the permuted K order."""
+    BLOCK_M: tl.constexpr = x_rows.shape[0]
+    offs_k = k0 + tl.arange(0, 128)
+    x = tl.load(x_rows + offs_k[None, :], mask=row_mask[:, None], other=0.0)  # [BM, 128] physical
+    # physical [BM, t, w, u, j] -> logical [BM, w, j, t, u]
+    return tl.permute(x.reshape(BLOCK_M, 4, 4, 2, 4), (0, 2, 4, 1, 3)).reshape(BLOCK_M, 128)
+
+
+@triton.jit
 def _fwd_perm_tile(wq_ptr, ws_ptr, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn,
                    FMT: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr, ROW_LOADS: tl.constexpr):
     """Decoded weight tile and activation tile of one 128-wide K step, both in the permuted K order.
@@ -285,7 +319,6 @@ def _fwd_perm_tile(wq_ptr, ws_ptr, x_rows, row_mask, offs_n, n_mask, k0, stride_
     4(t), 4(w)]`` after the load, so 4 lanes share a row's 64 bytes and one 16-byte ``cp.async`` instruction covers 8
     rows; loaded as ``[BN, 4, 4]`` the compiler spreads a warp's lanes over 32 rows of 16 bytes each.
     """
-    BLOCK_M: tl.constexpr = x_rows.shape[0]
     wt = tl.arange(0, 4)
     if ROW_LOADS:
         # the step's 16 words of a row as one contiguous run, so 4 lanes share a row's 64 bytes
@@ -295,23 +328,26 @@ def _fwd_perm_tile(wq_ptr, ws_ptr, x_rows, row_mask, offs_n, n_mask, k0, stride_
         word = k0 // 8 + wt[:, None] * 4 + tl.arange(0, 4)[None, :]  # [4(t), 4(w)] word index in the row
         q = tl.load(wq_ptr + offs_n[:, None, None] * stride_wn + word[None, :, :],
                     mask=n_mask[:, None, None], other=0)  # int32 [BN, 4, 4]
-    if FMT != 1:  # E8M0 bytes (MXFP4, folded or not)
-        sb = tl.load(ws_ptr + offs_n[:, None] * stride_sn + (k0 // 32 + wt)[None, :],
-                     mask=n_mask[:, None], other=127)
-    else:
-        sb = tl.load(ws_ptr + offs_n[:, None] * stride_sn + (k0 // 32 + wt)[None, :],
-                     mask=n_mask[:, None], other=0.0)
-    sb = _scale_bf16(sb, FMT)
-    s3 = tl.broadcast_to(sb[:, :, None], (BLOCK_N, 4, 4))
-    o0, o1, o2, o3, o4, o5, o6, o7 = _decode_words(q, s3, FMT, USE_ASM)  # each [BN, 4(t), 4(w)]
-    p = tl.join(tl.join(tl.join(o0, o4), tl.join(o1, o5)), tl.join(tl.join(o2, o6), tl.join(o3, o7)))
-    # p: [BN, t, w, u, j_lo, j_hi] -> [BN, w, j_hi, j_lo, t, u]
-    w = tl.permute(p, (0, 2, 5, 4, 1, 3)).reshape(BLOCK_N, 128)
-    offs_k = k0 + tl.arange(0, 128)
-    x = tl.load(x_rows + offs_k[None, :], mask=row_mask[:, None], other=0.0)  # [BM, 128] physical
-    # physical [BM, t, w, u, j] -> logical [BM, w, j, t, u]
-    x = tl.permute(x.reshape(BLOCK_M, 4, 4, 2, 4), (0, 2, 4, 1, 3)).reshape(BLOCK_M, 128)
-    return w, x
+    sb = _fwd_perm_scales(ws_ptr, offs_n, n_mask, k0, stride_sn, FMT, 4)
+    return _fwd_perm_decode(q, sb, FMT, USE_ASM), _fwd_perm_x(x_rows, row_mask, k0)
+
+
+@triton.jit
+def _fwd_perm_pair(wq_ptr, ws_ptr, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn, acc,
+                   FMT: tl.constexpr, USE_ASM: tl.constexpr, INTERP: tl.constexpr):
+    """``acc [BN, BM]`` plus the products of the two 128-wide K steps from ``k0``, first step first (the same sums
+    as two :func:`_fwd_perm_tile` steps). A row's 32 words of both steps are loaded as one 128-byte run ``[BN, 32]``
+    and its 8 scales as one ``[BN, 8]``, then split per step."""
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    q = tl.load(wq_ptr + offs_n[:, None] * stride_wn + (k0 // 8 + tl.arange(0, 32))[None, :],
+                mask=n_mask[:, None], other=0)  # int32 [BN, 32]: both steps' words of a row
+    q0, q1 = tl.split(tl.permute(q.reshape(BLOCK_N, 2, 16), (0, 2, 1)))  # each [BN, 16]
+    s = _fwd_perm_scales(ws_ptr, offs_n, n_mask, k0, stride_sn, FMT, 8)
+    s0, s1 = tl.split(tl.permute(s.reshape(BLOCK_N, 2, 4), (0, 2, 1)))  # each [BN, 4]
+    w = _fwd_perm_decode(q0.reshape(BLOCK_N, 4, 4), s0, FMT, USE_ASM)
+    acc = _mma(w, tl.trans(_fwd_perm_x(x_rows, row_mask, k0)), acc, INTERP)
+    w = _fwd_perm_decode(q1.reshape(BLOCK_N, 4, 4), s1, FMT, USE_ASM)
+    return _mma(w, tl.trans(_fwd_perm_x(x_rows, row_mask, k0 + 128)), acc, INTERP)
 
 
 @triton.jit
@@ -336,14 +372,20 @@ def _output_tile_bases(x_ptr, wq_ptr, ws_ptr, e, pid_n, rows, N, stride_xt, stri
 @triton.jit
 def _fwd_perm_steps(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k_lo, k_hi, stride_wn, stride_sn,
                     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
-                    INTERP: tl.constexpr, ROW_LOADS: tl.constexpr):
+                    INTERP: tl.constexpr, ROW_LOADS: tl.constexpr, K_PAIRS: tl.constexpr = False):
     """fp32 ``acc [BN, BM]`` = the permuted forward's products over the 128-wide K steps from ``k_lo`` to ``k_hi``,
-    added in step order."""
+    added in step order. ``K_PAIRS``: two steps per loop iteration (:func:`_fwd_perm_pair`; ``k_lo`` and ``k_hi``
+    multiples of 256), the same sums."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, 128):
-        w, x = _fwd_perm_tile(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn,
-                              FMT, BLOCK_N, USE_ASM, ROW_LOADS)
-        acc = _mma(w, tl.trans(x), acc, INTERP)  # [BN, BM]
+    if K_PAIRS:
+        for k0 in range(k_lo, k_hi, 256):
+            acc = _fwd_perm_pair(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn, acc, FMT,
+                                 USE_ASM, INTERP)
+    else:
+        for k0 in range(k_lo, k_hi, 128):
+            w, x = _fwd_perm_tile(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn,
+                                  FMT, BLOCK_N, USE_ASM, ROW_LOADS)
+            acc = _mma(w, tl.trans(x), acc, INTERP)  # [BN, BM]
     return acc
 
 
@@ -359,12 +401,12 @@ def _store_fwd_tile(y_ptr, acc, rows, row_mask, offs_n, n_mask, stride_yt):
 def _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K,
                      stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
                      FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
-                     INTERP: tl.constexpr, ROW_LOADS: tl.constexpr):
+                     INTERP: tl.constexpr, ROW_LOADS: tl.constexpr, K_PAIRS: tl.constexpr = False):
     """One output tile of the permuted forward: ``y[rows, pid_n * BLOCK_N :][:BLOCK_N]`` of expert ``e``."""
     offs_n, n_mask, wq_e, ws_e, x_rows = _output_tile_bases(x_ptr, wq_ptr, ws_ptr, e, pid_n, rows, N, stride_xt,
                                                             stride_we, stride_se, BLOCK_N)
     acc = _fwd_perm_steps(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, 0, K, stride_wn, stride_sn, FMT, BLOCK_M,
-                          BLOCK_N, USE_ASM, INTERP, ROW_LOADS)
+                          BLOCK_N, USE_ASM, INTERP, ROW_LOADS, K_PAIRS)
     _store_fwd_tile(y_ptr, acc, rows, row_mask, offs_n, n_mask, stride_yt)
 
 
@@ -372,20 +414,22 @@ def _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, 
 def _fwd_perm_tail_piece(x_ptr, wq_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, piece, e, pid_n, rows, row_mask, N, K,
                          stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
                          FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
-                         INTERP: tl.constexpr, ROW_LOADS: tl.constexpr, TAIL_SPLIT: tl.constexpr):
+                         INTERP: tl.constexpr, ROW_LOADS: tl.constexpr, TAIL_SPLIT: tl.constexpr,
+                         K_PAIRS: tl.constexpr = False):
     """Piece ``piece % TAIL_SPLIT`` of tail tile ``piece // TAIL_SPLIT``: that range of the reduction's 128-wide steps
-    (whole steps, the last range shorter), its fp32 partial sum ``[BN, BM]`` written to ``part_ptr`` slot ``piece``;
-    the tile's last piece to finish (a counter per tile in ``count_ptr``, zeroed by the launcher) adds the tile's
-    ``TAIL_SPLIT`` partial sums in piece order and stores the bf16 tile, so the result does not depend on which piece
-    finished last."""
+    (whole steps, or whole pairs of steps with ``K_PAIRS``; the last range shorter), its fp32 partial sum ``[BN, BM]``
+    written to ``part_ptr`` slot ``piece``; the tile's last piece to finish (a counter per tile in ``count_ptr``,
+    zeroed by the launcher) adds the tile's ``TAIL_SPLIT`` partial sums in piece order and stores the bf16 tile, so
+    the result does not depend on which piece finished last."""
     offs_n, n_mask, wq_e, ws_e, x_rows = _output_tile_bases(x_ptr, wq_ptr, ws_ptr, e, pid_n, rows, N, stride_xt,
                                                             stride_we, stride_se, BLOCK_N)
     j = piece // TAIL_SPLIT
-    k_len = tl.cdiv(K // 128, TAIL_SPLIT) * 128
+    STEP: tl.constexpr = 256 if K_PAIRS else 128
+    k_len = tl.cdiv(K // STEP, TAIL_SPLIT) * STEP
     k_lo = (piece % TAIL_SPLIT) * k_len
     k_hi = tl.minimum(K, k_lo + k_len)
     acc = _fwd_perm_steps(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k_lo, k_hi, stride_wn, stride_sn, FMT,
-                          BLOCK_M, BLOCK_N, USE_ASM, INTERP, ROW_LOADS)
+                          BLOCK_M, BLOCK_N, USE_ASM, INTERP, ROW_LOADS, K_PAIRS)
     offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
     tl.store(part_ptr + piece.to(tl.int64) * (BLOCK_N * BLOCK_M) + offs, acc)
     tl.debug_barrier()  # every thread's partial stored before the counter's release
@@ -405,7 +449,7 @@ def w4a16_fwd_perm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, offsets_ptr, N, K, E,
                           GROUP_M: tl.constexpr, E_POW2: tl.constexpr, USE_ASM: tl.constexpr,
                           INTERP: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
                           ROW_LOADS: tl.constexpr = False, TAIL_SPLIT: tl.constexpr = 1, full_tiles=0,
-                          part_ptr=None, count_ptr=None):
+                          part_ptr=None, count_ptr=None, K_PAIRS: tl.constexpr = False):
     """Forward with word-level decoding; ``K % 128 == 0``, weights viewed as int32 words ``[E, N, K / 8]``.
 
     One program per output tile, or (``PERSISTENT``, experimental) fewer programs each walking the tiles
@@ -417,6 +461,9 @@ def w4a16_fwd_perm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, offsets_ptr, N, K, E,
     programs, each run as ``TAIL_SPLIT`` programs over ranges of the reduction (:func:`_fwd_perm_tail_piece`: fp32
     partial sums in ``part_ptr``, ``[tail tiles * TAIL_SPLIT, BN, BM]``, a zeroed int32 counter per tail tile in
     ``count_ptr``), so the last wave takes a fraction of a tile's time instead of a whole one.
+
+    ``K_PAIRS`` (``K % 256 == 0``): two K steps per loop iteration, a row's 128 bytes of them loaded as one run
+    (:func:`_fwd_perm_pair`); the same sums in the same order, so the same bits.
     """
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -426,7 +473,7 @@ def w4a16_fwd_perm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, offsets_ptr, N, K, E,
             _, e, pid_n, rows, row_mask = _schedule(t, offsets_ptr, E, num_n, BLOCK_M, E_POW2, GROUP_M)
             _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K, stride_xt, stride_we,
                              stride_wn, stride_se, stride_sn, stride_yt, FMT, BLOCK_M, BLOCK_N, USE_ASM, INTERP,
-                             ROW_LOADS)
+                             ROW_LOADS, K_PAIRS)
     elif TAIL_SPLIT > 1:
         piece = pid - full_tiles  # >= 0: a piece of tail tile full_tiles + piece // TAIL_SPLIT
         tile = tl.where(piece < 0, pid, full_tiles + piece // TAIL_SPLIT)
@@ -435,17 +482,18 @@ def w4a16_fwd_perm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, offsets_ptr, N, K, E,
             if piece < 0:
                 _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K, stride_xt,
                                  stride_we, stride_wn, stride_se, stride_sn, stride_yt, FMT, BLOCK_M, BLOCK_N,
-                                 USE_ASM, INTERP, ROW_LOADS)
+                                 USE_ASM, INTERP, ROW_LOADS, K_PAIRS)
             else:
                 _fwd_perm_tail_piece(x_ptr, wq_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, piece, e, pid_n, rows,
                                      row_mask, N, K, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
-                                     stride_yt, FMT, BLOCK_M, BLOCK_N, USE_ASM, INTERP, ROW_LOADS, TAIL_SPLIT)
+                                     stride_yt, FMT, BLOCK_M, BLOCK_N, USE_ASM, INTERP, ROW_LOADS, TAIL_SPLIT,
+                                     K_PAIRS)
     else:
         valid, e, pid_n, rows, row_mask = _schedule(pid, offsets_ptr, E, num_n, BLOCK_M, E_POW2, GROUP_M)
         if valid:
             _fwd_perm_output(x_ptr, wq_ptr, ws_ptr, y_ptr, e, pid_n, rows, row_mask, N, K, stride_xt, stride_we,
                              stride_wn, stride_se, stride_sn, stride_yt, FMT, BLOCK_M, BLOCK_N, USE_ASM, INTERP,
-                             ROW_LOADS)
+                             ROW_LOADS, K_PAIRS)
 
 
 @triton.jit
@@ -773,9 +821,9 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
     experimental; ``ROW_LOADS``: the permuted kernels' weight loads as runs along a row; ``TAIL_SPLIT``, host splits
     only: the last wave's tiles in up to that many pieces, :func:`tail_pieces`, on as many resident programs per SM
     as ``SLOTS_PER_SM`` says, or else as the driver counts for the compiled kernel (:func:`_fwd_slots_per_sm`; on the
-    CPU none, so nothing splits)); ``out`` is an optional ``[T, N]`` bf16 output; ``fold_scales``: the permuted kernel
-    decodes MXFP4 with one multiply where every scale byte allows it (:func:`.gluon_w4a16.kernel_fmt_id`; the same
-    bits).
+    CPU none, so nothing splits); ``K_PAIRS``: the permuted forward's two K steps per iteration where ``K % 256 ==
+    0``); ``out`` is an optional ``[T, N]`` bf16 output; ``fold_scales``: the permuted kernel decodes MXFP4 with one
+    multiply where every scale byte allows it (:func:`.gluon_w4a16.kernel_fmt_id`; the same bits).
     """
     import torch
 
@@ -794,6 +842,7 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
     row_loads = cfg.pop("ROW_LOADS", False)  # permuted kernel only
     tail_split = cfg.pop("TAIL_SPLIT", 1)  # permuted kernel, one program per tile: see tail_pieces
     slots_per_sm = cfg.pop("SLOTS_PER_SM", 0)
+    k_pairs = bool(cfg.pop("K_PAIRS", False)) and K % 256 == 0  # permuted kernel: two K steps per iteration
     if K % 128 == 0 and cfg.pop("PERM", True):
         wq = _as_words(w_packed)
         programs = _num_programs(splits, T, E, cfg["BLOCK_M"], triton.cdiv(N, cfg["BLOCK_N"]))
@@ -801,12 +850,14 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
         args = (x, wq, ws, y, offsets, N, K, E, x.stride(0), wq.stride(0), wq.stride(1), ws.stride(0), ws.stride(1),
                 y.stride(0))
         consts = dict(FMT=kernel_fmt_id(fmt_id, ws, fold_scales), GROUP_M=8, E_POW2=_e_pow2(E), USE_ASM=use_asm,
-                      INTERP=not use_asm, PERSISTENT=bool(per_sm), ROW_LOADS=bool(row_loads), **cfg)
+                      INTERP=not use_asm, PERSISTENT=bool(per_sm), ROW_LOADS=bool(row_loads), K_PAIRS=k_pairs,
+                      **cfg)
         tail = {}
         if tail_split > 1 and not per_sm and splits is not None:
             if not slots_per_sm and use_asm and x.device.type == "cuda":
                 slots_per_sm = _fwd_slots_per_sm(args, consts)
-            full, pieces = tail_pieces(programs, slots_per_sm * sm_count(x.device), tail_split, K // 128)
+            full, pieces = tail_pieces(programs, slots_per_sm * sm_count(x.device), tail_split,
+                                       K // (256 if k_pairs else 128))
             if pieces > 1:
                 n_tail = programs - full
                 tail = dict(TAIL_SPLIT=pieces, full_tiles=full,

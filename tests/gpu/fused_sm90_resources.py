@@ -62,14 +62,15 @@ def compile_fused(op: str, fmt: str, config: dict, experts: int = 112):
     compiled kernel."""
     fmt_id, scale_type = FORMATS[fmt]
     cfg = dict(config)
-    options = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
+    options = {k: cfg.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in cfg}
     kernel = tw.w4a16_fwd_perm_kernel if op == "fwd" else tw.w4a16_dgrad_perm_kernel
     const = dict(FMT=fmt_id, GROUP_M=8, E_POW2=triton.next_power_of_2(experts), USE_ASM=True, INTERP=False,
                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], ROW_LOADS=cfg.get("ROW_LOADS", False))
     if op == "dgrad":
         const.update(EVEN_N=True, SPLIT_N=cfg.get("SPLIT_N", 1))
     else:
-        const.update(PERSISTENT=bool(cfg.get("PERSISTENT", 0)), TAIL_SPLIT=cfg.get("TAIL_SPLIT", 1))
+        const.update(PERSISTENT=bool(cfg.get("PERSISTENT", 0)), TAIL_SPLIT=cfg.get("TAIL_SPLIT", 1),
+                     K_PAIRS=cfg.get("K_PAIRS", False))
     sig = signature(kernel, scale_type, cfg.get("SPLIT_N", 1) > 1)
     if op == "fwd" and const["TAIL_SPLIT"] == 1:  # the launcher passes no tail buffers: None, a constexpr
         const.update(part_ptr=None, count_ptr=None)

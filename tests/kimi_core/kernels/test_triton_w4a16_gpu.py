@@ -91,16 +91,18 @@ def test_dgrad_split_reduction(fmt, split, tensor_splits):
     assert_close(f"dgrad split {split} {fmt}", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
 
 
-@pytest.mark.parametrize("variant", [{"PERSISTENT": 2}, {"ROW_LOADS": True}, {"ROW_LOADS": True, "PERSISTENT": 2}],
-                         ids=["persistent", "row-loads", "row-loads-persistent"])
+@pytest.mark.parametrize("variant", [{"PERSISTENT": 2}, {"ROW_LOADS": True}, {"ROW_LOADS": True, "PERSISTENT": 2},
+                                     {"ROW_LOADS": True, "K_PAIRS": True, "num_stages": 3}],
+                         ids=["persistent", "row-loads", "row-loads-persistent", "row-loads-k-pairs"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("E,K,N", BENCH_SHAPES)
 @pytest.mark.parametrize("tensor_splits", [False, True])
 def test_forward_variants(fmt, E, K, N, tensor_splits, variant):
     """The permuted forward's options at each benchmark shape with few ragged tokens per expert and empty experts,
     host and device splits: the experimental persistent walk (2 programs per SM, every tile in one flattened loop
-    nest) and the weights loaded as one contiguous run per row (``ROW_LOADS``) give bit for bit the one-program-per-
-    tile result with the weights loaded ``[BN, 4, 4]``, and the oracle's."""
+    nest), the weights loaded as one contiguous run per row (``ROW_LOADS``) and two K steps per iteration
+    (``K_PAIRS``, every benchmark K a multiple of 256) give bit for bit the one-program-per-tile result with the
+    weights loaded ``[BN, 4, 4]``, and the oracle's."""
     from kimi_core.kernels import triton_w4a16 as tw
 
     splits = ragged_splits(E, 9, seed=K)
@@ -207,22 +209,24 @@ def test_folded_mxfp4_decode(E, K, N, op):
     assert_close(f"folded {op} E{E} K{K} N{N}", oracle(a, wp, ws, MXFP4, splits), folded.float(), 1e-2)
 
 
-@pytest.mark.parametrize("slots_per_sm,most", [(5, 4), (5, 2), (1, 4), (40, 4)])
+@pytest.mark.parametrize("slots_per_sm,most,pairs", [(5, 4, False), (5, 2, False), (1, 4, False), (40, 4, False),
+                                                     (5, 4, True), (40, 4, True)])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("E,K,N", BENCH_SHAPES)
-def test_forward_tail_split(fmt, E, K, N, slots_per_sm, most):
+def test_forward_tail_split(fmt, E, K, N, slots_per_sm, most, pairs):
     """The forward with its last wave's tiles split over the reduction (``TAIL_SPLIT``, ``SLOTS_PER_SM``: 5 = the
     16x64 tile's resident programs per SM on sm_90a, 1 = many waves and a short tail, 40 = every tile split), at each
     benchmark shape with few ragged tokens per expert (one expert grown by a row tile at a time until the last wave
     splits) and empty experts: every output written, the oracle's result, the same bits on a second run (the last piece
-    to finish adds the pieces in piece order) and within bf16 rounding of the unsplit tiles."""
+    to finish adds the pieces in piece order) and within bf16 rounding of the unsplit tiles. ``pairs``: two K steps per
+    iteration (``K_PAIRS``), the pieces cut at whole pairs."""
     from kimi_core.kernels import triton_w4a16 as tw
 
     splits = ragged_splits(E, 9, seed=K + slots_per_sm)
-    cfg = dict(tw.fwd_config(9, fmt), TAIL_SPLIT=most, SLOTS_PER_SM=slots_per_sm)
+    cfg = dict(tw.fwd_config(9, fmt), TAIL_SPLIT=most, SLOTS_PER_SM=slots_per_sm, K_PAIRS=pairs)
     for grow in range(64):
         programs = tw._num_programs(splits, sum(splits), E, cfg["BLOCK_M"], -(-N // cfg["BLOCK_N"]))
-        full, pieces = tw.tail_pieces(programs, slots_per_sm * tw.sm_count("cuda"), most, K // 128)
+        full, pieces = tw.tail_pieces(programs, slots_per_sm * tw.sm_count("cuda"), most, K // (256 if pairs else 128))
         if pieces > 1:
             break
         splits[grow % E] += cfg["BLOCK_M"]

@@ -156,6 +156,18 @@ for fmt in ("mxfp4-pack-quantized", "pack-quantized"):
             torch.zeros = zeros
         assert [c.tolist() for c in counters] == [[pieces] * (6 - full)], (fmt, slots, counters)
         assert torch.equal(split_y, one_pass), (fmt, slots)
+    # two K steps per loop iteration (K_PAIRS, where K % 256 == 0: 3 pairs here, also split in 3 one-pair pieces on 20
+    # slots): the same products added in the same order, so the same bits; K = 640 ignores it (5 single steps)
+    wp7, ws7 = random_packed(fmt, E, 64, 768, seed=8)
+    x7 = torch.randn(25, 768).bfloat16()
+    single = tw.grouped_gemm(x7, wp7, ws7, fmt, splits, config=dict(cfg, ROW_LOADS=True))
+    for extra in ({}, {"TAIL_SPLIT": 4, "SLOTS_PER_SM": 20}):
+        pairs = tw.grouped_gemm(x7, wp7, ws7, fmt, splits, config=dict(cfg, ROW_LOADS=True, K_PAIRS=True, **extra))
+        assert torch.equal(pairs, single), (fmt, extra)
+    ref7 = oracle_fwd(x7, wp7, ws7, fmt, splits)
+    worst = max(worst, ((pairs.float() - ref7).norm() / ref7.norm()).item())
+    odd = tw.grouped_gemm(x6, wp6, ws6, fmt, splits, config=dict(cfg, ROW_LOADS=True, K_PAIRS=True))
+    assert torch.equal(odd, one_pass), fmt
     # the launchers' own configs where K rules out the permuted kernels (their options must not reach the generic ones)
     wp5, ws5 = random_packed(fmt, 2, 32, 160, seed=5)
     x5, dy5 = torch.randn(9, 160).bfloat16(), torch.randn(9, 32).bfloat16()
