@@ -777,7 +777,7 @@ def fwd_config(tokens_per_expert: float, fmt: str = "") -> dict:
     6 % faster, H100 2026-12-06)."""
     mxfp4 = fmt == "mxfp4-pack-quantized"
     if tokens_per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4 if mxfp4 else 6, ROW_LOADS=True, TAIL_SPLIT=4)
+        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, ROW_LOADS=True, TAIL_SPLIT=4, K_PAIRS=True)
     if tokens_per_expert <= 32:
         return dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3, ROW_LOADS=True)
     if tokens_per_expert <= 64:
