@@ -779,7 +779,7 @@ def fwd_config(tokens_per_expert: float, fmt: str = "") -> dict:
     if tokens_per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, ROW_LOADS=True, TAIL_SPLIT=4, K_PAIRS=True)
     if tokens_per_expert <= 32:
-        return dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3, ROW_LOADS=True)
+        return dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3, ROW_LOADS=True, K_PAIRS=True)
     if tokens_per_expert <= 64:
         return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, ROW_LOADS=True)
     return dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3, ROW_LOADS=mxfp4)

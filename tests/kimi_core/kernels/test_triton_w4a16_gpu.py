@@ -97,7 +97,8 @@ def test_dgrad_split_reduction(fmt, split, tensor_splits):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("E,K,N", BENCH_SHAPES)
 @pytest.mark.parametrize("tensor_splits", [False, True])
-def test_forward_variants(fmt, E, K, N, tensor_splits, variant):
+@pytest.mark.parametrize("tokens", [9, 30])
+def test_forward_variants(fmt, E, K, N, tensor_splits, variant, tokens):
     """The permuted forward's options at each benchmark shape with few ragged tokens per expert and empty experts,
     host and device splits: the experimental persistent walk (2 programs per SM, every tile in one flattened loop
     nest), the weights loaded as one contiguous run per row (``ROW_LOADS``) and two K steps per iteration
@@ -105,11 +106,12 @@ def test_forward_variants(fmt, E, K, N, tensor_splits, variant):
     weights loaded ``[BN, 4, 4]``, and the oracle's."""
     from kimi_core.kernels import triton_w4a16 as tw
 
-    splits = ragged_splits(E, 9, seed=K)
+    splits = ragged_splits(E, tokens, seed=K)
     wp, ws = random_packed(fmt, E, N, K, seed=N, device="cuda")
     x = torch.randn(sum(splits), K, device="cuda").bfloat16()
     ms = torch.tensor(splits, device="cuda") if tensor_splits else splits
-    base = dict(tw.fwd_config(9, fmt), ROW_LOADS=False, TAIL_SPLIT=1)  # one program per tile, none split
+    # one program per tile, none split, one K step per iteration
+    base = dict(tw.fwd_config(tokens, fmt), ROW_LOADS=False, TAIL_SPLIT=1, K_PAIRS=False)
     one_per_tile = tw.grouped_gemm(x, wp, ws, fmt, ms, config=dict(base))
     y = torch.full_like(one_per_tile, float("nan"))
     tw.grouped_gemm(x, wp, ws, fmt, ms, config=dict(base, **variant), out=y)
