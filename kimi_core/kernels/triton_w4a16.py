@@ -753,8 +753,11 @@ _SLOTS_PER_SM: dict = {}
 def _fwd_slots_per_sm(args: tuple, consts: dict) -> int:
     """Programs of the unsplit forward kernel (``w4a16_fwd_perm_kernel`` with ``args`` / ``consts``, compiled if not
     yet) resident per SM of the current device, as the driver counts them (:mod:`.occupancy`). The split kernel
-    (``TAIL_SPLIT > 1``) holds as many on sm_90a: the same shared memory, registers within 4 of the unsplit kernel's,
-    the same blocks per SM at every shipped 8 tok/exp config (tests/gpu/fused_sm90_resources.py, 2026-12-06).
+    (``TAIL_SPLIT > 1``) has the same shared memory and, on sm_90a at the shipped 8 tok/exp configs, as many blocks
+    per SM with the folded MXFP4 decode (96 registers, 5) and INT4 (111-113 unsplit, 121-128 split: 4); with MXFP4's
+    exact two-multiply decode (``fold_scales`` off or a scale byte over 128) the split kernel is 100-109 registers, 4
+    blocks against the unsplit 96's 5, so its last wave is sized for a fifth more slots than it gets
+    (tests/gpu/fused_sm90_resources.py, 2026-12-06).
     Cached per device, constants and the ints' specialization (Triton's: equal to 1, a multiple of 16), so a shape
     always splits the same way and its results do not depend on what ran before."""
     import torch
@@ -772,9 +775,10 @@ def fwd_config(tokens_per_expert: float, fmt: str = "") -> dict:
     """Forward tiles by mean tokens per expert (swept on K3 fc1 on the H200, 2026-11-29; up to 128 on every benchmark
     shape and both formats on an H100, 2026-12-06, benchmarks/RESULTS.md). The weights go as runs along each row
     (``ROW_LOADS``): 10-25 % faster up to 64 tokens per expert; at 128-row tiles MXFP4 gains 3-7 %, INT4 loses
-    3-6 %. At 16 and fewer, INT4 takes 6 stages (3-4 % faster), MXFP4 4 (6 are 5-18 % slower), and the last wave's
-    tiles split over the reduction in up to 4 pieces (``TAIL_SPLIT``, :func:`tail_pieces`; K2 fc1 MXFP4 at 8 tok/exp
-    6 % faster, H100 2026-12-06)."""
+    3-6 %. Up to 32, two K steps per loop iteration (``K_PAIRS``, 3 stages; H100 2026-12-06 at 8 tok/exp: 12-24 %
+    faster on every shape and format, K2 fc1 MXFP4 0.214 -> 0.171 ms; at 32 fastest on 7 of 8 rows, INT4 up to 19 %;
+    at 64 slower). At 16 and fewer the last wave's tiles split over the reduction in up to 4 pieces (``TAIL_SPLIT``,
+    :func:`tail_pieces`; K2 fc1 MXFP4 at 8 tok/exp 6 % faster unpaired, H100 2026-12-06)."""
     mxfp4 = fmt == "mxfp4-pack-quantized"
     if tokens_per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, ROW_LOADS=True, TAIL_SPLIT=4, K_PAIRS=True)

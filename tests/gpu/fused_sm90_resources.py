@@ -8,8 +8,10 @@ registers without ``stride_part``'s, 162 with it). Every row of this table match
 kernels the H100 ran on 2026-12-06 (forward 89 / 95 on K3, 85 / 95 on K2; dgrad 162 / 109 on K3, 178 / 110 on K2 fc1,
 177 / 183 for K2 fc2's split; MXFP4 / INT4; benchmarks/RESULTS.md, session 24). The "mxfp4 folded" rows (the decode
 with one multiply, ``fold_scales``) were added later and not read back from a GPU. The forward rows compile the shipped
-config, which since 00be372 includes the last-wave split (``TAIL_SPLIT=4``): K2's MXFP4 forward is 89 registers with it,
-85 without (the launcher sizes the split by the unsplit kernel's resident blocks; both 5 per SM).
+config, which since 00be372 includes the last-wave split (``TAIL_SPLIT=4``) and since 20fdf39 two K steps per
+iteration (``K_PAIRS``, 3 stages; the loop column then counts two steps): the folded MXFP4 forward is 96 registers split
+or not (5 per SM), the exact MXFP4 decode 96 unsplit (5) and 100-109 split (4), INT4 111-113 unsplit and 121-128 split
+(4 per SM either way). The launcher sizes the split by the unsplit kernel's resident blocks.
 
     /tmp/tri36/venv/bin/python tests/gpu/fused_sm90_resources.py
 """
@@ -105,7 +107,8 @@ def main() -> None:
             regs = int(usage.split()[0].split(":")[1])
             by_regs, by_shared = blocks_per_sm(regs, cfg["num_warps"], k.metadata.shared)
             label = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}" + (
-                " row loads" if cfg.get("ROW_LOADS") else "") + "".join(
+                " row loads" if cfg.get("ROW_LOADS") else "") + (" k pairs" if cfg.get("K_PAIRS") else "") + (
+                f" tail split {cfg['TAIL_SPLIT']}" if cfg.get("TAIL_SPLIT", 1) > 1 else "") + "".join(
                 f" {key.lower()} {value}" for key, value in extra.items() if key != "BLOCK_N")
             print(f"| {op} | {fmt} | {layer} | {label} | {usage.replace('SHARED:', 'SHARED(static):')} | "
                   f"{sass_instructions(k.asm['cubin'])} | {mma_loop(k.asm['cubin'])[0]} | {by_regs}, {by_shared} |",
