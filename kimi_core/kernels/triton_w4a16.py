@@ -826,7 +826,7 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
     only: the last wave's tiles in up to that many pieces, :func:`tail_pieces`, on as many resident programs per SM
     as ``SLOTS_PER_SM`` says, or else as the driver counts for the compiled kernel (:func:`_fwd_slots_per_sm`; on the
     CPU none, so nothing splits); ``K_PAIRS``: the permuted forward's two K steps per iteration where ``K % 256 ==
-    0``); ``out`` is an optional ``[T, N]`` bf16 output; ``fold_scales``: the permuted kernel decodes MXFP4 with one
+    0``, its weights always loaded as runs along a row); ``out`` is an optional ``[T, N]`` bf16 output; ``fold_scales``: the permuted kernel decodes MXFP4 with one
     multiply where every scale byte allows it (:func:`.gluon_w4a16.kernel_fmt_id`; the same bits).
     """
     import torch
