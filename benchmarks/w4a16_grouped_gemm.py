@@ -531,17 +531,13 @@ RL = {"ROW_LOADS": True}
 SWEEP_FWD = {8: [(16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 4, RL), (16, 128, 4, 3, RL), (16, 128, 4, 4, RL),
                  (16, 128, 8, 4, RL), (16, 64, 4, 6, RL), (16, 128, 4, 3, dict(RL, PERSISTENT=2)),
                  # the last wave's tiles split over the reduction (up to TAIL_SPLIT pieces on the resident programs
-                 # the driver counts; the shipped tiles split in up to 4, the two above without)
-                 (16, 64, 4, 4, dict(RL, TAIL_SPLIT=2)), (16, 64, 4, 5, dict(RL, TAIL_SPLIT=4)),
-                 # registers capped at 80 (Triton's maxnreg): on sm_90a the folded MXFP4 forward fits without a spill
-                 # and the same K loop (259 SASS lines), 6 programs per SM instead of 5; INT4 spills 8 bytes
-                 # (tests/gpu/fused_sm90_resources.py, 2026-12-06)
-                 (16, 64, 4, 4, dict(RL, TAIL_SPLIT=4, maxnreg=80)), (16, 64, 4, 5, dict(RL, TAIL_SPLIT=4, maxnreg=80)),
-                 (16, 64, 4, 6, dict(RL, TAIL_SPLIT=4, maxnreg=80)),
-                 # two K steps per iteration, a row's 128 bytes of them as one run (K_PAIRS; each stage holds both)
-                 (16, 64, 4, 2, dict(RL, TAIL_SPLIT=4, K_PAIRS=True)),
-                 (16, 64, 4, 3, dict(RL, TAIL_SPLIT=4, K_PAIRS=True)),
-                 (16, 64, 4, 3, dict(RL, TAIL_SPLIT=4))],
+                 # the driver counts, or SLOTS_PER_SM), one K step per iteration
+                 (16, 64, 4, 4, dict(RL, TAIL_SPLIT=4)), (16, 64, 4, 5, dict(RL, TAIL_SPLIT=4)),
+                 # two K steps per iteration (K_PAIRS, shipped with 3 stages and the split): 2 stages; unsplit; the
+                 # split sized for 4 programs per SM (what the split kernel holds with MXFP4's exact decode,
+                 # --fused-options '{"fold_scales": false}', where the unsplit kernel the driver counts holds 5)
+                 (16, 64, 4, 2, dict(RL, TAIL_SPLIT=4, K_PAIRS=True)), (16, 64, 4, 3, dict(RL, K_PAIRS=True)),
+                 (16, 64, 4, 3, dict(RL, TAIL_SPLIT=4, K_PAIRS=True, SLOTS_PER_SM=4))],
              32: [(32, 128, 4, 4), (32, 128, 4, 3, RL), (32, 128, 4, 4, RL), (32, 64, 4, 4, RL),
                   (32, 128, 4, 3, dict(RL, K_PAIRS=True)), (32, 64, 4, 3, dict(RL, K_PAIRS=True))],
              64: [(64, 128, 4, 3), (64, 128, 4, 3, RL), (64, 128, 4, 4, RL), (64, 64, 4, 4, RL),
