@@ -138,11 +138,18 @@ for fmt in ("mxfp4-pack-quantized", "pack-quantized"):
             folded = op(a, wp, wsf, fmt, splits, config=dict(cfg, **extra), fold_scales=True)
             assert torch.equal(exact, folded), (fmt, op.__name__, extra)
     # the last wave's tiles split over the reduction (TAIL_SPLIT, SLOTS_PER_SM; one program per "SM" here): 6 tiles of
-    # 5 steps on 4 slots leave 2 tiles in 2 pieces; on 20 slots every tile in 3. Each piece adds its steps' products to
-    # its own sum and the pieces' sums are added in piece order, which in the interpreter repeats the unsplit sum bit
-    # for bit; every tail tile's counter ends at its piece count
-    wp6, ws6 = random_packed(fmt, E, 64, 640, seed=7)
-    x6 = torch.randn(25, 640).bfloat16()
+    # 5 steps on 4 slots leave 2 tiles in 2 pieces; on 20 slots every tile in 3; every tail tile's counter ends at its
+    # piece count. Each piece adds its steps' products to its own sum and the pieces' sums are added in piece order,
+    # which groups the additions differently from the unsplit sum; on exact data (small integer activations, INT4
+    # scales a power of two: every product and sum below is a multiple of 2^-10 under 2^11, exact in fp32) both
+    # orders give the same bits
+    def exact_case(K, seed):
+        wp, ws = random_packed(fmt, E, 64, K, seed=seed)
+        if fmt != "mxfp4-pack-quantized":
+            ws = torch.full_like(ws, 2.0 ** -6)
+        x = torch.randint(-3, 4, (25, K), generator=torch.Generator().manual_seed(seed)).bfloat16()
+        return x, wp, ws
+    x6, wp6, ws6 = exact_case(640, 7)
     one_pass = tw.grouped_gemm(x6, wp6, ws6, fmt, splits, config=dict(cfg, ROW_LOADS=True))
     for slots, full, pieces in ((4, 4, 2), (20, 0, 3)):
         assert tw.tail_pieces(6, slots, 4, 5) == (full, pieces)
@@ -156,10 +163,10 @@ for fmt in ("mxfp4-pack-quantized", "pack-quantized"):
             torch.zeros = zeros
         assert [c.tolist() for c in counters] == [[pieces] * (6 - full)], (fmt, slots, counters)
         assert torch.equal(split_y, one_pass), (fmt, slots)
-    # two K steps per loop iteration (K_PAIRS, where K % 256 == 0: 3 pairs here, also split in 3 one-pair pieces on 20
-    # slots): the same products added in the same order, so the same bits; K = 640 ignores it (5 single steps)
-    wp7, ws7 = random_packed(fmt, E, 64, 768, seed=8)
-    x7 = torch.randn(25, 768).bfloat16()
+    # two K steps per loop iteration (K_PAIRS, where K % 256 == 0: 3 pairs here): the same products added in the same
+    # order, so the same bits; also split in 3 one-pair pieces on 20 slots (exact data, as above); K = 640 ignores it
+    # (5 single steps)
+    x7, wp7, ws7 = exact_case(768, 8)
     single = tw.grouped_gemm(x7, wp7, ws7, fmt, splits, config=dict(cfg, ROW_LOADS=True))
     for extra in ({}, {"TAIL_SPLIT": 4, "SLOTS_PER_SM": 20}):
         pairs = tw.grouped_gemm(x7, wp7, ws7, fmt, splits, config=dict(cfg, ROW_LOADS=True, K_PAIRS=True, **extra))
