@@ -274,11 +274,10 @@ def _decode_words(words, scale, FMT: tl.constexpr, USE_ASM: tl.constexpr):
 def _fwd_perm_scales(ws_ptr, offs_n, n_mask, k0, stride_sn, FMT: tl.constexpr, GROUPS: tl.constexpr):
     """Raw scales ``[BN, GROUPS]`` of the 32-wide groups from K column ``k0`` on (E8M0 bytes or bf16 for INT4;
     masked rows: a neutral byte / zero)."""
+    ptrs = ws_ptr + offs_n[:, None] * stride_sn + (k0 // 32 + tl.arange(0, GROUPS))[None, :]
     if FMT != 1:  # E8M0 bytes (MXFP4, folded or not)
-        return tl.load(ws_ptr + offs_n[:, None] * stride_sn + (k0 // 32 + tl.arange(0, GROUPS))[None, :],
-                       mask=n_mask[:, None], other=127)
-    return tl.load(ws_ptr + offs_n[:, None] * stride_sn + (k0 // 32 + tl.arange(0, GROUPS))[None, :],
-                   mask=n_mask[:, None], other=0.0)
+        return tl.load(ptrs, mask=n_mask[:, None], other=127)
+    return tl.load(ptrs, mask=n_mask[:, None], other=0.0)
 
 
 @triton.jit
@@ -730,6 +729,12 @@ def _e_pow2(num_experts: int) -> int:
 TAIL_MIN_FILL = 0.25
 
 
+def fwd_steps(K: int, k_pairs: bool) -> int:
+    """Loop iterations of the permuted forward over a reduction of ``K``: 128-wide K steps, or pairs of them with
+    ``K_PAIRS`` (the units :func:`tail_pieces` cuts a split tile's reduction into)."""
+    return K // (256 if k_pairs else 128)
+
+
 def tail_pieces(programs: int, slots: int, most: int, steps: int) -> tuple[int, int]:
     """``(full, pieces)``: the forward's ``programs`` tiles on ``slots`` resident programs (SMs x programs per SM)
     fill ``programs // slots`` whole waves, the ``full`` first tiles; each of the ``programs - full`` left (the last,
@@ -826,8 +831,9 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
     only: the last wave's tiles in up to that many pieces, :func:`tail_pieces`, on as many resident programs per SM
     as ``SLOTS_PER_SM`` says, or else as the driver counts for the compiled kernel (:func:`_fwd_slots_per_sm`; on the
     CPU none, so nothing splits); ``K_PAIRS``: the permuted forward's two K steps per iteration where ``K % 256 ==
-    0``, its weights always loaded as runs along a row); ``out`` is an optional ``[T, N]`` bf16 output; ``fold_scales``: the permuted kernel decodes MXFP4 with one
-    multiply where every scale byte allows it (:func:`.gluon_w4a16.kernel_fmt_id`; the same bits).
+    0``, its weights always loaded as runs along a row); ``out`` is an optional ``[T, N]`` bf16 output;
+    ``fold_scales``: the permuted kernel decodes MXFP4 with one multiply where every scale byte allows it
+    (:func:`.gluon_w4a16.kernel_fmt_id`; the same bits).
     """
     import torch
 
@@ -861,7 +867,7 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
             if not slots_per_sm and use_asm and x.device.type == "cuda":
                 slots_per_sm = _fwd_slots_per_sm(args, consts)
             full, pieces = tail_pieces(programs, slots_per_sm * sm_count(x.device), tail_split,
-                                       K // (256 if k_pairs else 128))
+                                       fwd_steps(K, k_pairs))
             if pieces > 1:
                 n_tail = programs - full
                 tail = dict(TAIL_SPLIT=pieces, full_tiles=full,

@@ -228,7 +228,7 @@ def test_forward_tail_split(fmt, E, K, N, slots_per_sm, most, pairs):
     cfg = dict(tw.fwd_config(9, fmt), TAIL_SPLIT=most, SLOTS_PER_SM=slots_per_sm, K_PAIRS=pairs)
     for grow in range(64):
         programs = tw._num_programs(splits, sum(splits), E, cfg["BLOCK_M"], -(-N // cfg["BLOCK_N"]))
-        full, pieces = tw.tail_pieces(programs, slots_per_sm * tw.sm_count("cuda"), most, K // (256 if pairs else 128))
+        full, pieces = tw.tail_pieces(programs, slots_per_sm * tw.sm_count("cuda"), most, tw.fwd_steps(K, pairs))
         if pieces > 1:
             break
         splits[grow % E] += cfg["BLOCK_M"]
@@ -264,8 +264,8 @@ def test_resident_programs_follow_the_occupancy_rules(fmt):
     wq = tw._as_words(wp)
     cfg = tw.fwd_config(8, fmt)
     consts = dict(FMT=tw._fmt_id(fmt), GROUP_M=8, E_POW2=tw._e_pow2(E), USE_ASM=True, INTERP=False, PERSISTENT=False,
-                  ROW_LOADS=cfg["ROW_LOADS"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  ROW_LOADS=cfg["ROW_LOADS"], K_PAIRS=cfg.get("K_PAIRS", False), BLOCK_M=cfg["BLOCK_M"],
+                  BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     k = tw.w4a16_fwd_perm_kernel.warmup(x, wq, ws.contiguous(), y, offsets, N, K, E, x.stride(0), wq.stride(0),
                                         wq.stride(1), ws.stride(0), ws.stride(1), y.stride(0), grid=(1,), **consts)
     got = resident_programs(k)
@@ -283,9 +283,10 @@ def test_resident_programs_follow_the_occupancy_rules(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_shipped_forward_splits_k2_fc1_last_wave(fmt, monkeypatch):
-    """The shipped forward at K2 fc1 with 8 tokens per expert (1536 tiles of 56 steps) splits its last wave as
-    :func:`tail_pieces` says for the driver's resident-program count (MXFP4: 2.33 waves on an H100's 132 x 5 slots, 216
-    tiles in 3 pieces), every tail tile's counter at its piece count afterwards, and matches the oracle."""
+    """The shipped forward at K2 fc1 with 8 tokens per expert (1536 tiles of 56 K steps, 28 loop iterations paired)
+    splits its last wave as :func:`tail_pieces` says for the driver's resident-program count (MXFP4: 2.33 waves on an
+    H100's 132 x 5 slots, 216 tiles in 3 pieces), every tail tile's counter at its piece count afterwards, and matches
+    the oracle."""
     from kimi_core.kernels import triton_w4a16 as tw
 
     E, K, N = 24, 7168, 4096
@@ -299,7 +300,8 @@ def test_shipped_forward_splits_k2_fc1_last_wave(fmt, monkeypatch):
     monkeypatch.undo()
     cfg = tw.fwd_config(8, fmt)
     (slots,) = tw._SLOTS_PER_SM.values()
-    full, pieces = tw.tail_pieces(1536, slots * tw.sm_count("cuda"), cfg["TAIL_SPLIT"], K // 128)
+    full, pieces = tw.tail_pieces(1536, slots * tw.sm_count("cuda"), cfg["TAIL_SPLIT"],
+                                  tw.fwd_steps(K, cfg.get("K_PAIRS", False)))
     print(f"{fmt}: {slots} programs per SM, {1536 - full} tail tiles in {pieces} pieces")
     if pieces > 1:
         assert [c.tolist() for c in counters] == [[pieces] * (1536 - full)]
