@@ -755,25 +755,54 @@ def tail_pieces(programs: int, slots: int, most: int, steps: int) -> tuple[int, 
 _SLOTS_PER_SM: dict = {}
 
 
-def _fwd_slots_per_sm(args: tuple, consts: dict) -> int:
-    """Programs of the unsplit forward kernel (``w4a16_fwd_perm_kernel`` with ``args`` / ``consts``, compiled if not
-    yet) resident per SM of the current device, as the driver counts them (:mod:`.occupancy`). The split kernel
-    (``TAIL_SPLIT > 1``) has the same shared memory and, on sm_90a at the shipped 8 tok/exp configs, as many blocks
-    per SM with the folded MXFP4 decode (96 registers, 5) and INT4 (111-113 unsplit, 121-128 split: 4); with MXFP4's
-    exact two-multiply decode (``fold_scales`` off or a scale byte over 128) the split kernel is 100-109 registers, 4
-    blocks against the unsplit 96's 5, so its last wave is sized for a fifth more slots than it gets
-    (tests/gpu/fused_sm90_resources.py, 2026-12-06).
-    Cached per device, constants and the ints' specialization (Triton's: equal to 1, a multiple of 16), so a shape
-    always splits the same way and its results do not depend on what ran before."""
+def _fwd_slots_per_sm(args: tuple, consts: dict, pieces: int = 1, full: int = 0) -> int:
+    """Programs of the forward kernel (``w4a16_fwd_perm_kernel`` with ``args`` / ``consts``, unsplit or, ``pieces >
+    1``, its last wave's tiles from ``full`` on split in that many; compiled if not yet) resident per SM of the current
+    device, as the driver counts them (:mod:`.occupancy`). Cached per device, constants and the ints' specialization
+    (Triton's: equal to 1, a multiple of 16), so a shape always splits the same way and its results do not depend on
+    what ran before."""
     import torch
 
-    ints = tuple((a == 1, a % 16 == 0) for a in args if isinstance(a, int))
-    key = (torch.cuda.current_device(), ints, tuple(sorted(consts.items())))
+    split = pieces > 1
+    ints = tuple((a == 1, a % 16 == 0) for a in (*args, *((full,) if split else ())) if isinstance(a, int))
+    key = (torch.cuda.current_device(), ints, tuple(sorted(consts.items())), pieces)
     if key not in _SLOTS_PER_SM:
         from kimi_core.kernels.occupancy import resident_programs
 
-        _SLOTS_PER_SM[key] = resident_programs(w4a16_fwd_perm_kernel.warmup(*args, grid=(1,), **consts))
+        device = args[0].device
+        tail = dict(TAIL_SPLIT=pieces, full_tiles=full, part_ptr=torch.empty(1, device=device),
+                    count_ptr=torch.zeros(1, dtype=torch.int32, device=device)) if split else {}
+        _SLOTS_PER_SM[key] = resident_programs(w4a16_fwd_perm_kernel.warmup(*args, grid=(1,), **tail, **consts))
     return _SLOTS_PER_SM[key]
+
+
+def _size_tail_split(programs: int, args: tuple, consts: dict, cfg: dict, most: int, steps: int,
+                     slots_per_sm: int, device) -> dict:
+    """The split forward's extra arguments for ``programs`` tiles (``TAIL_SPLIT``, ``full_tiles``, the tail tiles' fp32
+    partial sums ``[tail tiles * TAIL_SPLIT, BLOCK_N, BLOCK_M]`` and zeroed int32 counters ``[tail tiles]``), or ``{}``
+    where the last wave is not split (:func:`tail_pieces`). ``slots_per_sm`` given (``SLOTS_PER_SM``): that many
+    programs per SM; else the driver's count for the unsplit kernel and then for the split kernel that picks, which
+    runs every tile of the launch and can hold fewer programs per SM (sm_90a, MXFP4's exact two-multiply decode
+    paired: 100-109 registers, 4 blocks against the unsplit 96's 5, tests/gpu/fused_sm90_resources.py, 2026-12-06);
+    then the tiles are cut again for its count (a split into another number of pieces is not counted again)."""
+    import torch
+
+    sms = sm_count(device)
+    counted = not slots_per_sm
+    if counted:
+        slots_per_sm = _fwd_slots_per_sm(args, consts)
+    full, pieces = tail_pieces(programs, slots_per_sm * sms, most, steps)
+    if pieces > 1 and counted:
+        split_slots = _fwd_slots_per_sm(args, consts, pieces, full)
+        if split_slots < slots_per_sm:
+            full, pieces = tail_pieces(programs, split_slots * sms, most, steps)
+    if pieces == 1:
+        return {}
+    n_tail = programs - full
+    return dict(TAIL_SPLIT=pieces, full_tiles=full,
+                part_ptr=torch.empty((n_tail * pieces, cfg["BLOCK_N"], cfg["BLOCK_M"]), dtype=torch.float32,
+                                     device=device),
+                count_ptr=torch.zeros(n_tail, dtype=torch.int32, device=device))
 
 
 def fwd_config(tokens_per_expert: float, fmt: str = "") -> dict:
@@ -863,18 +892,12 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
                       INTERP=not use_asm, PERSISTENT=bool(per_sm), ROW_LOADS=bool(row_loads), K_PAIRS=k_pairs,
                       **cfg)
         tail = {}
-        if tail_split > 1 and not per_sm and splits is not None:
-            if not slots_per_sm and use_asm and x.device.type == "cuda":
-                slots_per_sm = _fwd_slots_per_sm(args, consts)
-            full, pieces = tail_pieces(programs, slots_per_sm * sm_count(x.device), tail_split,
-                                       fwd_steps(K, k_pairs))
-            if pieces > 1:
-                n_tail = programs - full
-                tail = dict(TAIL_SPLIT=pieces, full_tiles=full,
-                            part_ptr=torch.empty((n_tail * pieces, cfg["BLOCK_N"], cfg["BLOCK_M"]),
-                                                 dtype=torch.float32, device=x.device),
-                            count_ptr=torch.zeros(n_tail, dtype=torch.int32, device=x.device))
-                grid = (full + n_tail * pieces,)
+        counted = use_asm and x.device.type == "cuda"  # the driver counts resident programs (else SLOTS_PER_SM)
+        if tail_split > 1 and not per_sm and splits is not None and (slots_per_sm or counted):
+            tail = _size_tail_split(programs, args, consts, cfg, tail_split, fwd_steps(K, k_pairs), slots_per_sm,
+                                    x.device)
+            if tail:
+                grid = (tail["full_tiles"] + (programs - tail["full_tiles"]) * tail["TAIL_SPLIT"],)
         w4a16_fwd_perm_kernel[grid](*args, **tail, **consts)
     else:
         wq = w_packed.contiguous()
