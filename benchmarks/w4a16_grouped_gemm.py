@@ -524,9 +524,10 @@ def _crossover_text() -> str:
 
 
 # the fused kernels' tile configs the sweep times: (BLOCK_M, BLOCK_N, num_warps, num_stages[, extra options]), the
-# extras e.g. SPLIT_N (dgrad: the reduction in that many ranges), PERSISTENT (forward: that many programs per SM
-# walking the tiles in one flattened, pipelined loop nest) or ROW_LOADS (a row's words of a step loaded as 64-byte
-# runs along the row, 4 lanes per run, instead of 32 rows of 16 bytes per instruction)
+# extras e.g. SPLIT_N (dgrad: the reduction in that many ranges; LAST_SUMS: its last range sums), PERSISTENT
+# (forward: that many programs per SM walking the tiles in one flattened, pipelined loop nest) or ROW_LOADS (a row's
+# words of a step loaded as 64-byte runs along the row, 4 lanes per run, instead of 32 rows of 16 bytes per
+# instruction)
 RL = {"ROW_LOADS": True}
 SWEEP_FWD = {8: [(16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 4, RL), (16, 128, 4, 3, RL), (16, 128, 4, 4, RL),
                  (16, 128, 8, 4, RL), (16, 64, 4, 6, RL), (16, 128, 4, 3, dict(RL, PERSISTENT=2)),
@@ -549,7 +550,11 @@ SWEEP_FWD = {8: [(16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 4, RL), (16, 128,
 SWEEP_DGRAD = {8: [(16, 64, 4, 4), (16, 32, 4, 4), (16, 64, 4, 4, RL), (16, 32, 4, 4, RL), (16, 128, 4, 4, RL),
                    (16, 64, 4, 4, dict(RL, SPLIT_N=2)), (16, 64, 4, 4, dict(RL, SPLIT_N=4)),
                    (16, 32, 4, 4, dict(RL, SPLIT_N=4)), (16, 64, 4, 4, dict(RL, SPLIT_N=8)),
-                   (16, 32, 4, 4, dict(RL, SPLIT_N=8))],
+                   (16, 32, 4, 4, dict(RL, SPLIT_N=8)),
+                   # the split's partials summed by each tile's last range to finish instead of a second kernel
+                   (16, 64, 4, 4, dict(RL, SPLIT_N=4, LAST_SUMS=True)),
+                   (16, 64, 4, 4, dict(RL, SPLIT_N=8, LAST_SUMS=True)),
+                   (16, 64, 4, 3, dict(RL, SPLIT_N=4, LAST_SUMS=True))],
                32: [(32, 64, 4, 4), (32, 64, 4, 4, RL), (32, 32, 4, 4, RL)],
                64: [(64, 64, 4, 3), (64, 64, 4, 3, RL), (64, 32, 4, 4, RL)],
                128: [(64, 64, 4, 3), (32, 64, 4, 4), (64, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3),

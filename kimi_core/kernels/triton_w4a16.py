@@ -564,13 +564,17 @@ def w4a16_dgrad_perm_kernel(dy_ptr, wq_ptr, ws_ptr, dx_ptr, offsets_ptr, N, K, E
                             FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             GROUP_M: tl.constexpr, E_POW2: tl.constexpr, USE_ASM: tl.constexpr,
                             EVEN_N: tl.constexpr, INTERP: tl.constexpr = False, SPLIT_N: tl.constexpr = 1,
-                            stride_part=0, ROW_LOADS: tl.constexpr = False):
+                            stride_part=0, ROW_LOADS: tl.constexpr = False, LAST_SUMS: tl.constexpr = False,
+                            out_ptr=None, count_ptr=None):
     """dgrad with word-level decoding; 256 input columns per program, ``K % 256 == 0``.
 
     ``SPLIT_N > 1`` splits the reduction over ``N`` into that many ranges of whole ``BLOCK_N`` steps, range
     ``program_id(1)``; each writes its fp32 partial sum to ``dx_ptr + program_id(1) * stride_part`` (a ``[SPLIT_N,
     T, K]`` fp32 buffer the launcher sums). For layers with few output tiles (K2 fc2: ``K = 2048`` is 8 tiles per
-    expert, 192 programs for 132 SMs at 8 tokens per expert) it multiplies the programs in flight.
+    expert, 192 programs for 132 SMs at 8 tokens per expert) it multiplies the programs in flight. ``LAST_SUMS``: the
+    tile's last range to finish (a zeroed int32 counter per ``program_id(0)`` in ``count_ptr``) adds the ``SPLIT_N``
+    partial sums in range order from L2 and stores the bf16 tile to ``out_ptr`` (stride ``stride_dxt``), the same
+    sums as :func:`sum_partials_kernel` without its second launch and pass over memory.
 
     The MMA computes ``acc[256, BLOCK_M] = W^T . dy^T`` with the 256 rows in a permuted order:
     physical column ``k = 8m + e`` of the tile (word ``m = 8a + 4b + c``, element ``e = 4r1 + 2r0 + h``)
@@ -639,8 +643,17 @@ def w4a16_dgrad_perm_kernel(dy_ptr, wq_ptr, ws_ptr, dx_ptr, offsets_ptr, N, K, E
         d = tl.permute(d.reshape(BLOCK_M, 2, 2, 4, 2, 2, 4), (0, 3, 5, 6, 1, 2, 4)).reshape(BLOCK_M, 256)
         offs_k = k0 + tl.arange(0, 256)
         part = dx_ptr + tl.program_id(1).to(tl.int64) * stride_part
-        dx_ptrs = part + rows.to(tl.int64)[:, None] * stride_dxt + offs_k[None, :]
-        tl.store(dx_ptrs, d, mask=row_mask[:, None])
+        tile_offs = rows.to(tl.int64)[:, None] * stride_dxt + offs_k[None, :]  # [BM, 256]
+        tl.store(part + tile_offs, d, mask=row_mask[:, None])
+        if LAST_SUMS:
+            tl.debug_barrier()  # every thread's partial stored before the counter's release
+            done = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT_N - 1:
+                total = tl.load(dx_ptr + tile_offs, mask=row_mask[:, None], other=0.0, cache_modifier=".cg")
+                for r in tl.static_range(1, SPLIT_N):
+                    total += tl.load(dx_ptr + r * stride_part + tile_offs, mask=row_mask[:, None], other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(out_ptr + tile_offs, total.to(tl.bfloat16), mask=row_mask[:, None])
 
 
 @triton.jit
@@ -914,7 +927,8 @@ def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict |
                        fold_scales: bool = False):
     """Triton dgrad; arguments as :func:`kimi_core.kernels.w4a16_grouped_gemm_dgrad` (already validated).
 
-    ``config`` overrides the tile choice (benchmarks; ``SPLIT_N``: the reduction over N in that many ranges);
+    ``config`` overrides the tile choice (benchmarks; ``SPLIT_N``: the reduction over N in that many ranges;
+    ``LAST_SUMS``: a split's last range to finish sums the partials, in the same order as the second kernel);
     ``out`` is an optional ``[T, K]`` bf16 output; ``fold_scales`` as :func:`grouped_gemm`.
     """
     import torch
@@ -933,6 +947,7 @@ def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict |
     ws = w_scale.contiguous()
     fmt_id = _fmt_id(fmt)
     row_loads = cfg.pop("ROW_LOADS", False)  # permuted kernel only
+    last_sums = cfg.pop("LAST_SUMS", False)  # permuted kernel, split: the last range sums (else a second kernel)
     if K % 256 == 0 and cfg.pop("PERM", True):
         wq = _as_words(w_packed)
         programs = _num_programs(splits, T, E, cfg["BLOCK_M"], K // 256)
@@ -943,13 +958,16 @@ def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict |
         # T * K < 2 * SMs * BLOCK_M * 256 bounds them (69 MB at 132 SMs and 64-row tiles)
         part = dx if split == 1 else torch.empty((split, T, K), dtype=torch.float32, device=dy.device)
         grid = (programs, split)
+        last_sums = bool(last_sums) and split > 1 and dx.stride(0) == K  # the partials' row stride is the output's
+        sums = dict(LAST_SUMS=True, out_ptr=dx, count_ptr=torch.zeros(programs, dtype=torch.int32,
+                                                                      device=dy.device)) if last_sums else {}
         w4a16_dgrad_perm_kernel[grid](
             dy, wq, ws, part, offsets, N, K, E, dy.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
             ws.stride(1), part.stride(-2), FMT=kernel_fmt_id(fmt_id, ws, fold_scales), GROUP_M=8,
             E_POW2=_e_pow2(E),
             USE_ASM=not _interpreting(), EVEN_N=N % cfg["BLOCK_N"] == 0, INTERP=_interpreting(), SPLIT_N=split,
-            stride_part=part.stride(0) if split > 1 else 0, ROW_LOADS=bool(row_loads), **cfg)
-        if split > 1:
+            stride_part=part.stride(0) if split > 1 else 0, ROW_LOADS=bool(row_loads), **sums, **cfg)
+        if split > 1 and not last_sums:
             _sum_partials(part, dx)
     else:
         wq = w_packed.contiguous()

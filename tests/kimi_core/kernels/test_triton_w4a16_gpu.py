@@ -77,7 +77,8 @@ def test_odd_shapes_and_device_splits(fmt, E, K, N):
 def test_dgrad_split_reduction(fmt, split, tensor_splits):
     """The permuted dgrad with its reduction over N split into ``SPLIT_N`` ranges (fp32 partial sums, summed by the
     launcher), at K2 fc2's shape (N = 7168 in 112 steps, 3 does not divide it evenly) with ragged and empty experts
-    and device splits (the upper-bound grid), matches the oracle and leaves no row unwritten."""
+    and device splits (the upper-bound grid), matches the oracle and leaves no row unwritten; summed instead by each
+    tile's last range to finish (``LAST_SUMS``), the same bits, twice."""
     from kimi_core.kernels import triton_w4a16 as tw
 
     E, K, N = 24, 2048, 7168
@@ -89,6 +90,11 @@ def test_dgrad_split_reduction(fmt, split, tensor_splits):
     cfg = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4, SPLIT_N=split)
     tw.grouped_gemm_dgrad(dy, wp, ws, fmt, ms, config=cfg, out=dx)
     assert_close(f"dgrad split {split} {fmt}", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
+    # the last range to finish sums the partials in range order (LAST_SUMS): the second kernel's sums, bit for bit
+    for _ in range(2):
+        last = torch.full_like(dx, float("nan"))
+        tw.grouped_gemm_dgrad(dy, wp, ws, fmt, ms, config=dict(cfg, LAST_SUMS=True), out=last)
+        assert torch.equal(last, dx), f"LAST_SUMS split {split} {fmt}"
 
 
 @pytest.mark.parametrize("variant", [{"PERSISTENT": 2}, {"ROW_LOADS": True}, {"ROW_LOADS": True, "PERSISTENT": 2},
