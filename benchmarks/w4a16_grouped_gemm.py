@@ -535,10 +535,11 @@ SWEEP_FWD = {8: [(16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 4, RL), (16, 128,
                  # the driver counts, or SLOTS_PER_SM), one K step per iteration
                  (16, 64, 4, 4, dict(RL, TAIL_SPLIT=4)), (16, 64, 4, 5, dict(RL, TAIL_SPLIT=4)),
                  # two K steps per iteration (K_PAIRS, shipped with 3 stages and the split): 2 stages; unsplit; the
-                 # split sized for 4 programs per SM (what the split kernel holds with MXFP4's exact decode,
-                 # --fused-options '{"fold_scales": false}', where the unsplit kernel the driver counts holds 5)
+                 # split sized for 5 programs per SM (the unsplit kernel's count; with MXFP4's exact decode,
+                 # --fused-options '{"fold_scales": false}', the split kernel holds 4, which the launcher now sizes
+                 # for: this entry is the sizing before)
                  (16, 64, 4, 2, dict(RL, TAIL_SPLIT=4, K_PAIRS=True)), (16, 64, 4, 3, dict(RL, K_PAIRS=True)),
-                 (16, 64, 4, 3, dict(RL, TAIL_SPLIT=4, K_PAIRS=True, SLOTS_PER_SM=4))],
+                 (16, 64, 4, 3, dict(RL, TAIL_SPLIT=4, K_PAIRS=True, SLOTS_PER_SM=5))],
              32: [(32, 128, 4, 4), (32, 128, 4, 3, RL), (32, 128, 4, 4, RL), (32, 64, 4, 4, RL),
                   (32, 128, 4, 3, dict(RL, K_PAIRS=True)), (32, 64, 4, 3, dict(RL, K_PAIRS=True))],
              64: [(64, 128, 4, 3), (64, 128, 4, 3, RL), (64, 128, 4, 4, RL), (64, 64, 4, 4, RL),
