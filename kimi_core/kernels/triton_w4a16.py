@@ -838,7 +838,8 @@ def fwd_config(tokens_per_expert: float, fmt: str = "") -> dict:
 
 # the permuted dgrad splits its reduction over N in SPLIT_N_FEW_PROGRAMS ranges when it would otherwise run fewer than
 # SPLIT_BELOW_WAVES programs per SM (H100, 8 tokens per expert, 2026-12-06: K2 fc2, 192 programs on 132 SMs, 0.194 ->
-# 0.148 ms MXFP4, 0.176 -> 0.149 ms INT4 with 4 ranges; K2 fc1's 672 programs gain nothing, K3's 1568 lose 5-20 %)
+# 0.148 ms MXFP4, 0.176 -> 0.149 ms INT4 with 4 ranges; K2 fc1's 672 programs gain nothing, K3's 1568 lose 5-20 %),
+# each tile's last range to finish summing the partials (LAST_SUMS)
 SPLIT_BELOW_WAVES = 2
 SPLIT_N_FEW_PROGRAMS = 4
 
@@ -947,13 +948,13 @@ def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict |
     ws = w_scale.contiguous()
     fmt_id = _fmt_id(fmt)
     row_loads = cfg.pop("ROW_LOADS", False)  # permuted kernel only
-    last_sums = cfg.pop("LAST_SUMS", False)  # permuted kernel, split: the last range sums (else a second kernel)
     if K % 256 == 0 and cfg.pop("PERM", True):
         wq = _as_words(w_packed)
         programs = _num_programs(splits, T, E, cfg["BLOCK_M"], K // 256)
         if config is None and programs < SPLIT_BELOW_WAVES * sm_count(dy.device):
-            cfg.update(BLOCK_N=64, SPLIT_N=SPLIT_N_FEW_PROGRAMS)
+            cfg.update(BLOCK_N=64, SPLIT_N=SPLIT_N_FEW_PROGRAMS, LAST_SUMS=True)
         split = min(cfg.pop("SPLIT_N", 1), triton.cdiv(N, cfg["BLOCK_N"]))
+        last_sums = cfg.pop("LAST_SUMS", False)  # split: each tile's last range sums (else a second kernel)
         # split > 1: fp32 partial sums [split, T, K], summed below; automatic only under 2 programs per SM, where
         # T * K < 2 * SMs * BLOCK_M * 256 bounds them (69 MB at 132 SMs and 64-row tiles)
         part = dx if split == 1 else torch.empty((split, T, K), dtype=torch.float32, device=dy.device)
@@ -971,6 +972,8 @@ def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict |
             _sum_partials(part, dx)
     else:
         wq = w_packed.contiguous()
+        for key in ("SPLIT_N", "LAST_SUMS"):  # permuted kernel only
+            cfg.pop(key, None)
         cfg.setdefault("BLOCK_K", 128 if K % 128 == 0 else 32)
         grid = (_num_programs(splits, T, E, cfg["BLOCK_M"], K // cfg["BLOCK_K"]),)
         w4a16_dgrad_kernel[grid](

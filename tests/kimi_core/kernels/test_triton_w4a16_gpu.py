@@ -97,6 +97,30 @@ def test_dgrad_split_reduction(fmt, split, tensor_splits):
         assert torch.equal(last, dx), f"LAST_SUMS split {split} {fmt}"
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_shipped_dgrad_splits_k2_fc2(fmt, monkeypatch):
+    """The shipped dgrad at K2 fc2 with 8 tokens per expert (192 programs, under 2 per SM) splits its reduction in 4
+    ranges whose last to finish sums each tile (a counter per program, each at 4 afterwards): the oracle's result, and
+    bit for bit the same split summed by the second kernel."""
+    from kimi_core.kernels import triton_w4a16 as tw
+
+    E, K, N = 24, 2048, 7168
+    splits = [8] * E
+    wp, ws = random_packed(fmt, E, N, K, seed=6, device="cuda")
+    dy = torch.randn(sum(splits), N, device="cuda").bfloat16()
+    counters, zeros = [], torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, **kw: counters.append(zeros(*a, **kw)) or counters[-1])
+    dx = tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits)
+    monkeypatch.undo()
+    programs = E * (K // 256)
+    if programs < tw.SPLIT_BELOW_WAVES * tw.sm_count("cuda"):
+        assert [c.tolist() for c in counters] == [[tw.SPLIT_N_FEW_PROGRAMS] * programs]
+    two_kernels = tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, config=dict(
+        tw.dgrad_config(8, fmt), BLOCK_N=64, SPLIT_N=tw.SPLIT_N_FEW_PROGRAMS))
+    assert torch.equal(dx, two_kernels)
+    assert_close(f"shipped dgrad K2 fc2 {fmt}", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
+
+
 @pytest.mark.parametrize("variant", [{"PERSISTENT": 2}, {"ROW_LOADS": True}, {"ROW_LOADS": True, "PERSISTENT": 2},
                                      {"ROW_LOADS": True, "K_PAIRS": True, "num_stages": 3}],
                          ids=["persistent", "row-loads", "row-loads-persistent", "row-loads-k-pairs"])
