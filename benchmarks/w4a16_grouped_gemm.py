@@ -524,10 +524,9 @@ def _crossover_text() -> str:
 
 
 # the fused kernels' tile configs the sweep times: (BLOCK_M, BLOCK_N, num_warps, num_stages[, extra options]), the
-# extras e.g. SPLIT_N (dgrad: the reduction in that many ranges; LAST_SUMS: its last range sums), PERSISTENT
-# (forward: that many programs per SM walking the tiles in one flattened, pipelined loop nest) or ROW_LOADS (a row's
-# words of a step loaded as 64-byte runs along the row, 4 lanes per run, instead of 32 rows of 16 bytes per
-# instruction)
+# extras e.g. SPLIT_N (dgrad: the reduction in that many ranges), PERSISTENT (forward: that many programs per SM
+# walking the tiles in one flattened, pipelined loop nest) or ROW_LOADS (a row's words of a step loaded as 64-byte
+# runs along the row, 4 lanes per run, instead of 32 rows of 16 bytes per instruction)
 RL = {"ROW_LOADS": True}
 SWEEP_FWD = {8: [(16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 4, RL), (16, 128, 4, 3, RL), (16, 128, 4, 4, RL),
                  (16, 128, 8, 4, RL), (16, 64, 4, 6, RL), (16, 128, 4, 3, dict(RL, PERSISTENT=2)),
@@ -536,8 +535,8 @@ SWEEP_FWD = {8: [(16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 4, RL), (16, 128,
                  (16, 64, 4, 4, dict(RL, TAIL_SPLIT=4)), (16, 64, 4, 5, dict(RL, TAIL_SPLIT=4)),
                  # two K steps per iteration (K_PAIRS, shipped with 3 stages and the split): 2 stages; unsplit; the
                  # split sized for 5 programs per SM (the unsplit kernel's count; with MXFP4's exact decode,
-                 # --fused-options '{"fold_scales": false}', the split kernel holds 4, which the launcher now sizes
-                 # for: this entry is the sizing before)
+                 # --fused-options '{"fold_scales": false}', the split kernel holds 4 and the launcher does not
+                 # split: this entry is the split as sized before 2026-12-07)
                  (16, 64, 4, 2, dict(RL, TAIL_SPLIT=4, K_PAIRS=True)), (16, 64, 4, 3, dict(RL, K_PAIRS=True)),
                  (16, 64, 4, 3, dict(RL, TAIL_SPLIT=4, K_PAIRS=True, SLOTS_PER_SM=5))],
              32: [(32, 128, 4, 4), (32, 128, 4, 3, RL), (32, 128, 4, 4, RL), (32, 64, 4, 4, RL),
@@ -551,11 +550,7 @@ SWEEP_FWD = {8: [(16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 4, RL), (16, 128,
 SWEEP_DGRAD = {8: [(16, 64, 4, 4), (16, 32, 4, 4), (16, 64, 4, 4, RL), (16, 32, 4, 4, RL), (16, 128, 4, 4, RL),
                    (16, 64, 4, 4, dict(RL, SPLIT_N=2)), (16, 64, 4, 4, dict(RL, SPLIT_N=4)),
                    (16, 32, 4, 4, dict(RL, SPLIT_N=4)), (16, 64, 4, 4, dict(RL, SPLIT_N=8)),
-                   (16, 32, 4, 4, dict(RL, SPLIT_N=8)),
-                   # the split's partials summed by each tile's last range to finish instead of a second kernel
-                   (16, 64, 4, 4, dict(RL, SPLIT_N=4, LAST_SUMS=True)),
-                   (16, 64, 4, 4, dict(RL, SPLIT_N=8, LAST_SUMS=True)),
-                   (16, 64, 4, 3, dict(RL, SPLIT_N=4, LAST_SUMS=True))],
+                   (16, 32, 4, 4, dict(RL, SPLIT_N=8))],
                32: [(32, 64, 4, 4), (32, 64, 4, 4, RL), (32, 32, 4, 4, RL)],
                64: [(64, 64, 4, 3), (64, 64, 4, 3, RL), (64, 32, 4, 4, RL)],
                128: [(64, 64, 4, 3), (32, 64, 4, 4), (64, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3),

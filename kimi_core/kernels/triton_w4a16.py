@@ -564,17 +564,13 @@ def w4a16_dgrad_perm_kernel(dy_ptr, wq_ptr, ws_ptr, dx_ptr, offsets_ptr, N, K, E
                             FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             GROUP_M: tl.constexpr, E_POW2: tl.constexpr, USE_ASM: tl.constexpr,
                             EVEN_N: tl.constexpr, INTERP: tl.constexpr = False, SPLIT_N: tl.constexpr = 1,
-                            stride_part=0, ROW_LOADS: tl.constexpr = False, LAST_SUMS: tl.constexpr = False,
-                            out_ptr=None, count_ptr=None):
+                            stride_part=0, ROW_LOADS: tl.constexpr = False):
     """dgrad with word-level decoding; 256 input columns per program, ``K % 256 == 0``.
 
     ``SPLIT_N > 1`` splits the reduction over ``N`` into that many ranges of whole ``BLOCK_N`` steps, range
     ``program_id(1)``; each writes its fp32 partial sum to ``dx_ptr + program_id(1) * stride_part`` (a ``[SPLIT_N,
     T, K]`` fp32 buffer the launcher sums). For layers with few output tiles (K2 fc2: ``K = 2048`` is 8 tiles per
-    expert, 192 programs for 132 SMs at 8 tokens per expert) it multiplies the programs in flight. ``LAST_SUMS``: the
-    tile's last range to finish (a zeroed int32 counter per ``program_id(0)`` in ``count_ptr``) adds the ``SPLIT_N``
-    partial sums in range order from L2 and stores the bf16 tile to ``out_ptr`` (stride ``stride_dxt``), the same
-    sums as :func:`sum_partials_kernel` without its second launch and pass over memory.
+    expert, 192 programs for 132 SMs at 8 tokens per expert) it multiplies the programs in flight.
 
     The MMA computes ``acc[256, BLOCK_M] = W^T . dy^T`` with the 256 rows in a permuted order:
     physical column ``k = 8m + e`` of the tile (word ``m = 8a + 4b + c``, element ``e = 4r1 + 2r0 + h``)
@@ -643,17 +639,8 @@ def w4a16_dgrad_perm_kernel(dy_ptr, wq_ptr, ws_ptr, dx_ptr, offsets_ptr, N, K, E
         d = tl.permute(d.reshape(BLOCK_M, 2, 2, 4, 2, 2, 4), (0, 3, 5, 6, 1, 2, 4)).reshape(BLOCK_M, 256)
         offs_k = k0 + tl.arange(0, 256)
         part = dx_ptr + tl.program_id(1).to(tl.int64) * stride_part
-        tile_offs = rows.to(tl.int64)[:, None] * stride_dxt + offs_k[None, :]  # [BM, 256]
-        tl.store(part + tile_offs, d, mask=row_mask[:, None])
-        if LAST_SUMS:
-            tl.debug_barrier()  # every thread's partial stored before the counter's release
-            done = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if done == SPLIT_N - 1:
-                total = tl.load(dx_ptr + tile_offs, mask=row_mask[:, None], other=0.0, cache_modifier=".cg")
-                for r in tl.static_range(1, SPLIT_N):
-                    total += tl.load(dx_ptr + r * stride_part + tile_offs, mask=row_mask[:, None], other=0.0,
-                                     cache_modifier=".cg")
-                tl.store(out_ptr + tile_offs, total.to(tl.bfloat16), mask=row_mask[:, None])
+        dx_ptrs = part + rows.to(tl.int64)[:, None] * stride_dxt + offs_k[None, :]
+        tl.store(dx_ptrs, d, mask=row_mask[:, None])
 
 
 @triton.jit
@@ -794,22 +781,18 @@ def _size_tail_split(programs: int, args: tuple, consts: dict, cfg: dict, most: 
     """The split forward's extra arguments for ``programs`` tiles (``TAIL_SPLIT``, ``full_tiles``, the tail tiles' fp32
     partial sums ``[tail tiles * TAIL_SPLIT, BLOCK_N, BLOCK_M]`` and zeroed int32 counters ``[tail tiles]``), or ``{}``
     where the last wave is not split (:func:`tail_pieces`). ``slots_per_sm`` given (``SLOTS_PER_SM``): that many
-    programs per SM; else the driver's count for the unsplit kernel and then for the split kernel that picks, which
-    runs every tile of the launch and can hold fewer programs per SM (sm_90a, MXFP4's exact two-multiply decode
-    paired: 100-109 registers, 4 blocks against the unsplit 96's 5, tests/gpu/fused_sm90_resources.py, 2026-12-06);
-    then the tiles are cut again for its count (a split into another number of pieces is not counted again)."""
+    programs per SM. Else the driver's count for the unsplit kernel sizes the split, and the split kernel that picks,
+    which runs every tile of the launch, is counted too: where it holds fewer programs per SM nothing splits (sm_90a,
+    MXFP4's exact two-multiply decode paired: 100-109 registers, 4 blocks against the unsplit 96's 5; H100
+    2026-12-07 at 8 tok/exp, K3 fc1 unsplit 0.568 ms, split for 4 per SM 0.583, for 5 per SM 0.593; K2 fc1 0.182 /
+    0.181 / 0.177)."""
     import torch
 
-    sms = sm_count(device)
     counted = not slots_per_sm
     if counted:
         slots_per_sm = _fwd_slots_per_sm(args, consts)
-    full, pieces = tail_pieces(programs, slots_per_sm * sms, most, steps)
-    if pieces > 1 and counted:
-        split_slots = _fwd_slots_per_sm(args, consts, pieces, full)
-        if split_slots < slots_per_sm:
-            full, pieces = tail_pieces(programs, split_slots * sms, most, steps)
-    if pieces == 1:
+    full, pieces = tail_pieces(programs, slots_per_sm * sm_count(device), most, steps)
+    if pieces == 1 or counted and _fwd_slots_per_sm(args, consts, pieces, full) < slots_per_sm:
         return {}
     n_tail = programs - full
     return dict(TAIL_SPLIT=pieces, full_tiles=full,
@@ -838,8 +821,7 @@ def fwd_config(tokens_per_expert: float, fmt: str = "") -> dict:
 
 # the permuted dgrad splits its reduction over N in SPLIT_N_FEW_PROGRAMS ranges when it would otherwise run fewer than
 # SPLIT_BELOW_WAVES programs per SM (H100, 8 tokens per expert, 2026-12-06: K2 fc2, 192 programs on 132 SMs, 0.194 ->
-# 0.148 ms MXFP4, 0.176 -> 0.149 ms INT4 with 4 ranges; K2 fc1's 672 programs gain nothing, K3's 1568 lose 5-20 %),
-# each tile's last range to finish summing the partials (LAST_SUMS)
+# 0.148 ms MXFP4, 0.176 -> 0.149 ms INT4 with 4 ranges; K2 fc1's 672 programs gain nothing, K3's 1568 lose 5-20 %)
 SPLIT_BELOW_WAVES = 2
 SPLIT_N_FEW_PROGRAMS = 4
 
@@ -928,8 +910,7 @@ def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict |
                        fold_scales: bool = False):
     """Triton dgrad; arguments as :func:`kimi_core.kernels.w4a16_grouped_gemm_dgrad` (already validated).
 
-    ``config`` overrides the tile choice (benchmarks; ``SPLIT_N``: the reduction over N in that many ranges;
-    ``LAST_SUMS``: a split's last range to finish sums the partials, in the same order as the second kernel);
+    ``config`` overrides the tile choice (benchmarks; ``SPLIT_N``: the reduction over N in that many ranges);
     ``out`` is an optional ``[T, K]`` bf16 output; ``fold_scales`` as :func:`grouped_gemm`.
     """
     import torch
@@ -952,28 +933,22 @@ def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict |
         wq = _as_words(w_packed)
         programs = _num_programs(splits, T, E, cfg["BLOCK_M"], K // 256)
         if config is None and programs < SPLIT_BELOW_WAVES * sm_count(dy.device):
-            cfg.update(BLOCK_N=64, SPLIT_N=SPLIT_N_FEW_PROGRAMS, LAST_SUMS=True)
+            cfg.update(BLOCK_N=64, SPLIT_N=SPLIT_N_FEW_PROGRAMS)
         split = min(cfg.pop("SPLIT_N", 1), triton.cdiv(N, cfg["BLOCK_N"]))
-        last_sums = cfg.pop("LAST_SUMS", False)  # split: each tile's last range sums (else a second kernel)
         # split > 1: fp32 partial sums [split, T, K], summed below; automatic only under 2 programs per SM, where
         # T * K < 2 * SMs * BLOCK_M * 256 bounds them (69 MB at 132 SMs and 64-row tiles)
         part = dx if split == 1 else torch.empty((split, T, K), dtype=torch.float32, device=dy.device)
         grid = (programs, split)
-        last_sums = bool(last_sums) and split > 1 and dx.stride(0) == K  # the partials' row stride is the output's
-        sums = dict(LAST_SUMS=True, out_ptr=dx, count_ptr=torch.zeros(programs, dtype=torch.int32,
-                                                                      device=dy.device)) if last_sums else {}
         w4a16_dgrad_perm_kernel[grid](
             dy, wq, ws, part, offsets, N, K, E, dy.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
             ws.stride(1), part.stride(-2), FMT=kernel_fmt_id(fmt_id, ws, fold_scales), GROUP_M=8,
             E_POW2=_e_pow2(E),
             USE_ASM=not _interpreting(), EVEN_N=N % cfg["BLOCK_N"] == 0, INTERP=_interpreting(), SPLIT_N=split,
-            stride_part=part.stride(0) if split > 1 else 0, ROW_LOADS=bool(row_loads), **sums, **cfg)
-        if split > 1 and not last_sums:
+            stride_part=part.stride(0) if split > 1 else 0, ROW_LOADS=bool(row_loads), **cfg)
+        if split > 1:
             _sum_partials(part, dx)
     else:
         wq = w_packed.contiguous()
-        for key in ("SPLIT_N", "LAST_SUMS"):  # permuted kernel only
-            cfg.pop(key, None)
         cfg.setdefault("BLOCK_K", 128 if K % 128 == 0 else 32)
         grid = (_num_programs(splits, T, E, cfg["BLOCK_M"], K // cfg["BLOCK_K"]),)
         w4a16_dgrad_kernel[grid](

@@ -70,7 +70,7 @@ def compile_fused(op: str, fmt: str, config: dict, experts: int = 112):
     const = dict(FMT=fmt_id, GROUP_M=8, E_POW2=triton.next_power_of_2(experts), USE_ASM=True, INTERP=False,
                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], ROW_LOADS=cfg.get("ROW_LOADS", False))
     if op == "dgrad":
-        const.update(EVEN_N=True, SPLIT_N=cfg.get("SPLIT_N", 1), LAST_SUMS=cfg.get("LAST_SUMS", False))
+        const.update(EVEN_N=True, SPLIT_N=cfg.get("SPLIT_N", 1))
     else:
         const.update(PERSISTENT=bool(cfg.get("PERSISTENT", 0)), TAIL_SPLIT=cfg.get("TAIL_SPLIT", 1),
                      K_PAIRS=cfg.get("K_PAIRS", False))
@@ -78,9 +78,6 @@ def compile_fused(op: str, fmt: str, config: dict, experts: int = 112):
     if op == "fwd" and const["TAIL_SPLIT"] == 1:  # the launcher passes no tail buffers: None, a constexpr
         const.update(part_ptr=None, count_ptr=None)
         sig.update(part_ptr="constexpr", count_ptr="constexpr")
-    if op == "dgrad" and not const["LAST_SUMS"]:  # nor, unless the last range sums, the output and counters
-        const.update(out_ptr=None, count_ptr=None)
-        sig.update(out_ptr="constexpr", count_ptr="constexpr")
     # Triton's runtime specialization of the launcher's arguments at the benchmark shapes: every pointer 16-byte
     # aligned, every int a multiple of 16 but E where it is not (K2's 24 experts); stride_part is 0 or T * K. Leaving
     # out an int the runtime specializes changes ptxas's allocation (the MXFP4 dgrad compiled without stride_part's
