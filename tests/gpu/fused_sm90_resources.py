@@ -11,8 +11,9 @@ with one multiply, ``fold_scales``) were added later and not read back from a GP
 config, which since 00be372 includes the last-wave split (``TAIL_SPLIT=4``) and since 20fdf39 two K steps per
 iteration (``K_PAIRS``, 3 stages; the loop column then counts two steps): the folded MXFP4 forward is 96 registers split
 or not (5 per SM), the exact MXFP4 decode 96 unsplit (5) and 100-109 split (4), INT4 111-113 unsplit and 121-128 split
-(4 per SM either way); these paired forward rows were not read back from a GPU. The launcher sizes the split by the
-unsplit kernel's resident blocks.
+(4 per SM either way); the driver's counts on the H100 (2026-12-07, K2 fc1) agree: folded 5 / 5, exact 5 / 4, INT4 4
+unsplit. The launcher sizes the split by the unsplit kernel's resident blocks and does not split where the split
+kernel holds fewer (the exact decode).
 
     /tmp/tri36/venv/bin/python tests/gpu/fused_sm90_resources.py
 """
