@@ -550,7 +550,12 @@ SWEEP_FWD = {8: [(16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 4, RL), (16, 128,
 SWEEP_DGRAD = {8: [(16, 64, 4, 4), (16, 32, 4, 4), (16, 64, 4, 4, RL), (16, 32, 4, 4, RL), (16, 128, 4, 4, RL),
                    (16, 64, 4, 4, dict(RL, SPLIT_N=2)), (16, 64, 4, 4, dict(RL, SPLIT_N=4)),
                    (16, 32, 4, 4, dict(RL, SPLIT_N=4)), (16, 64, 4, 4, dict(RL, SPLIT_N=8)),
-                   (16, 32, 4, 4, dict(RL, SPLIT_N=8))],
+                   (16, 32, 4, 4, dict(RL, SPLIT_N=8)),
+                   # more programs per SM (sm_90a on the CPU, 2026-12-07, K2 fc2 split in 4, folded MXFP4 / INT4: the
+                   # shipped tile 177 / 183 registers, 2 blocks; maxnreg 96: 94 / 96 without spilling, 5 blocks, 550 /
+                   # 474 loop instructions against 525 / 443; 8 warps: 80 / 88 registers, 3 / 2 blocks of 8 warps)
+                   (16, 64, 4, 4, dict(RL, maxnreg=96)), (16, 64, 4, 4, dict(RL, SPLIT_N=4, maxnreg=96)),
+                   (16, 64, 8, 4, dict(RL, SPLIT_N=4))],
                32: [(32, 64, 4, 4), (32, 64, 4, 4, RL), (32, 32, 4, 4, RL)],
                64: [(64, 64, 4, 3), (64, 64, 4, 3, RL), (64, 32, 4, 4, RL)],
                128: [(64, 64, 4, 3), (32, 64, 4, 4), (64, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3),
