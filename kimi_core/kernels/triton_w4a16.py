@@ -777,15 +777,15 @@ def _fwd_slots_per_sm(args: tuple, consts: dict, pieces: int = 1, full: int = 0)
 
 
 def _size_tail_split(programs: int, args: tuple, consts: dict, cfg: dict, most: int, steps: int,
-                     slots_per_sm: int, device) -> dict:
-    """The split forward's extra arguments for ``programs`` tiles (``TAIL_SPLIT``, ``full_tiles``, the tail tiles' fp32
-    partial sums ``[tail tiles * TAIL_SPLIT, BLOCK_N, BLOCK_M]`` and zeroed int32 counters ``[tail tiles]``), or ``{}``
-    where the last wave is not split (:func:`tail_pieces`). ``slots_per_sm`` given (``SLOTS_PER_SM``): that many
-    programs per SM. Else the driver's count for the unsplit kernel sizes the split, and the split kernel that picks,
-    which runs every tile of the launch, is counted too: where it holds fewer programs per SM nothing splits (sm_90a,
-    MXFP4's exact two-multiply decode paired: 100-109 registers, 4 blocks against the unsplit 96's 5; H100
-    2026-12-07 at 8 tok/exp, K3 fc1 unsplit 0.568 ms, split for 4 per SM 0.583, for 5 per SM 0.593; K2 fc1 0.182 /
-    0.181 / 0.177)."""
+                     slots_per_sm: int, device) -> tuple[int, dict]:
+    """``(programs to launch, the split forward's extra arguments)`` for ``programs`` tiles: ``TAIL_SPLIT``,
+    ``full_tiles``, the tail tiles' fp32 partial sums ``[tail tiles * TAIL_SPLIT, BLOCK_N, BLOCK_M]`` and zeroed int32
+    counters ``[tail tiles]``; ``(programs, {})`` where the last wave is not split (:func:`tail_pieces`).
+    ``slots_per_sm`` given (``SLOTS_PER_SM``): that many programs per SM. Else the driver's count for the unsplit kernel
+    sizes the split, and the split kernel that picks, which runs every tile of the launch, is counted too: where it
+    holds fewer programs per SM nothing splits (sm_90a, MXFP4's exact two-multiply decode paired: 100-109 registers, 4
+    blocks against the unsplit 96's 5; H100 2026-12-07 at 8 tok/exp, K3 fc1 unsplit 0.568 ms, split for 4 per SM 0.583,
+    for 5 per SM 0.593; K2 fc1 0.182 / 0.181 / 0.177)."""
     import torch
 
     counted = not slots_per_sm
@@ -793,12 +793,12 @@ def _size_tail_split(programs: int, args: tuple, consts: dict, cfg: dict, most: 
         slots_per_sm = _fwd_slots_per_sm(args, consts)
     full, pieces = tail_pieces(programs, slots_per_sm * sm_count(device), most, steps)
     if pieces == 1 or counted and _fwd_slots_per_sm(args, consts, pieces, full) < slots_per_sm:
-        return {}
+        return programs, {}
     n_tail = programs - full
-    return dict(TAIL_SPLIT=pieces, full_tiles=full,
-                part_ptr=torch.empty((n_tail * pieces, cfg["BLOCK_N"], cfg["BLOCK_M"]), dtype=torch.float32,
-                                     device=device),
-                count_ptr=torch.zeros(n_tail, dtype=torch.int32, device=device))
+    return full + n_tail * pieces, dict(
+        TAIL_SPLIT=pieces, full_tiles=full,
+        part_ptr=torch.empty((n_tail * pieces, cfg["BLOCK_N"], cfg["BLOCK_M"]), dtype=torch.float32, device=device),
+        count_ptr=torch.zeros(n_tail, dtype=torch.int32, device=device))
 
 
 def fwd_config(tokens_per_expert: float, fmt: str = "") -> dict:
@@ -854,7 +854,7 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
     ``config`` overrides the tile choice (benchmarks; ``PERSISTENT``: that many programs per SM walking the tiles,
     experimental; ``ROW_LOADS``: the permuted kernels' weight loads as runs along a row; ``TAIL_SPLIT``, host splits
     only: the last wave's tiles in up to that many pieces, :func:`tail_pieces`, on as many resident programs per SM
-    as ``SLOTS_PER_SM`` says, or else as the driver counts for the compiled kernel (:func:`_fwd_slots_per_sm`; on the
+    as ``SLOTS_PER_SM`` says, or else as the driver counts for the compiled kernels (:func:`_size_tail_split`; on the
     CPU none, so nothing splits); ``K_PAIRS``: the permuted forward's two K steps per iteration where ``K % 256 ==
     0``, its weights always loaded as runs along a row); ``out`` is an optional ``[T, N]`` bf16 output;
     ``fold_scales``: the permuted kernel decodes MXFP4 with one multiply where every scale byte allows it
@@ -888,12 +888,11 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
                       INTERP=not use_asm, PERSISTENT=bool(per_sm), ROW_LOADS=bool(row_loads), K_PAIRS=k_pairs,
                       **cfg)
         tail = {}
-        counted = use_asm and x.device.type == "cuda"  # the driver counts resident programs (else SLOTS_PER_SM)
-        if tail_split > 1 and not per_sm and splits is not None and (slots_per_sm or counted):
-            tail = _size_tail_split(programs, args, consts, cfg, tail_split, fwd_steps(K, k_pairs), slots_per_sm,
-                                    x.device)
-            if tail:
-                grid = (tail["full_tiles"] + (programs - tail["full_tiles"]) * tail["TAIL_SPLIT"],)
+        driver_counts = use_asm and x.device.type == "cuda"  # resident programs per SM (else only SLOTS_PER_SM)
+        if tail_split > 1 and not per_sm and splits is not None and (slots_per_sm or driver_counts):
+            launched, tail = _size_tail_split(programs, args, consts, cfg, tail_split, fwd_steps(K, k_pairs),
+                                              slots_per_sm, x.device)
+            grid = (launched,)
         w4a16_fwd_perm_kernel[grid](*args, **tail, **consts)
     else:
         wq = w_packed.contiguous()
