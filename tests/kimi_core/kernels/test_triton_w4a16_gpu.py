@@ -142,6 +142,29 @@ def test_dgrad_row_loads(fmt, E, K, N, tensor_splits, split):
                  dx.float(), 1e-2)
 
 
+@pytest.mark.parametrize("variant", [{"maxnreg": 96}, {"num_warps": 8}], ids=["maxnreg-96", "8-warps"])
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("E,K,N", BENCH_SHAPES)
+def test_dgrad_occupancy_variants(fmt, E, K, N, split, variant):
+    """The 8 tok/exp sweep's dgrad variants with more programs per SM, at each benchmark shape with few ragged tokens
+    per expert and empty experts, whole or split in 4: a register cap of 96 (the same code, allocated in fewer
+    registers) gives bit for bit the shipped tile's result; 8 warps (each wgmma over half the tile) the oracle's."""
+    from kimi_core.kernels import triton_w4a16 as tw
+
+    splits = ragged_splits(E, 9, seed=K + split)
+    wp, ws = random_packed(fmt, E, N, K, seed=N, device="cuda")
+    dy = torch.randn(sum(splits), N, device="cuda").bfloat16()
+    base = dict(tw.dgrad_config(9, fmt), SPLIT_N=split)
+    shipped = tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, config=dict(base), fold_scales=True)
+    dx = torch.full_like(shipped, float("nan"))
+    tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, config=dict(base, **variant), out=dx, fold_scales=True)
+    if "maxnreg" in variant:
+        assert torch.equal(dx, shipped)
+    assert_close(f"{variant} dgrad split {split} {fmt} E{E} K{K} N{N}", oracle_dgrad(dy, wp, ws, fmt, splits),
+                 dx.float(), 1e-2)
+
+
 def test_mxfp4_wide_scale_range():
     """E8M0 scales above 2^1 (s > 128) and tiny ones decode exactly (the two-multiply path)."""
     _run(MXFP4, 4, 256, 128, [17, 0, 40, 3], seed=5, scale_range=(60, 150))
