@@ -576,8 +576,8 @@ def sweep_label(t: tuple) -> str:
 def sweep(shapes, tokens: list[int], out: str | None, ops=("fwd", "dgrad")) -> None:
     """Time the fused kernels' tile configs (:data:`SWEEP_FWD`, :data:`SWEEP_DGRAD`) next to BF16 ``_grouped_mm`` on
     ``shapes`` x both formats x ``tokens`` per expert x ``ops`` (used to pick ``fwd_config`` / ``dgrad_config``), each
-    call with :data:`kimi_core.kernels.FUSED_OPTIONS` as the dispatcher passes them; prints each timing and a table of the best
-    config per row (also written to ``out``)."""
+    call with :data:`kimi_core.kernels.FUSED_OPTIONS` as the dispatcher passes them; prints each timing and a table of
+    the best config per row (also written to ``out``)."""
     lines = ["| shape | tok/exp | fmt | op | BF16 ms | shipped ms | best config | best ms | best speed vs BF16 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, E, K, N in shapes:

@@ -776,8 +776,8 @@ def _fwd_slots_per_sm(args: tuple, consts: dict, pieces: int = 1, full: int = 0)
     return _SLOTS_PER_SM[key]
 
 
-def _size_tail_split(programs: int, args: tuple, consts: dict, cfg: dict, most: int, steps: int,
-                     slots_per_sm: int, device) -> tuple[int, dict]:
+def _size_tail_split(programs: int, args: tuple, consts: dict, most: int, steps: int, slots_per_sm: int,
+                     device) -> tuple[int, dict]:
     """``(programs to launch, the split forward's extra arguments)`` for ``programs`` tiles: ``TAIL_SPLIT``,
     ``full_tiles``, the tail tiles' fp32 partial sums ``[tail tiles * TAIL_SPLIT, BLOCK_N, BLOCK_M]`` and zeroed int32
     counters ``[tail tiles]``; ``(programs, {})`` where the last wave is not split (:func:`tail_pieces`).
@@ -797,7 +797,8 @@ def _size_tail_split(programs: int, args: tuple, consts: dict, cfg: dict, most: 
     n_tail = programs - full
     return full + n_tail * pieces, dict(
         TAIL_SPLIT=pieces, full_tiles=full,
-        part_ptr=torch.empty((n_tail * pieces, cfg["BLOCK_N"], cfg["BLOCK_M"]), dtype=torch.float32, device=device),
+        part_ptr=torch.empty((n_tail * pieces, consts["BLOCK_N"], consts["BLOCK_M"]), dtype=torch.float32,
+                             device=device),
         count_ptr=torch.zeros(n_tail, dtype=torch.int32, device=device))
 
 
@@ -890,8 +891,8 @@ def grouped_gemm(x, w_packed, w_scale, fmt: str, m_splits, config: dict | None =
         tail = {}
         driver_counts = use_asm and x.device.type == "cuda"  # resident programs per SM (else only SLOTS_PER_SM)
         if tail_split > 1 and not per_sm and splits is not None and (slots_per_sm or driver_counts):
-            launched, tail = _size_tail_split(programs, args, consts, cfg, tail_split, fwd_steps(K, k_pairs),
-                                              slots_per_sm, x.device)
+            launched, tail = _size_tail_split(programs, args, consts, tail_split, fwd_steps(K, k_pairs), slots_per_sm,
+                                              x.device)
             grid = (launched,)
         w4a16_fwd_perm_kernel[grid](*args, **tail, **consts)
     else:

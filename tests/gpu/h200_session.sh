@@ -122,8 +122,7 @@ run_w4a16() {
 
 # the fused kernels' tile configs next to BF16 (issue #21's 8 tok/exp rows; SWEEP_TOKENS, default 8; SWEEP_SHAPES, e.g.
 # "K2 fc1,K2 fc2", default all; SWEEP_OPS, e.g. fwd, default fwd,dgrad; SWEEP_FUSED_OPTIONS, e.g. {"fold_scales":
-# false}, default the shipped FUSED_OPTIONS): each timing in w4a16_sweep.log, the best
-# config per row in w4a16_sweep.md
+# false}, default the shipped FUSED_OPTIONS): each timing in w4a16_sweep.log, the best config per row in w4a16_sweep.md
 run_w4a16_sweep() {
   export PYTHONPATH=$PWD
   timeout "$(left)" python3 benchmarks/w4a16_grouped_gemm.py --sweep --tokens "${SWEEP_TOKENS:-8}" \
