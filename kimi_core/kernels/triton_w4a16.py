@@ -198,6 +198,11 @@ def _mxfp4_word_asm(folded: bool) -> str:
     return "\n".join(lines + ["}"]) + "\n"
 
 
+# the permuted forward's reduction step (one decoded [BN, 128] weight tile) and, with K_PAIRS, a loop iteration's two
+# steps: the kernels and the launcher's fwd_steps both read these
+FWD_STEP = tl.constexpr(128)
+FWD_PAIR_STEP = tl.constexpr(256)
+
 _MXFP4_WORD_ASM = tl.constexpr(_mxfp4_word_asm(False))
 _MXFP4_FOLDED_WORD_ASM = tl.constexpr(_mxfp4_word_asm(True))
 
@@ -377,11 +382,11 @@ def _fwd_perm_steps(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k_lo, k_hi, st
     multiples of 256), the same sums."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if K_PAIRS:
-        for k0 in range(k_lo, k_hi, 256):
+        for k0 in range(k_lo, k_hi, FWD_PAIR_STEP):
             acc = _fwd_perm_pair(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn, acc, FMT,
                                  USE_ASM, INTERP)
     else:
-        for k0 in range(k_lo, k_hi, 128):
+        for k0 in range(k_lo, k_hi, FWD_STEP):
             w, x = _fwd_perm_tile(wq_e, ws_e, x_rows, row_mask, offs_n, n_mask, k0, stride_wn, stride_sn,
                                   FMT, BLOCK_N, USE_ASM, ROW_LOADS)
             acc = _mma(w, tl.trans(x), acc, INTERP)  # [BN, BM]
@@ -423,7 +428,7 @@ def _fwd_perm_tail_piece(x_ptr, wq_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, piec
     offs_n, n_mask, wq_e, ws_e, x_rows = _output_tile_bases(x_ptr, wq_ptr, ws_ptr, e, pid_n, rows, N, stride_xt,
                                                             stride_we, stride_se, BLOCK_N)
     j = piece // TAIL_SPLIT
-    STEP: tl.constexpr = 256 if K_PAIRS else 128
+    STEP: tl.constexpr = FWD_PAIR_STEP if K_PAIRS else FWD_STEP
     k_len = tl.cdiv(K // STEP, TAIL_SPLIT) * STEP
     k_lo = (piece % TAIL_SPLIT) * k_len
     k_hi = tl.minimum(K, k_lo + k_len)
@@ -732,7 +737,7 @@ TAIL_MIN_FILL = 0.25
 def fwd_steps(K: int, k_pairs: bool) -> int:
     """Loop iterations of the permuted forward over a reduction of ``K``: 128-wide K steps, or pairs of them with
     ``K_PAIRS`` (the units :func:`tail_pieces` cuts a split tile's reduction into)."""
-    return K // (256 if k_pairs else 128)
+    return K // (FWD_PAIR_STEP.value if k_pairs else FWD_STEP.value)
 
 
 def tail_pieces(programs: int, slots: int, most: int, steps: int) -> tuple[int, int]:
