@@ -401,6 +401,9 @@ def main() -> None:
     ap.add_argument("--alt-workspace-mib", type=int, default=None,
                     help="also time the chunked path under this bound (e.g. 96: one expert per buffer, L2-sized)")
     ap.add_argument("--sweep-ops", default="fwd,dgrad", help="with --sweep: the ops to time, comma-separated")
+    ap.add_argument("--sweep-configs", default="",
+                    help="with --sweep: only the configs whose label contains one of these comma-separated strings, "
+                         "e.g. 'maxnreg,w8' (default: all; the shipped config is always timed)")
     ap.add_argument("--sweep", action="store_true",
                     help="time the fused kernels' tile configs instead of the table (--tokens among 8, 32, 64, "
                          "128, 512: the token counts SWEEP_FWD / SWEEP_DGRAD list)")
@@ -423,7 +426,8 @@ def main() -> None:
         for options in kernels.FUSED_OPTIONS.values():
             options.update(json.loads(args.fused_options))
     if args.sweep:
-        return sweep(shapes, [int(t) for t in args.tokens.split(",")], args.out, args.sweep_ops.split(","))
+        return sweep(shapes, [int(t) for t in args.tokens.split(",")], args.out, args.sweep_ops.split(","),
+                     [c for c in args.sweep_configs.split(",") if c])
     if args.workspace_mib is not None:
         os.environ[wc.WORKSPACE_ENV] = str(args.workspace_mib << 20)
     os.environ.pop(kernels.PATH_ENV, None)  # the auto column is the dispatcher's own choice
@@ -573,11 +577,12 @@ def sweep_label(t: tuple) -> str:
         f" {k.lower().replace('_n', '')}{'' if v is True else v}" for k, v in extra.items())
 
 
-def sweep(shapes, tokens: list[int], out: str | None, ops=("fwd", "dgrad")) -> None:
+def sweep(shapes, tokens: list[int], out: str | None, ops=("fwd", "dgrad"), only: list[str] = ()) -> None:
     """Time the fused kernels' tile configs (:data:`SWEEP_FWD`, :data:`SWEEP_DGRAD`) next to BF16 ``_grouped_mm`` on
     ``shapes`` x both formats x ``tokens`` per expert x ``ops`` (used to pick ``fwd_config`` / ``dgrad_config``), each
     call with :data:`kimi_core.kernels.FUSED_OPTIONS` as the dispatcher passes them; prints each timing and a table of
-    the best config per row (also written to ``out``)."""
+    the best config per row (also written to ``out``). ``only``: time just the configs whose label contains one of
+    these strings (the shipped config is always timed)."""
     lines = ["| shape | tok/exp | fmt | op | BF16 ms | shipped ms | best config | best ms | best speed vs BF16 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, E, K, N in shapes:
@@ -599,6 +604,8 @@ def sweep(shapes, tokens: list[int], out: str | None, ops=("fwd", "dgrad")) -> N
                     best = (t_ship, "shipped")
                     for cfg_t in table.get(tpe, ()):
                         label = sweep_label(cfg_t)
+                        if only and not any(part in label for part in only):
+                            continue
                         try:
                             t = bench(lambda: fn(a, wp, ws, fmt, splits, config=sweep_config(cfg_t), **opts), reps=10)
                         except Exception as exc:  # out of resources and the like

@@ -122,11 +122,13 @@ run_w4a16() {
 
 # the fused kernels' tile configs next to BF16 (issue #21's 8 tok/exp rows; SWEEP_TOKENS, default 8; SWEEP_SHAPES, e.g.
 # "K2 fc1,K2 fc2", default all; SWEEP_OPS, e.g. fwd, default fwd,dgrad; SWEEP_FUSED_OPTIONS, e.g. {"fold_scales":
-# false}, default the shipped FUSED_OPTIONS): each timing in w4a16_sweep.log, the best config per row in w4a16_sweep.md
+# false}, default the shipped FUSED_OPTIONS; SWEEP_CONFIGS, e.g. "maxnreg,w8": only configs whose label contains one):
+# each timing in w4a16_sweep.log, the best config per row in w4a16_sweep.md
 run_w4a16_sweep() {
   export PYTHONPATH=$PWD
   timeout "$(left)" python3 benchmarks/w4a16_grouped_gemm.py --sweep --tokens "${SWEEP_TOKENS:-8}" \
     ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ${SWEEP_OPS:+--sweep-ops "$SWEEP_OPS"} --out "$OUT/w4a16_sweep.md" \
+    ${SWEEP_CONFIGS:+--sweep-configs "$SWEEP_CONFIGS"} \
     ${SWEEP_FUSED_OPTIONS:+--fused-options "$SWEEP_FUSED_OPTIONS"} \
     > "$OUT/w4a16_sweep.log" 2>&1
   echo "sweep rc=$?"; cat "$OUT/w4a16_sweep.md" 2>/dev/null
