@@ -830,6 +830,14 @@ def fwd_config(tokens_per_expert: float, fmt: str = "") -> dict:
 # 0.148 ms MXFP4, 0.176 -> 0.149 ms INT4 with 4 ranges; K2 fc1's 672 programs gain nothing, K3's 1568 lose 5-20 %)
 SPLIT_BELOW_WAVES = 2
 SPLIT_N_FEW_PROGRAMS = 4
+# the few-token dgrad tile (16 rows) capped at DGRAD_MAXNREG registers holds 5 programs per SM instead of 2-4 (sm_90a:
+# MXFP4 94 registers instead of 162-178, INT4 89-96 instead of 109-183, no spills); from SPLIT_BELOW_WAVES up to
+# CAPPED_SPLIT_BELOW_WAVES programs per SM it is capped and split in SPLIT_N_FEW_PROGRAMS, above that folded MXFP4 is
+# capped whole. H100 2026-12-07, 8 tok/exp, two sweeps: K2 fc1 (672 programs) 0.200-0.203 -> 0.188 ms MXFP4,
+# 0.192-0.193 -> 0.185 ms INT4; K3 fc1 MXFP4 0.543-0.546 -> 0.533-0.535, K3 fc2 MXFP4 0.299-0.300 -> 0.286-0.290; INT4
+# whole capped no faster (K3 fc1 0.569 vs 0.548); K2 fc2's 192 programs capped slower (0.117-0.120 vs 0.100-0.103 ms)
+DGRAD_MAXNREG = 96
+CAPPED_SPLIT_BELOW_WAVES = 8
 
 
 def sm_count(device) -> int:
@@ -838,6 +846,21 @@ def sm_count(device) -> int:
 
     device = torch.device(device)
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def dgrad_occupancy(cfg: dict, programs: int, sms: int, kernel_fmt: int) -> dict:
+    """The shipped permuted dgrad tile ``cfg`` (:func:`dgrad_config`) for a launch of ``programs`` programs on ``sms``
+    SMs decoding ``kernel_fmt`` (:func:`.gluon_w4a16.kernel_fmt_id`): under :data:`SPLIT_BELOW_WAVES` programs per SM
+    its reduction over N split in :data:`SPLIT_N_FEW_PROGRAMS` ranges of 64 rows; with the few-token 16-row tile, under
+    :data:`CAPPED_SPLIT_BELOW_WAVES` split so and capped at :data:`DGRAD_MAXNREG` registers, above that capped whole
+    where the decode is folded MXFP4 (measured faster there only)."""
+    if programs < SPLIT_BELOW_WAVES * sms:
+        return dict(cfg, BLOCK_N=64, SPLIT_N=SPLIT_N_FEW_PROGRAMS)
+    if cfg["BLOCK_M"] != 16:
+        return cfg
+    if programs < CAPPED_SPLIT_BELOW_WAVES * sms:
+        return dict(cfg, BLOCK_N=64, SPLIT_N=SPLIT_N_FEW_PROGRAMS, maxnreg=DGRAD_MAXNREG)
+    return dict(cfg, maxnreg=DGRAD_MAXNREG) if kernel_fmt == FMT_MXFP4_FOLDED else cfg
 
 
 def dgrad_config(tokens_per_expert: float, fmt: str = "") -> dict:
@@ -937,16 +960,17 @@ def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict |
     if K % 256 == 0 and cfg.pop("PERM", True):
         wq = _as_words(w_packed)
         programs = _num_programs(splits, T, E, cfg["BLOCK_M"], K // 256)
-        if config is None and programs < SPLIT_BELOW_WAVES * sm_count(dy.device):
-            cfg.update(BLOCK_N=64, SPLIT_N=SPLIT_N_FEW_PROGRAMS)
+        kernel_fmt = kernel_fmt_id(fmt_id, ws, fold_scales)
+        if config is None:
+            cfg = dgrad_occupancy(cfg, programs, sm_count(dy.device), kernel_fmt)
         split = min(cfg.pop("SPLIT_N", 1), triton.cdiv(N, cfg["BLOCK_N"]))
-        # split > 1: fp32 partial sums [split, T, K], summed below; automatic only under 2 programs per SM, where
-        # T * K < 2 * SMs * BLOCK_M * 256 bounds them (69 MB at 132 SMs and 64-row tiles)
+        # split > 1: fp32 partial sums [split, T, K], summed below; automatic only under 2 programs per SM (64-row
+        # tiles) or 8 (16-row tiles), where T * K < 128 * SMs * 256 bounds them (69 MB at 132 SMs)
         part = dx if split == 1 else torch.empty((split, T, K), dtype=torch.float32, device=dy.device)
         grid = (programs, split)
         w4a16_dgrad_perm_kernel[grid](
             dy, wq, ws, part, offsets, N, K, E, dy.stride(0), wq.stride(0), wq.stride(1), ws.stride(0),
-            ws.stride(1), part.stride(-2), FMT=kernel_fmt_id(fmt_id, ws, fold_scales), GROUP_M=8,
+            ws.stride(1), part.stride(-2), FMT=kernel_fmt, GROUP_M=8,
             E_POW2=_e_pow2(E),
             USE_ASM=not _interpreting(), EVEN_N=N % cfg["BLOCK_N"] == 0, INTERP=_interpreting(), SPLIT_N=split,
             stride_part=part.stride(0) if split > 1 else 0, ROW_LOADS=bool(row_loads), **cfg)

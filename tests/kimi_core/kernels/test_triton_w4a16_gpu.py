@@ -338,3 +338,30 @@ def test_shipped_forward_splits_k2_fc1_last_wave(fmt, fold, monkeypatch):
         assert (per_sm, full, pieces) == (({1: 5, 3: 5}, 1320, 3) if fold else ({1: 5, 3: 4}, 1536, 1)), \
             "the split this test was written for no longer happens"
     assert_close(f"shipped fwd K2 fc1 {fmt} fold={fold}", oracle_fwd(x, wp, ws, fmt, splits), y.float(), 1e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("E,K,N", BENCH_SHAPES)
+def test_shipped_dgrad_occupancy_plan(fmt, E, K, N, monkeypatch):
+    """The shipped dgrad at 8 tokens per expert with the folded MXFP4 decode launches what
+    :func:`dgrad_occupancy` plans for its program count on this GPU (the plan read back from the launcher's call),
+    bit for bit the same tile uncapped (a register cap changes the allocation, not the arithmetic), and matches the
+    oracle."""
+    from kimi_core.kernels import triton_w4a16 as tw
+
+    splits = [8] * E
+    wp, ws = random_packed(fmt, E, N, K, seed=E + K, device="cuda")
+    dy = torch.randn(sum(splits), N, device="cuda").bfloat16()
+    plans, plan = [], tw.dgrad_occupancy
+    monkeypatch.setattr(tw, "dgrad_occupancy", lambda *a: plans.append(plan(*a)) or plans[-1])
+    dx = tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, fold_scales=True)
+    monkeypatch.undo()
+    programs = E * (K // 256)
+    want = plan(tw.dgrad_config(8, fmt), programs, tw.sm_count("cuda"),
+                tw.kernel_fmt_id(tw._fmt_id(fmt), ws, True))
+    print(f"{fmt} E{E} K{K} N{N}: {programs} programs, plan {plans}")
+    assert plans == [want]
+    uncapped = {k: v for k, v in want.items() if k != "maxnreg"}
+    ref = tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, config=uncapped, fold_scales=True)
+    assert torch.equal(dx, ref)
+    assert_close(f"shipped dgrad {fmt} E{E} K{K} N{N}", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)

@@ -226,3 +226,23 @@ def test_tail_pieces():
     assert tail_pieces(6, 20, 4, 5) == (0, 3)           # 4 pieces of 5 steps would leave one empty: 3 (2, 2, 1)
     assert tail_pieces(100, 0, 4, 56) == (100, 1)       # no slot count: no split
 
+
+
+def test_dgrad_occupancy_plan():
+    """The shipped dgrad's launch plan (:func:`triton_w4a16.dgrad_occupancy`) at the benchmark shapes with 8 tokens
+    per expert on 132 SMs (H100 / H200), as the H100 sweeps of 2026-12-07 chose: K2 fc2's 192 programs split in 4
+    uncapped, K2 fc1's 672 split in 4 and capped at 96 registers (both formats), K3's 1344-1568 capped whole with the
+    folded MXFP4 decode only; 64-row tiles (over 16 tokens per expert) are never capped."""
+    pytest.importorskip("triton")
+    from kimi_core.kernels import triton_w4a16 as tw
+
+    folded, exact, int4 = tw.FMT_MXFP4_FOLDED, tw.FMT_MXFP4, tw.FMT_INT4
+    small = tw.dgrad_config(8, MXFP4_FORMAT)
+    split, cap = dict(BLOCK_N=64, SPLIT_N=4), dict(maxnreg=96)
+    for programs, fmt, extra in [(192, folded, split), (192, int4, split), (672, folded, dict(split, **cap)),
+                                 (672, int4, dict(split, **cap)), (672, exact, dict(split, **cap)),
+                                 (1568, folded, cap), (1344, folded, cap), (1568, int4, {}), (1568, exact, {})]:
+        assert tw.dgrad_occupancy(small, programs, 132, fmt) == dict(small, **extra), (programs, fmt)
+    wide = tw.dgrad_config(128, MXFP4_FORMAT)
+    assert tw.dgrad_occupancy(wide, 192, 132, folded) == dict(wide, **split)
+    assert tw.dgrad_occupancy(wide, 672, 132, folded) == wide
