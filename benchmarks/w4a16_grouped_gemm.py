@@ -559,7 +559,11 @@ SWEEP_DGRAD = {8: [(16, 64, 4, 4), (16, 32, 4, 4), (16, 64, 4, 4, RL), (16, 32, 
                    # shipped tile 177 / 183 registers, 2 blocks; maxnreg 96: 94 / 96 without spilling, 5 blocks, 550 /
                    # 474 loop instructions against 525 / 443; 8 warps: 80 / 88 registers, 3 / 2 blocks of 8 warps)
                    (16, 64, 4, 4, dict(RL, maxnreg=96)), (16, 64, 4, 4, dict(RL, SPLIT_N=4, maxnreg=96)),
-                   (16, 64, 8, 4, dict(RL, SPLIT_N=4))],
+                   (16, 64, 8, 4, dict(RL, SPLIT_N=4)),
+                   # capped, other splits (H100 2026-12-07: K2 fc2's 192 programs split in 4 capped, 768 on 660
+                   # slots, ran 0.117-0.120 ms against the uncapped 2.9 waves' 0.100-0.103; these fill the slots
+                   # differently: 2 -> 384, 3 -> 576, 5 -> 960, 6 -> 1152, 8 -> 1536 programs)
+                   *((16, 64, 4, 4, dict(RL, SPLIT_N=n, maxnreg=96)) for n in (2, 3, 5, 6, 8))],
                32: [(32, 64, 4, 4), (32, 64, 4, 4, RL), (32, 32, 4, 4, RL)],
                64: [(64, 64, 4, 3), (64, 64, 4, 3, RL), (64, 32, 4, 4, RL)],
                128: [(64, 64, 4, 3), (32, 64, 4, 4), (64, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3),
