@@ -835,7 +835,9 @@ SPLIT_N_FEW_PROGRAMS = 4
 # CAPPED_SPLIT_BELOW_WAVES programs per SM it is capped and split in SPLIT_N_FEW_PROGRAMS, above that folded MXFP4 is
 # capped whole. H100 2026-12-07, 8 tok/exp, two sweeps: K2 fc1 (672 programs) 0.200-0.203 -> 0.188 ms MXFP4,
 # 0.192-0.193 -> 0.185 ms INT4; K3 fc1 MXFP4 0.543-0.546 -> 0.533-0.535, K3 fc2 MXFP4 0.299-0.300 -> 0.286-0.290; INT4
-# whole capped no faster (K3 fc1 0.569 vs 0.548); K2 fc2's 192 programs capped slower (0.117-0.120 vs 0.100-0.103 ms)
+# whole capped no faster (K3 fc1 0.569 vs 0.548); K2 fc2's 192 programs capped slower (0.117-0.120 vs 0.100-0.103 ms).
+# MXFP4's exact two-multiply decode (a scale byte over 128) also compiles to 94 registers without spills capped; its
+# capped split is planned like the folded one's but was not timed
 DGRAD_MAXNREG = 96
 CAPPED_SPLIT_BELOW_WAVES = 8
 

@@ -227,7 +227,6 @@ def test_tail_pieces():
     assert tail_pieces(100, 0, 4, 56) == (100, 1)       # no slot count: no split
 
 
-
 def test_dgrad_occupancy_plan():
     """The shipped dgrad's launch plan (:func:`triton_w4a16.dgrad_occupancy`) at the benchmark shapes with 8 tokens
     per expert on 132 SMs (H100 / H200), as the H100 sweeps of 2026-12-07 chose: K2 fc2's 192 programs split in 4
