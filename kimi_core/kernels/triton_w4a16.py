@@ -797,7 +797,7 @@ def _size_tail_split(programs: int, args: tuple, consts: dict, most: int, steps:
     if counted:
         slots_per_sm = _fwd_slots_per_sm(args, consts)
     full, pieces = tail_pieces(programs, slots_per_sm * sm_count(device), most, steps)
-    if pieces == 1 or counted and _fwd_slots_per_sm(args, consts, pieces, full) < slots_per_sm:
+    if pieces == 1 or (counted and _fwd_slots_per_sm(args, consts, pieces, full) < slots_per_sm):
         return programs, {}
     n_tail = programs - full
     return full + n_tail * pieces, dict(
@@ -827,7 +827,8 @@ def fwd_config(tokens_per_expert: float, fmt: str = "") -> dict:
 
 # the permuted dgrad splits its reduction over N in SPLIT_N_FEW_PROGRAMS ranges when it would otherwise run fewer than
 # SPLIT_BELOW_WAVES programs per SM (H100, 8 tokens per expert, 2026-12-06: K2 fc2, 192 programs on 132 SMs, 0.194 ->
-# 0.148 ms MXFP4, 0.176 -> 0.149 ms INT4 with 4 ranges; K2 fc1's 672 programs gain nothing, K3's 1568 lose 5-20 %)
+# 0.148 ms MXFP4, 0.176 -> 0.149 ms INT4 with 4 ranges; uncapped, K2 fc1's 672 programs gain nothing, K3's 1568 lose
+# 5-20 %)
 SPLIT_BELOW_WAVES = 2
 SPLIT_N_FEW_PROGRAMS = 4
 # the few-token dgrad tile (16 rows) capped at DGRAD_MAXNREG registers holds 5 programs per SM instead of 2-4 (sm_90a:
@@ -856,12 +857,13 @@ def dgrad_occupancy(cfg: dict, programs: int, sms: int, kernel_fmt: int) -> dict
     its reduction over N split in :data:`SPLIT_N_FEW_PROGRAMS` ranges of 64 rows; with the few-token 16-row tile, under
     :data:`CAPPED_SPLIT_BELOW_WAVES` split so and capped at :data:`DGRAD_MAXNREG` registers, above that capped whole
     where the decode is folded MXFP4 (measured faster there only)."""
+    split = dict(cfg, BLOCK_N=64, SPLIT_N=SPLIT_N_FEW_PROGRAMS)
     if programs < SPLIT_BELOW_WAVES * sms:
-        return dict(cfg, BLOCK_N=64, SPLIT_N=SPLIT_N_FEW_PROGRAMS)
+        return split
     if cfg["BLOCK_M"] != 16:
         return cfg
     if programs < CAPPED_SPLIT_BELOW_WAVES * sms:
-        return dict(cfg, BLOCK_N=64, SPLIT_N=SPLIT_N_FEW_PROGRAMS, maxnreg=DGRAD_MAXNREG)
+        return dict(split, maxnreg=DGRAD_MAXNREG)
     return dict(cfg, maxnreg=DGRAD_MAXNREG) if kernel_fmt == FMT_MXFP4_FOLDED else cfg
 
 
