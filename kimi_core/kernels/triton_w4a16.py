@@ -841,6 +841,10 @@ SPLIT_N_FEW_PROGRAMS = 4
 # capped split is planned like the folded one's but was not timed
 DGRAD_MAXNREG = 96
 CAPPED_SPLIT_BELOW_WAVES = 8
+# under SPLIT_BELOW_WAVES programs per SM the 16-row tile is capped too, split in CAPPED_SPLIT_N_FEW_PROGRAMS ranges
+# (H100 2026-12-07, K2 fc2 at 8 tok/exp, 192 programs: capped in 2 ranges, 384 programs on 660 capped slots, 0.103 ms
+# MXFP4 / 0.102 INT4 against the uncapped 4 ranges' 0.106 / 0.103; capped in 3, 5, 6, 8: 0.106-0.116; in 4: 0.120-0.123)
+CAPPED_SPLIT_N_FEW_PROGRAMS = 2
 
 
 def sm_count(device) -> int:
@@ -854,14 +858,15 @@ def sm_count(device) -> int:
 def dgrad_occupancy(cfg: dict, programs: int, sms: int, kernel_fmt: int) -> dict:
     """The shipped permuted dgrad tile ``cfg`` (:func:`dgrad_config`) for a launch of ``programs`` programs on ``sms``
     SMs decoding ``kernel_fmt`` (:func:`.gluon_w4a16.kernel_fmt_id`): under :data:`SPLIT_BELOW_WAVES` programs per SM
-    its reduction over N split in :data:`SPLIT_N_FEW_PROGRAMS` ranges of 64 rows; with the few-token 16-row tile, under
-    :data:`CAPPED_SPLIT_BELOW_WAVES` split so and capped at :data:`DGRAD_MAXNREG` registers, above that capped whole
-    where the decode is folded MXFP4 (measured faster there only)."""
+    its reduction over N split in :data:`SPLIT_N_FEW_PROGRAMS` ranges of 64 rows; the few-token 16-row tile capped at
+    :data:`DGRAD_MAXNREG` registers instead: there split in :data:`CAPPED_SPLIT_N_FEW_PROGRAMS` ranges, under
+    :data:`CAPPED_SPLIT_BELOW_WAVES` in :data:`SPLIT_N_FEW_PROGRAMS`, above that whole where the decode is folded MXFP4
+    (measured faster there only)."""
     split = dict(cfg, BLOCK_N=64, SPLIT_N=SPLIT_N_FEW_PROGRAMS)
-    if programs < SPLIT_BELOW_WAVES * sms:
-        return split
     if cfg["BLOCK_M"] != 16:
-        return cfg
+        return split if programs < SPLIT_BELOW_WAVES * sms else cfg
+    if programs < SPLIT_BELOW_WAVES * sms:
+        return dict(split, SPLIT_N=CAPPED_SPLIT_N_FEW_PROGRAMS, maxnreg=DGRAD_MAXNREG)
     if programs < CAPPED_SPLIT_BELOW_WAVES * sms:
         return dict(split, maxnreg=DGRAD_MAXNREG)
     return dict(cfg, maxnreg=DGRAD_MAXNREG) if kernel_fmt == FMT_MXFP4_FOLDED else cfg

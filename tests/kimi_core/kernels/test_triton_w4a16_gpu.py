@@ -353,15 +353,17 @@ def test_shipped_dgrad_occupancy_plan(fmt, E, K, N, monkeypatch):
     wp, ws = random_packed(fmt, E, N, K, seed=E + K, device="cuda")
     dy = torch.randn(sum(splits), N, device="cuda").bfloat16()
     plans, plan = [], tw.dgrad_occupancy
-    monkeypatch.setattr(tw, "dgrad_occupancy", lambda *a: plans.append(plan(*a)) or plans[-1])
+    # a copy of each plan: the launcher pops SPLIT_N from the dict it gets back
+    monkeypatch.setattr(tw, "dgrad_occupancy", lambda *a: plans.append(dict(plan(*a))) or dict(plans[-1]))
     dx = tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, fold_scales=True)
     monkeypatch.undo()
     programs = E * (K // 256)
-    want = plan(tw.dgrad_config(8, fmt), programs, tw.sm_count("cuda"),
-                tw.kernel_fmt_id(tw._fmt_id(fmt), ws, True))
+    tile = tw.dgrad_config(8, fmt)
+    row_loads = tile.pop("ROW_LOADS")  # the launcher takes it out of the tile before planning
+    want = plan(tile, programs, tw.sm_count("cuda"), tw.kernel_fmt_id(tw._fmt_id(fmt), ws, True))
     print(f"{fmt} E{E} K{K} N{N}: {programs} programs, plan {plans}")
     assert plans == [want]
-    uncapped = {k: v for k, v in want.items() if k != "maxnreg"}
+    uncapped = {k: v for k, v in want.items() if k != "maxnreg"} | {"ROW_LOADS": row_loads}
     ref = tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, config=uncapped, fold_scales=True)
     assert torch.equal(dx, ref)
     assert_close(f"shipped dgrad {fmt} E{E} K{K} N{N}", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)

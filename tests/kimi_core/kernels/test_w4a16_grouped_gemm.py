@@ -229,16 +229,19 @@ def test_tail_pieces():
 
 def test_dgrad_occupancy_plan():
     """The shipped dgrad's launch plan (:func:`triton_w4a16.dgrad_occupancy`) at the benchmark shapes with 8 tokens
-    per expert on 132 SMs (H100 / H200), as the H100 sweeps of 2026-12-07 chose: K2 fc2's 192 programs split in 4
-    uncapped, K2 fc1's 672 split in 4 and capped at 96 registers (both formats), K3's 1344-1568 capped whole with the
-    folded MXFP4 decode only; 64-row tiles (over 16 tokens per expert) are never capped."""
+    per expert on 132 SMs (H100 / H200), as the H100 sweeps of 2026-12-07 chose: K2 fc2's 192 programs split in 2
+    and capped at 96 registers, K2 fc1's 672 split in 4 and capped (both formats), K3's 1344-1568 capped whole with
+    the folded MXFP4 decode only; 64-row tiles (over 16 tokens per expert) are never capped, split in 4 under 2
+    programs per SM."""
     pytest.importorskip("triton")
     from kimi_core.kernels import triton_w4a16 as tw
 
     folded, exact, int4 = tw.FMT_MXFP4_FOLDED, tw.FMT_MXFP4, tw.FMT_INT4
     small = tw.dgrad_config(8, MXFP4_FORMAT)
     split, cap = dict(BLOCK_N=64, SPLIT_N=4), dict(maxnreg=96)
-    for programs, fmt, extra in [(192, folded, split), (192, int4, split), (672, folded, dict(split, **cap)),
+    split2 = dict(split, SPLIT_N=2, **cap)
+    for programs, fmt, extra in [(192, folded, split2), (192, int4, split2), (192, exact, split2),
+                                 (672, folded, dict(split, **cap)),
                                  (672, int4, dict(split, **cap)), (672, exact, dict(split, **cap)),
                                  (1568, folded, cap), (1344, folded, cap), (1568, int4, {}), (1568, exact, {})]:
         assert tw.dgrad_occupancy(small, programs, 132, fmt) == dict(small, **extra), (programs, fmt)
