@@ -143,12 +143,12 @@ def test_dgrad_row_loads(fmt, E, K, N, tensor_splits, split):
 
 
 @pytest.mark.parametrize("variant", [{"maxnreg": 96}, {"num_warps": 8}], ids=["maxnreg-96", "8-warps"])
-@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("split", [1, 2, 4])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("E,K,N", BENCH_SHAPES)
 def test_dgrad_occupancy_variants(fmt, E, K, N, split, variant):
     """The 8 tok/exp sweep's dgrad variants with more programs per SM, at each benchmark shape with few ragged tokens
-    per expert and empty experts, whole or split in 4: a register cap of 96 (the same code, allocated in fewer
+    per expert and empty experts, whole or split in 2 or 4: a register cap of 96 (the same code, allocated in fewer
     registers) gives bit for bit the shipped tile's result; 8 warps (each wgmma over half the tile) the oracle's."""
     from kimi_core.kernels import triton_w4a16 as tw
 
