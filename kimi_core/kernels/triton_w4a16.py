@@ -857,11 +857,12 @@ def sm_count(device) -> int:
 
 def dgrad_occupancy(cfg: dict, programs: int, sms: int, kernel_fmt: int) -> dict:
     """The shipped permuted dgrad tile ``cfg`` (:func:`dgrad_config`) for a launch of ``programs`` programs on ``sms``
-    SMs decoding ``kernel_fmt`` (:func:`.gluon_w4a16.kernel_fmt_id`): under :data:`SPLIT_BELOW_WAVES` programs per SM
-    its reduction over N split in :data:`SPLIT_N_FEW_PROGRAMS` ranges of 64 rows; the few-token 16-row tile capped at
-    :data:`DGRAD_MAXNREG` registers instead: there split in :data:`CAPPED_SPLIT_N_FEW_PROGRAMS` ranges, under
-    :data:`CAPPED_SPLIT_BELOW_WAVES` in :data:`SPLIT_N_FEW_PROGRAMS`, above that whole where the decode is folded MXFP4
-    (measured faster there only)."""
+    SMs decoding ``kernel_fmt`` (:func:`.gluon_w4a16.kernel_fmt_id`). Tiles of 32 or more rows: under
+    :data:`SPLIT_BELOW_WAVES` programs per SM the reduction over N split in :data:`SPLIT_N_FEW_PROGRAMS` ranges of 64
+    rows, else as they are. The few-token 16-row tile: capped at :data:`DGRAD_MAXNREG` registers and split in
+    :data:`CAPPED_SPLIT_N_FEW_PROGRAMS` ranges under :data:`SPLIT_BELOW_WAVES` programs per SM, in
+    :data:`SPLIT_N_FEW_PROGRAMS` under :data:`CAPPED_SPLIT_BELOW_WAVES`; above that whole, capped only where the decode
+    is folded MXFP4 (measured faster there only)."""
     split = dict(cfg, BLOCK_N=64, SPLIT_N=SPLIT_N_FEW_PROGRAMS)
     if cfg["BLOCK_M"] != 16:
         return split if programs < SPLIT_BELOW_WAVES * sms else cfg
