@@ -13,7 +13,9 @@ iteration (``K_PAIRS``, 3 stages; the loop column then counts two steps): the fo
 or not (5 per SM), the exact MXFP4 decode 96 unsplit (5) and 100-109 split (4), INT4 111-113 unsplit and 121-128 split
 (4 per SM either way); the driver's counts on the H100 (2026-12-07, K2 fc1) agree: folded 5 / 5, exact 5 / 4, INT4 4
 unsplit. The launcher sizes the split by the unsplit kernel's resident blocks and does not split where the split
-kernel holds fewer (the exact decode).
+kernel holds fewer (the exact decode). The dgrad rows compile the launcher's plan at 8 tok/exp on 132 SMs
+(``dgrad_occupancy``, since e0ed7c2 / d7623da): where it caps them at 96 registers (K3's folded MXFP4 whole, K2 fc1
+split in 4, K2 fc2 split in 2) they take 94 (MXFP4) / 96 (INT4) without spilling, 5 blocks per SM (2026-12-07).
 
     /tmp/tri36/venv/bin/python tests/gpu/fused_sm90_resources.py
 """
@@ -94,16 +96,21 @@ def main() -> None:
     print("| op | fmt | layer | config | REG / STACK / LOCAL | SASS instructions | K loop SASS | blocks per SM (registers, "
           "shared) |")
     print("|---|---|---|---|---|---|---|---|")
-    # (op, shipped config, layer label, experts, extra config): K2 fc2's dgrad at 8 tok/exp has 24 x 8 programs, under
-    # two per SM, so the launcher splits its reduction (SPLIT_N_FEW_PROGRAMS ranges of 64-row steps)
-    split = {"BLOCK_N": 64, "SPLIT_N": tw.SPLIT_N_FEW_PROGRAMS}
-    variants = [("fwd", tw.fwd_config, "K3", 112, {}), ("fwd", tw.fwd_config, "K2", 24, {}),
-                ("dgrad", tw.dgrad_config, "K3", 112, {}), ("dgrad", tw.dgrad_config, "K2 fc1", 24, {}),
-                ("dgrad", tw.dgrad_config, "K2 fc2", 24, split),
-                ("fwd", tw.fwd_config, "K3", 112, {"PERSISTENT": 2})]  # the experimental walk
-    for op, shipped, layer, experts, extra in variants:
+    # (op, layer label, experts, dgrad programs at 8 tok/exp: experts x K / 256, extra config): the dgrad compiled as
+    # the launcher plans it on 132 SMs (triton_w4a16.dgrad_occupancy: K2 fc2's 192 programs split in 2 and capped,
+    # K2 fc1's 672 split in 4 and capped, K3's 1344-1568 capped whole with the folded MXFP4 decode)
+    variants = [("fwd", "K3", 112, 0, {}), ("fwd", "K2", 24, 0, {}), ("dgrad", "K3", 112, 112 * 14, {}),
+                ("dgrad", "K2 fc1", 24, 24 * 28, {}), ("dgrad", "K2 fc2", 24, 24 * 8, {}),
+                ("fwd", "K3", 112, 0, {"PERSISTENT": 2})]  # the experimental walk
+    for op, layer, experts, programs, extra in variants:
         for fmt in FORMATS:
-            cfg = dict(shipped(8, "mxfp4-pack-quantized" if fmt.startswith("mxfp4") else "pack-quantized"), **extra)
+            fmt_name = "mxfp4-pack-quantized" if fmt.startswith("mxfp4") else "pack-quantized"
+            if op == "fwd":
+                cfg = dict(tw.fwd_config(8, fmt_name), **extra)
+            else:
+                tile = tw.dgrad_config(8, fmt_name)
+                row_loads = tile.pop("ROW_LOADS")  # as the launcher: planned without it
+                cfg = dict(tw.dgrad_occupancy(tile, programs, 132, FORMATS[fmt][0]), ROW_LOADS=row_loads)
             k = compile_fused(op, fmt, cfg, experts)
             usage = resource_usage(k.asm["cubin"])
             regs = int(usage.split()[0].split(":")[1])
@@ -111,7 +118,7 @@ def main() -> None:
             label = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}" + (
                 " row loads" if cfg.get("ROW_LOADS") else "") + (" k pairs" if cfg.get("K_PAIRS") else "") + (
                 f" tail split {cfg['TAIL_SPLIT']}" if cfg.get("TAIL_SPLIT", 1) > 1 else "") + "".join(
-                f" {key.lower()} {value}" for key, value in extra.items() if key != "BLOCK_N")
+                f" {key.lower()} {cfg[key]}" for key in ("SPLIT_N", "maxnreg", "PERSISTENT") if key in cfg)
             print(f"| {op} | {fmt} | {layer} | {label} | {usage.replace('SHARED:', 'SHARED(static):')} | "
                   f"{sass_instructions(k.asm['cubin'])} | {mma_loop(k.asm['cubin'])[0]} | {by_regs}, {by_shared} |",
                   flush=True)
