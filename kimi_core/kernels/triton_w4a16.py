@@ -836,7 +836,8 @@ SPLIT_N_FEW_PROGRAMS = 4
 # CAPPED_SPLIT_BELOW_WAVES programs per SM it is capped and split in SPLIT_N_FEW_PROGRAMS, above that folded MXFP4 is
 # capped whole. H100 2026-12-07, 8 tok/exp, two sweeps: K2 fc1 (672 programs) 0.200-0.203 -> 0.188 ms MXFP4,
 # 0.192-0.193 -> 0.185 ms INT4; K3 fc1 MXFP4 0.543-0.546 -> 0.533-0.535, K3 fc2 MXFP4 0.299-0.300 -> 0.286-0.290; INT4
-# whole capped no faster (K3 fc1 0.569 vs 0.548); K2 fc2's 192 programs capped slower (0.117-0.120 vs 0.100-0.103 ms).
+# whole capped no faster (K3 fc1 0.569 vs 0.548); K2 fc2's 192 programs capped and split in 4 slower (0.117-0.120 vs
+# 0.100-0.103 ms uncapped; in 2, below, faster).
 # MXFP4's exact two-multiply decode (a scale byte over 128) also compiles to 94 registers without spills capped; its
 # capped split is planned like the folded one's but was not timed
 DGRAD_MAXNREG = 96
@@ -966,13 +967,13 @@ def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict |
     dy = dy.contiguous()
     ws = w_scale.contiguous()
     fmt_id = _fmt_id(fmt)
-    row_loads = cfg.pop("ROW_LOADS", False)  # permuted kernel only
     if K % 256 == 0 and cfg.pop("PERM", True):
         wq = _as_words(w_packed)
         programs = _num_programs(splits, T, E, cfg["BLOCK_M"], K // 256)
         kernel_fmt = kernel_fmt_id(fmt_id, ws, fold_scales)
         if config is None:
             cfg = dgrad_occupancy(cfg, programs, sm_count(dy.device), kernel_fmt)
+        row_loads = cfg.pop("ROW_LOADS", False)
         split = min(cfg.pop("SPLIT_N", 1), triton.cdiv(N, cfg["BLOCK_N"]))
         # split > 1: fp32 partial sums [split, T, K], summed below; automatic only under 2 programs per SM (64-row
         # tiles) or 8 (16-row tiles), where T * K < 128 * SMs * 256 bounds them (69 MB at 132 SMs)
@@ -988,6 +989,7 @@ def grouped_gemm_dgrad(dy, w_packed, w_scale, fmt: str, m_splits, config: dict |
             _sum_partials(part, dx)
     else:
         wq = w_packed.contiguous()
+        cfg.pop("ROW_LOADS", None)  # the permuted kernel's option
         cfg.setdefault("BLOCK_K", 128 if K % 128 == 0 else 32)
         grid = (_num_programs(splits, T, E, cfg["BLOCK_M"], K // cfg["BLOCK_K"]),)
         w4a16_dgrad_kernel[grid](

@@ -108,9 +108,7 @@ def main() -> None:
             if op == "fwd":
                 cfg = dict(tw.fwd_config(8, fmt_name), **extra)
             else:
-                tile = tw.dgrad_config(8, fmt_name)
-                row_loads = tile.pop("ROW_LOADS")  # as the launcher: planned without it
-                cfg = dict(tw.dgrad_occupancy(tile, programs, 132, FORMATS[fmt][0]), ROW_LOADS=row_loads)
+                cfg = tw.dgrad_occupancy(tw.dgrad_config(8, fmt_name), programs, 132, FORMATS[fmt][0])
             k = compile_fused(op, fmt, cfg, experts)
             usage = resource_usage(k.asm["cubin"])
             regs = int(usage.split()[0].split(":")[1])

@@ -353,17 +353,15 @@ def test_shipped_dgrad_occupancy_plan(fmt, E, K, N, monkeypatch):
     wp, ws = random_packed(fmt, E, N, K, seed=E + K, device="cuda")
     dy = torch.randn(sum(splits), N, device="cuda").bfloat16()
     plans, plan = [], tw.dgrad_occupancy
-    # a copy of each plan: the launcher pops SPLIT_N from the dict it gets back
+    # a copy of each plan: the launcher pops SPLIT_N and ROW_LOADS from the dict it gets back
     monkeypatch.setattr(tw, "dgrad_occupancy", lambda *a: plans.append(dict(plan(*a))) or dict(plans[-1]))
     dx = tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, fold_scales=True)
     monkeypatch.undo()
     programs = E * (K // 256)
-    tile = tw.dgrad_config(8, fmt)
-    row_loads = tile.pop("ROW_LOADS")  # the launcher takes it out of the tile before planning
-    want = plan(tile, programs, tw.sm_count("cuda"), tw.kernel_fmt_id(tw._fmt_id(fmt), ws, True))
+    want = plan(tw.dgrad_config(8, fmt), programs, tw.sm_count("cuda"), tw.kernel_fmt_id(tw._fmt_id(fmt), ws, True))
     print(f"{fmt} E{E} K{K} N{N}: {programs} programs, plan {plans}")
     assert plans == [want]
-    uncapped = {k: v for k, v in want.items() if k != "maxnreg"} | {"ROW_LOADS": row_loads}
+    uncapped = {k: v for k, v in want.items() if k != "maxnreg"}
     ref = tw.grouped_gemm_dgrad(dy, wp, ws, fmt, splits, config=uncapped, fold_scales=True)
     assert torch.equal(dx, ref)
     assert_close(f"shipped dgrad {fmt} E{E} K{K} N{N}", oracle_dgrad(dy, wp, ws, fmt, splits), dx.float(), 1e-2)
