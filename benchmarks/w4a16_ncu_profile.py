@@ -5,11 +5,14 @@ Two modes. ``run``: one call of one path on one benchmark shape (``benchmarks/w4
 weights, equal tokens per expert), after warm-up calls, inside the NVTX range ``profile``, so that
 
     ncu --nvtx --nvtx-include "profile/" --section SpeedOfLight --section ComputeWorkloadAnalysis \\
-        --section SchedulerStats --section WarpStateStats --print-details all --csv --page details \\
+        --section SchedulerStats --section WarpStateStats \\
+        --metrics sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed --print-details all \\
+        --csv --page details \\
         python benchmarks/w4a16_ncu_profile.py run --shape "K3 fc1" --tokens 2048 --fmt mxfp4 --op fwd --path gluon
 
 profiles exactly that call's kernels. ``summarize CSV...``: one markdown row per profiled kernel (duration, SM and
-DRAM throughput, issue slots busy, eligible warps per scheduler, the top warp stall reasons), from those CSVs.
+DRAM throughput, issue slots busy, eligible warps per scheduler, tensor pipe busy, the top warp stall reasons), from
+those CSVs.
 ``bash tests/gpu/h200_session.sh w4a16_profile`` runs the cases of issue #21's table on the GPU.
 """
 
@@ -21,11 +24,18 @@ import os
 import sys
 
 FORMATS = {"mxfp4": "mxfp4-pack-quantized", "int4": "pack-quantized"}
+# the share of elapsed cycles the SMs' tensor pipe (wgmma and mma) was busy, which the sections do not report: asked
+# for with ncu's --metrics as <base>.avg.pct_of_peak_sustained_elapsed, the base being the first of these names that
+# the installed ncu lists for the GPU (--query-metrics; the names differ between ncu releases)
+TENSOR_PIPE_BASES = ("sm__pipe_tensor_cycles_active", "sm__pipe_tensor_op_gmma_cycles_active",
+                     "sm__pipe_tensor_op_hmma_cycles_active")
+TENSOR_PIPE = "tensor pipe"  # the summary's key for whichever of them was profiled
 # ncu metrics a summary row shows: (section's metric name, column)
 COLUMNS = [("Duration", "ms"), ("Compute (SM) Throughput", "SM %"), ("DRAM Throughput", "DRAM %"),
            ("Memory Throughput", "memory %"), ("Issue Slots Busy", "issue slots busy %"),
            ("Executed Ipc Active", "IPC"), ("Eligible Warps Per Scheduler", "eligible warps / scheduler"),
-           ("No Eligible", "no eligible %"), ("Warp Cycles Per Issued Instruction", "cycles / issued inst")]
+           ("No Eligible", "no eligible %"), ("Warp Cycles Per Issued Instruction", "cycles / issued inst"),
+           (TENSOR_PIPE, "tensor pipe active %")]
 
 
 def run(args) -> None:
@@ -92,6 +102,8 @@ def summarize(paths: list[str]) -> str:
                 continue
             if metric == "Duration":  # ms
                 value = value / {"ns": 1e6, "us": 1e3, "usecond": 1e3, "nsecond": 1e6, "ms": 1.0, "msecond": 1.0}.get(unit, 1.0)
+            if metric.startswith(TENSOR_PIPE_BASES):
+                metric = TENSOR_PIPE
             if metric.startswith("Stall ") or metric.startswith("smsp__average_warp"):
                 m["stalls"][metric] = value
             m.setdefault(metric, value)
@@ -113,11 +125,16 @@ def main() -> None:
     r.add_argument("--fmt", choices=sorted(FORMATS), default="mxfp4")
     r.add_argument("--op", choices=["fwd", "dgrad"], default="fwd")
     r.add_argument("--path", choices=["bf16", "fused", "chunked", "gluon"], default="gluon")
+    q = sub.add_parser("tensor-metric", help="the --metrics argument for the tensor pipe, from ncu --query-metrics "
+                       "output on stdin (nothing where no name of TENSOR_PIPE_BASES is listed)")
     s = sub.add_parser("summarize", help="markdown table of ncu --csv --page details files")
     s.add_argument("csv", nargs="+")
     args = ap.parse_args()
     if args.mode == "run":
         run(args)
+    elif args.mode == "tensor-metric":
+        listed = {line.split()[0] for line in sys.stdin if line.split()}
+        print(next((f"{b}.avg.pct_of_peak_sustained_elapsed" for b in TENSOR_PIPE_BASES if b in listed), ""))
     else:
         print(summarize(args.csv))
 

@@ -142,6 +142,9 @@ run_w4a16_profile() {
   mkdir -p "$OUT/ncu"
   local extra=()  # NCU_EXTRA_SECTIONS: more Nsight Compute sections, e.g. MemoryWorkloadAnalysis (shared / L1 / L2)
   local sec; for sec in ${NCU_EXTRA_SECTIONS:-}; do extra+=(--section "$sec"); done
+  # the tensor pipe's busy share, under the name this ncu lists for the GPU
+  local tensor; tensor=$("$ncu" --query-metrics 2>/dev/null | python3 benchmarks/w4a16_ncu_profile.py tensor-metric)
+  echo "tensor pipe metric: ${tensor:-none listed}"; [ -n "$tensor" ] && extra+=(--metrics "$tensor")
   local cases=${PROFILE_CASES:-"K3 fc1;2048;mxfp4;fwd;gluon,K3 fc1;2048;mxfp4;fwd;bf16,K3 fc1;2048;mxfp4;dgrad;gluon,K3 fc1;2048;mxfp4;dgrad;bf16,K3 fc1;8;mxfp4;fwd;fused,K3 fc1;8;mxfp4;fwd;bf16"}
   local IFS=','
   for c in $cases; do
