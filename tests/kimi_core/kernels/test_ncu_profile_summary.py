@@ -46,3 +46,26 @@ def test_summary_rows(tmp_path):
     assert ours[-1].rstrip(" |") == "Long Scoreboard 4.2, Math Pipe Throttle 2, Wait 1.5"
     assert table[3].split(" | ")[2] == "13.9"  # ms stays ms
     assert "no kernel profiled" in table[4]
+
+
+def test_tensor_pipe_column_and_metric_name(tmp_path):
+    """The tensor pipe's busy share (asked for with ``--metrics``) lands in its column whatever base name this ncu
+    lists, and ``tensor-metric`` picks the first listed base of ``TENSOR_PIPE_BASES`` out of ``--query-metrics``."""
+    import subprocess
+    import sys
+
+    module = _profile_module()
+    path = tmp_path / "k3_fc1_gluon.csv"
+    path.write_text("\n".join([HEAD, _row(0, "w4a16_rs_kernel", "Duration", "ms", "15.2"),
+                               _row(0, "w4a16_rs_kernel", "sm__pipe_tensor_op_gmma_cycles_active.avg."
+                                    "pct_of_peak_sustained_elapsed", "%", "81.25")]) + "\n")
+    table = module.summarize([str(path)]).splitlines()
+    column = table[0].split(" | ").index("tensor pipe active %")
+    assert table[2].split(" | ")[column] == "81.2"
+    script = os.path.join(ROOT, "benchmarks", "w4a16_ncu_profile.py")
+    listing = ("Device GH100 (sm_90)\n----\nsm__pipe_tensor_op_hmma_cycles_active   Counter   # of cycles\n"
+               "sm__pipe_tensor_op_gmma_cycles_active   Counter   # of cycles\n")
+    picked = subprocess.run([sys.executable, script, "tensor-metric"], input=listing, capture_output=True, text=True)
+    assert picked.stdout.strip() == "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed"
+    none = subprocess.run([sys.executable, script, "tensor-metric"], input="nothing\n", capture_output=True, text=True)
+    assert none.returncode == 0 and none.stdout.strip() == ""
