@@ -10,6 +10,7 @@
 #   bash tests/gpu/h200_session.sh gluon    # the experimental Gluon W4A16 fwd + dgrad (#21): GPU test, then table
 #   bash tests/gpu/h200_session.sh w4a16_profile  # Nsight Compute of W4A16 vs BF16 GEMM calls (#21's gap)
 #   bash tests/gpu/h200_session.sh w4a16_sweep    # the fused kernels' tile configs vs BF16 at 8 tok/exp (#21)
+#   bash tests/gpu/h200_session.sh w4a16_clocks   # SM clock and power, BF16 vs W4A16 at 2048 tok/exp (#21)
 #   bash tests/gpu/h200_session.sh vllm1    # carry .gpu/vllm1: stash part 1
 #   bash tests/gpu/h200_session.sh vllm2    # carry .gpu/vllm2: stash part 2
 #   bash tests/gpu/h200_session.sh vllm3    # carry .gpu/vllm3 (+ .gpu/sglang1): unstage vLLM 0.26.0, the vLLM GPU lane
@@ -132,6 +133,18 @@ run_w4a16_sweep() {
     ${SWEEP_FUSED_OPTIONS:+--fused-options "$SWEEP_FUSED_OPTIONS"} \
     > "$OUT/w4a16_sweep.log" 2>&1
   echo "sweep rc=$?"; cat "$OUT/w4a16_sweep.md" 2>/dev/null
+}
+
+# SM clock and power while BF16 and the W4A16 path run back to back (issue #21's 2048 tok/exp forwards: lost cycles or a
+# lower clock?); CLOCK_SHAPES (default "K3 fc1,K2 fc1"), CLOCK_FORMATS (mxfp4,int4), CLOCK_TOKENS (2048), CLOCK_OPS
+# (fwd), CLOCK_SECONDS (3) per phase, CLOCK_ROUNDS (2)
+run_w4a16_clocks() {
+  export PYTHONPATH=$PWD
+  timeout "$(left)" python3 benchmarks/w4a16_clocks.py --no-append --out "$OUT/w4a16_clocks.md" \
+    --shapes "${CLOCK_SHAPES:-K3 fc1,K2 fc1}" --formats "${CLOCK_FORMATS:-mxfp4,int4}" --tokens "${CLOCK_TOKENS:-2048}" \
+    --ops "${CLOCK_OPS:-fwd}" --seconds "${CLOCK_SECONDS:-3}" --rounds "${CLOCK_ROUNDS:-2}" \
+    > "$OUT/w4a16_clocks.log" 2>&1
+  echo "clocks rc=$?"; cat "$OUT/w4a16_clocks.md" 2>/dev/null || tail -20 "$OUT/w4a16_clocks.log"
 }
 
 # issue #21's profile: Nsight Compute on one call of each case (benchmarks/w4a16_ncu_profile.py), W4A16 next to BF16;
@@ -272,6 +285,7 @@ case "$phase" in
   w4a16) run_w4a16 ;;
   gluon) run_gluon ;;
   w4a16_profile) run_w4a16_profile ;;
+  w4a16_clocks) run_w4a16_clocks ;;
   w4a16_sweep) run_w4a16_sweep ;;
   vllm1) mkdir -p /tmp/stash && cp .gpu/vllm1/* /tmp/stash/ && ls /tmp/stash ;;
   vllm2) cp .gpu/vllm2/* /tmp/stash/ && ls /tmp/stash ;;
@@ -280,6 +294,6 @@ case "$phase" in
   skyrl_demo) run_demo vllm_env skyrl ;;
   miles_demo) run_demo sglang_env miles ;;
   megatron_bench) run_megatron_bench ;;
-  *) echo "usage: $0 sglang|sglang_unstage|bisect|sglang_bench|w4a16|w4a16_sweep|w4a16_profile|gluon|vllm1|vllm2|vllm3|vllm_bench|skyrl_demo|miles_demo|megatron_bench" >&2; exit 2 ;;
+  *) echo "usage: $0 sglang|sglang_unstage|bisect|sglang_bench|w4a16|w4a16_sweep|w4a16_profile|w4a16_clocks|gluon|vllm1|vllm2|vllm3|vllm_bench|skyrl_demo|miles_demo|megatron_bench" >&2; exit 2 ;;
 esac
 done
