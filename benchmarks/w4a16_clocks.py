@@ -23,6 +23,7 @@ import csv
 import datetime
 import io
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -114,6 +115,12 @@ def main() -> None:
     ap.add_argument("--no-append", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = ap.parse_args()
     fmts = {"mxfp4": bench.FORMATS[0], "int4": bench.FORMATS[1]}
+    for flag, given, known in (("--formats", args.formats, fmts), ("--ops", args.ops, ("fwd", "dgrad"))):
+        unknown = [v for v in given.split(",") if v not in known]
+        if unknown:
+            raise SystemExit(f"{flag}: unknown {unknown}; known: {list(known)}")
+    if shutil.which("nvidia-smi") is None:
+        raise SystemExit("w4a16_clocks.py samples the SM clock and power with nvidia-smi, which is not on PATH")
     sample_file = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: nothing blocks nvidia-smi
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(smi_fields())}", "--format=csv,noheader,nounits",
                             "-lms", str(args.sample_ms)], stdout=sample_file, stderr=subprocess.DEVNULL, text=True)
