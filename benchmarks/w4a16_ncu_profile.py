@@ -125,8 +125,8 @@ def main() -> None:
     r.add_argument("--fmt", choices=sorted(FORMATS), default="mxfp4")
     r.add_argument("--op", choices=["fwd", "dgrad"], default="fwd")
     r.add_argument("--path", choices=["bf16", "fused", "chunked", "gluon"], default="gluon")
-    q = sub.add_parser("tensor-metric", help="the --metrics argument for the tensor pipe, from ncu --query-metrics "
-                       "output on stdin (nothing where no name of TENSOR_PIPE_BASES is listed)")
+    sub.add_parser("tensor-metric", help="the --metrics argument for the tensor pipe, from ncu --query-metrics "
+                   "output on stdin (nothing where no name of TENSOR_PIPE_BASES is listed)")
     s = sub.add_parser("summarize", help="markdown table of ncu --csv --page details files")
     s.add_argument("csv", nargs="+")
     args = ap.parse_args()
