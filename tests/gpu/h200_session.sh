@@ -141,8 +141,9 @@ run_w4a16_sweep() {
 run_w4a16_clocks() {
   export PYTHONPATH=$PWD
   timeout "$(left)" python3 benchmarks/w4a16_clocks.py --no-append --out "$OUT/w4a16_clocks.md" \
-    --shapes "${CLOCK_SHAPES:-K3 fc1,K2 fc1}" --formats "${CLOCK_FORMATS:-mxfp4,int4}" --tokens "${CLOCK_TOKENS:-2048}" \
-    --ops "${CLOCK_OPS:-fwd}" --seconds "${CLOCK_SECONDS:-3}" --rounds "${CLOCK_ROUNDS:-2}" \
+    --shapes "${CLOCK_SHAPES:-K3 fc1,K2 fc1}" --formats "${CLOCK_FORMATS:-mxfp4,int4}" \
+    --tokens "${CLOCK_TOKENS:-2048}" --ops "${CLOCK_OPS:-fwd}" --seconds "${CLOCK_SECONDS:-3}" \
+    --rounds "${CLOCK_ROUNDS:-2}" \
     > "$OUT/w4a16_clocks.log" 2>&1
   echo "clocks rc=$?"; cat "$OUT/w4a16_clocks.md" 2>/dev/null || tail -20 "$OUT/w4a16_clocks.log"
 }
