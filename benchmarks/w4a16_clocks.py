@@ -2,14 +2,14 @@
 forwards: is the gap to BF16 the kernel's cycles or the clock it runs at?).
 
 A compute-bound GEMM can run at the board power limit, where the driver lowers the SM clock (measured on the H100,
-2026-12-07: 696-699 W, 1290-1460 MHz); a W4A16 kernel spends extra power on its decode beside the same tensor-core
-work, so it may get a lower clock than BF16 on the same GPU. Timings alone (``benchmarks/w4a16_grouped_gemm.py``)
-cannot tell that apart from lost cycles, and Nsight Compute locks the clocks. Here each path of one (shape, format,
-tokens per expert) runs alone for ``--seconds`` of back-to-back calls (no L2 flush, no gaps: a training step's
-sustained load), BF16 and W4A16 alternating for ``--rounds`` rounds, while ``nvidia-smi`` samples the SM clock, power draw and the active clock-event reasons every
-``--sample-ms``. Per phase: ms per call (CUDA events over the whole phase), the median SM clock and power of the
-samples inside it, TFLOP/s and TFLOP/s per GHz of SM clock (the work per cycle). The W4A16 row's ratios to the
-same round's BF16: speed (BF16 ms / ours) and cycles (the same, each time multiplied by its clock).
+2026-12-07: 696-699 W, 1290-1460 MHz); a W4A16 kernel spends extra power on its decode beside the same tensor-core work,
+so it may get a lower clock than BF16 on the same GPU. Timings alone (``benchmarks/w4a16_grouped_gemm.py``) cannot tell
+that apart from lost cycles, and Nsight Compute locks the clocks. Here each path of one (shape, format, tokens per
+expert) runs alone for ``--seconds`` of back-to-back calls (no L2 flush, no gaps: a training step's sustained load),
+BF16 and W4A16 alternating for ``--rounds`` rounds, while ``nvidia-smi`` samples the SM clock, power draw and the active
+clock-event reasons every ``--sample-ms``. Per phase: ms per call (CUDA events over the whole phase), the median SM
+clock and power of the samples inside it, TFLOP/s and TFLOP/s per GHz of SM clock (the work per cycle). The W4A16 row's
+ratios to the same round's BF16: speed (BF16 ms / ours) and cycles (the same, each time multiplied by its clock).
 
     python benchmarks/w4a16_clocks.py --shapes "K3 fc1,K2 fc1" --tokens 2048 --seconds 3 --rounds 2 --out clocks.md
 
