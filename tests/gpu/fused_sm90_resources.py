@@ -96,19 +96,23 @@ def main() -> None:
     print("| op | fmt | layer | config | REG / STACK / LOCAL | SASS instructions | K loop SASS | blocks per SM (registers, "
           "shared) |")
     print("|---|---|---|---|---|---|---|---|")
-    # (op, layer label, experts, dgrad programs at 8 tok/exp: experts x K / 256, extra config): the dgrad compiled as
-    # the launcher plans it on 132 SMs (triton_w4a16.dgrad_occupancy: K2 fc2's 192 programs split in 2 and capped,
-    # K2 fc1's 672 split in 4 and capped, K3's 1344-1568 capped whole with the folded MXFP4 decode)
-    variants = [("fwd", "K3", 112, 0, {}), ("fwd", "K2", 24, 0, {}), ("dgrad", "K3", 112, 112 * 14, {}),
-                ("dgrad", "K2 fc1", 24, 24 * 28, {}), ("dgrad", "K2 fc2", 24, 24 * 8, {}),
+    # (op, layer label, experts, dgrad output width K, extra config): the dgrad compiled as the launcher plans it at 8
+    # tok/exp on an H100 / H200's SMs (triton_w4a16.dgrad_occupancy over the launcher's program count: K2 fc2's 192
+    # programs split in 2 and capped, K2 fc1's 672 split in 4 and capped, K3 fc1's 1568 capped whole with the folded
+    # MXFP4 decode)
+    sms = 132
+    variants = [("fwd", "K3", 112, 0, {}), ("fwd", "K2", 24, 0, {}), ("dgrad", "K3", 112, 3584, {}),
+                ("dgrad", "K2 fc1", 24, 7168, {}), ("dgrad", "K2 fc2", 24, 2048, {}),
                 ("fwd", "K3", 112, 0, {"PERSISTENT": 2})]  # the experimental walk
-    for op, layer, experts, programs, extra in variants:
+    for op, layer, experts, K, extra in variants:
         for fmt in FORMATS:
             fmt_name = "mxfp4-pack-quantized" if fmt.startswith("mxfp4") else "pack-quantized"
             if op == "fwd":
                 cfg = dict(tw.fwd_config(8, fmt_name), **extra)
             else:
-                cfg = tw.dgrad_occupancy(tw.dgrad_config(8, fmt_name), programs, 132, FORMATS[fmt][0])
+                cfg = tw.dgrad_config(8, fmt_name)
+                programs = tw._num_programs([8] * experts, 8 * experts, experts, cfg["BLOCK_M"], K // 256)
+                cfg = tw.dgrad_occupancy(cfg, programs, sms, FORMATS[fmt][0])
             k = compile_fused(op, fmt, cfg, experts)
             usage = resource_usage(k.asm["cubin"])
             regs = int(usage.split()[0].split(":")[1])
