@@ -54,22 +54,43 @@ def timed(fn, reps: int = REPS, warmup: int = 3) -> tuple[float, float]:
     the first event, so the host has queued the whole call by the time the GPU reaches it and the GPU time is the
     kernels' alone, as in a training step where the host runs ahead of the GPU; a host time above the head start
     says the GPU would wait for this call's launches there too."""
+    return timed_alternating({"fn": fn}, reps, warmup)["fn"]
+
+
+def _time_once(fn, flush: torch.Tensor) -> tuple[float, float]:
+    """(GPU ms, host ms) of one call of ``fn`` after flushing L2 (``flush``: a 256 MiB int32 buffer) and giving the
+    GPU the :data:`HEAD_START_MS` head start (:func:`timed`)."""
+    flush.zero_()
+    torch.cuda._sleep(HEAD_START_CYCLES)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    t0 = time.perf_counter()
+    fn()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b), host_ms
+
+
+def timed_alternating(fns: dict, reps: int = REPS, warmup: int = 3) -> dict:
+    """``{name: (median GPU ms, median host ms)}`` of each of ``fns`` timed as :func:`timed` does, but in turns:
+    each rep runs every function once (L2 flushed and the head start before each), in the given order on even reps
+    and reversed on odd ones. A speed ratio of two kernels at the board's power cap depends on what the card ran
+    just before (its SM clock follows the power drawn over the last milliseconds: benchmarks/w4a16_clocks.py);
+    timed in turns, both see the same recent load, where timed one after the other the second inherits the
+    first's."""
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device=DEV)
-    for _ in range(warmup):
-        fn()
-    times, host = [], []
-    for _ in range(reps):
-        flush.zero_()
-        torch.cuda._sleep(HEAD_START_CYCLES)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e3)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times), statistics.median(host)
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: ([], []) for name in fns}
+    order = list(fns)
+    for rep in range(reps):
+        for name in (order if rep % 2 == 0 else order[::-1]):
+            gpu_ms, host_ms = _time_once(fns[name], flush)
+            times[name][0].append(gpu_ms)
+            times[name][1].append(host_ms)
+    return {name: (statistics.median(gpu), statistics.median(host)) for name, (gpu, host) in times.items()}
 
 
 def bench(fn, reps: int = REPS, warmup: int = 3) -> float:
@@ -213,17 +234,21 @@ def measure(name, E, K, N, fmt, wp, ws, w_bf16, tpe, alt_bytes: int | None = Non
         plan = wc.plan_chunks(E, N, K, op)
         row[f"chunked_{op}_workspace_gib"] = plan.workspace_bytes / 2**30
         row[f"chunked_{op}_chunks"] = plan.num_chunks
-        for path in ("bf16", "fused", "chunked"):
+        for path in ("fused", "chunked"):
             row[f"{path}_{op}_ms"], row[f"{path}_{op}_host_ms"] = timed(fns[f"{path}_{op}"])
         auto = kernels.choose_path(op, T, E, N, K, x.device)
         row[f"auto_{op}"] = auto
+        auto_fn = fns.get(f"{auto}_{op}")
         if auto == "gluon":  # the dispatcher's Gluon kernel (GLUON_OPTIONS), checked and timed as the others
-            gluon_fn = (lambda: kernels.w4a16_grouped_gemm(x, wp, ws, fmt, splits, path="gluon")) if op == "fwd" \
+            auto_fn = (lambda: kernels.w4a16_grouped_gemm(x, wp, ws, fmt, splits, path="gluon")) if op == "fwd" \
                 else (lambda: kernels.w4a16_grouped_gemm_dgrad(dy, wp, ws, fmt, splits, path="gluon"))
-            row[f"gluon_{op}_rel_err"] = rel_err(fns[f"bf16_{op}"](), gluon_fn())
-            row[f"gluon_{op}_ms"], row[f"gluon_{op}_host_ms"] = timed(gluon_fn)
-        row[f"auto_{op}_ms"] = row[f"{auto}_{op}_ms"]  # the dispatcher calls exactly this path
-        row[f"auto_{op}_host_ms"] = row[f"{auto}_{op}_host_ms"]
+            row[f"gluon_{op}_rel_err"] = rel_err(fns[f"bf16_{op}"](), auto_fn())
+        # BF16 and the path the dispatcher calls, timed in turns (the speed ratio of the table)
+        paired = timed_alternating({"bf16": fns[f"bf16_{op}"], "auto": auto_fn})
+        row[f"bf16_{op}_ms"], row[f"bf16_{op}_host_ms"] = paired["bf16"]
+        row[f"auto_{op}_ms"], row[f"auto_{op}_host_ms"] = paired["auto"]
+        if auto == "gluon":
+            row[f"gluon_{op}_ms"], row[f"gluon_{op}_host_ms"] = paired["auto"]
         row[f"auto_{op}_speed_vs_bf16"] = row[f"bf16_{op}_ms"] / row[f"auto_{op}_ms"]
         worst = max(row[f"fused_{op}_rel_err"], row[f"chunked_{op}_rel_err"], row.get(f"gluon_{op}_rel_err", 0.0))
         if worst > 1e-2:
@@ -471,7 +496,9 @@ def main() -> None:
     bound = wc.workspace_bound()
     block = [f"\n## W4A16 grouped GEMM: BF16 vs fused vs chunked dequant+GEMM ({date}, {gpu}, commit {commit()})\n",
              f"Command: `{cmd}`; torch {torch.__version__}, triton {triton.__version__}. Median of {REPS} runs, "
-             f"L2 flushed before each; random codes and scales, equal tokens per expert. Chunked workspace bound "
+             f"L2 flushed before each; BF16 and the auto path timed in turns (`timed_alternating`: both under the "
+             "same recent load at the power cap), fused and chunked each on its own; random codes and scales, equal "
+             "tokens per expert. Chunked workspace bound "
              f"{bound / 2**30:.2f} GiB; \"peak extra\" is what one chunked forward allocates above its inputs "
              "(output, workspace and per-chunk GEMM outputs). Speed vs BF16 = BF16 ms / ms (higher is faster); "
              "auto = `kimi_core.kernels.choose_path`, its tables = "
