@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
+import sys
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -60,3 +62,15 @@ def skyrl_dry_run_overrides(script: str = SKYRL_K2_SCRIPT, **knobs) -> list[str]
     argv = shlex.split(lines[lines.index("# command:") + 1])
     i = next(i for i, t in enumerate(argv) if t.endswith("skyrl.train.entrypoints.main_base"))
     return argv[i + 1:]
+
+
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` imported as a module (the benchmarks are scripts, not a package; their
+    folder goes on ``sys.path`` for the helpers they import from beside them)."""
+    bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if bench_dir not in sys.path:
+        sys.path.insert(0, bench_dir)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(bench_dir, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

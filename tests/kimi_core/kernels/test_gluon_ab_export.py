@@ -3,22 +3,20 @@ imports of each other pointing at the copies (so a before / after timing runs th
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import shutil
 import subprocess
 import sys
 
 import pytest
+from utils import load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def load_ab(monkeypatch, before_dir):
-    spec = importlib.util.spec_from_file_location("w4a16_gluon_ab", os.path.join(ROOT, "benchmarks",
-                                                                                 "w4a16_gluon_ab.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("w4a16_gluon_ab")
     monkeypatch.setattr(module, "BEFORE", str(before_dir))
     return module
 

@@ -3,22 +3,8 @@ arguments of :func:`kimi_core.kernels.gluon_w4a16.grouped_gemm`, within the kern
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-
-def load_benchmark():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("w4a16_bench", os.path.join(ROOT, "benchmarks",
-                                                                              "w4a16_grouped_gemm.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from utils import load_benchmark
 
 
 @pytest.mark.parametrize("text,want", [
@@ -45,7 +31,7 @@ def load_benchmark():
 def test_config_strings_read_into_kernel_arguments(text, want):
     from kimi_core.kernels import gluon_w4a16 as gw
 
-    kw = load_benchmark().parse_gluon_config(text)
+    kw = load_benchmark("w4a16_grouped_gemm").parse_gluon_config(text)
     assert kw == want
     if kw.pop("kernel", None) == "registers":  # the register-fragment forward: its own tile choices
         import inspect
@@ -63,13 +49,13 @@ def test_config_strings_read_into_kernel_arguments(text, want):
 @pytest.mark.parametrize("text", ["128y4", "128x", "autoq", "128x4p2", "rs128x4"])
 def test_unreadable_config_names_the_flag(text):
     with pytest.raises(ValueError, match=f"--gluon-configs: cannot read '{text}'"):
-        load_benchmark().parse_gluon_config(text)
+        load_benchmark("w4a16_grouped_gemm").parse_gluon_config(text)
 
 
 def test_best_config_row_skips_wrong_results_and_states_the_target():
     """The summary row picks the fastest config whose result matched BF16 (a faster wrong one is not a result),
     and says whether issue #21's bar at that token count (2.5x at 8, 0.9x at 128, 0.95x above) is met."""
-    bench = load_benchmark()
+    bench = load_benchmark("w4a16_grouped_gemm")
     r = dict(shape="K3 fc1", tokens_per_expert=128, fmt="pack-quantized", bf16_fwd_ms=1.5, bf16_dgrad_ms=1.5, gluon=[
         dict(config="wrong", op="fwd", ms=0.5, rel_err=0.3, tflops=0),
         dict(config="rs", op="fwd", ms=1.6, rel_err=0.0, tflops=0),
@@ -84,7 +70,7 @@ def test_best_config_row_skips_wrong_results_and_states_the_target():
 def test_targets_summary_compares_unrounded_speeds():
     """The dispatcher table's summary counts (row, op) pairs at or above issue #21's bar without rounding: 0.948x at
     512 tokens per expert prints as 0.95x in the table but misses 0.95x."""
-    bench = load_benchmark()
+    bench = load_benchmark("w4a16_grouped_gemm")
     rows = [dict(shape="K3 fc1", tokens_per_expert=512, fmt="mxfp4-pack-quantized", bf16_fwd_ms=0.948,
                  auto_fwd_ms=1.0, bf16_dgrad_ms=1.0, auto_dgrad_ms=1.0),
             dict(shape="K2 fc2", tokens_per_expert=8, fmt="pack-quantized", bf16_fwd_ms=2.5, auto_fwd_ms=1.0,
@@ -97,7 +83,7 @@ def test_targets_summary_compares_unrounded_speeds():
 def test_shapes_flag_picks_named_shapes_and_refuses_unknown_ones():
     """``--shapes 'K2 fc1,K2 fc2'`` keeps those rows in that order; ``--quick`` is K3 fc1; an unknown name stops the
     run naming the flag and the known shapes."""
-    bench = load_benchmark()
+    bench = load_benchmark("w4a16_grouped_gemm")
     assert [s[0] for s in bench.pick_shapes("K2 fc2, K2 fc1")] == ["K2 fc2", "K2 fc1"]
     assert bench.pick_shapes("K2 fc1")[0] == ("K2 fc1", 24, 7168, 4096)
     assert bench.pick_shapes(None, quick=True) == bench.SHAPES[:1]

@@ -3,8 +3,9 @@ the way ncu writes it: units converted, one row per kernel, stall reasons ranked
 
 from __future__ import annotations
 
-import importlib.util
 import os
+
+from utils import load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 HEAD = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
@@ -12,11 +13,7 @@ HEAD = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","S
 
 
 def _profile_module():
-    spec = importlib.util.spec_from_file_location("w4a16_ncu_profile", os.path.join(ROOT, "benchmarks",
-                                                                                    "w4a16_ncu_profile.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("w4a16_ncu_profile")
 
 
 def _row(kid, kernel, metric, unit, value):

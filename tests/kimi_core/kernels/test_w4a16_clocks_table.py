@@ -6,19 +6,12 @@ multiplies each time by its own clock (numbers worked out by hand below)."""
 from __future__ import annotations
 
 import datetime
-import importlib.util
-import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from utils import load_benchmark
 
 
 def _clocks_module():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("w4a16_clocks", os.path.join(ROOT, "benchmarks", "w4a16_clocks.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("w4a16_clocks")
 
 
 def test_phase_clock_and_cycle_ratio():
