@@ -1,4 +1,5 @@
-"""Shared test helpers: one relative-error comparison used by every numeric test."""
+"""Shared test helpers: one relative-error comparison used by every numeric test, checkpoint and config helpers, and
+the loader of the benchmark scripts."""
 
 from __future__ import annotations
 
