@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import w4a16_grouped_gemm as bench  # noqa: E402
+from w4a16_ncu_profile import FORMATS as SHORT_FORMATS  # noqa: E402 - "mxfp4" / "int4" -> the format's full name
 from results import append, command, today  # noqa: E402
 
 from kimi_core import kernels  # noqa: E402
@@ -114,8 +115,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the table to this file")
     ap.add_argument("--no-append", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = ap.parse_args()
-    fmts = {"mxfp4": bench.FORMATS[0], "int4": bench.FORMATS[1]}
-    for flag, given, known in (("--formats", args.formats, fmts), ("--ops", args.ops, ("fwd", "dgrad"))):
+    for flag, given, known in (("--formats", args.formats, SHORT_FORMATS), ("--ops", args.ops, ("fwd", "dgrad"))):
         unknown = [v for v in given.split(",") if v not in known]
         if unknown:
             raise SystemExit(f"{flag}: unknown {unknown}; known: {list(known)}")
@@ -129,7 +129,7 @@ def main() -> None:
         torch.manual_seed(0)
         for name, E, K, N in bench.pick_shapes(args.shapes):
             for short in args.formats.split(","):
-                fmt = fmts[short]
+                fmt = SHORT_FORMATS[short]
                 wp, ws = bench.random_weights(fmt, E, N, K)
                 w_bf16 = bench.bf16_layer(fmt, wp, ws)
                 T, splits = E * args.tokens, [args.tokens] * E
