@@ -129,5 +129,18 @@ test-py312: venv-py312
 demo: venv
 	$(VENV)/bin/kimi-rl demo
 
+# --- Lint: ruff (rules and format in pyproject.toml), in a small venv of its own so it runs without the test venvs.
+LINT_VENV ?= .venv-lint
+RUFF := $(LINT_VENV)/bin/ruff
+RUFF_VERSION := 0.14.14
+
+$(RUFF):
+	$(PYTHON) -m venv $(LINT_VENV)
+	$(LINT_VENV)/bin/python -m pip --disable-pip-version-check install -q "ruff==$(RUFF_VERSION)"
+
+lint: $(RUFF)
+	$(RUFF) check .
+	$(RUFF) format --check .
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -21,6 +21,8 @@ from typing import Any
 
 from kimi_core.errors import KimiError
 from kimi_core.json_file import read_json_file
+from kimi_core.architectures import FAMILIES, K2_ALIAS
+from kimi_core.quant.formats import INT4, MXFP4
 
 __all__ = [
     "ConfigError",
@@ -31,18 +33,11 @@ __all__ = [
     "FAMILIES",
 ]
 
-# family -> top-level architecture name
-FAMILIES = {
-    "k2": "DeepseekV3ForCausalLM",
-    "k25": "KimiK25ForConditionalGeneration",
-    "k3": "KimiK3ForConditionalGeneration",
-    "k31": "KimiK31ForConditionalGeneration",
-}
 _ARCH_TO_FAMILY = {v: k for k, v in FAMILIES.items()}
-_ARCH_TO_FAMILY["KimiK2ForCausalLM"] = "k2"
+_ARCH_TO_FAMILY[K2_ALIAS] = "k2"
 
-INT4_FORMAT = "pack-quantized"
-MXFP4_FORMAT = "mxfp4-pack-quantized"
+INT4_FORMAT = INT4.name
+MXFP4_FORMAT = MXFP4.name
 
 
 class ConfigError(KimiError, ValueError):

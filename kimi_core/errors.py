@@ -8,7 +8,7 @@ these; they never define an unrelated base.
 
 from __future__ import annotations
 
-__all__ = ["KimiError", "PluginError", "PatchTargetError"]
+__all__ = ["KimiError", "PluginError", "PatchTargetError", "AdapterRejected"]
 
 
 class KimiError(Exception):
@@ -23,3 +23,9 @@ class PluginError(KimiError, RuntimeError):
 class PatchTargetError(PluginError):
     """A host symbol a recorded patch replaces is missing or no longer what the patch ledger recorded;
     the message names the ledger entry, the target and what differs."""
+
+
+class AdapterRejected(KimiError, ValueError):
+    """An engine plugin refuses a LoRA adapter before any of it reaches the engine (wrong layout, missing or
+    extra tensor, rank or shape mismatch, NaN, stale version); the message names the adapter folder, the
+    tensor and what was expected. The engine keeps serving the last adapter it accepted."""

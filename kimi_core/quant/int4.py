@@ -26,8 +26,9 @@ from __future__ import annotations
 import torch
 
 from kimi_core.quant.common import FormatError, check_grouped, group_view, ungroup
+from kimi_core.quant.formats import INT4
 
-FORMAT = "pack-quantized"
+FORMAT = INT4.name
 GROUP = 32
 KIMI_CONVENTION = (7.0, -7)
 RTN_CONVENTION = (7.5, -8)

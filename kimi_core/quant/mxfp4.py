@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 
 from kimi_core.quant.common import FormatError, check_grouped, group_view, ungroup
+from kimi_core.quant.formats import MXFP4
 
-FORMAT = "mxfp4-pack-quantized"
+FORMAT = MXFP4.name
 GROUP = 32
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Decision boundaries between consecutive magnitudes; a value exactly on a boundary goes to the
