@@ -1,7 +1,7 @@
 """Typed configs of Kimi K2.x, K3 and K3.1 parsed from a Hugging Face ``config.json``.
 
 One exact definition shared by every plugin. Field names are the HF ones (see
-``shared/reference/kimi_arch.md``): K2.x is the DeepSeek-V3 architecture (``n_routed_experts``,
+``docs/models.md``): K2.x is the DeepSeek-V3 architecture (``n_routed_experts``,
 ``num_experts_per_tok``...), K3 is ``KimiK3ForConditionalGeneration`` whose ``text_config`` has
 ``model_type: kimi_linear`` and K3 names (``num_experts``, ``num_experts_per_token``...). K3.1 is
 K3 plus the DSA lightning indexer fields ``index_n_heads``, ``index_head_dim``, ``index_topk``

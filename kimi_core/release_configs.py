@@ -1,7 +1,7 @@
 """Published configs of the Kimi releases as dicts (text parts; vision towers omitted).
 
-Values from ``shared/reference/kimi_arch.md`` sections 0 (K3, ``moonshotai/Kimi-K3`` revision
-f831ab6) and 5 (K2 / K2.5). K3.1 is K3 plus the DSA indexer fields, whose names and values
+Values from the published ``config.json`` of ``moonshotai/Kimi-K3`` (K3) and the Kimi K2 / K2.5
+releases, as summarised in ``docs/models.md``. K3.1 is K3 plus the DSA indexer fields, whose names and values
 (32 heads x 128, top-2048) are **inferred**: no public K3.1 config exists. Used for size tables,
 docs and config tests; never downloaded at run time.
 """

@@ -1,6 +1,6 @@
 """HF / PEFT names and shapes of every LoRA target of Kimi K2.x, K3 and K3.1.
 
-Module names are the HF ones (``shared/reference/kimi_arch.md``), with the family's
+Module names are the HF ones (``docs/models.md``), with the family's
 ``config.lm_prefix`` (``language_model.`` for K2.5 / K3 / K3.1, nothing for K2 text):
 
 ===================  =========================================================  ======================

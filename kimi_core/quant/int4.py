@@ -10,8 +10,8 @@ On disk, per expert linear ``[N, K]`` (out, in):
 Dequantized value: ``(nibble - 8) * scale``. Layout facts from
 ``vllm-project/compressed-tensors:src/compressed_tensors/compressors/pack_quantized``.
 
-Two quantization conventions (``shared/reference/skyrl.md`` section 2, NovaSky-AI/SkyRL
-``fake_int4_qat.py``):
+Two quantization conventions (NovaSky-AI/SkyRL:
+``skyrl/backends/skyrl_train/workers/megatron/fake_int4_qat.py``):
 
 * Kimi QAT (K2-Thinking, K2.5-K2.7): ``scale = bf16(amax / 7.0)``, ``q`` in ``[-7, 7]``. The
   dequantized masters are a fixed point of re-quantization.

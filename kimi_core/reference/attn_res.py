@@ -1,6 +1,6 @@
 """Attention Residuals of Kimi K3: the depth aggregator and the snapshot-bank schedule.
 
-Source: ``shared/reference/kimi_arch.md`` section 2 (radixark/miles ``attn_res_aggregate`` and
+Source: ``docs/models.md`` (radixark/miles ``attn_res_aggregate`` and
 ``KimiK3TransformerLayer``; the Megatron-Bridge K3 layers; paper arXiv 2603.15031). Per token,
 independently of every other token (so nothing is carried across decode steps)::
 

@@ -1,7 +1,7 @@
 """DSA lightning indexer for Kimi K3.1 (frozen): which earlier tokens each MLA query may attend to.
 
 Everything K3.1-specific here is **[I] inferred**: no public K3.1 config or code exists
-(``shared/reference/kimi_arch.md`` section 4). The design follows DeepSeek-V3.2-Exp's ``Indexer``
+(``docs/models.md``, K3.1). The design follows DeepSeek-V3.2-Exp's ``Indexer``
 minus RoPE (K3's MLA is NoPE), minus the Hadamard rotation (orthogonal on q and k, so q·k is
 unchanged) and minus the fp8 quantisation (an fp32 reference skips it). Weights, per MLA layer,
 under ``self_attn.indexer.``: ``wq_b [n_h*d, q_lora_rank]``, ``wk [d, hidden]``,

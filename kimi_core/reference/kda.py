@@ -1,6 +1,6 @@
 """Kimi Delta Attention (KDA): gates, recurrent and chunked kernels, and the K3 / Kimi-Linear layer.
 
-Equations from ``shared/reference/kimi_arch.md`` section 1 (sources: fla-org/flash-linear-attention
+Equations from ``docs/models.md`` (sources: fla-org/flash-linear-attention
 ``fla/ops/kda/naive.py`` and ``gate.py``, ``fla/layers/kda.py``; radixark/miles and
 NVIDIA-NeMo/Megatron-Bridge Kimi K3 layers). Per head, with fp32 state ``S [K, V]``::
 

@@ -1,6 +1,6 @@
 """Multi-head latent attention (MLA): K2.x with interleaved RoPE/YaRN, K3 NoPE with a sigmoid output gate.
 
-Equations (DeepSeek-V3 MLA; ``shared/reference/kimi_arch.md`` sections 0 and 5), per token::
+Equations (DeepSeek-V3 MLA; ``docs/models.md``), per token::
 
     q   = q_b_proj(RMSNorm(q_a_proj x; q_a_layernorm))            [heads, nope + rope]
     c, k_pe = split(kv_a_proj_with_mqa x, [kv_lora_rank, rope])

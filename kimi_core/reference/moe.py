@@ -1,6 +1,6 @@
 """Dense MLP, DeepSeek ``noaux_tc`` router, routed experts (packed, dequantized per layer) and K3 latent MoE.
 
-Equations (``shared/reference/kimi_arch.md`` sections 3 and 5)::
+Equations (``docs/models.md``, K2 and K3 sections)::
 
     s    = sigmoid(x W_gate^T)                  fp32 [E]   (softmax when scoring_func="softmax")
     pick = top-k(s + e_score_correction_bias)   after keeping the topk_group best groups

@@ -1,6 +1,6 @@
 """Pure-torch elementwise / normalisation maths shared by every reference module.
 
-Every function is written from the formulas in ``shared/reference/kimi_arch.md``; none is ported
+Every function is written from the formulas in ``docs/models.md``; none is ported
 from an upstream file. Functions keep the input dtype at their boundary and compute "fp32
 islands" (norm statistics, SiTU, gates) in ``acc_dtype(x.dtype)``, i.e. fp32, or fp64 when the
 whole model runs in fp64 for a float64 recomputation.

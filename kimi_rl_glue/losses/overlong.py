@@ -1,6 +1,6 @@
 """DAPO's soft overlong punishment of the reward.
 
-Facts from ``shared/reference/skyrl.md`` section 2 (SkyRL ``DAPOTrainer.postprocess_generator_output``
+Facts from SkyRL (``DAPOTrainer.postprocess_generator_output``
 in ``examples/train/algorithms/dapo/main_dapo.py``; DAPO paper, eq. 13). With ``L_max`` the maximum
 response length and ``L_buf`` the buffer::
 

@@ -1,7 +1,7 @@
 """Score centering (Marek & Ryabinin, "Score Centering Stabilizes Off-policy RL", arXiv 2609.20807).
 
-Facts from ``shared/reference/miles.md`` section 6 (miles implements it as
-``radixark/miles:miles/backends/training_utils/loss_hub/score_centering.py``; this is our own code).
+Facts from miles' implementation, ``radixark/miles:miles/backends/training_utils/loss_hub/score_centering.py``
+(this is our own code).
 
 At one prefix: ``p`` is the trainer distribution, ``q`` the sampler's, ``H`` the sampler's stored
 top-K candidates, ``A`` the detached advantage, ``f`` the importance function::

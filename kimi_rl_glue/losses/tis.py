@@ -1,7 +1,6 @@
 """Truncated importance sampling (TIS) with SkyRL's semantics.
 
-Facts from ``shared/reference/skyrl.md`` section 2 (SkyRL:
-``skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py``; our own code):
+Facts from SkyRL (``skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py``; our own code):
 
 - token ratio ``r_t = exp(clamp(old_t - rollout_t, -20, 20))`` computed in float32 ("safe exp");
 - ``"token"``: weight ``min(r_t, token_cap)`` per token (default cap 2.0);

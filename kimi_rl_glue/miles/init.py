@@ -1,7 +1,6 @@
 """miles' ``--custom-megatron-init-path``: make the Kimi models known in every train process.
 
-Calling convention (read in ``radixark/miles:miles/backends/megatron_utils/initialize.py``, main @
-``31f1ca961``): at the very end of ``init(args)`` (after ``torch.distributed`` and the Megatron
+Calling convention (read in ``radixark/miles:miles/backends/megatron_utils/initialize.py``, main): at the very end of ``init(args)`` (after ``torch.distributed`` and the Megatron
 parallel state are up, seeds set, tokenizer built), miles does
 ``load_function(args.custom_megatron_init_path)(args)``, once per train actor (every rank), before
 the model is built. ``load_function`` (``miles/utils/misc.py``) splits the path at its last dot,

@@ -1,6 +1,6 @@
 """miles' ``--lora-provider-path kimi_rl_glue.miles.lora_provider``: Kimi LoRA in miles' raw Megatron mode.
 
-The protocol (newer miles main; not in the ``31f1ca961`` snapshot, which predates the flag). Read in
+The protocol (miles' native-LoRA branch, radixark/miles#1792; main rejects the flag). Read in
 ``radixark/miles:miles_plugins/lora/lora.py`` (default provider, ``wrap_model_provider_with_lora``),
 ``miles_plugins/lora/hf_adapter.py`` (``load_lora_adapter_hf``, ``export_lora_hf_named``) and the
 resolver/saver in ``miles/backends/megatron_utils/lora_utils.py`` (``resolve_lora_provider`` imports

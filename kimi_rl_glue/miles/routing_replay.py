@@ -1,6 +1,6 @@
 """Rollout routing replay (R3, arXiv 2510.11370) helpers for Kimi MoE layers, on plain tensors.
 
-Facts (``shared/reference/miles.md`` section 5; ``radixark/miles:miles/utils/replay_base.py``,
+Facts (``radixark/miles:miles/utils/replay_base.py``,
 ``miles/backends/training_utils/replay_data.py``, ``miles/backends/megatron_utils/replay_utils.py``):
 with ``--use-rollout-routing-replay`` SGLang returns the experts it routed each token to, stored per
 sample as ``Sample.rollout_routed_experts``: int32 ``[num_tokens - 1, num_layers, topk]``, padding

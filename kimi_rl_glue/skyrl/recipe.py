@@ -1,4 +1,4 @@
-"""The Kimi K2.x SkyRL recipe (``shared/seeds`` K2.x seed, ``reference/skyrl.md``) as one validated object.
+"""The Kimi K2.x SkyRL recipe (seed 003: SkyRL, K2.x INT4 QAT LoRA; ``docs/recipes/kimi_k2_int4_qat_lora.md``) as one validated object.
 
 vLLM serves the INT4 release as-is (``trainer.policy.model.path``); the Megatron trainer loads BF16
 masters dequantized from it (``fake_int4_qat.bf16_base_path``, written by ``kimi-rl dequantize``) and
