@@ -25,7 +25,7 @@ from kimi_sglang_plugin.outputs import prompt_logprobs, routed_experts  # noqa: 
 
 HERE = os.path.dirname(__file__)
 #: on the engine's PYTHONPATH: every process of it dumps its stacks on SIGUSR1 (see :func:`run_engine`)
-FAULTHANDLER_SITE = os.path.join(HERE, "..", "gpu", "faulthandler_site")
+FAULTHANDLER_SITE = os.path.join(HERE, "..", "..", "tools", "gpu", "faulthandler_site")
 
 #: token ids scored by every engine test (vocab 1024 in the tiny checkpoints): 4 prompts, 127 scored positions.
 #: The first two alone (17 positions) made the 1.5x bf16 bar a coin toss: the bf16 floor itself moved by 10 %

@@ -3,15 +3,15 @@
 # 2 cores, the JIT build being the long pole): SGLang 0.5.17 (.gpu/sglang1), its JIT kernels built for sm_90a
 # (.gpu/sglang_jit), vLLM 0.26.0 in three parts (.gpu/vllm1..3) and the trainer's megatron-core wheel
 # (.gpu/megatron). Run in the project root:
-#   bash tests/gpu/prepare_session.sh          # logs in .gpu/prepare_*.log; exits non-zero if a part failed
-# Then the calls of tests/gpu/h200_session.sh (its header lists which folder each phase carries).
+#   bash tools/gpu/prepare_session.sh          # logs in .gpu/prepare_*.log; exits non-zero if a part failed
+# Then the calls of tools/gpu/session.sh (its header lists which folder each phase carries).
 set -u
 mkdir -p .gpu .git/info
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
 SHARED=${SHARED:-../shared/gpu}
 pids=()
 [ -d .gpu/sglang1 ] || { bash "$SHARED/stage_sglang.sh" > .gpu/prepare_sglang.log 2>&1 & pids+=($!); }
-[ -f .gpu/sglang_jit/tvm_ffi_cache.tar.xz ] || { bash tests/gpu/sglang_jit_prebuild.sh > .gpu/prepare_jit.log 2>&1 & pids+=($!); }
+[ -f .gpu/sglang_jit/tvm_ffi_cache.tar.xz ] || { bash tools/gpu/sglang_jit_prebuild.sh > .gpu/prepare_jit.log 2>&1 & pids+=($!); }
 [ -d .gpu/vllm3 ] || { bash "$SHARED/stage_vllm.sh" > .gpu/prepare_vllm.log 2>&1 & pids+=($!); }
 if ! ls .gpu/megatron/fla_core-*.whl > /dev/null 2>&1; then  # the trainer's KDA kernels (fla) too
   python3 -m pip download -q --no-deps --python-version 3.12 --only-binary=:all: \

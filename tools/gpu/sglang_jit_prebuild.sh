@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Build SGLang 0.5.17's JIT kernels for the H200 here, on the CPU (nvcc 13.0 at /usr/local/cuda), and pack them
-# as .gpu/sglang_jit/tvm_ffi_cache.tar.xz, which tests/gpu/h200_session.sh unpacks when it is carried: a fresh
+# Build SGLang 0.5.17's JIT kernels for Hopper (sm_90a) here, on the CPU (nvcc 13.0 at /usr/local/cuda), and pack them
+# as .gpu/sglang_jit/tvm_ffi_cache.tar.xz, which tools/gpu/session.sh unpacks when it is carried: a fresh
 # session's first SGLang call then starts its engines in ~40 s instead of ~9 min of nvcc on the device.
-#   bash tests/gpu/sglang_jit_prebuild.sh        # ~12 min on 2 cores; venv in /tmp/sglang_jit_venv (~6 GB)
+#   bash tools/gpu/sglang_jit_prebuild.sh        # ~12 min on 2 cores; venv in /tmp/sglang_jit_venv (~6 GB)
 set -euo pipefail
 V=${VENV:-/tmp/sglang_jit_venv}; SRC=${SRC:-/tmp/sglang_jit_src}; CACHE=${CACHE:-/tmp/sglang_jit_cache}
 OUT=${OUT:-.gpu/sglang_jit}
@@ -20,7 +20,7 @@ if [ ! -d "$SRC/sglang" ]; then
 fi
 mkdir -p "$CACHE" "$OUT"
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} MAX_JOBS=${MAX_JOBS:-2} PYTHONPATH="$SRC" \
-  "$V/bin/python" tests/gpu/sglang_jit_prebuild.py "$CACHE" || echo "some kernels did not build (listed above)"
+  "$V/bin/python" tools/gpu/sglang_jit_prebuild.py "$CACHE" || echo "some kernels did not build (listed above)"
 (cd "$CACHE" && find . -name '*.so' -print0 | tar --null -cJf - -T -) > "$OUT/tvm_ffi_cache.tar.xz.tmp"
 mv "$OUT/tvm_ffi_cache.tar.xz.tmp" "$OUT/tvm_ffi_cache.tar.xz"
 echo "$(tar -tJf "$OUT/tvm_ffi_cache.tar.xz" | grep -c '\.so$') modules in $OUT/tvm_ffi_cache.tar.xz"

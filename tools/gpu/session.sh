@@ -1,26 +1,25 @@
 #!/usr/bin/env bash
-# One H200 lease, several calls in a row, each a phase of this script (the machine stays warm for 30 s
+# One GPU lease, several calls in a row, each a phase of this script (the machine stays warm for 30 s
 # after a call, and /tmp with it, so later phases reuse what earlier ones unpacked or built). Prepare what the
-# calls carry on the CPU machine first: bash tests/gpu/prepare_session.sh (~20 min, no device time).
+# calls carry on the CPU machine first: bash tools/gpu/prepare_session.sh (~20 min, no device time).
 #
-#   bash tests/gpu/h200_session.sh sglang   # carry .gpu/sglang1 (+ .gpu/sglang_jit, .gpu/triton): SGLang 0.5.17 GPU lane
-#   bash tests/gpu/h200_session.sh bisect   # like sglang, after tests/gpu/sglang_bisect.py (which K3 piece differs)
-#   bash tests/gpu/h200_session.sh sglang_bench  # benchmarks/sglang_serving.py (K3 real-width slice), after sglang
-#   bash tests/gpu/h200_session.sh w4a16    # kernels GPU tests + benchmarks/w4a16_grouped_gemm.py
-#   bash tests/gpu/h200_session.sh gluon    # the experimental Gluon W4A16 fwd + dgrad (#21): GPU test, then table
-#   bash tests/gpu/h200_session.sh w4a16_profile  # Nsight Compute of W4A16 vs BF16 GEMM calls (#21's gap)
-#   bash tests/gpu/h200_session.sh w4a16_sweep    # the fused kernels' tile configs vs BF16 at 8 tok/exp (#21)
-#   bash tests/gpu/h200_session.sh w4a16_clocks   # SM clock and power, BF16 vs W4A16 at 2048 tok/exp (#21)
-#   bash tests/gpu/h200_session.sh vllm1    # carry .gpu/vllm1: stash part 1
-#   bash tests/gpu/h200_session.sh vllm2    # carry .gpu/vllm2: stash part 2
-#   bash tests/gpu/h200_session.sh vllm3    # carry .gpu/vllm3 (+ .gpu/sglang1): unstage vLLM 0.26.0, the vLLM GPU lane
-#   bash tests/gpu/h200_session.sh vllm_bench  # benchmarks/vllm_serving.py (K2 real-width slice), after vllm3
-#   VLLM_TESTS=none bash tests/gpu/h200_session.sh vllm3 skyrl_demo  # phases run in order in one call
-#   bash tests/gpu/h200_session.sh skyrl_demo  # carry .gpu/megatron (megatron-core 0.19.2 cp312 wheel), after vllm3:
+#   bash tools/gpu/session.sh sglang   # carry .gpu/sglang1 (+ .gpu/sglang_jit, .gpu/triton): SGLang 0.5.17 GPU lane
+#   bash tools/gpu/session.sh sglang_bench  # benchmarks/sglang_serving.py (K3 real-width slice), after sglang
+#   bash tools/gpu/session.sh w4a16    # kernels GPU tests + benchmarks/w4a16_grouped_gemm.py
+#   bash tools/gpu/session.sh gluon    # the experimental Gluon W4A16 fwd + dgrad (#21): GPU test, then table
+#   bash tools/gpu/session.sh w4a16_profile  # Nsight Compute of W4A16 vs BF16 GEMM calls (#21's gap)
+#   bash tools/gpu/session.sh w4a16_sweep    # the fused kernels' tile configs vs BF16 at 8 tok/exp (#21)
+#   bash tools/gpu/session.sh w4a16_clocks   # SM clock and power, BF16 vs W4A16 at 2048 tok/exp (#21)
+#   bash tools/gpu/session.sh vllm1    # carry .gpu/vllm1: stash part 1
+#   bash tools/gpu/session.sh vllm2    # carry .gpu/vllm2: stash part 2
+#   bash tools/gpu/session.sh vllm3    # carry .gpu/vllm3 (+ .gpu/sglang1): unstage vLLM 0.26.0, the vLLM GPU lane
+#   bash tools/gpu/session.sh vllm_bench  # benchmarks/vllm_serving.py (K2 real-width slice), after vllm3
+#   VLLM_TESTS=none bash tools/gpu/session.sh vllm3 skyrl_demo  # phases run in order in one call
+#   bash tools/gpu/session.sh skyrl_demo  # carry .gpu/megatron (megatron-core 0.19.2 cp312 wheel), after vllm3:
 #                                              # kimi-rl demo --recipe skyrl-k2 --device cuda --size small
-#   bash tests/gpu/h200_session.sh miles_demo  # carry .gpu/sglang1 .gpu/sglang_jit .gpu/megatron (+ .gpu/triton):
+#   bash tools/gpu/session.sh miles_demo  # carry .gpu/sglang1 .gpu/sglang_jit .gpu/megatron (+ .gpu/triton):
 #                                              # kimi-rl demo --recipe miles-k3 --device cuda --size small
-#   bash tests/gpu/h200_session.sh megatron_bench  # carry .gpu/megatron: benchmarks/megatron_gpu.py's real-width K3
+#   bash tools/gpu/session.sh megatron_bench  # carry .gpu/megatron: benchmarks/megatron_gpu.py's real-width K3
 #                                              # slice with MXFP4 (W4A16, auto and Gluon) and BF16 experts (#21)
 #
 # The SGLang lane runs in groups (base engines, MoE LoRA + hot load, K3.1, K2 INT4); a group that ran
@@ -64,9 +63,9 @@ sglang_env() {
     SITE=/tmp/site_sgl bash .gpu/sglang1/unstage.sh > /tmp/kimi_test_out/unstage_sglang.log 2>&1
     [ -d /tmp/site_sgl/sglang ] || { tail -40 /tmp/kimi_test_out/unstage_sglang.log; exit 3; }
     grep -o 'CUDA_HOME=[^ ]*' /tmp/kimi_test_out/unstage_sglang.log | tail -1 | cut -d= -f2 > /tmp/site_sgl.cuda_home
-    python3 tests/gpu/write_entry_points.py /tmp/site_sgl
+    python3 tools/gpu/write_entry_points.py /tmp/site_sgl
   fi
-  # the JIT cache of an earlier call (or of tests/gpu/sglang_jit_prebuild.sh on a CPU host), whenever carried
+  # the JIT cache of an earlier call (or of tools/gpu/sglang_jit_prebuild.sh on a CPU host), whenever carried
   if [ -f .gpu/sglang_jit/tvm_ffi_cache.tar.xz ]; then
     mkdir -p /tmp/tvm-ffi-cache && tar -xJf .gpu/sglang_jit/tvm_ffi_cache.tar.xz -C /tmp/tvm-ffi-cache
     echo "JIT cache unpacked: $(find /tmp/tvm-ffi-cache -name '*.so' | wc -l) modules"
@@ -109,8 +108,8 @@ run_w4a16() {
   # (W4A16_BENCH_ARGS: e.g. --quick for K3 fc1 only; W4A16_TESTS=0: the table alone, W4A16_BENCH=0: the tests alone,
   # so the two can go to different calls of one lease)
   if [ "${W4A16_TESTS:-1}" = 1 ]; then
-    # cold (a fresh machine, no Triton cache) the suite compiles for ~8 minutes (264 of 394 tests in 330 s on an H100,
-    # 2026-12-06; warm it runs in 28 s), so on a fresh machine the table goes to the next call (W4A16_TESTS=0)
+    # cold (a fresh machine, no Triton cache) the suite compiles for several minutes (warm: under a minute), so on a
+    # fresh machine the table goes to the next call (W4A16_TESTS=0)
     timeout "${KERNELS_TIMEOUT:-540}" python3 -m pytest -q -m gpu -rfE -p no:cacheprovider tests/kimi_core/kernels \
       > "$OUT/pytest_kernels.log" 2>&1
     echo "kernels rc=$? $(tail -1 "$OUT/pytest_kernels.log")"
@@ -181,7 +180,7 @@ run_w4a16_profile() {
 run_gluon() {
   export PYTHONPATH=$PWD
   # each variant alone on a small case in its own process first: a hang in one leaves the others' numbers
-  GLUON_PROBE_TIMEOUT=50 timeout 300 python3 tests/gpu/gluon_probe.py 2>&1 | tee "$OUT/gluon_probe.log"
+  GLUON_PROBE_TIMEOUT=50 timeout 300 python3 tools/kernels/gluon_probe.py 2>&1 | tee "$OUT/gluon_probe.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gluon probe failed: no test or table"; return; }
   if [ "${GLUON_TESTS:-1}" = 1 ]; then  # GLUON_TESTS=0: the probe and the table's rel err vs BF16 only
     timeout 400 python3 -m pytest -q -m gpu -rfE -p no:cacheprovider tests/kimi_core/kernels/test_gluon_w4a16_gpu.py \
@@ -198,12 +197,12 @@ run_gluon() {
 run_vllm3() {
   # SGLang carried too (it and vllm3 fit in one call): unpack it meanwhile, for a later phase
   if [ -d .gpu/sglang1 ] && [ ! -d /tmp/site_sgl/sglang ]; then
-    setsid bash tests/gpu/h200_session.sh sglang_unstage > /tmp/kimi_test_out/sglang_unstage_bg.log 2>&1 < /dev/null &
+    setsid bash tools/gpu/session.sh sglang_unstage > /tmp/kimi_test_out/sglang_unstage_bg.log 2>&1 < /dev/null &
   fi
   bash .gpu/vllm3/unstage.sh > /tmp/kimi_test_out/unstage_vllm.log 2>&1
   [ -d /tmp/site/vllm ] || { tail -40 /tmp/kimi_test_out/unstage_vllm.log; exit 3; }
   vllm_env
-  python3 tests/gpu/write_entry_points.py /tmp/site
+  python3 tools/gpu/write_entry_points.py /tmp/site
   [ "${VLLM_TESTS:-}" = none ] && { echo "vLLM 0.26.0 unstaged into /tmp/site (VLLM_TESTS=none: no lane)"; return; }
   timeout "$(left)" python3 -m pytest -q -m gpu -s -rfE -p no:cacheprovider tests/kimi_vllm_plugin \
     -k "${VLLM_TESTS:-not k25 and not cuda_graphs}" > "$OUT/pytest_vllm.log" 2>&1
@@ -260,14 +259,6 @@ run_megatron_bench() {
   free_gpu
 }
 
-run_bisect() {
-  sglang_env
-  timeout "${BISECT_S:-260}" python3 tests/gpu/sglang_bisect.py /tmp/bisect > "$OUT/bisect.log" 2>&1
-  echo "bisect rc=$?"; grep -E "^ +[a-z0-9_]+: " "$OUT/bisect.log"
-  cp /tmp/bisect/bisect.json "$OUT/" 2>/dev/null
-  run_sglang
-}
-
 run_sglang_bench() {
   sglang_env
   SGLANG_PLUGINS=kimi timeout "$(left)" python3 benchmarks/sglang_serving.py --no-results --json "$OUT/sglang_serving.json" \
@@ -282,7 +273,6 @@ case "$phase" in
   sglang) run_sglang ;;
   sglang_unstage) sglang_env ;;
   sglang_bench) run_sglang_bench ;;
-  bisect) run_bisect ;;
   w4a16) run_w4a16 ;;
   gluon) run_gluon ;;
   w4a16_profile) run_w4a16_profile ;;
@@ -295,6 +285,6 @@ case "$phase" in
   skyrl_demo) run_demo vllm_env skyrl ;;
   miles_demo) run_demo sglang_env miles ;;
   megatron_bench) run_megatron_bench ;;
-  *) echo "usage: $0 sglang|sglang_unstage|bisect|sglang_bench|w4a16|w4a16_sweep|w4a16_profile|w4a16_clocks|gluon|vllm1|vllm2|vllm3|vllm_bench|skyrl_demo|miles_demo|megatron_bench" >&2; exit 2 ;;
+  *) echo "usage: $0 sglang|sglang_unstage|sglang_bench|w4a16|w4a16_sweep|w4a16_profile|w4a16_clocks|gluon|vllm1|vllm2|vllm3|vllm_bench|skyrl_demo|miles_demo|megatron_bench" >&2; exit 2 ;;
 esac
 done

@@ -1,22 +1,19 @@
-"""Build SGLang 0.5.17's JIT kernels for the H200 (sm_90a) on a CPU host with nvcc 13.0, into a TVM-FFI cache
-that the GPU calls unpack (``tests/gpu/h200_session.sh``), so no device time goes to nvcc.
+"""Build SGLang 0.5.17's JIT kernels for Hopper (sm_90a) on a CPU host with nvcc 13.0, into a TVM-FFI cache
+that the GPU calls unpack (``tools/gpu/session.sh``), so no device time goes to nvcc.
 
 SGLang builds each kernel on its first call (``sglang/kernels/jit/utils/compile.py`` ``load_jit``) into
 ``$TVM_FFI_CACHE_DIR/<module>__arch_<arch>__tvmffi_<version>/``; the module name holds the template arguments
 and a hash of the sources (not of their location), so a module built here from the same wheel, for the same
-arch and tvm-ffi version, is the one the H200 looks up. The arch comes from SGLang's own
-``override_jit_cuda_arch(9, 0)`` (-> ``9.0a``, what it detects on an H200).
+arch and tvm-ffi version, is the one a Hopper GPU looks up. The arch comes from SGLang's own
+``override_jit_cuda_arch(9, 0)`` (-> ``9.0a``, what it detects on an H100 / H200).
 
 :data:`JOBS` is what the tiny K3 / K3.1 / K2 engines of the GPU lane and the real-width slices build, named by
-reading the call sites: on 2026-12-02 the H200 used the 28 built here as they were and built 3 more itself
-(``activation``, ``clamp_position``, ``fused_rope``), which are listed now; ``gptq_marlin`` and the rmsnorm widths
-of the small and real-width models are added on reading; a second H200 session built 5 more (the biased Marlin MoE,
-``dsv3_fused_a_gemm``, ``add3``, ``topk_v2``), a third K3.1's index-K store and Hadamard transform, a fourth
-MLA's KV-cache store, all listed now.
-A kernel missing here is still built on the GPU, slower.
+reading the call sites and from what GPU runs still built themselves. A kernel missing here is still built on the
+GPU, slower.
 
-    python tests/gpu/sglang_jit_prebuild.py CACHE_DIR      # with SGLang 0.5.17 + apache-tvm-ffi 0.1.11 importable
+    python tools/gpu/sglang_jit_prebuild.py CACHE_DIR      # with SGLang 0.5.17 + apache-tvm-ffi 0.1.11 importable
 """
+
 from __future__ import annotations
 
 import importlib
@@ -54,18 +51,18 @@ JOBS: list[tuple[str, str, tuple]] = [
     # hidden, q_lora, kv_lora, head dims of the tiny, small and real-width models (K3 latent MoE norm: 3584)
     *[("layernorm.norm", "_jit_rmsnorm_module", (h, B)) for h in (64, 128, 256, 512, 1024, 1536, 2048, 3584, 7168)],
     ("quantization.gptq_marlin", "_jit_gptq_marlin_module", (B,)),  # ~4 min on 2 cores
-    # built by the H200 itself on 2026-12-02 (6.5 min of the stock engine's first generate): K3's fused MLA
-    # A-projection at hidden 1024 / 512 (q_lora + kv_lora + rope = 704; the real width's 2112 added on reading),
+    # K3's fused MLA A-projection at hidden 1024 / 512 (q_lora + kv_lora + rope = 704) and the real width's 2112,
     # the bf16 3-way add of K3's MoE tail, and K3.1's DSA top-k
-    *[("gemm.dsv3_fused_a_gemm", "dsv3_fused_a_gemm_module", (h, o, True)) for h, o in ((1024, 704), (512, 704),
-                                                                                          (7168, 2112))],
+    *[
+        ("gemm.dsv3_fused_a_gemm", "dsv3_fused_a_gemm_module", (h, o, True))
+        for h, o in ((1024, 704), (512, 704), (7168, 2112))
+    ],
     ("elementwise.add3", "_jit_add3_module", ()),
     ("attention.dsv4.topk", "_jit_topk_v2_module", ()),
-    # built by the H200 on K3.1's first prefill (fifth session, 2026-12-02): the DSA index-K store at page 64 and
-    # the indexer's Hadamard transform
+    # K3.1's first prefill: the DSA index-K store at page 64 and the indexer's Hadamard transform
     ("attention.fused_store_index_cache", "_jit_dsa_fused_store_module", (B, "torch.int64", 64)),
     ("quantization.hadamard", "_jit_hadamard_module", (B,)),
-    # built by the H200 in the K2 group (seventh session, 2026-12-03): MLA's TMA KV-cache store, rows of
+    # MLA's TMA KV-cache store, rows of
     # kv_lora 512 + rope 64 in bf16 (every K3 / K3.1 / K2 width), with PDL on SM90
     ("kvcache.set_mla_kv_buffer", "set_mla_kv_buffer_module", (1024, 128, True)),
 ]
@@ -90,7 +87,7 @@ def main(cache_dir: str) -> int:
             try:
                 getattr(importlib.import_module("sglang.kernels.ops." + mod), loader)(*map(_arg, args))
                 print(f"[{i}/{len(JOBS)}] {mod}.{loader}{args}: {time.perf_counter() - t:.0f} s", flush=True)
-            except Exception as e:  # noqa: BLE001 - one kernel that does not build leaves the others
+            except Exception as e:  # one kernel that does not build leaves the others
                 failed += 1
                 print(f"[{i}/{len(JOBS)}] {mod}.{loader}{args}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
     return 1 if failed else 0

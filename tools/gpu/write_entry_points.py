@@ -6,7 +6,7 @@ installed distributions' entry points. This writes one minimal ``<name>-<version
 (``METADATA`` + ``entry_points.txt``) per member distribution (each package folder's
 ``pyproject.toml``), so ``VLLM_PLUGINS=kimi`` / ``SGLANG_PLUGINS=kimi`` load the tree's code.
 
-Usage: ``python3 tests/gpu/write_entry_points.py /tmp/site`` (run from the repository root).
+Usage: ``python3 tools/gpu/write_entry_points.py /tmp/site`` (run from the repository root).
 """
 
 from __future__ import annotations
