@@ -56,22 +56,30 @@ class WeightFormat:
         :raises FormatError: wrong dtype, rank, or a packed / scale shape that does not match.
         """
         if packed.dtype != self.packed_dtype:
-            raise FormatError(f"{where}.weight_packed: dtype {packed.dtype}, format {self.name!r} stores "
-                              f"{self.packed_dtype}")
+            raise FormatError(
+                f"{where}.weight_packed: dtype {packed.dtype}, format {self.name!r} stores {self.packed_dtype}"
+            )
         if scale.dtype != self.scale_dtype:
-            raise FormatError(f"{where}.weight_scale: dtype {scale.dtype}, format {self.name!r} stores "
-                              f"{self.scale_dtype}")
+            raise FormatError(
+                f"{where}.weight_scale: dtype {scale.dtype}, format {self.name!r} stores {self.scale_dtype}"
+            )
         if packed.dim() < 2:
-            raise FormatError(f"{where}.weight_packed: shape {tuple(packed.shape)}, expected [out, in/"
-                              f"{self.codes_per_packed}] or [experts, out, in/{self.codes_per_packed}]")
+            raise FormatError(
+                f"{where}.weight_packed: shape {tuple(packed.shape)}, expected [out, in/"
+                f"{self.codes_per_packed}] or [experts, out, in/{self.codes_per_packed}]"
+            )
         k = packed.shape[-1] * self.codes_per_packed
         if in_features is not None and k != in_features:
-            raise FormatError(f"{where}.weight_packed: shape {tuple(packed.shape)} holds {k} input columns, "
-                              f"expected {in_features} (last dim {in_features // self.codes_per_packed})")
+            raise FormatError(
+                f"{where}.weight_packed: shape {tuple(packed.shape)} holds {k} input columns, "
+                f"expected {in_features} (last dim {in_features // self.codes_per_packed})"
+            )
         want = (*packed.shape[:-1], k // self.group_size)
         if tuple(scale.shape) != want:
-            raise FormatError(f"{where}: weight_scale shape {tuple(scale.shape)} and weight_packed shape "
-                              f"{tuple(packed.shape)} disagree; with {k} input columns the scale must be {want}")
+            raise FormatError(
+                f"{where}: weight_scale shape {tuple(scale.shape)} and weight_packed shape "
+                f"{tuple(packed.shape)} disagree; with {k} input columns the scale must be {want}"
+            )
         return k
 
 
@@ -90,6 +98,7 @@ def weight_format(name: str | WeightFormat) -> WeightFormat:
         return name
     fmt = WEIGHT_FORMATS.get(name) or _BY_SHORT.get(name)
     if fmt is None:
-        raise FormatError(f"unknown expert weight format {name!r}; supported: "
-                          f"{sorted(WEIGHT_FORMATS)} (or {sorted(_BY_SHORT)})")
+        raise FormatError(
+            f"unknown expert weight format {name!r}; supported: {sorted(WEIGHT_FORMATS)} (or {sorted(_BY_SHORT)})"
+        )
     return fmt
