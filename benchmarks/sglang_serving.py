@@ -111,7 +111,7 @@ def measure(args) -> dict:
 
     from kimi_core.config import load_config
     from kimi_core.lora import LoraSpec, random_adapter
-    from kimi_sglang_plugin.adapter_prep import prepare_adapter
+    from kimi_sglang_plugin.adapters import prepare_adapter
     from kimi_sglang_plugin.mapping import K3_LORA_LEAVES, lora_target_modules
     from kimi_sglang_plugin.sync import RankLayout, StockSGLangBackend, build_payload
     from sglang_engine_harness import ENGINE_KWARGS, marlin_size_problems, sglang_config_problems

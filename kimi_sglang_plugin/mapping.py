@@ -23,8 +23,17 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["PARAM_RULES", "RENAMES", "LORA_MODULES", "LORA_TARGET_NAMES", "K3_LORA_LEAVES", "hf_to_sglang",
-           "sglang_param_names", "lora_target_modules"]
+__all__ = [
+    "PARAM_RULES",
+    "RENAMES",
+    "LORA_MODULES",
+    "LORA_TARGET_NAMES",
+    "K3_LORA_LEAVES",
+    "hf_to_sglang",
+    "layer_index",
+    "sglang_param_names",
+    "lora_target_modules",
+]
 
 # (HF suffix, SGLang suffix, shard, where). Experts: ``weight_packed`` is renamed ``weight`` first.
 PARAM_RULES: tuple[tuple[str, str, object, str], ...] = (
@@ -58,23 +67,41 @@ PARAM_RULES: tuple[tuple[str, str, object, str], ...] = (
 )
 
 #: whole-name renames applied first (``KimiK3ForConditionalGeneration.hf_to_sglang_mapper``)
-RENAMES: tuple[tuple[str, str], ...] = (
-    (".block_sparse_moe.", ".mlp."),
-)
+RENAMES: tuple[tuple[str, str], ...] = ((".block_sparse_moe.", ".mlp."),)
 
 #: every K3 linear SGLang gives LoRA, as HF leaves: MLA, dense and shared MLPs, KDA's ``o_proj`` and the routed
-#: experts (the seeds' K3 recipe adapter; KDA's fused projections have none, ``adapter_prep`` refuses them)
-K3_LORA_LEAVES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj",
-                  "w1", "w3", "w2")
+#: experts (the K3 recipe's adapter; KDA's fused projections have none, ``adapters.prepare_adapter`` refuses them)
+K3_LORA_LEAVES = (
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "w1",
+    "w3",
+    "w2",
+)
 
 #: HF LoRA leaf -> SGLang LoRA module (memory-pool buffer) name
 LORA_MODULES: dict[str, str] = {
-    "q_a_proj": "fused_qkv_a_proj_with_mqa", "kv_a_proj_with_mqa": "fused_qkv_a_proj_with_mqa",
-    "q_b_proj": "q_b_proj", "kv_b_proj": "kv_b_proj", "o_proj": "o_proj",
-    "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
-    "w1": "gate_up_proj_moe", "w3": "gate_up_proj_moe", "w2": "down_proj_moe",
-    "wq_b": "indexer.wq_b", "wk": "indexer.wk", "weights_proj": "indexer.weights_proj",
+    "q_a_proj": "fused_qkv_a_proj_with_mqa",
+    "kv_a_proj_with_mqa": "fused_qkv_a_proj_with_mqa",
+    "q_b_proj": "q_b_proj",
+    "kv_b_proj": "kv_b_proj",
+    "o_proj": "o_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+    "down_proj": "down_proj",
+    "w1": "gate_up_proj_moe",
+    "w3": "gate_up_proj_moe",
+    "w2": "down_proj_moe",
+    "wq_b": "indexer.wq_b",
+    "wk": "indexer.wk",
+    "weights_proj": "indexer.weights_proj",
 }
+
 
 def _flag_value(leaf: str, module: str) -> str:
     """The ``--lora-target-modules`` value that SGLang normalizes to ``module`` (for HF ``leaf``)."""
@@ -92,6 +119,12 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
+def layer_index(name: str) -> int | None:
+    """The decoder layer of a checkpoint or adapter tensor name (``...layers.3.self_attn...`` -> 3), else None."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
 def hf_to_sglang(name: str, config) -> tuple[str, object, int | None]:
     """``(SGLang parameter name, shard, expert id)`` of checkpoint tensor ``name``.
 
@@ -100,8 +133,7 @@ def hf_to_sglang(name: str, config) -> tuple[str, object, int | None]:
     n = name.replace("weight_packed", "weight") if ".experts." in name else name
     for old, new in RENAMES:
         n = n.replace(old, new)
-    m = _LAYER.search(n)
-    layer = int(m.group(1)) if m else None
+    layer = layer_index(n)
     kind = ("kda" if config.is_kda_layer(layer) else "mla") if layer is not None else ""
     em = _EXPERT.search(n)
     expert = int(em.group(1)) if em and ".shared_experts." not in n else None
@@ -133,8 +165,9 @@ def lora_target_modules(hf_leaves) -> list[str]:
     out = set()
     for leaf in hf_leaves:
         if leaf not in LORA_TARGET_NAMES:
-            raise KeyError(f"LoRA target {leaf!r} has no SGLang --lora-target-modules name "
-                           f"(known: {sorted(LORA_TARGET_NAMES)})")
+            raise KeyError(
+                f"LoRA target {leaf!r} has no SGLang --lora-target-modules name (known: {sorted(LORA_TARGET_NAMES)})"
+            )
         out.add(LORA_TARGET_NAMES[leaf])
         if leaf in ("w1", "w3", "w2"):
             out.update(("gate_up_proj", "down_proj"))

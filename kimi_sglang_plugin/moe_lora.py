@@ -1,7 +1,7 @@
 """MoE LoRA on Kimi's 4-bit routed experts in SGLang 0.5.17 and 0.5.23: K3/K3.1 MXFP4 + SiTU, K2.x INT4.
 
-Which mechanism, and why (reference/sglang.md section 3). With ``--moe-runner-backend marlin``
-(the K3 H200 recipe) ``FusedMoEWithLoRA`` builds ``MoeRunner(MARLIN, lora_enabled=True)``, whose
+Which mechanism, and why (``docs/sglang.md``, MoE LoRA). With ``--moe-runner-backend marlin``
+(the K3 recipe) ``FusedMoEWithLoRA`` builds ``MoeRunner(MARLIN, lora_enabled=True)``, whose
 core is ``MarlinLoraRunnerCore``: Marlin gate_up GEMM -> LoRA hook -> ``silu_and_mul`` -> Marlin
 down GEMM -> LoRA hook -> sum. Two things stop K3:
 
@@ -11,12 +11,13 @@ down GEMM -> LoRA hook -> sum. Two things stop K3:
 2. ``MarlinLoraRunnerCore.run_from_dispatch`` asserts ``activation == "silu"``; K3 experts use SiTU.
 
 A quant-info adapter alone fixes (1) but not (2); a SiTU stage alone never gets the MXFP4
-weights. So both, each minimal, each a ledger hook (:mod:`kimi_sglang_plugin.hooks`):
+weights. So both, each minimal. This module holds the pieces; the hooks that put them in place are the ledger rows
+``moe_lora_*`` (:mod:`kimi_sglang_plugin.patches.moe_lora_marlin`):
 
-* :func:`fused_moe_with_lora_init` hands the stock constructor :class:`Mxfp4MarlinQuantInfoAdapter`
+* the constructor hook hands the stock constructor :class:`Mxfp4MarlinQuantInfoAdapter`
   (``build_marlin_moe_quant_info(layer)``); the real quant method is restored right after, so the
   base (non-LoRA) path is untouched.
-* :func:`marlin_lora_run_from_dispatch` wraps the stock core's entry. SiLU layers (K2.x INT4) pass
+* the runner hook wraps the stock core's entry. SiLU layers (K2.x INT4) pass
   through. A SiTU layer runs the same stock core with its activation stage bound to SiTU for that
   call: the Marlin GEMMs, expert alignment, EP masking and LoRA hooks stay upstream's,
   single-sourced; only stage 2 differs. 0.5.23 also offers ``register_moe_runner_core``, but
@@ -26,7 +27,7 @@ weights. So both, each minimal, each a ledger hook (:mod:`kimi_sglang_plugin.hoo
 The same constructor hook fixes a further K3 bug: ``FusedMoEWithLoRA`` infers GPT-OSS interleaved
 gate/up from ``gemm1_alpha``, which K3 sets for SiTU's beta although its w13 is not interleaved
 (``gate_up_interleaved=False``); the LoRA gate_up ``B`` would be row-shuffled. On 0.5.17 only,
-:func:`init_cuda_graph_moe_buffers` lets the CUDA-graph buffer setup read the Marlin quant info.
+:class:`MarlinShapeView` lets the CUDA-graph buffer setup read the Marlin quant info.
 
 K2.x INT4 (``pack-quantized``, scheme ``CompressedTensorsWNA16MoE``) already exposes
 ``get_marlin_quant_info``; :func:`check_int4_marlin` only validates the pairing and names the
@@ -37,28 +38,30 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import logging
-from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
 
+from kimi_core.errors import PluginError
+from kimi_core.quant.formats import INT4
 from kimi_core.reference.ops import situ_glu
 
 __all__ = [
-    "SITU_KERNELS", "Mxfp4MarlinQuantInfoAdapter", "check_int4_marlin", "fused_moe_with_lora_init",
-    "init_cuda_graph_moe_buffers", "marlin_lora_run_from_dispatch", "situ_and_mul_torch",
+    "SITU_KERNELS",
+    "MarlinShapeView",
+    "Mxfp4MarlinQuantInfoAdapter",
+    "check_int4_marlin",
+    "is_mxfp4_method",
+    "situ_activation_stage",
+    "situ_and_mul_torch",
+    "situ_kernel",
 ]
 
-logger = logging.getLogger(__name__)
-
-#: SGLang release -> ``"module:function"`` of its fused SiTU-and-mul kernel (``host_facts`` rows)
+#: SGLang release -> ``"module:function"`` of its fused SiTU-and-mul kernel (``host_support.FACTS`` rows)
 SITU_KERNELS = {
     "0.5.17": "sglang.kernels.ops.kimi_k3:situ_and_mul",
     "0.5.23": "sglang.kernels.ops.activation:situ_and_mul",
 }
-
-_LOGGED: set = set()
 
 
 def situ_and_mul_torch(x: torch.Tensor, out: torch.Tensor | None, beta: float, linear_beta: float) -> torch.Tensor:
@@ -76,7 +79,7 @@ def situ_and_mul_torch(x: torch.Tensor, out: torch.Tensor | None, beta: float, l
     return out
 
 
-def _situ_kernel():
+def situ_kernel():
     """The running release's SiTU kernel; the torch twin only where CUDA is absent (CPU tests)."""
     from kimi_sglang_plugin.registration import running_sglang
 
@@ -85,16 +88,15 @@ def _situ_kernel():
     release = running_sglang()
     target = SITU_KERNELS.get(release)
     if target is None:
-        from kimi_sglang_plugin.registration import PluginError
-
-        raise PluginError(f"kimi_sglang_plugin: no SiTU kernel recorded for SGLang {release!r} "
-                          f"(known: {sorted(SITU_KERNELS)})")
+        raise PluginError(
+            f"kimi_sglang_plugin: no SiTU kernel recorded for SGLang {release!r} (known: {sorted(SITU_KERNELS)})"
+        )
     mod, name = target.split(":")
     return getattr(importlib.import_module(mod), name)
 
 
 @contextlib.contextmanager
-def _stage2_as_situ(beta: float, linear_beta: float):
+def situ_activation_stage(beta: float, linear_beta: float):
     """Bind the stock Marlin LoRA core's activation stage to SiTU for one call.
 
     The core calls its module-level ``silu_and_mul`` (lora/lora_moe_runner_marlin.py:160 in 0.5.17,
@@ -103,7 +105,7 @@ def _stage2_as_situ(beta: float, linear_beta: float):
     """
     import sglang.srt.lora.lora_moe_runner_marlin as stock
 
-    kernel = _situ_kernel()
+    kernel = situ_kernel()
     saved = stock.__dict__.get("silu_and_mul")
     stock.silu_and_mul = lambda inp, out: kernel(inp, out, beta, linear_beta)
     try:
@@ -115,66 +117,11 @@ def _stage2_as_situ(beta: float, linear_beta: float):
             stock.silu_and_mul = saved
 
 
-def marlin_lora_run_from_dispatch(original, core, dispatch_output, quant_info, runner_config, *args, **kwargs):
-    """AROUND ``MarlinLoraRunnerCore.run_from_dispatch`` (ledger ``moe_lora_situ_stage``).
-
-    Inputs/outputs are the stock ones: ``StandardDispatchOutput`` (hidden ``[M, K]`` bf16, top-k
-    ``[M, k]``) -> ``StandardCombineInput`` (``[M, K]``). SiTU's ``beta`` / ``linear_beta`` are the
-    runner config's ``gemm1_alpha`` / ``gemm1_clamp_limit`` (as K3's ``FusedMoE`` sets them).
-    """
-    if runner_config.activation != "situ":
-        return original(core, dispatch_output, quant_info, runner_config, *args, **kwargs)
-    if not runner_config.is_gated:
-        raise ValueError("kimi_sglang_plugin: SiTU MoE LoRA needs gated experts (w1/w3)")
-    beta, lin = runner_config.gemm1_alpha, runner_config.gemm1_clamp_limit
-    if beta is None or lin is None:
-        raise ValueError("kimi_sglang_plugin: SiTU MoE layer without gemm1_alpha/gemm1_clamp_limit "
-                         "(activation_situ_beta / activation_situ_linear_beta in config.json)")
-    if "situ" not in _LOGGED:  # once per process: the GPU tests read it from SGLang's log
-        _LOGGED.add("situ")
-        logger.info("kimi_sglang_plugin: MarlinLoraRunnerCore runs SiTU (beta=%s, linear_beta=%s) for MoE LoRA",
-                    beta, lin)
-    as_silu = replace(runner_config, activation="silu")
-    with _stage2_as_situ(float(beta), float(lin)):
-        return original(core, dispatch_output, quant_info, as_silu, *args, **kwargs)
-
-
-class _ShapeOnly:
-    """Stands in for a weight whose ``shape`` and ``device`` are all that is read."""
-
-    def __init__(self, shape, device):
-        self.shape, self.device = torch.Size(shape), device
-
-
-class _MarlinShapeView:
-    """A ``FusedMoEWithLoRA`` seen through an unquantized-style quant info (``w13_weight`` ``[E, 2I, K]``,
-    ``w2_weight`` ``[E, K, I]``); every other attribute is the layer's own."""
-
-    def __init__(self, layer):
-        base, qinfo = layer.base_layer, layer._quant_info
-        E, I, K = base.num_local_experts, base.intermediate_size_per_partition, base.hidden_size
-        dev = qinfo.w13_qweight.device
-        object.__setattr__(self, "_layer", layer)
-        object.__setattr__(self, "_quant_info", SimpleNamespace(
-            w13_weight=_ShapeOnly((E, 2 * I, K), dev), w2_weight=_ShapeOnly((E, K, I), dev)))
-
-    def __getattr__(self, name):
-        return getattr(object.__getattribute__(self, "_layer"), name)
-
-
-def init_cuda_graph_moe_buffers(original, backend, max_bs, max_loras, compute_dtype, moe_layer, *args, **kwargs):
-    """AROUND ``BaseLoRABackend.init_cuda_graph_moe_buffers`` (0.5.17; ledger ``moe_lora_cuda_graph_buffers``)."""
-    qinfo = getattr(moe_layer, "_quant_info", None)
-    if qinfo is not None and not hasattr(qinfo, "w13_weight") and hasattr(qinfo, "w13_qweight"):
-        moe_layer = _MarlinShapeView(moe_layer)
-    return original(backend, max_bs, max_loras, compute_dtype, moe_layer, *args, **kwargs)
-
-
 # ------------------------------------------------------------------------------ quant-info adapter
 _ADAPTER_CLASS: list = []
 
 
-def Mxfp4MarlinQuantInfoAdapter(method):  # noqa: N802 - a class factory, named as the class it returns
+def Mxfp4MarlinQuantInfoAdapter(method):
     """Wrap an ``Mxfp4MoEMethod`` so ``FusedMoEWithLoRA``'s Marlin branch accepts it.
 
     The returned object is an instance of ``CompressedTensorsFusedMoEMethod`` only to pass the
@@ -188,7 +135,7 @@ def Mxfp4MarlinQuantInfoAdapter(method):  # noqa: N802 - a class factory, named 
         )
 
         class _Adapter(CompressedTensorsFusedMoEMethod):
-            def __init__(self, inner):  # noqa: D401 - deliberately skip the parent constructor
+            def __init__(self, inner):
                 object.__setattr__(self, "_inner", inner)
 
             def __getattr__(self, name):
@@ -200,8 +147,10 @@ def Mxfp4MarlinQuantInfoAdapter(method):  # noqa: N802 - a class factory, named 
                 for attr, what, fix in _MARLIN_PADS:
                     pad = getattr(self._inner, attr, 0) or 0
                     if pad:
-                        raise ValueError(f"kimi_sglang_plugin: MXFP4 MoE LoRA: the experts' {what} is padded by {pad} "
-                                         f"for Marlin and the LoRA path is not; {fix}")
+                        raise ValueError(
+                            f"kimi_sglang_plugin: MXFP4 MoE LoRA: the experts' {what} is padded by {pad} "
+                            f"for Marlin and the LoRA path is not; {fix}"
+                        )
                 return build_marlin_moe_quant_info(layer)
 
         _Adapter.__name__ = _Adapter.__qualname__ = "Mxfp4MarlinQuantInfoAdapter"
@@ -213,12 +162,16 @@ def Mxfp4MarlinQuantInfoAdapter(method):  # noqa: N802 - a class factory, named 
 #: layers/quantization/mxfp4.py:395-403); LoRA buffers and activations keep the checkpoint's widths
 _MARLIN_PADS = (
     ("hidden_pad", "hidden width", "use a routed_expert_hidden_size that is a multiple of 256"),
-    ("intermediate_pad", "per-rank intermediate width",
-     "make moe_intermediate_size / moe-TP a multiple of 128 (--ep-size, or a smaller --tp-size)"),
+    (
+        "intermediate_pad",
+        "per-rank intermediate width",
+        "make moe_intermediate_size / moe-TP a multiple of 128 (--ep-size, or a smaller --tp-size)",
+    ),
 )
 
 
-def _is_mxfp4(method) -> bool:
+def is_mxfp4_method(method) -> bool:
+    """Whether ``method`` is SGLang's ``Mxfp4MoEMethod`` (K3 / K3.1 experts)."""
     from sglang.srt.layers.quantization.mxfp4 import Mxfp4MoEMethod
 
     return isinstance(method, Mxfp4MoEMethod)
@@ -234,28 +187,34 @@ def check_int4_marlin(base_layer) -> None:
         return  # not the K2.x INT4 path; nothing to check
     bits = getattr(scheme, "num_bits", 4)
     if bits != 4:
-        raise ValueError(f"kimi_sglang_plugin: {name} has num_bits={bits}; K2.x experts are INT4 pack-quantized")
+        raise ValueError(f"kimi_sglang_plugin: {name} has num_bits={bits}; K2.x experts are 4-bit {INT4.name!r}")
     act = base_layer.moe_runner_config.activation
     if act != "silu":
         raise ValueError(f"kimi_sglang_plugin: INT4 MoE LoRA on Marlin needs hidden_act='silu', got {act!r}")
 
 
-def fused_moe_with_lora_init(original, self, base_layer, lora_backend, *args, **kwargs):
-    """AROUND ``FusedMoEWithLoRA.__init__`` (ledger ``moe_lora_mxfp4_quant_info``)."""
-    method = base_layer.quant_method
-    adapted = method is not None and _is_mxfp4(method)
-    if adapted:
-        base_layer.quant_method = Mxfp4MarlinQuantInfoAdapter(method)
-    else:
-        check_int4_marlin(base_layer)
-    try:
-        original(self, base_layer, lora_backend, *args, **kwargs)
-    finally:
-        if adapted:
-            base_layer.quant_method = method
-    if adapted:
-        self.quant_method = method
-    rc = base_layer.moe_runner_config
-    if rc.gemm1_alpha is not None and not getattr(rc, "gate_up_interleaved", True):
-        self._uses_interleaved_gate_up = False
-    return None
+class _ShapeOnly:
+    """Stands in for a weight whose ``shape`` and ``device`` are all that is read."""
+
+    def __init__(self, shape, device):
+        self.shape, self.device = torch.Size(shape), device
+
+
+class MarlinShapeView:
+    """A ``FusedMoEWithLoRA`` seen through an unquantized-style quant info (``w13_weight`` ``[E, 2I, K]``,
+    ``w2_weight`` ``[E, K, I]``, shape and device only); every other attribute is the layer's own. SGLang 0.5.17
+    sizes the MoE LoRA CUDA-graph buffers from those shapes, which a Marlin quant info does not have."""
+
+    def __init__(self, layer):
+        base, qinfo = layer.base_layer, layer._quant_info
+        E, I, K = base.num_local_experts, base.intermediate_size_per_partition, base.hidden_size  # noqa: E741 - [E, 2I, K] as in the docstring
+        dev = qinfo.w13_qweight.device
+        object.__setattr__(self, "_layer", layer)
+        object.__setattr__(
+            self,
+            "_quant_info",
+            SimpleNamespace(w13_weight=_ShapeOnly((E, 2 * I, K), dev), w2_weight=_ShapeOnly((E, K, I), dev)),
+        )
+
+    def __getattr__(self, name):
+        return getattr(object.__getattribute__(self, "_layer"), name)

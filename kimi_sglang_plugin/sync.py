@@ -161,7 +161,7 @@ def build_payload(lora_name: str, tensors: Mapping[str, torch.Tensor], adapter_c
     :raises AdapterRejected: ``adapter_config`` is one SGLang would misread or refuse
         (:func:`~kimi_sglang_plugin.adapter_prep.check_served_config`; prepare it first).
     """
-    from kimi_sglang_plugin.adapter_prep import check_served_config
+    from kimi_sglang_plugin.adapters import check_served_config
 
     check_served_config(adapter_config, where=f"adapter {lora_name!r} adapter_config")
 

@@ -39,7 +39,7 @@ def samples_from_outputs(outs: list[dict], prompts: list[list[int]], n: int, top
     """``Sample`` s of ``Engine.generate`` answers for ``prompts`` each repeated ``n`` times (``outs`` in that
     order: prompt 0's ``n`` answers, then prompt 1's, ...). ``routing = (num_hidden_layers, k)`` reads each
     answer's routed experts ``[P + M - 1][layers][k]`` into ``Sample.routed``."""
-    from kimi_sglang_plugin.outputs import output_logprobs, routed_experts
+    from kimi_sglang_plugin.generate_outputs import output_logprobs, routed_experts
 
     if len(outs) != len(prompts) * n:
         raise ValueError(f"SGLang returned {len(outs)} answers for {len(prompts)} prompts x n={n}")
@@ -75,7 +75,7 @@ class SglangTensorSync:
         self._last: tuple[int, TensorVersion] | None = None  # (version, what was sent): only the latest is held
 
     def publish(self, adapter, version: int) -> tuple[str, dict]:
-        from kimi_sglang_plugin.adapter_prep import prepare_adapter
+        from kimi_sglang_plugin.adapters import prepare_adapter
         from kimi_sglang_plugin.sync import RankLayout, build_payload
 
         t = time.perf_counter()

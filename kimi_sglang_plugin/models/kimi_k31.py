@@ -17,20 +17,21 @@ adds only what differs from a DeepSeek-V3.2 indexer and what must not fail silen
 
 Entry point for ``SGLANG_EXTERNAL_MODEL_PACKAGE=kimi_sglang_plugin.models``: importing this
 module registers the config and applies the hooks (idempotent), then ``EntryClass`` is read. When
-the hooks cannot apply, the import registers the refusal classes (``kimi_sglang_plugin.refusal``)
+the hooks cannot apply, the import registers the refusal classes (``kimi_sglang_plugin.host_support``)
 and fails with the reason, which SGLang logs.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Tuple
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from kimi_sglang_plugin.registration import (K31_ARCH, PluginError, refuse_kimi, register_config, register_hooks,
-                                             running_sglang)
+from kimi_core.architectures import K31
+from kimi_core.errors import PluginError
+from kimi_sglang_plugin.registration import refuse_kimi, register_config, register_hooks, running_sglang
 
 try:
     register_config()
@@ -39,12 +40,18 @@ except PluginError as _e:
     refuse_kimi(str(_e))
     raise
 
-from sglang.srt.models.kimi_k3 import KimiK3ForConditionalGeneration, KimiK3MLAAttention  # noqa: E402
+from sglang.srt.models.kimi_k3 import KimiK3ForConditionalGeneration, KimiK3MLAAttention
 
-from kimi_sglang_plugin.config import INDEXER_FIELDS, is_k31_config  # noqa: E402
+from kimi_sglang_plugin.models.kimi_k31_config import INDEXER_FIELDS, is_k31_config
 
-__all__ = ["KimiK31ForConditionalGeneration", "NoRope", "EntryClass", "check_dsa_attention_backend",
-           "check_index_topk", "INDEX_TOPK_SERVED"]
+__all__ = [
+    "KimiK31ForConditionalGeneration",
+    "NoRope",
+    "EntryClass",
+    "check_dsa_attention_backend",
+    "check_index_topk",
+    "INDEX_TOPK_SERVED",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -71,33 +78,39 @@ class NoRope(nn.Module):
 DSA_BACKENDS = ("dsa", "nsa")
 #: what a K3.1 engine on Hopper with a bf16 KV cache is started with (SGLang picks these only for the DeepSeek
 #: architectures it lists; docs/sglang.md, "engine flags")
-K31_ENGINE_FLAGS = ("--attention-backend dsa --page-size 64 --dsa-prefill-backend flashmla_sparse "
-                    "--dsa-decode-backend flashmla_sparse, and SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD="
-                    "<index_topk> (0 where FA3 is not installed)")
+K31_ENGINE_FLAGS = (
+    "--attention-backend dsa --page-size 64 --dsa-prefill-backend flashmla_sparse "
+    "--dsa-decode-backend flashmla_sparse, and SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD="
+    "<index_topk> (0 where FA3 is not installed)"
+)
 
 
 def check_dsa_attention_backend() -> None:
     """Refuse, naming the flag, an engine whose attention backends cannot serve K3.1: its KV cache is SGLang's
     DSA pool (``DSATokenToKVPool``), which only the DSA backend reads; the triton backend, for one, fails at
-    init with an ``AttributeError`` on ``get_v_head_dim`` (H200, SGLang 0.5.17, 2026-12-02). Reads the values
-    in effect, ``get_exec().kernel`` (0.5.17 and 0.5.23)."""
+    init with an ``AttributeError`` on ``get_v_head_dim``. Reads the values in effect, ``get_exec().kernel``
+    (0.5.17 and 0.5.23)."""
     from sglang.srt.runtime_context import get_exec
 
     kernel = get_exec().kernel
-    chosen = {f: getattr(kernel, f, None) for f in ("attention_backend", "prefill_attention_backend",
-                                                     "decode_attention_backend")}
+    chosen = {
+        f: getattr(kernel, f, None)
+        for f in ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+    }
     wrong = {f: v for f, v in chosen.items() if v is not None and v not in DSA_BACKENDS}
     if wrong or chosen["attention_backend"] is None:
         flag, value = next(iter(wrong.items()), ("attention_backend", None))
-        raise PluginError(f"{K31_ARCH}: --{flag.replace('_', '-')} {value} cannot serve K3.1, whose KV cache is "
-                          f"SGLang's DSA pool (only the dsa attention backend reads it); start the engine with "
-                          f"{K31_ENGINE_FLAGS}")
+        raise PluginError(
+            f"{K31}: --{flag.replace('_', '-')} {value} cannot serve K3.1, whose KV cache is "
+            f"SGLang's DSA pool (only the dsa attention backend reads it); start the engine with "
+            f"{K31_ENGINE_FLAGS}"
+        )
 
 
 #: the ``index_topk`` values each release's DSA prefill serves with a bf16 KV cache (absent: any). SGLang 0.5.17's
 #: ``transform_index_page_table_prefill_fast`` (``kernels/ops/attention/dsa/transform_index.py:168``, the only
 #: prefill index transform there) asserts a top-k width of 2048, DeepSeek-V3.2's and the K3.1 release's value
-#: (H200, 2026-12-02: an engine at 128 died on that assert at its first prefill); 0.5.23 has a general path
+#: (an engine at another width dies on that assert at its first prefill); 0.5.23 has a general path
 #: (``:286``). ``tests/kimi_sglang_plugin/test_k31_attention_return.py`` reads both sources.
 INDEX_TOPK_SERVED = {"0.5.17": (2048,)}
 
@@ -107,9 +120,11 @@ def check_index_topk(index_topk: int, release: str | None = None) -> None:
     release = release or running_sglang()
     served = INDEX_TOPK_SERVED.get(release)
     if served is not None and index_topk not in served:
-        raise ValueError(f"config.json: text_config.index_topk {index_topk} cannot be served by SGLang {release}, "
-                         f"whose DSA prefill index transform serves only {list(served)} (the K3.1 release's value "
-                         f"is 2048); use SGLang 0.5.23 for another top-k")
+        raise ValueError(
+            f"config.json: text_config.index_topk {index_topk} cannot be served by SGLang {release}, "
+            f"whose DSA prefill index transform serves only {list(served)} (the K3.1 release's value "
+            f"is 2048); use SGLang 0.5.23 for another top-k"
+        )
 
 
 class KimiK31ForConditionalGeneration(KimiK3ForConditionalGeneration):
@@ -118,8 +133,10 @@ class KimiK31ForConditionalGeneration(KimiK3ForConditionalGeneration):
     def __init__(self, config, quant_config=None, prefix: str = "", **kwargs) -> None:
         if not is_k31_config(config) or not is_k31_config(config.text_config):
             missing = [f for f in INDEXER_FIELDS if getattr(config.text_config, f, None) is None]
-            raise ValueError(f"config.json: {K31_ARCH} needs text_config.{'/'.join(INDEXER_FIELDS)} "
-                             f"(missing {missing}) and model_type 'kimi_k31' (got {config.model_type!r})")
+            raise ValueError(
+                f"config.json: {K31} needs text_config.{'/'.join(INDEXER_FIELDS)} "
+                f"(missing {missing}) and model_type 'kimi_k31' (got {config.model_type!r})"
+            )
         check_dsa_attention_backend()
         check_index_topk(config.text_config.index_topk)
         super().__init__(config, quant_config=quant_config, prefix=prefix, **kwargs)
@@ -142,26 +159,30 @@ class KimiK31ForConditionalGeneration(KimiK3ForConditionalGeneration):
         ``(output, topk_indices)`` whenever ``next_skip_topk`` is not ``None`` (DeepSeek's "index cache",
         where a layer reuses the previous layer's top-k), and ``use_dsa`` always sets it to a bool. DeepSeek's
         decoder layer unpacks that pair; K3's decoder layer adds the attention output to the residual stream
-        as a tensor and passes no top-k between layers (the first K3.1 prefill on the H200 raised
-        ``TypeError: Tensor + tuple`` in ``attn_residual._aggregate_fused_add``, 2026-12-02). So
+        as a tensor and passes no top-k between layers (the pair would raise ``TypeError: Tensor + tuple`` in
+        ``attn_residual._aggregate_fused_add`` at the first K3.1 prefill). So
         ``next_skip_topk`` is set to ``None`` (the early ``return output``), and a config in which a layer
         would reuse another's top-k (``skip_topk``) is refused: K3's decoder could not hand it one."""
         ids = []
         for lid, attn in self.mla_layers():
             idx = getattr(attn, "indexer", None)
             if getattr(attn, "skip_topk", False):
-                raise ValueError(f"config.json: {K31_ARCH} MLA layer {lid} would reuse the previous layer's DSA "
-                                 "top-k (SGLang's index cache: cli_factor / a skip-top-k pattern), which K3's "
-                                 "decoder layer cannot pass between layers; K3.1 runs an indexer on every MLA layer")
+                raise ValueError(
+                    f"config.json: {K31} MLA layer {lid} would reuse the previous layer's DSA "
+                    "top-k (SGLang's index cache: cli_factor / a skip-top-k pattern), which K3's "
+                    "decoder layer cannot pass between layers; K3.1 runs an indexer on every MLA layer"
+                )
             if idx is None:
-                raise RuntimeError(f"{K31_ARCH}: MLA layer {lid} has no indexer; the is_deepseek_dsa hook "
-                                   "is not applied in this process (kimi_sglang_plugin.register())")
+                raise RuntimeError(
+                    f"{K31}: MLA layer {lid} has no indexer; the is_deepseek_dsa hook "
+                    "is not applied in this process (kimi_sglang_plugin.register())"
+                )
             idx.rotary_emb = NoRope(getattr(idx, "rotary_emb", None))
             attn.next_skip_topk = None
             ids.append(lid)
         return ids
 
-    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]):
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
         seen: set[str] = set()
 
         def record(stream):
@@ -175,8 +196,10 @@ class KimiK31ForConditionalGeneration(KimiK3ForConditionalGeneration):
         want = {f"{prefix}.{lid}.self_attn.indexer.{p}" for lid in self._indexed_layers for p in INDEXER_PARAMS}
         missing = sorted(want - seen)
         if missing:
-            raise ValueError(f"{K31_ARCH}: checkpoint has no tensor {missing[0]!r} "
-                             f"({len(missing)} indexer tensors missing); is this a K3.1 checkpoint?")
+            raise ValueError(
+                f"{K31}: checkpoint has no tensor {missing[0]!r} "
+                f"({len(missing)} indexer tensors missing); is this a K3.1 checkpoint?"
+            )
         return out
 
 

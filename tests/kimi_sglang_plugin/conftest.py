@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-collect_ignore_glob = [] if importlib.util.find_spec("sglang") is not None else ["test_*.py"]
+collect_ignore_glob = [] if importlib.util.find_spec("sglang") is not None else ["test_*.py", "models/test_*.py"]
 
 
 @pytest.fixture(scope="session")

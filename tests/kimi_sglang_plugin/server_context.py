@@ -12,4 +12,6 @@ def publish(server_args) -> None:
 
     rc.reset_context()
     # 0.5.23 publishes the spawn ranks too; 0.5.17's publish takes the role only
-    rc.publish(server_args, role="test", **({"ranks": rc.SpawnRanks(world_rank=0)} if hasattr(rc, "SpawnRanks") else {}))
+    rc.publish(
+        server_args, role="test", **({"ranks": rc.SpawnRanks(world_rank=0)} if hasattr(rc, "SpawnRanks") else {})
+    )

@@ -19,9 +19,13 @@ import signal
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from kimi_rl_glue.demo.sglang_rollout import ENGINE_FLAGS
-from kimi_sglang_plugin.outputs import prompt_logprobs, routed_experts  # noqa: F401 (re-exported for the lane)
+from kimi_sglang_plugin.generate_outputs import prompt_logprobs, routed_experts  # noqa: F401 (re-exported for the lane)
+
+if TYPE_CHECKING:
+    import torch
 
 HERE = os.path.dirname(__file__)
 #: on the engine's PYTHONPATH: every process of it dumps its stacks on SIGUSR1 (see :func:`run_engine`)
@@ -31,8 +35,12 @@ FAULTHANDLER_SITE = os.path.join(HERE, "..", "..", "tools", "gpu", "faulthandler
 #: The first two alone (17 positions) made the 1.5x bf16 bar a coin toss: the bf16 floor itself moved by 10 %
 #: between two H200 runs of the same adapter (attention LoRA 1.59e-3 / 1.75e-3, 2026-12-02); the longer two
 #: also take KDA past one 64-token chunk.
-PROMPTS = [[5, 17, 99, 3, 250, 511, 42, 7, 900, 13, 64, 128], [1, 2, 3, 4, 1000, 77, 31],
-           [(29 * i + 7) % 1021 + 1 for i in range(40)], [(61 * i + 2) % 1019 + 1 for i in range(72)]]
+PROMPTS = [
+    [5, 17, 99, 3, 250, 511, 42, 7, 900, 13, 64, 128],
+    [1, 2, 3, 4, 1000, 77, 31],
+    [(29 * i + 7) % 1021 + 1 for i in range(40)],
+    [(61 * i + 2) % 1019 + 1 for i in range(72)],
+]
 
 #: Mxfp4MoEMethod.create_weights under --moe-runner-backend marlin (0.5.17 layers/quantization/mxfp4.py:395-399,
 #: 0.5.23 :464-468) pads the experts' hidden width to a multiple of 256 and the per-rank intermediate
@@ -72,20 +80,28 @@ def sglang_config_problems(text_config: dict) -> list[str]:
     """
     out = []
     if text_config.get("attn_res_block_size") and text_config["hidden_size"] % ATTN_RES_BLOCK_H:
-        out.append(f"hidden_size {text_config['hidden_size']} is not a multiple of {ATTN_RES_BLOCK_H} (SGLang's "
-                   "attention-residual kernels mix only whole blocks of 1024 and leave the rest uninitialised)")
+        out.append(
+            f"hidden_size {text_config['hidden_size']} is not a multiple of {ATTN_RES_BLOCK_H} (SGLang's "
+            "attention-residual kernels mix only whole blocks of 1024 and leave the rest uninitialised)"
+        )
     la = text_config.get("linear_attn_config") or {}
     if la and la.get("head_dim") != text_config.get("v_head_dim"):
-        out.append(f"linear_attn_config.head_dim {la.get('head_dim')} != v_head_dim {text_config.get('v_head_dim')} "
-                   "(SGLang sizes KDA's value heads by v_head_dim)")
+        out.append(
+            f"linear_attn_config.head_dim {la.get('head_dim')} != v_head_dim {text_config.get('v_head_dim')} "
+            "(SGLang sizes KDA's value heads by v_head_dim)"
+        )
     if la and la.get("num_heads") != text_config.get("num_attention_heads"):
-        out.append(f"linear_attn_config.num_heads {la.get('num_heads')} != num_attention_heads "
-                   f"{text_config.get('num_attention_heads')} (SGLang's LoRA pool sizes KDA o_proj by the MLA heads)")
+        out.append(
+            f"linear_attn_config.num_heads {la.get('num_heads')} != num_attention_heads "
+            f"{text_config.get('num_attention_heads')} (SGLang's LoRA pool sizes KDA o_proj by the MLA heads)"
+        )
     if text_config.get("index_head_dim") not in (None, 128):
         out.append(f"index_head_dim {text_config['index_head_dim']} != 128 (SGLang's DSA KV pool asserts 128)")
     if text_config.get("index_n_heads") not in (None, *DEEPGEMM_SM90_INDEX_HEADS):
-        out.append(f"index_n_heads {text_config['index_n_heads']} not in {DEEPGEMM_SM90_INDEX_HEADS} (DeepGEMM's "
-                   "paged MQA logits, the DSA indexer's decode/prefill scores on SM90, asserts it)")
+        out.append(
+            f"index_n_heads {text_config['index_n_heads']} not in {DEEPGEMM_SM90_INDEX_HEADS} (DeepGEMM's "
+            "paged MQA logits, the DSA indexer's decode/prefill scores on SM90, asserts it)"
+        )
     return out
 
 
@@ -93,8 +109,11 @@ def _sglang_fit(text_config: dict) -> None:
     """Set the sizes :func:`marlin_size_problems` and :func:`sglang_config_problems` name to ones that fit."""
     text_config.update(SGLANG_TINY_K3_SIZES)
     if text_config.get("linear_attn_config"):
-        text_config["linear_attn_config"] = {**text_config["linear_attn_config"], "head_dim": text_config["v_head_dim"],
-                                             "num_heads": text_config["num_attention_heads"]}
+        text_config["linear_attn_config"] = {
+            **text_config["linear_attn_config"],
+            "head_dim": text_config["v_head_dim"],
+            "num_heads": text_config["num_attention_heads"],
+        }
     if text_config.get("index_head_dim") is not None:
         text_config["index_head_dim"] = 128
     if text_config.get("index_n_heads") is not None:
@@ -103,8 +122,13 @@ def _sglang_fit(text_config: dict) -> None:
 
 #: the engine flags of every run: the miles-k3 demo's (only kernels the staged 0.5.17 has: no FA3, no sm100; the
 #: K3 H200 MoE runner) at the lane's sizes
-ENGINE_KWARGS = {**ENGINE_FLAGS, "context_length": 512, "max_running_requests": 8, "mem_fraction_static": 0.3,
-                 "random_seed": 0}
+ENGINE_KWARGS = {
+    **ENGINE_FLAGS,
+    "context_length": 512,
+    "max_running_requests": 8,
+    "mem_fraction_static": 0.3,
+    "random_seed": 0,
+}
 
 #: the only index_topk SGLang 0.5.17 serves (sgl-kernel's fused DSA top-k, ``sgl_kernel/top_k.py:72``, and the
 #: prefill index transform assert it; the plugin refuses another, ``kimi_k31.INDEX_TOPK_SERVED``), DeepSeek-V3.2's
@@ -125,8 +149,12 @@ def k31_engine() -> tuple[dict, dict]:
       there. 0 keeps every prefill on the indexer path (``index_topk >= T`` then selects every key). SGLang sets
       it to ``index_topk`` for its own DSA models, where dense MHA equals the sparse result.
     """
-    kwargs = {"attention_backend": "dsa", "dsa_prefill_backend": "flashmla_sparse",
-              "dsa_decode_backend": "flashmla_sparse", "page_size": 64}
+    kwargs = {
+        "attention_backend": "dsa",
+        "dsa_prefill_backend": "flashmla_sparse",
+        "dsa_decode_backend": "flashmla_sparse",
+        "page_size": 64,
+    }
     env = {"SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"}
     return kwargs, env
 
@@ -147,20 +175,25 @@ def marlin_size_problems(text_config: dict, moe_tp: int = 1) -> list[str]:
     out = []
     k = text_config.get("routed_expert_hidden_size") or text_config["hidden_size"]
     if k % MARLIN_HIDDEN_ALIGN:
-        out.append(f"routed_expert_hidden_size {k} is not a multiple of {MARLIN_HIDDEN_ALIGN} "
-                   "(Marlin pads the experts' hidden width; the per-expert loader cannot)")
+        out.append(
+            f"routed_expert_hidden_size {k} is not a multiple of {MARLIN_HIDDEN_ALIGN} "
+            "(Marlin pads the experts' hidden width; the per-expert loader cannot)"
+        )
     inter = text_config["moe_intermediate_size"] // moe_tp
     if inter % MARLIN_INTERMEDIATE_ALIGN:
-        out.append(f"moe_intermediate_size/moe_tp {inter} is not a multiple of {MARLIN_INTERMEDIATE_ALIGN} "
-                   "(padded for Marlin; MoE LoRA buffers are not)")
+        out.append(
+            f"moe_intermediate_size/moe_tp {inter} is not a multiple of {MARLIN_INTERMEDIATE_ALIGN} "
+            "(padded for Marlin; MoE LoRA buffers are not)"
+        )
     return out
 
 
 def write_tiny(model: str, out_dir: str, overrides: dict | None = None) -> tuple[str, list[str]]:
     """A tiny checkpoint of ``model`` (``k3``, ``k31`` MXFP4; ``k2`` INT4) that SGLang's Marlin path loads:
     ``kimi-rl make-tiny`` when its sizes allow it, else the same generator at
-    :data:`SGLANG_TINY_K3_SIZES` with the readings of :func:`sglang_config_problems` made equal (K3 family only). ``overrides`` are set on the text config (e.g.
-    ``index_topk``). Returns (path, the problems of make-tiny's sizes, empty when its sizes were used)."""
+    :data:`SGLANG_TINY_K3_SIZES` with the readings of :func:`sglang_config_problems` made equal (K3 family only).
+    ``overrides`` are set on the text config (e.g. ``index_topk``). Returns (path, the problems of make-tiny's
+    sizes, empty when its sizes were used)."""
     from kimi_core.checkpoint.tiny import make_tiny, tiny_config, tiny_state_dict
     from kimi_core.checkpoint.writer import write_checkpoint
 
@@ -172,8 +205,9 @@ def write_tiny(model: str, out_dir: str, overrides: dict | None = None) -> tuple
     if problems:
         _sglang_fit(text)
     text.update(overrides or {})
-    write_checkpoint(out_dir, tiny_state_dict(cfg, "mxfp4" if model in ("k3", "k31") else "int4"), cfg,
-                     max_shard_bytes=2 * 2**20)
+    write_checkpoint(
+        out_dir, tiny_state_dict(cfg, "mxfp4" if model in ("k3", "k31") else "int4"), cfg, max_shard_bytes=2 * 2**20
+    )
     return out_dir, problems
 
 
@@ -201,9 +235,18 @@ def parse_engine_log(log: str) -> dict:
     """What an SGLang 0.5.17 engine log says ran: the resolved ``server_args`` (the engine logs
     ``server_args=ServerArgs(...)`` at start), the model class and quantization of "Load weight end",
     and whether the Kimi plugin registered or refused (its own log lines)."""
-    out: dict = {"attention_backend": None, "moe_runner_backend": None, "dtype": None, "quantization": None,
-                 "model_class": None, "quant": None, "plugin_registered": False, "plugin_refused": None,
-                 "situ_moe_lora": False, "moe_front_unmerged": False}
+    out: dict = {
+        "attention_backend": None,
+        "moe_runner_backend": None,
+        "dtype": None,
+        "quantization": None,
+        "model_class": None,
+        "quant": None,
+        "plugin_registered": False,
+        "plugin_refused": None,
+        "situ_moe_lora": False,
+        "moe_front_unmerged": False,
+    }
     line = next((ln for ln in log.splitlines() if "server_args=ServerArgs(" in ln), "")
     for key, _, value in _SERVER_ARG.findall(line):
         out.setdefault(key, None)
@@ -220,12 +263,23 @@ def parse_engine_log(log: str) -> dict:
     return out
 
 
-def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, timeout: int | None = None,
-               adapters: dict | None = None, tensor_versions: list | None = None, tag: str = "",
-               routed: bool = False, env: dict | None = None, prompts: list | None = None) -> dict:
+def run_engine(
+    tmp,
+    ckpt: str,
+    plugins: str,
+    engine_kwargs: dict | None = None,
+    timeout: int | None = None,
+    adapters: dict | None = None,
+    tensor_versions: list | None = None,
+    tag: str = "",
+    routed: bool = False,
+    env: dict | None = None,
+    prompts: list | None = None,
+) -> dict:
     """One offline ``sgl.Engine`` on ``ckpt`` with ``SGLANG_PLUGINS=plugins`` (``"none"``: stock SGLang),
-    scoring ``prompts`` (default :data:`PROMPTS`) on the base model and with each of ``adapters`` (``{name: PEFT dir}``, loaded by
-    ``Engine.load_lora_adapter``), then loading ``tensor_versions`` through the plugin's sync payload
+    scoring ``prompts`` (default :data:`PROMPTS`) on the base model and with each of ``adapters``
+    (``{name: PEFT dir}``, loaded by ``Engine.load_lora_adapter``), then loading ``tensor_versions`` through the
+    plugin's sync payload
     (see ``sglang_engine_script.py``). Returns the script's JSON plus ``log`` (its stdout and stderr);
     the log is also written to ``$KIMI_TEST_OUT/sglang_<tag>.log`` when that is set. ``timeout``
     defaults to ``$KIMI_SGLANG_ENGINE_TIMEOUT`` or 180 s (raise it on a machine whose TVM-FFI cache is
@@ -236,9 +290,15 @@ def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, 
     timeout = timeout or int(os.environ.get("KIMI_SGLANG_ENGINE_TIMEOUT", "180"))
     routed = routed and os.environ.get("KIMI_SGLANG_ROUTED", "1") != "0"  # 0: no replay (diagnosis)
     kwargs = {**ENGINE_KWARGS, **({"enable_return_routed_experts": True} if routed else {}), **(engine_kwargs or {})}
-    plan = {"ckpt": ckpt, "prompts": prompts or PROMPTS, "engine_kwargs": kwargs, "routed_experts": routed,
-            "adapters": [{"name": n, "path": p} for n, p in (adapters or {}).items()],
-            "score": list(adapters or {}), "tensor_versions": tensor_versions or []}
+    plan = {
+        "ckpt": ckpt,
+        "prompts": prompts or PROMPTS,
+        "engine_kwargs": kwargs,
+        "routed_experts": routed,
+        "adapters": [{"name": n, "path": p} for n, p in (adapters or {}).items()],
+        "score": list(adapters or {}),
+        "tensor_versions": tensor_versions or [],
+    }
     pp, out = tmp / "plan.json", tmp / "result.json"
     pp.write_text(json.dumps(plan))
     env = dict(os.environ, **(env or {}), SGLANG_PLUGINS=plugins)
@@ -248,8 +308,13 @@ def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, 
     # the log is written as the engine runs, so a run killed from outside (the GPU call's time limit) still
     # leaves it; an engine past its timeout first dumps every process's stacks into it (SIGUSR1)
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen([sys.executable, os.path.join(HERE, "sglang_engine_script.py"), str(pp), str(out)],
-                                stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "sglang_engine_script.py"), str(pp), str(out)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -267,8 +332,15 @@ def run_engine(tmp, ckpt: str, plugins: str, engine_kwargs: dict | None = None, 
     return res
 
 
-def reference_logprobs(ckpt: str, dtype, device: str, adapter=None, routed: list | None = None,
-                       routing_out: list | None = None, prompts: list | None = None) -> list[list[float]]:
+def reference_logprobs(
+    ckpt: str,
+    dtype,
+    device: str,
+    adapter=None,
+    routed: list | None = None,
+    routing_out: list | None = None,
+    prompts: list | None = None,
+) -> list[list[float]]:
     """``kimi_core.reference`` prompt logprobs of ``prompts`` (default :data:`PROMPTS`; one row per prompt, T-1
     values), with
     ``adapter`` (a PEFT directory or :class:`~kimi_core.lora.Adapter`) if given. ``routed``: an engine's
@@ -285,21 +357,24 @@ def reference_logprobs(ckpt: str, dtype, device: str, adapter=None, routed: list
         for i, p in enumerate(prompts or PROMPTS):
             ids = torch.tensor([p])
             r = None if routed is None else torch.tensor(routed[i][: len(p) - 1], dtype=torch.long).unsqueeze(0)
-            out.append(model.logprobs(ids[:, :-1], ids[:, 1:], adapter=adapter, routed_experts=r)[0].float().cpu().tolist())
+            out.append(
+                model.logprobs(ids[:, :-1], ids[:, 1:], adapter=adapter, routed_experts=r)[0].float().cpu().tolist()
+            )
             if routing_out is not None:
                 routing_out.append(model.last_routed_experts()[0].tolist())
     return out
 
 
-def flat_logprobs(rows) -> "torch.Tensor":
+def flat_logprobs(rows) -> torch.Tensor:
     """Per-prompt logprob rows as one float64 vector."""
     import torch
 
     return torch.tensor([v for r in rows for v in r], dtype=torch.float64)
 
 
-def engine_error(ckpt: str, engine_lps, adapter=None, routed: list | None = None, device: str = "cuda",
-                 prompts: list | None = None) -> dict:
+def engine_error(
+    ckpt: str, engine_lps, adapter=None, routed: list | None = None, device: str = "cuda", prompts: list | None = None
+) -> dict:
     """An engine's prompt logprobs of ``prompts`` (default :data:`PROMPTS`) against ``kimi_core.reference`` in
     fp32 (with ``adapter``, replaying the engine's ``routed`` experts when given), next to the bar's unit, the
     same reference run in bf16:
@@ -311,5 +386,10 @@ def engine_error(ckpt: str, engine_lps, adapter=None, routed: list | None = None
     f32 = flat_logprobs(reference_logprobs(ckpt, torch.float32, device, adapter, routed, prompts=prompts))
     b16 = flat_logprobs(reference_logprobs(ckpt, torch.bfloat16, device, adapter, routed, prompts=prompts))
     got = flat_logprobs(engine_lps)
-    return {"err": rel_rms_error(f32, got), "floor": rel_rms_error(f32, b16), "fp32": f32,
-            "max_abs": (got - f32).abs().max().item(), "floor_max_abs": (b16 - f32).abs().max().item()}
+    return {
+        "err": rel_rms_error(f32, got),
+        "floor": rel_rms_error(f32, b16),
+        "fp32": f32,
+        "max_abs": (got - f32).abs().max().item(),
+        "floor_max_abs": (b16 - f32).abs().max().item(),
+    }

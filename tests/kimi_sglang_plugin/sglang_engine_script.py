@@ -39,8 +39,13 @@ def _score(engine, prompts, lora, routed_shape=None):
     kw = {"lora_path": [lora] * len(prompts)} if lora else {}
     if routed_shape:
         kw["return_routed_experts"] = True
-    outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-                           return_logprob=True, logprob_start_len=0, **kw)
+    outs = engine.generate(
+        input_ids=prompts,
+        sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+        return_logprob=True,
+        logprob_start_len=0,
+        **kw,
+    )
     lps = [prompt_logprobs(o["meta_info"], p) for o, p in zip(outs, prompts)]
     if not routed_shape:
         return lps
@@ -51,7 +56,7 @@ def _tensor_version(engine, ckpt, version) -> dict:
     """Load one adapter version through the plugin's sync payload; returns what the engine answered."""
     from kimi_core.config import load_config
     from kimi_core.lora import Adapter
-    from kimi_sglang_plugin.adapter_prep import prepare_adapter
+    from kimi_sglang_plugin.adapters import prepare_adapter
     from kimi_sglang_plugin.sync import RankLayout, StockSGLangBackend, build_payload
 
     cfg = load_config(ckpt)
@@ -75,10 +80,16 @@ def _tensor_version(engine, ckpt, version) -> dict:
         ans = StockSGLangBackend(engine=engine).load(payload, unload_first=False)
         ok = bool(getattr(ans, "success", True))
         msg = str(getattr(ans, "error_message", "") or "")
-    except Exception as e:  # noqa: BLE001 - recorded for the test to assert on
+    except Exception as e:
         ok, msg = False, f"{type(e).__name__}: {e}"
-    return {"name": version["name"], "ok": ok, "message": msg, "load_s": time.time() - t0,
-            "nbytes": sum(b.nbytes for b in payload.buckets), "sent_from": str(payload.buckets[0].buffer.device)}
+    return {
+        "name": version["name"],
+        "ok": ok,
+        "message": msg,
+        "load_s": time.time() - t0,
+        "nbytes": sum(b.nbytes for b in payload.buckets),
+        "sent_from": str(payload.buckets[0].buffer.device),
+    }
 
 
 def main(plan_path: str, out_path: str) -> None:
@@ -90,18 +101,20 @@ def main(plan_path: str, out_path: str) -> None:
 
     from kimi_core.config import load_config
     from kimi_core.lora import Adapter
-    from kimi_sglang_plugin.adapter_prep import save_prepared
+    from kimi_sglang_plugin.adapters import save_prepared
 
     engine = sgl.Engine(model_path=plan["ckpt"], **plan["engine_kwargs"])
     res = {"start_s": time.time() - t0, "adapters": {}, "lps_by": {}, "versions": []}
     try:
         for a in plan.get("adapters", []):
-            try:  # the adapter as SGLang serves it (kimi_sglang_plugin.adapter_prep), next to the original
+            try:  # the adapter as SGLang serves it (kimi_sglang_plugin.adapters), next to the original
                 prepared = save_prepared(Adapter.load(a["path"]), load_config(plan["ckpt"]), a["path"] + ".sglang")
                 ans = engine.load_lora_adapter(a["name"], prepared)
-                res["adapters"][a["name"]] = {"ok": bool(getattr(ans, "success", True)),
-                                              "message": str(getattr(ans, "error_message", "") or "")}
-            except Exception as e:  # noqa: BLE001
+                res["adapters"][a["name"]] = {
+                    "ok": bool(getattr(ans, "success", True)),
+                    "message": str(getattr(ans, "error_message", "") or ""),
+                }
+            except Exception as e:
                 res["adapters"][a["name"]] = {"ok": False, "message": f"{type(e).__name__}: {e}"}
         shape = None
         if plan.get("routed_experts"):  # the engine's expert choices, for the reference to replay
@@ -135,7 +148,7 @@ def main(plan_path: str, out_path: str) -> None:
                 continue
             try:
                 res["lps_by"][name] = score(name)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 res["lps_by"][name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
         for v in plan.get("tensor_versions", []):
             good = [r["name"] for r in res["versions"] if r["ok"]]
@@ -146,7 +159,7 @@ def main(plan_path: str, out_path: str) -> None:
             rec = _tensor_version(engine, plan["ckpt"], v)
             try:
                 rec["lps"] = score(v["name"]) if rec["ok"] else _score(engine, plan["prompts"], v["name"])
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 rec["lps"] = {"error": f"{type(e).__name__}: {e}"}
             res["versions"].append(rec)
         good = [v["name"] for v in res["versions"] if v["ok"]]
@@ -154,8 +167,10 @@ def main(plan_path: str, out_path: str) -> None:
             res["last_good"] = rescore(good[-1])
         try:  # informative only: the tests assert from the log
             info = engine.get_server_info()
-            res["server_info"] = {k: info.get(k) for k in ("attention_backend", "moe_runner_backend", "dtype", "version")}
-        except Exception as e:  # noqa: BLE001
+            res["server_info"] = {
+                k: info.get(k) for k in ("attention_backend", "moe_runner_backend", "dtype", "version")
+            }
+        except Exception as e:
             res["server_info"] = {"error": f"{type(e).__name__}: {e}"}
     finally:
         engine.shutdown()

@@ -1,7 +1,7 @@
 """Reads an unpacked SGLang wheel (no import: another release's code need not import here) into the
-terms of ``kimi_sglang_plugin.host_facts``: kind, parameter names, dataclass fields, ``file:line``.
+terms of ``kimi_sglang_plugin.host_support``: kind, parameter names, dataclass fields, ``file:line``.
 
-Used by ``test_host_facts.py`` to check the recorded rows of a release that is not installed
+Used by ``test_host_support.py`` to check the recorded rows of a release that is not installed
 (``KIMI_SGLANG_SRC_0517=<dir holding sglang/>``), by parsing with :mod:`ast`.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import os
 
-from kimi_sglang_plugin.host_facts import ABSENT, Fact
+from kimi_sglang_plugin.host_support import ABSENT, Fact
 
 __all__ = ["source_fact"]
 

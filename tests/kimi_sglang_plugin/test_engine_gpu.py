@@ -18,11 +18,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sglang_engine_harness import (
-    BF16_RATIO, PROMPTS, SGL_KERNEL_INDEX_TOPK, SGLANG_TINY_K3_SIZES, engine_error, flat_logprobs, k31_engine,
-    marlin_size_problems, parse_engine_log, prompt_logprobs, reference_logprobs, routed_experts, routing_flips,
-    run_engine, sglang_config_problems, write_tiny, write_tiny_k3,
+    BF16_RATIO,
+    PROMPTS,
+    SGL_KERNEL_INDEX_TOPK,
+    SGLANG_TINY_K3_SIZES,
+    engine_error,
+    flat_logprobs,
+    k31_engine,
+    marlin_size_problems,
+    parse_engine_log,
+    prompt_logprobs,
+    reference_logprobs,
+    routed_experts,
+    routing_flips,
+    run_engine,
+    sglang_config_problems,
+    write_tiny,
+    write_tiny_k3,
 )
 from utils import rel_rms_error
 
@@ -34,7 +47,7 @@ GPU_RELEASE = "0.5.17"
 def _gpu_skip_reason() -> str | None:
     if not torch.cuda.is_available():
         return "needs a CUDA device"
-    from kimi_sglang_plugin.registration import sglang_version
+    from kimi_sglang_plugin.host_support import sglang_version
 
     if sglang_version() != GPU_RELEASE:
         return f"needs SGLang {GPU_RELEASE} (found {sglang_version() or 'none'}; shared/gpu/stage_sglang.sh)"
@@ -51,8 +64,10 @@ def gpu_test(fn):
 def ckpt(tmp_path_factory):
     path, problems = write_tiny_k3(str(tmp_path_factory.mktemp("tiny_k3_sglang")))
     if problems:
-        print(f"make-tiny --model k3 sizes do not fit SGLang's Marlin MXFP4 path ({'; '.join(problems)}); "
-              f"using {SGLANG_TINY_K3_SIZES}")
+        print(
+            f"make-tiny --model k3 sizes do not fit SGLang's Marlin MXFP4 path ({'; '.join(problems)}); "
+            f"using {SGLANG_TINY_K3_SIZES}"
+        )
     return path
 
 
@@ -71,16 +86,17 @@ def reference(ckpt):
 def stock_returns_routed() -> bool:
     """Whether stock SGLang can return K3's routed experts: not 0.5.17 (its capturer reads a config name K3 lacks
     and its K3 TopK has no layer_id; the plugin's k3_routed_experts_* hooks fix both, 0.5.23 has the fixes)."""
-    from kimi_sglang_plugin.hooks import hooks_for
-    from kimi_sglang_plugin.registration import sglang_version
+    from kimi_sglang_plugin.host_support import sglang_version
+    from kimi_sglang_plugin.patches import patches_for
 
-    return "k3_routed_experts_topk_layer_id" not in {s.name for s in hooks_for(sglang_version())}
+    return "k3_routed_experts_topk_layer_id" not in {s.name for s in patches_for(sglang_version())}
 
 
 @pytest.fixture(scope="module")
 def stock(ckpt, tmp_path_factory):
-    return run_engine(tmp_path_factory.mktemp("stock"), ckpt, plugins="none", tag="stock",
-                      routed=stock_returns_routed())
+    return run_engine(
+        tmp_path_factory.mktemp("stock"), ckpt, plugins="none", tag="stock", routed=stock_returns_routed()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +121,13 @@ def _replayed_err(res, reference, what) -> tuple[float, float]:
         how = "no routing replay (the engine did not return its routing)"
     else:
         cfg = load_config(ckpt)
-        flips, total = routing_flips(routed, reference["routing"],
-                                     [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)])
-        how = (f"routing differs from the fp32 reference's own at {flips}/{total} (token, MoE layer) choices; "
-               "replaying the engine's routing")
+        flips, total = routing_flips(
+            routed, reference["routing"], [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+        )
+        how = (
+            f"routing differs from the fp32 reference's own at {flips}/{total} (token, MoE layer) choices; "
+            "replaying the engine's routing"
+        )
     print(f"{what}: {how}: engine rel_rms={err:.3e} | bf16 reference {floor:.3e} (bar {BF16_RATIO}x)")
     return err, floor
 
@@ -123,8 +142,10 @@ def _engine_err(res, reference, what) -> float:
     assert [len(r) for r in res["lps"]] == [len(p) - 1 for p in PROMPTS], f"{what}: logprob rows"
     err = rel_rms_error(flat_logprobs(reference["fp32"]), flat_logprobs(res["lps"]))
     max_abs = (flat_logprobs(res["lps"]) - flat_logprobs(reference["fp32"])).abs().max().item()
-    print(f"{what} vs fp32 reference: rel_rms={err:.3e} max_abs={max_abs:.3e} "
-          f"(bf16 reference {reference['bf16_err']:.3e}, bar {BF16_RATIO}x)")
+    print(
+        f"{what} vs fp32 reference: rel_rms={err:.3e} max_abs={max_abs:.3e} "
+        f"(bf16 reference {reference['bf16_err']:.3e}, bar {BF16_RATIO}x)"
+    )
     return err
 
 
@@ -164,7 +185,9 @@ def test_plugin_k3_matches_reference(through_plugin, stock, stock_replayed, refe
         e = engine_error(reference["ckpt"], through_plugin["lps"])
         err, floor = e["err"], e["floor"]
         print(f"plugin without routing replay: rel_rms={err:.3e} | stock SGLang {stock_err:.3e}")
-    assert err <= BF16_RATIO * max(stock_err, floor), f"plugin error {err:.3e} > {BF16_RATIO} x stock SGLang {stock_err:.3e}"
+    assert err <= BF16_RATIO * max(stock_err, floor), (
+        f"plugin error {err:.3e} > {BF16_RATIO} x stock SGLang {stock_err:.3e}"
+    )
 
 
 @gpu_test
@@ -193,15 +216,22 @@ def test_plugin_k3_any_hidden_size(plugin_512):
     """Through the plugin, hidden 512 (not a multiple of SGLang's 1024-wide attention-residual blocks) is within
     1.5x the bf16 reference, and SGLang's log shows the plugin's eager mixture ran."""
     err, floor = _replayed_err(plugin_512["run"], plugin_512["ref"], "plugin at hidden 512")
-    assert err <= BF16_RATIO * floor, f"plugin at hidden 512: error {err:.3e} > {BF16_RATIO} x bf16 reference {floor:.3e}"
-    assert "attention residuals at hidden_size 512" in plugin_512["run"]["log"], "the plugin's eager mixture did not run"
+    assert err <= BF16_RATIO * floor, (
+        f"plugin at hidden 512: error {err:.3e} > {BF16_RATIO} x bf16 reference {floor:.3e}"
+    )
+    assert "attention residuals at hidden_size 512" in plugin_512["run"]["log"], (
+        "the plugin's eager mixture did not run"
+    )
 
 
 #: the seeds' K3 recipe adapter: rank 32, alpha 64, every linear SGLang gives LoRA (``K3_LORA_LEAVES``: MLA, dense
 #: and shared MLPs, KDA's o_proj, routed experts in the shared-outer layout)
 #: narrowing set, scored in the same engine when the full adapter is off
-K3_LORA_PARTS = {"experts": ("w1", "w3", "w2"), "attn": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"),
-                 "mlp": ("gate_proj", "up_proj", "down_proj")}
+K3_LORA_PARTS = {
+    "experts": ("w1", "w3", "w2"),
+    "attn": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
 
 
 def _adapter(config, root, name, leaves, layout="shared_outer", seed=0):
@@ -214,8 +244,9 @@ def _adapter(config, root, name, leaves, layout="shared_outer", seed=0):
 def _lora_kwargs(leaves, shared_outer=True):
     from kimi_sglang_plugin.mapping import lora_target_modules
 
-    kw = dict(enable_lora=True, max_lora_rank=32, lora_target_modules=lora_target_modules(leaves),
-              max_loras_per_batch=4)
+    kw = dict(
+        enable_lora=True, max_lora_rank=32, lora_target_modules=lora_target_modules(leaves), max_loras_per_batch=4
+    )
     if shared_outer:
         kw["experts_shared_outer_loras"] = True
     return kw
@@ -251,9 +282,16 @@ def plugin_lora(ckpt, k3_adapters, tmp_path_factory):
     disk = {k: k3_adapters[k] for k in ("full", *K3_LORA_PARTS)}
     versions = [{"name": f"kimi-v{i}", "path": k3_adapters[f"v{i}"]} for i in (1, 2, 3)]
     versions.append({"name": "kimi-v4-corrupt", "path": k3_adapters["v3"], "flip": True})
-    return run_engine(tmp_path_factory.mktemp("plugin_lora"), ckpt, plugins="kimi",
-                      engine_kwargs=_lora_kwargs(K3_LORA_LEAVES), adapters=disk, tensor_versions=versions,
-                      tag="plugin_lora", routed=True)
+    return run_engine(
+        tmp_path_factory.mktemp("plugin_lora"),
+        ckpt,
+        plugins="kimi",
+        engine_kwargs=_lora_kwargs(K3_LORA_LEAVES),
+        adapters=disk,
+        tensor_versions=versions,
+        tag="plugin_lora",
+        routed=True,
+    )
 
 
 @gpu_test
@@ -263,8 +301,13 @@ def test_plugin_k3_moe_lora_shared_outer(plugin_lora, reference, k3_adapters, na
     core: within 1.5x the bf16 reference with the same adapter."""
     got = plugin_lora["adapters"].get(name)
     assert got and got["ok"], f"adapter {name} not loaded: {got}"
-    _bar(f"k3 lora {name}", plugin_lora["lps_by"][name], reference, k3_adapters[name],
-         routed=plugin_lora.get("routed_by", {}).get(name))
+    _bar(
+        f"k3 lora {name}",
+        plugin_lora["lps_by"][name],
+        reference,
+        k3_adapters[name],
+        routed=plugin_lora.get("routed_by", {}).get(name),
+    )
 
 
 @gpu_test
@@ -274,8 +317,10 @@ def test_plugin_lora_log_names_moe_core(plugin_lora):
     seen = parse_engine_log(plugin_lora["log"])
     assert seen["plugin_registered"] and seen["moe_runner_backend"] == "marlin", seen
     assert seen["situ_moe_lora"], "no 'MarlinLoraRunnerCore runs SiTU' line: the plugin's MoE LoRA core did not run"
-    assert seen["moe_front_unmerged"], ("no 'keep their front unmerged' line: SGLang's merged K3 MoE front would skip "
-                                        "the shared experts' LoRA (hook k3_lora_unfused_moe_front)")
+    assert seen["moe_front_unmerged"], (
+        "no 'keep their front unmerged' line: SGLang's merged K3 MoE front would skip "
+        "the shared experts' LoRA (hook k3_lora_unfused_moe_front)"
+    )
 
 
 @gpu_test
@@ -290,7 +335,13 @@ def test_plugin_tensor_hot_load_versions(plugin_lora, reference, k3_adapters):
     for i, v in enumerate(vs[:3], start=1):
         print(f"kimi-v{i}: {v['nbytes'] / 2**20:.1f} MiB loaded from {v['sent_from']} in {v['load_s']:.2f} s")
         assert v["sent_from"].startswith("cuda"), f"kimi-v{i} was sent from {v['sent_from']}, not as CUDA-IPC handles"
-        _bar(f"hot-load v{i}", v["lps"], reference, k3_adapters[f"v{i}"], routed=plugin_lora.get("routed_by", {}).get(v["name"]))
+        _bar(
+            f"hot-load v{i}",
+            v["lps"],
+            reference,
+            k3_adapters[f"v{i}"],
+            routed=plugin_lora.get("routed_by", {}).get(v["name"]),
+        )
     assert plugin_lora["last_good"]["name"] == "kimi-v3", plugin_lora["last_good"]
     assert_unchanged_by_refused_load(plugin_lora, vs[2]["name"])
     after = plugin_lora["last_good"]
@@ -309,8 +360,10 @@ def assert_unchanged_by_refused_load(res: dict, name: str) -> None:
     b, r, a = (flat_logprobs(x["lps"]) for x in (before, repeat, after))
     spread, moved = rel_rms_error(b, r), rel_rms_error(b, a)
     secs = " / ".join(f"{x.get('seconds', float('nan')):.2f}" for x in (before, repeat, after))
-    print(f"{name}: re-scoring spread rel_rms={spread:.3e} (max {(r - b).abs().max().item():.3e}); after the "
-          f"refused load rel_rms={moved:.3e} (max {(a - b).abs().max().item():.3e}); before / repeat / after {secs} s")
+    print(
+        f"{name}: re-scoring spread rel_rms={spread:.3e} (max {(r - b).abs().max().item():.3e}); after the "
+        f"refused load rel_rms={moved:.3e} (max {(a - b).abs().max().item():.3e}); before / repeat / after {secs} s"
+    )
     if spread == 0.0:
         assert after["lps"] == before["lps"], f"{name} serves differently after the refused load (engine deterministic)"
     else:
@@ -332,10 +385,23 @@ def k31(request, tmp_path_factory):
     kwargs, env = k31_engine()  # DSA attention, page 64, flashmla_sparse, every prefill on the indexer path
     if prompts:
         kwargs["context_length"] = 4096
-    run = run_engine(tmp_path_factory.mktemp(f"k31_{tag}_run"), path, plugins="kimi", tag=f"k31_{tag}",
-                     engine_kwargs=kwargs, env=env, routed=True, prompts=prompts)
-    return {"tag": tag, "ckpt": path, "run": run, "prompts": prompts,
-            "fp32": reference_logprobs(path, torch.float32, "cuda", prompts=prompts)}
+    run = run_engine(
+        tmp_path_factory.mktemp(f"k31_{tag}_run"),
+        path,
+        plugins="kimi",
+        tag=f"k31_{tag}",
+        engine_kwargs=kwargs,
+        env=env,
+        routed=True,
+        prompts=prompts,
+    )
+    return {
+        "tag": tag,
+        "ckpt": path,
+        "run": run,
+        "prompts": prompts,
+        "fp32": reference_logprobs(path, torch.float32, "cuda", prompts=prompts),
+    }
 
 
 @gpu_test
@@ -345,8 +411,12 @@ def test_plugin_k31_matches_reference(k31):
     r, tag = k31, k31["tag"]
     seen = parse_engine_log(r["run"]["log"])
     assert seen["plugin_registered"] and seen["model_class"] == "KimiK31ForConditionalGeneration", seen
-    _bar(f"k31 {tag}", r["run"]["lps"], {"ckpt": r["ckpt"], "fp32": r["fp32"], "prompts": r["prompts"]},
-         routed=r["run"].get("routed"))
+    _bar(
+        f"k31 {tag}",
+        r["run"]["lps"],
+        {"ckpt": r["ckpt"], "fp32": r["fp32"], "prompts": r["prompts"]},
+        routed=r["run"].get("routed"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -357,9 +427,15 @@ def k2(tmp_path_factory):
     path, _ = write_tiny("k2", str(tmp_path_factory.mktemp("k2")))
     leaves = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj")
     ad = _adapter(load_config(path), tmp_path_factory.mktemp("k2_ad"), "k2", leaves, layout="per_expert", seed=5)
-    run = run_engine(tmp_path_factory.mktemp("k2_run"), path, plugins="kimi",
-                     engine_kwargs=_lora_kwargs(leaves, shared_outer=False), adapters={"k2": ad}, tag="k2_lora",
-                     routed=True)
+    run = run_engine(
+        tmp_path_factory.mktemp("k2_run"),
+        path,
+        plugins="kimi",
+        engine_kwargs=_lora_kwargs(leaves, shared_outer=False),
+        adapters={"k2": ad},
+        tag="k2_lora",
+        routed=True,
+    )
     return {"ckpt": path, "run": run, "adapter": ad, "fp32": reference_logprobs(path, torch.float32, "cuda")}
 
 
@@ -405,10 +481,10 @@ def test_sglang_readings_are_checked():
     harness's fitted configs do (hidden a multiple of 1024, KDA heads and head width equal MLA's, index head 128)."""
     import copy
 
+    from sglang_engine_harness import _sglang_fit
+
     from kimi_core.checkpoint.tiny import tiny_config
     from kimi_core.release_configs import k3_release_config, k31_release_config
-
-    from sglang_engine_harness import _sglang_fit
 
     for release in (k3_release_config(), k31_release_config()):
         assert sglang_config_problems(release["text_config"]) == []
@@ -428,11 +504,19 @@ def test_written_checkpoint_is_the_release_layout(tmp_path):
 
     path, _ = write_tiny_k3(str(tmp_path / "k3"))
     cfg = load_config(path)
-    assert marlin_size_problems({"hidden_size": cfg.hidden_size, "routed_expert_hidden_size": cfg.routed_expert_hidden_size,
-                                 "moe_intermediate_size": cfg.moe_intermediate_size}) == []
+    assert (
+        marlin_size_problems(
+            {
+                "hidden_size": cfg.hidden_size,
+                "routed_expert_hidden_size": cfg.routed_expert_hidden_size,
+                "moe_intermediate_size": cfg.moe_intermediate_size,
+            }
+        )
+        == []
+    )
     r = CheckpointReader(path)
     names = set(r.keys())
-    K, I = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    K, I = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size  # noqa: E741 - the [E, 2I, K] shape names
     e0 = next(n for n in names if n.endswith(".experts.0.w1.weight_packed")).rsplit(".w1.", 1)[0]
     for w, (o, i) in {"w1": (I, K), "w3": (I, K), "w2": (K, I)}.items():
         packed, scale = r.get(f"{e0}.{w}.weight_packed"), r.get(f"{e0}.{w}.weight_scale")
@@ -477,9 +561,13 @@ def test_prompt_logprobs_from_meta_info():
 def test_refused_load_check():
     """The refused-load check: bit-equal on a deterministic engine, else within twice the re-scoring spread."""
     row = [[-1.0, -2.0, -3.0, -4.0]]
+
     def res(before, repeat, after):
-        return {k: {"name": "v3", "lps": v} for k, v in
-                (("last_good_before", before), ("last_good_repeat", repeat), ("last_good", after))}
+        return {
+            k: {"name": "v3", "lps": v}
+            for k, v in (("last_good_before", before), ("last_good_repeat", repeat), ("last_good", after))
+        }
+
     assert_unchanged_by_refused_load(res(row, row, row), "v3")
     with pytest.raises(AssertionError, match="deterministic"):
         assert_unchanged_by_refused_load(res(row, row, [[-1.0, -2.0, -3.0, -4.001]]), "v3")
@@ -492,20 +580,26 @@ def test_refused_load_check():
 def test_engine_log_parsing():
     """The log reader finds the resolved backends, the loaded class and the plugin's own lines; prefixed
     fields (prefill_attention_backend, kv_cache_dtype) do not shadow the ones asked for."""
-    log = "\n".join([
-        "2026-12-01 INFO kimi_sglang_plugin.registration kimi_sglang_plugin: SGLang 0.5.17, registered "
-        "['KimiK31ForConditionalGeneration'], 12 hooks applied",
-        "[2026-12-01] server_args=ServerArgs(model_path='/t/k3', prefill_attention_backend=None, kv_cache_dtype='auto', "
-        "dtype='bfloat16', quantization=None, attention_backend='triton', moe_runner_backend='marlin')",
-        "[2026-12-01 TP0] Load weight end. elapsed=1.02 s, type=KimiK3ForConditionalGeneration, "
-        "quant=compressed-tensors, avail mem=130.00 GB, mem usage=0.01 GB.",
-        "[2026-12-01 TP0] kimi_sglang_plugin: MarlinLoraRunnerCore runs SiTU (beta=4.0, linear_beta=25.0) for MoE LoRA",
-    ])
+    log = "\n".join(
+        [
+            "2026-12-01 INFO kimi_sglang_plugin.registration kimi_sglang_plugin: SGLang 0.5.17, registered "
+            "['KimiK31ForConditionalGeneration'], 12 hooks applied",
+            "[2026-12-01] server_args=ServerArgs(model_path='/t/k3', prefill_attention_backend=None, "
+            "kv_cache_dtype='auto', dtype='bfloat16', quantization=None, attention_backend='triton', "
+            "moe_runner_backend='marlin')",
+            "[2026-12-01 TP0] Load weight end. elapsed=1.02 s, type=KimiK3ForConditionalGeneration, "
+            "quant=compressed-tensors, avail mem=130.00 GB, mem usage=0.01 GB.",
+            "[2026-12-01 TP0] kimi_sglang_plugin: MarlinLoraRunnerCore runs SiTU (beta=4.0, linear_beta=25.0) "
+            "for MoE LoRA",
+        ]
+    )
     seen = parse_engine_log(log)
     assert (seen["attention_backend"], seen["moe_runner_backend"], seen["dtype"]) == ("triton", "marlin", "bfloat16")
     assert seen["quantization"] is None and seen["model_class"] == "KimiK3ForConditionalGeneration"
     assert seen["quant"] == "quant=compressed-tensors" and seen["plugin_registered"] and seen["situ_moe_lora"]
-    refused = parse_engine_log("ERROR kimi_sglang_plugin: SGLang 0.5.20 is not a release its hooks were checked against")
+    refused = parse_engine_log(
+        "ERROR kimi_sglang_plugin: SGLang 0.5.20 is not a release its hooks were checked against"
+    )
     assert refused["plugin_refused"].startswith("SGLang 0.5.20") and not refused["plugin_registered"]
 
 
@@ -522,7 +616,8 @@ def test_engine_timeout_leaves_log_and_stacks(tmp_path, monkeypatch):
         "subprocess.Popen([sys.executable, '-c', 'import time\\ndef scheduler_wait():\\n time.sleep(60)\\n"
         "scheduler_wait()'])\n"
         "def load_jit_forever():\n    time.sleep(60)\n"
-        "load_jit_forever()\n")
+        "load_jit_forever()\n"
+    )
     monkeypatch.setattr(harness, "HERE", str(fake))
     monkeypatch.setenv("KIMI_TEST_OUT", str(tmp_path / "logs"))
     with pytest.raises(AssertionError) as err:

@@ -29,6 +29,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def k31_model(plugin, tiny_ckpt):
     ckpt = tiny_ckpt("k31")
+    import sglang.srt.layers.attention.dsa.dsa_indexer as dsa_indexer
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
@@ -36,12 +37,12 @@ def k31_model(plugin, tiny_ckpt):
     from sglang.srt.runtime_context import get_parallel, reset_context
     from sglang.srt.server_args import ServerArgs
 
-    import sglang.srt.layers.attention.dsa.dsa_indexer as dsa_indexer
     from kimi_sglang_plugin.models.kimi_k31 import NoRope
 
     mp = pytest.MonkeyPatch()
-    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                     LOCAL_RANK="0").items():
+    for k, v in dict(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    ).items():
         mp.setenv(k, v)
     mp.setattr(torch.cuda, "Stream", lambda *a, **k: None)
     mp.setattr(dsa_indexer, "get_rope_wrapper", lambda *a, **k: NoRope())
@@ -82,7 +83,6 @@ def test_k31_resolves_and_constructs(plugin, k31_model):
 def test_checkpoint_names_map_onto_parameters(plugin, k31_model, tiny_ckpt, k31_config):
     """Every checkpoint tensor maps to a model parameter and every language-model parameter is fed."""
     from kimi_core.checkpoint import CheckpointReader
-
     from kimi_sglang_plugin.mapping import sglang_param_names
 
     _, _, _, model = k31_model
@@ -124,14 +124,17 @@ def test_k31_refuses_attention_backends_without_the_dsa_pool(plugin, tiny_ckpt, 
     from sglang.srt.runtime_context import reset_context
     from sglang.srt.server_args import ServerArgs
 
+    from kimi_core.errors import PluginError
     from kimi_sglang_plugin.models.kimi_k31 import check_dsa_attention_backend
-    from kimi_sglang_plugin.registration import PluginError
 
-    sa = ServerArgs(model_path=tiny_ckpt("k31"), device="cpu", tp_size=1, disable_radix_cache=True,
-                    attention_backend=backend)
+    sa = ServerArgs(
+        model_path=tiny_ckpt("k31"), device="cpu", tp_size=1, disable_radix_cache=True, attention_backend=backend
+    )
     publish(sa)
     try:
-        with pytest.raises(PluginError, match=f"--attention-backend {backend} cannot serve K3.1.*--attention-backend dsa"):
+        with pytest.raises(
+            PluginError, match=f"--attention-backend {backend} cannot serve K3.1.*--attention-backend dsa"
+        ):
             check_dsa_attention_backend()
     finally:
         reset_context()

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from utils import assert_close
 
 from kimi_core.reference.ops import situ_glu
 from kimi_sglang_plugin import moe_lora
-
-from utils import assert_close
+from kimi_sglang_plugin.patches import moe_lora_marlin
 
 
 @pytest.mark.parametrize("M,N", [(5, 7), (64, 96)], ids=["M5-N7", "M64-N96"])
@@ -16,7 +16,9 @@ def test_situ_and_mul_torch_matches_reference(M, N):
     """The torch SiTU-and-mul twin equals kimi_core's SiTU-GLU oracle."""
     x = torch.randn(M, 2 * N) * 4
     ref = situ_glu(x[:, :N].double(), x[:, N:].double(), 4.0, 25.0)
-    assert_close("situ_and_mul", ref, moe_lora.situ_and_mul_torch(x.double(), None, 4.0, 25.0), 1e-6)  # fp32 inside, as the kernel
+    assert_close(
+        "situ_and_mul", ref, moe_lora.situ_and_mul_torch(x.double(), None, 4.0, 25.0), 1e-6
+    )  # fp32 inside, as the kernel
     out = torch.empty(M, N, dtype=torch.bfloat16)
     moe_lora.situ_and_mul_torch(x.bfloat16(), out, 4.0, 25.0)
     assert_close("situ_and_mul bf16", ref, out, 1e-2)
@@ -28,7 +30,7 @@ def test_stage2_binding_is_scoped(plugin):
 
     before = stock.__dict__.get("silu_and_mul")
     with pytest.raises(RuntimeError):
-        with moe_lora._stage2_as_situ(4.0, 25.0):
+        with moe_lora.situ_activation_stage(4.0, 25.0):
             x = torch.randn(3, 8)
             out = torch.empty(3, 4)
             stock.silu_and_mul(x, out)
@@ -55,16 +57,16 @@ def test_situ_stage_hook(plugin):
         return "combined"
 
     silu = MoeRunnerConfig(activation="silu")
-    assert moe_lora.marlin_lora_run_from_dispatch(original, None, "d", "q", silu, hooks="h") == "combined"
+    assert moe_lora_marlin.marlin_lora_run_from_dispatch(original, None, "d", "q", silu, hooks="h") == "combined"
     assert seen[-1][0] is silu and seen[-1][1] == "h"
     situ = MoeRunnerConfig(activation="situ", gemm1_alpha=4.0, gemm1_clamp_limit=25.0, gate_up_interleaved=False)
-    moe_lora.marlin_lora_run_from_dispatch(original, None, "d", "q", situ, hooks="h")
+    moe_lora_marlin.marlin_lora_run_from_dispatch(original, None, "d", "q", situ, hooks="h")
     rc, _, x, out = seen[-1]
     assert rc.activation == "silu" and rc.gemm1_alpha == 4.0 and situ.activation == "situ"
     assert_close("SiTU stage", situ_glu(x[:, :4], x[:, 4:], 4.0, 25.0), out, 1e-6)
     assert stock.__dict__.get("silu_and_mul") is before
     with pytest.raises(ValueError, match="activation_situ_beta"):
-        moe_lora.marlin_lora_run_from_dispatch(original, None, "d", "q", MoeRunnerConfig(activation="situ"))
+        moe_lora_marlin.marlin_lora_run_from_dispatch(original, None, "d", "q", MoeRunnerConfig(activation="situ"))
 
 
 def test_cuda_graph_buffers_see_marlin_shapes():
@@ -72,23 +74,25 @@ def test_cuda_graph_buffers_see_marlin_shapes():
     the quant info is Marlin's; other quant infos pass through; other attributes stay the layer's."""
     from types import SimpleNamespace
 
-    base = SimpleNamespace(num_local_experts=16, intermediate_size_per_partition=128, hidden_size=256,
-                           top_k=4, num_experts=16)
-    marlin = SimpleNamespace(base_layer=base, _quant_info=SimpleNamespace(w13_qweight=torch.empty(16, 16, 64)),
-                             marker=7)
+    base = SimpleNamespace(
+        num_local_experts=16, intermediate_size_per_partition=128, hidden_size=256, top_k=4, num_experts=16
+    )
+    marlin = SimpleNamespace(
+        base_layer=base, _quant_info=SimpleNamespace(w13_qweight=torch.empty(16, 16, 64)), marker=7
+    )
     got = []
 
     def original(backend, max_bs, max_loras, dtype, layer, *a, **k):
         got.append(layer)
 
-    moe_lora.init_cuda_graph_moe_buffers(original, None, 8, 2, torch.bfloat16, marlin)
+    moe_lora_marlin.init_cuda_graph_moe_buffers(original, None, 8, 2, torch.bfloat16, marlin)
     view = got[-1]
     assert tuple(view._quant_info.w13_weight.shape) == (16, 256, 256)
     assert tuple(view._quant_info.w2_weight.shape) == (16, 256, 128)
     assert view._quant_info.w13_weight.device == torch.device("cpu")
     assert view.base_layer is base and view.marker == 7
     triton = SimpleNamespace(base_layer=base, _quant_info=SimpleNamespace(w13_weight=torch.empty(1)))
-    moe_lora.init_cuda_graph_moe_buffers(original, None, 8, 2, torch.bfloat16, triton)
+    moe_lora_marlin.init_cuda_graph_moe_buffers(original, None, 8, 2, torch.bfloat16, triton)
     assert got[-1] is triton
 
 
@@ -116,7 +120,7 @@ def test_fused_moe_with_lora_init_hook(plugin, monkeypatch):
     from types import SimpleNamespace
 
     method = object()
-    monkeypatch.setattr(moe_lora, "_is_mxfp4", lambda m: m is method)
+    monkeypatch.setattr(moe_lora_marlin, "is_mxfp4_method", lambda m: m is method)
     rc = SimpleNamespace(gemm1_alpha=4.0, gate_up_interleaved=False, activation="situ")
     layer = SimpleNamespace(quant_method=method, moe_runner_config=rc)
     seen = {}
@@ -126,7 +130,7 @@ def test_fused_moe_with_lora_init_hook(plugin, monkeypatch):
         self._uses_interleaved_gate_up = True
 
     wrapper = SimpleNamespace()
-    moe_lora.fused_moe_with_lora_init(original, wrapper, layer, None)
+    moe_lora_marlin.fused_moe_with_lora_init(original, wrapper, layer, None)
     assert type(seen["qm"]).__name__ == "Mxfp4MarlinQuantInfoAdapter"
     assert layer.quant_method is method and wrapper.quant_method is method
     assert wrapper._uses_interleaved_gate_up is False

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kimi_core.lora import LoraSpec, random_adapter
-from kimi_sglang_plugin.adapter_prep import AdapterRejected, prepare_adapter
+from kimi_core.errors import AdapterRejected
+from kimi_sglang_plugin.adapters import prepare_adapter
 from kimi_sglang_plugin.mapping import K3_LORA_LEAVES as SERVED
 from kimi_sglang_plugin.sync import RankLayout, build_payload, decode_payload, sha256_hex
 

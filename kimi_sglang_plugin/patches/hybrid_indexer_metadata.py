@@ -4,7 +4,7 @@ K3/K3.1 run their KDA and MLA layers under ``HybridLinearAttnBackend``, which ha
 (MLA) or the linear (KDA) backend. On 0.5.17 it does not override ``get_indexer_metadata``, so the indexer
 asks the wrapper, gets the base class's ``None`` ("this backend has no indexer"), returns no top-k indices, and
 the DSA backend's ``flashmla_sparse`` prefill raises ``'NoneType' object has no attribute 'unsqueeze'``
-(``layers/attention/dsa_backend.py:2423``; H200, 2026-12-02, the K3.1 class with ``--attention-backend dsa``).
+(``layers/attention/dsa_backend.py:2423``, the K3.1 class with ``--attention-backend dsa``).
 0.5.23 forwards it to the full-attention backend for full-attention layers
 (``layers/attention/hybrid_linear_attn_backend.py:1315``); this hook does the same on 0.5.17.
 """

@@ -1,4 +1,9 @@
-"""Hooks that make SGLang treat K3.1 as K3 + DSA (ledger: :mod:`kimi_sglang_plugin.hooks`).
+"""SGLang sees K3.1 as K3 + DSA: three hooks (ledger rows ``k31_*`` in :mod:`kimi_sglang_plugin.patches`).
+
+A K3.1 config presents its architectures as ``[K3, K3.1]`` (:mod:`kimi_sglang_plugin.models.kimi_k31_config`),
+so every K3 gate of SGLang holds for it. The places that must tell K3.1 apart are hooked here: the DSA gate
+``is_deepseek_dsa`` (it selects the indexer, the DSA KV / index pool and the DSA attention backends), the
+``index_head_dim`` the DSA index-K pool is sized by, and the model registry's class lookup.
 
 Signatures follow ``HookRegistry``: AROUND hooks get ``(original, *args, **kwargs)``, AFTER hooks
 get ``(result, *args, **kwargs)`` and return ``None`` to keep the result.
@@ -6,8 +11,9 @@ get ``(result, *args, **kwargs)`` and return ``None`` to keep the result.
 
 from __future__ import annotations
 
-from kimi_sglang_plugin.config import is_k31_config
-from kimi_sglang_plugin.registration import K31_ARCH
+from kimi_core.architectures import K31
+from kimi_core.errors import PluginError
+from kimi_sglang_plugin.models.kimi_k31_config import is_k31_config
 
 __all__ = ["is_deepseek_dsa", "derive_index_head_dim", "resolve_model_cls"]
 
@@ -28,13 +34,13 @@ def derive_index_head_dim(result, model_config, *args, **kwargs):
 def resolve_model_cls(original, registry, architectures, *args, **kwargs):
     """K3.1 architectures list -> ``(our class, "KimiK31ForConditionalGeneration")``."""
     archs = [architectures] if isinstance(architectures, str) else list(architectures or [])
-    if K31_ARCH in archs:
-        cls = registry.models.get(K31_ARCH)
+    if K31 in archs:
+        cls = registry.models.get(K31)
         if cls is None:
-            from kimi_sglang_plugin.registration import PluginError
-
-            raise PluginError(f"{K31_ARCH} is in config.json architectures but not in SGLang's ModelRegistry; "
-                              "kimi_sglang_plugin.register() did not run in this process (set SGLANG_PLUGINS=kimi "
-                              "or SGLANG_EXTERNAL_MODEL_PACKAGE=kimi_sglang_plugin.models)")
-        return cls, K31_ARCH
+            raise PluginError(
+                f"{K31} is in config.json architectures but not in SGLang's ModelRegistry; "
+                "kimi_sglang_plugin.register() did not run in this process (set SGLANG_PLUGINS=kimi "
+                "or SGLANG_EXTERNAL_MODEL_PACKAGE=kimi_sglang_plugin.models)"
+            )
+        return cls, K31
     return original(registry, architectures, *args, **kwargs)

@@ -1,5 +1,5 @@
-"""The ledger is complete for both releases; every hook of the running release applies and its target
-still exists; each #37704 fix behaves on CPU."""
+"""The patch ledger is complete for both releases; every row of the running release applies and its target
+still is what the recorded facts say; each patch behaves on CPU."""
 
 from __future__ import annotations
 
@@ -8,29 +8,34 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from kimi_sglang_plugin.host_facts import FACTS, SUPPORTED_SGLANG
-from kimi_sglang_plugin.hooks import HOOKS, hooks_for
-from kimi_sglang_plugin.registration import sglang_version
-
 from utils import assert_close
 
-LIVE = hooks_for(sglang_version())
+from kimi_core.errors import PatchTargetError
+from kimi_core.patch_ledger import PatchEntry
+from kimi_sglang_plugin.host_support import FACTS, SUPPORTED_SGLANG, sglang_version
+from kimi_sglang_plugin.patches import HOST, LEDGER, covered_releases, patches_for
+
+LIVE = patches_for(sglang_version())
 
 
 def test_ledger_covers_every_release():
-    """Each entry is complete and names releases we support; every fix has exactly one variant per
-    release, or says why it does not apply there; every target has a facts row for each of its releases."""
-    keys = [s.key for s in HOOKS]
+    """Each row is a complete kimi_core PatchEntry for SGLang whose releases hold a supported one; every fix has
+    exactly one variant per release, or says why it does not apply there; every target has a facts row for each
+    of its releases."""
+    from sglang.srt.plugins.hook_registry import HookType
+
+    keys = [s.key for s in LEDGER]
     assert len(keys) == len(set(keys)), keys
-    for s in HOOKS:
-        assert s.why and s.how and s.upstream and s.remove_when, f"{s.key}: incomplete ledger entry"
-        assert s.versions and set(s.versions) <= set(SUPPORTED_SGLANG), s.key
-        for release in s.versions:
+    for s in LEDGER:
+        assert isinstance(s, PatchEntry) and s.host == HOST, s.key
+        assert s.why and s.how and s.upstream and s.remove_when and s.fn, f"{s.key}: incomplete ledger entry"
+        assert s.hook_type() in HookType, s.key
+        assert covered_releases(s), f"{s.name}: releases {s.releases} hold no supported SGLang release"
+        for release in covered_releases(s):
             assert release in FACTS.get(s.target, {}), f"{s.key}: no facts row for {s.target} in {release}"
-    for name in {s.name for s in HOOKS}:
-        variants = [s for s in HOOKS if s.name == name]
-        covered = [r for s in variants for r in s.versions]
+    for name in {s.name for s in LEDGER}:
+        variants = [s for s in LEDGER if s.name == name]
+        covered = [r for s in variants for r in covered_releases(s)]
         assert len(covered) == len(set(covered)), f"{name}: two variants for one release"
         missing = set(SUPPORTED_SGLANG) - set(covered)
         assert not missing or all(s.absent_in for s in variants), f"{name}: nothing for {sorted(missing)}"
@@ -41,7 +46,8 @@ def test_hook_applied_and_target_exists(plugin, spec):
     """The target resolves, HookRegistry patched it, and the live symbol is our wrapper."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from kimi_sglang_plugin.hooks import resolve_hook, resolve_target
+    from kimi_core.patch_ledger import resolve_target
+    from kimi_sglang_plugin.patches import resolve_hook
 
     assert spec.why and spec.how and spec.upstream and spec.remove_when, f"{spec.name}: incomplete ledger entry"
     assert spec.target in HookRegistry._patched, f"{spec.name}: {spec.target} not patched"
@@ -52,22 +58,25 @@ def test_hook_applied_and_target_exists(plugin, spec):
 
 
 def test_missing_target_is_reported(plugin, monkeypatch):
-    """A ledger entry whose target has no facts, or vanished (as after an SGLang upgrade), is named by
-    check_targets; entries for another release are not checked against this one."""
-    from kimi_sglang_plugin.host_facts import fn
-    from kimi_sglang_plugin.hooks import check_targets
+    """A ledger row whose target has no facts, or vanished (as after an SGLang upgrade), is named by
+    patch_problems; rows for another release are not checked against this one, and check_hook_patch refuses
+    such a row for this release through kimi_core's check_patch."""
+    from kimi_sglang_plugin.host_support import fn
+    from kimi_sglang_plugin.patches import check_hook_patch, patch_problems
 
     release = plugin.running_sglang()
     unrecorded = dataclasses.replace(LIVE[0], name="unrecorded", target="sglang.srt.configs.model_config.no_such_gate")
     gone_target = "sglang.srt.configs.model_config.gone_gate"
     monkeypatch.setitem(FACTS, gone_target, {release: fn("srt/configs/model_config.py:1", "config")})
     gone = dataclasses.replace(LIVE[0], name="gone", target=gone_target)
-    other = dataclasses.replace(LIVE[0], name="other", versions=("0.5.22",))
-    problems = check_targets(release, (LIVE[0], unrecorded, gone, other))
+    other = dataclasses.replace(LIVE[0], name="other", releases="==0.5.22")
+    problems = patch_problems(release, (LIVE[0], unrecorded, gone, other))
     assert len(problems) == 2, problems
     assert "no_such_gate has no recorded facts" in problems[0]
     assert "gone_gate: missing" in problems[1] and "model_config.py:1" in problems[1]
-    assert check_targets(release) == []
+    assert patch_problems(release) == []
+    with pytest.raises(PatchTargetError, match=f"sglang {release} is outside the checked releases ==0.5.22"):
+        check_hook_patch(other, release)
 
 
 #: a base model without its own get_hidden_dim (as K3's), so SGLang's config-driven dims are used
@@ -79,8 +88,16 @@ def test_fix1_num_shared_experts(plugin):
     from sglang.srt.configs.kimi_linear import KimiLinearConfig
     from sglang.srt.lora.utils import get_hidden_dim
 
-    cfg = KimiLinearConfig(hidden_size=256, num_attention_heads=2, intermediate_size=512, moe_intermediate_size=64,
-                           num_shared_experts=2, first_k_dense_replace=1, moe_layer_freq=1, num_experts=16)
+    cfg = KimiLinearConfig(
+        hidden_size=256,
+        num_attention_heads=2,
+        intermediate_size=512,
+        moe_intermediate_size=64,
+        num_shared_experts=2,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        num_experts=16,
+    )
     assert cfg.n_shared_experts == 2
     assert get_hidden_dim("gate_up_proj", cfg, _NO_DIMS, 1) == (256, 2 * 64 * 2)
     assert get_hidden_dim("down_proj", cfg, _NO_DIMS, 1) == (64 * 2, 256)
@@ -91,8 +108,9 @@ def test_fix3_latent_expert_width(plugin):
     from sglang.srt.configs.kimi_linear import KimiLinearConfig
     from sglang.srt.lora.utils import get_hidden_dim
 
-    cfg = KimiLinearConfig(hidden_size=256, num_attention_heads=2, moe_intermediate_size=64,
-                           routed_expert_hidden_size=128, num_experts=16)
+    cfg = KimiLinearConfig(
+        hidden_size=256, num_attention_heads=2, moe_intermediate_size=64, routed_expert_hidden_size=128, num_experts=16
+    )
     assert get_hidden_dim("gate_up_proj_moe", cfg, _NO_DIMS, 1) == (128, 128)
     assert get_hidden_dim("down_proj_moe", cfg, _NO_DIMS, 1) == (64, 128)
     cfg.routed_expert_hidden_size = None
@@ -101,7 +119,11 @@ def test_fix3_latent_expert_width(plugin):
 
 def test_fix2_output_gate_through_lora_wrapper(plugin):
     """With o_proj LoRA-wrapped, the input still gets x * sigmoid(g_proj(h)), once per forward."""
-    from kimi_sglang_plugin.hooks.lora_fixes import TRANSFORM_ATTR, output_gate_transform, row_parallel_lora_forward
+    from kimi_sglang_plugin.patches.lora_output_gate import (
+        TRANSFORM_ATTR,
+        output_gate_transform,
+        row_parallel_lora_forward,
+    )
 
     g = torch.nn.Linear(8, 6, bias=False)
 
@@ -127,7 +149,7 @@ def test_fix2_output_gate_through_lora_wrapper(plugin):
 def test_fix2_precomputed_gate_0517(monkeypatch):
     """The 0.5.17 variant gates with the alt-stream gate when one was issued (joining its stream first),
     else with g_proj(h); the stash and the slot are consumed once."""
-    from kimi_sglang_plugin.hooks.lora_fixes import precomputed_output_gate_transform
+    from kimi_sglang_plugin.patches.lora_output_gate import precomputed_output_gate_transform
 
     g = torch.nn.Linear(8, 6, bias=False)
     joined = []
@@ -144,8 +166,10 @@ def test_fix2_precomputed_gate_0517(monkeypatch):
     assert joined == ["alt"] and attn._gate_precomputed is None
 
 
-@pytest.mark.skipif("37704_4_params_dtype_through_wrapper" not in {s.name for s in LIVE},
-                    reason="the bug is absent in this SGLang release (ledger absent_in)")
+@pytest.mark.skipif(
+    "37704_4_params_dtype_through_wrapper" not in {s.name for s in LIVE},
+    reason="the bug is absent in this SGLang release (ledger absent_in)",
+)
 def test_fix4_params_dtype_mirrored(plugin):
     """BaseLayerWithLoRA exposes its base layer's params_dtype."""
     from sglang.srt.lora.layers import BaseLayerWithLoRA
@@ -155,8 +179,10 @@ def test_fix4_params_dtype_mirrored(plugin):
     assert BaseLayerWithLoRA(base, lora_backend=None).params_dtype is torch.bfloat16
 
 
-@pytest.mark.skipif("37704_5_f_b_proj_registered_twice" not in {s.name for s in LIVE},
-                    reason="the bug is absent in this SGLang release (ledger absent_in)")
+@pytest.mark.skipif(
+    "37704_5_f_b_proj_registered_twice" not in {s.name for s in LIVE},
+    reason="the bug is absent in this SGLang release (ledger absent_in)",
+)
 def test_fix5_f_b_proj_keeps_its_name(plugin):
     """After _merge_bfa_weights (run twice, as on an RL reload) f_b_proj.weight is still a named parameter."""
     from sglang.srt.models.kimi_k3 import KimiK3DeltaAttention
@@ -174,7 +200,7 @@ def test_fix5_f_b_proj_keeps_its_name(plugin):
 
 def test_checksum_mismatch_refused_not_fatal(plugin, monkeypatch):
     """SGLang's own sha256 check in ``BaseTpWorker.load_lora_adapter_from_tensors`` (run here, patched) raises on
-    one flipped byte, which on the H200 killed the engine; through the hook the load fails with a message naming
+    one flipped byte, which kills a GPU engine; through the hook the load fails with a message naming
     the adapter and tensor, and a payload that matches still reaches the model runner."""
     import hashlib
 
@@ -191,17 +217,21 @@ def test_checksum_mismatch_refused_not_fatal(plugin, monkeypatch):
     loaded = []
     manager = SimpleNamespace(lora_refs={})
     manager.create_lora_update_result = LoRAManager.create_lora_update_result.__get__(manager)
-    runner = SimpleNamespace(lora_manager=manager,
-                             load_lora_adapter_from_tensors=lambda ref, t, cfg, added: loaded.append(sorted(t)) or "ok")
+    runner = SimpleNamespace(
+        lora_manager=manager, load_lora_adapter_from_tensors=lambda ref, t, cfg, added: loaded.append(sorted(t)) or "ok"
+    )
 
     def req(name):
-        return LoadLoRAAdapterFromTensorsReqInput(lora_name=name, lora_id=f"id-{name}", config_dict={},
-                                                  serialized_named_tensors=[b""],
-                                                  expected_checksums=sha)
+        return LoadLoRAAdapterFromTensorsReqInput(
+            lora_name=name, lora_id=f"id-{name}", config_dict={}, serialized_named_tensors=[b""], expected_checksums=sha
+        )
 
     for name, payload in (("kimi-v2", bad), ("kimi-v1", good)):
-        worker = SimpleNamespace(model_runner=runner, deserialize_own_rank=lambda _s, p=payload: p,
-                                 _deserialize_own_rank=lambda _s, p=payload: p)
+        worker = SimpleNamespace(
+            model_runner=runner,
+            deserialize_own_rank=lambda _s, p=payload: p,
+            _deserialize_own_rank=lambda _s, p=payload: p,
+        )
         out = tpw.BaseTpWorker.load_lora_adapter_from_tensors(worker, req(name))
         if name == "kimi-v2":
             assert out.success is False and "'kimi-v2' refused" in out.error_message, out
@@ -213,9 +243,9 @@ def test_checksum_mismatch_refused_not_fatal(plugin, monkeypatch):
 @pytest.mark.parametrize("width", [512, 1536])
 def test_attn_residual_any_width(plugin, width):
     """At a hidden size that is not a multiple of 1024 (where SGLang's Triton kernels leave the mixture
-    uninitialised, measured on the H200) the patched ``_mix_fused`` returns the depth-softmax mixture of
-    ``kimi_core.reference.attn_res_aggregate`` in float64 (to fp32 rounding), through SGLang's own eager path; multiples of 1024
-    still reach SGLang's kernels."""
+    uninitialised on the GPU) the patched ``_mix_fused`` returns the depth-softmax mixture of
+    ``kimi_core.reference.attn_res_aggregate`` in float64 (to fp32 rounding), through SGLang's own eager path;
+    multiples of 1024 still reach SGLang's kernels."""
     import sglang.srt.layers.attn_residual as ar
 
     from kimi_core.reference.attn_res import attn_res_aggregate
@@ -225,8 +255,10 @@ def test_attn_residual_any_width(plugin, width):
     T, nvb, eps = 5, 3, 1e-5
     prefix = torch.randn(T, width, generator=g, dtype=torch.float64)
     bank = torch.randn(T, nvb + 1, width, generator=g, dtype=torch.float64)  # one unused row past nvb
-    norm_w, proj_w = 1 + 0.1 * torch.randn(width, generator=g, dtype=torch.float64), torch.randn(1, width, generator=g,
-                                                                                                  dtype=torch.float64)
+    norm_w, proj_w = (
+        1 + 0.1 * torch.randn(width, generator=g, dtype=torch.float64),
+        torch.randn(1, width, generator=g, dtype=torch.float64),
+    )
     norm = type("Norm", (), {"variance_epsilon": eps, "__call__": lambda self, x: rms_norm(x, norm_w, eps)})()
     proj = type("Proj", (), {"__call__": lambda self, x: (x @ proj_w.T, None)})()
     got = ar._mix_fused(prefix, bank, nvb, proj, norm)
@@ -234,15 +266,16 @@ def test_attn_residual_any_width(plugin, width):
     assert got.dtype == prefix.dtype
     assert_close(f"mixture at hidden {width}", want, got, 1e-6)  # SGLang's eager path mixes in fp32
     with pytest.raises(Exception):  # 1024 goes to the Triton kernels, which need CUDA tensors
-        ar._mix_fused(torch.zeros(T, 1024, dtype=torch.float64), torch.zeros(T, 2, 1024, dtype=torch.float64), 1,
-                      proj, norm)
+        ar._mix_fused(
+            torch.zeros(T, 1024, dtype=torch.float64), torch.zeros(T, 2, 1024, dtype=torch.float64), 1, proj, norm
+        )
 
 
 def _k3_topk_call(kimi_k3_source: str) -> str:
     """The ``TopK(...)`` call of ``KimiK3MoE.__init__`` in a release's ``models/kimi_k3.py`` source."""
-    init = kimi_k3_source[kimi_k3_source.index("class KimiK3MoE"):]
-    call = init[init.index("self.topk = TopK("):]
-    return call[:call.index("\n        )")]
+    init = kimi_k3_source[kimi_k3_source.index("class KimiK3MoE") :]
+    call = init[init.index("self.topk = TopK(") :]
+    return call[: call.index("\n        )")]
 
 
 def test_routed_experts_capture_reads_k3_config(plugin):
@@ -261,7 +294,7 @@ def test_k3_topk_gets_its_layer(plugin):
 
     from sglang.srt.models import kimi_k3
 
-    from kimi_sglang_plugin.hooks.routed_experts_capture import topk_layer_id
+    from kimi_sglang_plugin.patches.routed_experts_capture import topk_layer_id
 
     if "k3_routed_experts_topk_layer_id" not in {s.name for s in LIVE}:
         assert "layer_id=self.layer_idx" in _k3_topk_call(inspect.getsource(kimi_k3))
@@ -270,8 +303,10 @@ def test_k3_topk_gets_its_layer(plugin):
     assert moe.topk.layer_id == 3
 
 
-@pytest.mark.skipif(not __import__("os").environ.get("KIMI_SGLANG_SRC_0517"),
-                    reason="set KIMI_SGLANG_SRC_0517 to an unpacked sglang 0.5.17 wheel")
+@pytest.mark.skipif(
+    not __import__("os").environ.get("KIMI_SGLANG_SRC_0517"),
+    reason="set KIMI_SGLANG_SRC_0517 to an unpacked sglang 0.5.17 wheel",
+)
 def test_0517_k3_topk_has_no_layer_and_config_no_alias():
     """Why the two routed-experts hooks apply to 0.5.17: its K3 TopK has no layer_id and its KimiLinearConfig
     no attribute_map (read from the 0.5.17 wheel)."""
@@ -287,11 +322,18 @@ def test_0517_k3_topk_has_no_layer_and_config_no_alias():
 def _k3_moe_front(dtype=torch.bfloat16):
     """The modules ``KimiK3MoE._merge_front_weights`` reads, at toy sizes (hidden 8, shared 2x6, 4 experts,
     latent 4): a stand-in for a constructed layer (SGLang's own merge runs on it)."""
-    lin = lambda i, o: torch.nn.Linear(i, o, bias=False, dtype=dtype)  # noqa: E731
+    lin = lambda i, o: torch.nn.Linear(i, o, bias=False, dtype=dtype)
     shared = SimpleNamespace(gate_up_proj=lin(8, 12), down_proj=lin(6, 8))
-    return SimpleNamespace(use_latent_moe=True, shared_experts=shared, gate=lin(8, 4),
-                           routed_expert_down_proj=lin(8, 4), _front_w=None, _front_sizes=None,
-                           _front_is_ep_pair=False, layer_idx=1)
+    return SimpleNamespace(
+        use_latent_moe=True,
+        shared_experts=shared,
+        gate=lin(8, 4),
+        routed_expert_down_proj=lin(8, 4),
+        _front_w=None,
+        _front_sizes=None,
+        _front_is_ep_pair=False,
+        layer_idx=1,
+    )
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -300,16 +342,23 @@ def test_k3_moe_front_stays_unmerged_with_lora(plugin, tiny_ckpt, monkeypatch, l
     wrappers. With LoRA on (hook k3_lora_unfused_moe_front) the merge leaves ``_front_w`` None and the fused
     path is not eligible, so forwards call the (wrapped) modules; with LoRA off SGLang merges as it does stock
     (the module weight becomes a view of the merged buffer)."""
+    from server_context import publish
     from sglang.srt.models import kimi_k3
     from sglang.srt.runtime_context import reset_context
     from sglang.srt.server_args import ServerArgs
-    from server_context import publish
 
     monkeypatch.setattr(kimi_k3, "get_moe_a2a_backend", lambda: SimpleNamespace(is_none=lambda: True))
     if hasattr(kimi_k3, "get_platform"):  # 0.5.23 merges on CUDA / ROCm only
         monkeypatch.setattr(kimi_k3, "get_platform", lambda: SimpleNamespace(is_cuda=True, is_hip=False))
-    publish(ServerArgs(model_path=tiny_ckpt("k2"), device="cpu", tp_size=1, enable_lora=lora,
-                       **({"max_lora_rank": 8, "lora_target_modules": ["gate_up_proj"]} if lora else {})))
+    publish(
+        ServerArgs(
+            model_path=tiny_ckpt("k2"),
+            device="cpu",
+            tp_size=1,
+            enable_lora=lora,
+            **({"max_lora_rank": 8, "lora_target_modules": ["gate_up_proj"]} if lora else {}),
+        )
+    )
     try:
         moe = _k3_moe_front()
         kimi_k3.KimiK3MoE._merge_front_weights(moe)
@@ -331,7 +380,7 @@ def test_hybrid_backend_hands_indexer_metadata_to_full_backend(plugin):
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
     from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
 
-    from kimi_sglang_plugin.hooks.hybrid_indexer_metadata import indexer_metadata_from_full_backend
+    from kimi_sglang_plugin.patches.hybrid_indexer_metadata import indexer_metadata_from_full_backend
 
     meta = object()
     full = SimpleNamespace(get_indexer_metadata=lambda layer_id, fb: meta)
@@ -343,16 +392,16 @@ def test_hybrid_backend_hands_indexer_metadata_to_full_backend(plugin):
         assert HybridLinearAttnBackend.get_indexer_metadata(hybrid, 7, None) is meta
 
 
-@pytest.mark.skipif(not __import__("os").environ.get("KIMI_SGLANG_SRC_0517"),
-                    reason="set KIMI_SGLANG_SRC_0517 to an unpacked sglang 0.5.17 wheel")
+@pytest.mark.skipif(
+    not __import__("os").environ.get("KIMI_SGLANG_SRC_0517"),
+    reason="set KIMI_SGLANG_SRC_0517 to an unpacked sglang 0.5.17 wheel",
+)
 def test_0517_hybrid_backend_does_not_override_indexer_metadata():
     """Why k31_hybrid_indexer_metadata applies to 0.5.17: its HybridLinearAttnBackend inherits
     get_indexer_metadata from AttentionBackend, which answers None (read from the 0.5.17 wheel)."""
     import os
 
     from source_facts import source_fact
-
-    from kimi_sglang_plugin.host_facts import FACTS
 
     sym = "sglang.srt.layers.attention.hybrid_linear_attn_backend.HybridLinearAttnBackend.get_indexer_metadata"
     got = source_fact(os.environ["KIMI_SGLANG_SRC_0517"], sym)

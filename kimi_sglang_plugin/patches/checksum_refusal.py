@@ -2,8 +2,8 @@
 
 SGLang's ``BaseTpWorker.load_lora_adapter_from_tensors`` (0.5.17 ``managers/tp_worker.py:235``, 0.5.23 ``:217``)
 checks ``expected_checksums`` and, on a mismatch, raises ``RuntimeError("[LORA-CHECK] ... MISMATCH ...")``.
-Nothing above it catches that: the scheduler process exits and the whole engine goes down (measured on the
-H200 with SGLang 0.5.17, 2026-12-02, loading an adapter with one flipped byte). For an RL trainer a corrupt
+Nothing above it catches that: the scheduler process exits and the whole engine goes down (an adapter with one
+flipped byte is enough). For an RL trainer a corrupt
 or torn payload must cost one refused version, never the rollout engine.
 
 The hook turns exactly that error into the result SGLang already returns for every other bad adapter:
@@ -30,7 +30,9 @@ def refuse_checksum_mismatch(original, worker, recv_req, *args, **kwargs):
         if LORA_CHECK not in str(e):
             raise
         name = getattr(recv_req, "lora_name", "?")
-        message = (f"kimi_sglang_plugin: adapter {name!r} refused, its tensors do not match the sha256 the sender "
-                   f"computed ({e}); the engine keeps serving the adapters it had")
+        message = (
+            f"kimi_sglang_plugin: adapter {name!r} refused, its tensors do not match the sha256 the sender "
+            f"computed ({e}); the engine keeps serving the adapters it had"
+        )
         logger.error(message)
         return worker.model_runner.lora_manager.create_lora_update_result(success=False, error_message=message)

@@ -38,9 +38,14 @@ def _method(path: str, cls: str, name: str) -> ast.FunctionDef:
 
 
 def _is_none_test(test, attr: str) -> bool:
-    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Attribute) and test.left.attr == attr
-            and isinstance(test.ops[0], ast.Is) and isinstance(test.comparators[0], ast.Constant)
-            and test.comparators[0].value is None)
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Attribute)
+        and test.left.attr == attr
+        and isinstance(test.ops[0], ast.Is)
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value is None
+    )
 
 
 @pytest.mark.parametrize("where,root", _roots())
@@ -49,8 +54,9 @@ def test_absorb_core_returns_the_output_alone_when_next_skip_topk_is_none(where,
     early = [n for n in ast.walk(f) if isinstance(n, ast.If) and _is_none_test(n.test, "next_skip_topk")]
     assert early, f"{where}: forward_absorb_core no longer tests next_skip_topk is None"
     body = early[0].body
-    assert (len(body) == 1 and isinstance(body[0], ast.Return) and isinstance(body[0].value, ast.Name)), \
+    assert len(body) == 1 and isinstance(body[0], ast.Return) and isinstance(body[0].value, ast.Name), (
         f"{where}: the next_skip_topk-is-None branch does not return one name: {ast.unparse(early[0])}"
+    )
     tuples = [n for n in ast.walk(f) if isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple)]
     assert tuples, f"{where}: forward_absorb_core returns no tuple any more; the K3.1 setting may be unneeded"
 
@@ -60,10 +66,16 @@ def test_dsa_init_sets_next_skip_topk(where, root):
     """Without the plugin's setting, a DSA layer would return the pair: ``__init__`` assigns
     ``next_skip_topk`` something other than ``None`` (under ``use_dsa``)."""
     f = _method(os.path.join(root, DEEPSEEK_V2), "DeepseekV2AttentionMLA", "__init__")
-    values = [n.value for n in ast.walk(f) if isinstance(n, ast.Assign)
-              for t in n.targets if isinstance(t, ast.Attribute) and t.attr == "next_skip_topk"]
-    assert any(not (isinstance(v, ast.Constant) and v.value is None) for v in values), \
+    values = [
+        n.value
+        for n in ast.walk(f)
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Attribute) and t.attr == "next_skip_topk"
+    ]
+    assert any(not (isinstance(v, ast.Constant) and v.value is None) for v in values), (
         f"{where}: DeepseekV2AttentionMLA.__init__ no longer sets next_skip_topk to a value"
+    )
 
 
 def test_k31_refuses_a_layer_that_reuses_another_layers_topk(plugin):
@@ -82,11 +94,17 @@ def _prefill_asserts_topk_2048(path: str) -> bool:
     """Whether a prefill index transform of ``path`` (``transform_index_page_table_prefill*``, what the DSA
     backend's ``forward_extend`` calls, and what that delegates to) asserts ``topk_indices.shape[1] == 2048``."""
     tree = ast.parse(open(path).read())
-    prefill = [n for n in tree.body if isinstance(n, ast.FunctionDef)
-               and n.name.startswith("transform_index_page_table_prefill")]
+    prefill = [
+        n
+        for n in tree.body
+        if isinstance(n, ast.FunctionDef) and n.name.startswith("transform_index_page_table_prefill")
+    ]
     assert prefill, f"{path}: no transform_index_page_table_prefill*"
-    return any(isinstance(n, ast.Assert) and "2048" in ast.unparse(n.test) and "shape[1]" in ast.unparse(n.test)
-               for f in prefill for n in ast.walk(f))
+    return any(
+        isinstance(n, ast.Assert) and "2048" in ast.unparse(n.test) and "shape[1]" in ast.unparse(n.test)
+        for f in prefill
+        for n in ast.walk(f)
+    )
 
 
 @pytest.mark.parametrize("where,root", _roots())

@@ -4,34 +4,32 @@ SGLang (0.5.17 ``lora/lora.py:71``, ``lora/lora_config.py``; 0.5.23 the same) sc
 module of an adapter by one ``lora_alpha / r``: it reads neither ``rank_pattern`` / ``alpha_pattern``
 nor ``use_rslora``. A capacity-normalised expert adapter (experts at rank ``r // top_k``, their
 scaling through the patterns) would be served with the experts ``top_k`` times too weak and no error
-(the same bug as vLLM 0.26, see ``kimi_core.lora.fold_scaling``). And its LoRA pool accepts an
+(vLLM has the same limitation, see ``kimi_core.lora.fold_scaling``). And its LoRA pool accepts an
 adapter only if the adapter's normalised ``target_modules`` are a subset of the engine's
 (``LoRAMemoryPool.can_support``): our HF leaves ``w1`` / ``w3`` / ``w2`` are not SGLang names, so the
 adapter would be refused as "incompatible" with no word on why.
 
 :func:`prepare_adapter` returns the form every checked SGLang serves as the PEFT adapter means it:
-every module at the adapter's one rank ``r`` (smaller ranks zero-padded: exact), expert factors in a layout SGLang reads (numbered ``per_expert``, ``per_expert_3d`` and ``shared_outer``
-kept; vLLM's ``stacked`` converted to ``per_expert_3d``), each
+every module at the adapter's one rank ``r`` (smaller ranks zero-padded: exact), expert factors in a layout
+SGLang reads (numbered ``per_expert``, ``per_expert_3d`` and ``shared_outer`` kept; vLLM's ``stacked``
+converted to ``per_expert_3d``), each
 module's scaling folded into its ``lora_B`` (patterns and rsLoRA gone), and ``target_modules`` the
 ``--lora-target-modules`` values of the modules it holds (:func:`kimi_sglang_plugin.mapping.lora_target_modules`).
 A module SGLang cannot give LoRA (KDA's fused projections, the DSA indexer's ``wk``) is refused with
-its tensor name, never silently left out.
+its tensor name, never silently left out. Every refusal is a :class:`kimi_core.errors.AdapterRejected`
+naming the adapter folder, the tensor or field, and what was expected.
 """
 
 from __future__ import annotations
 
-from kimi_core.errors import KimiError
+import os
 
-__all__ = ["AdapterRejected", "prepare_adapter", "save_prepared", "check_served_config", "adapter_leaves",
-           "UNSERVED_KDA_LEAVES"]
+from kimi_core.errors import AdapterRejected
+
+__all__ = ["prepare_adapter", "save_prepared", "check_served_config", "adapter_leaves", "UNSERVED_KDA_LEAVES"]
 
 #: leaves of K3 KDA layers that SGLang fuses (``fused_qkvg_proj``, ``f``/``b``/``g`` gates) and gives no LoRA
-UNSERVED_KDA_LEAVES = ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj",
-                       "g_b_proj")
-
-
-class AdapterRejected(KimiError, ValueError):
-    """The adapter cannot be served by SGLang as it is; the message names the tensor or field."""
+UNSERVED_KDA_LEAVES = ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj")
 
 
 def _leaf(name: str) -> str:
@@ -49,10 +47,10 @@ def adapter_leaves(tensor_names) -> dict[str, str]:
 
 
 def _kda_layer_leaf(name: str, leaf: str, config) -> bool:
-    from kimi_sglang_plugin.mapping import _LAYER
+    from kimi_sglang_plugin.mapping import layer_index
 
-    m = _LAYER.search(name)
-    return bool(m) and leaf in UNSERVED_KDA_LEAVES and config.is_kda_layer(int(m.group(1)))
+    layer = layer_index(name)
+    return layer is not None and leaf in UNSERVED_KDA_LEAVES and config.is_kda_layer(layer)
 
 
 def _pad_to_rank(ad):
@@ -75,16 +73,38 @@ def _pad_to_rank(ad):
 
 
 def prepare_adapter(adapter, config):
-    """The SGLang-served form of ``adapter`` (:class:`kimi_core.lora.Adapter`) for model ``config``
-    (:class:`kimi_core.config.KimiConfig`); see the module docstring.
+    """The SGLang-served form of ``adapter`` for model ``config``; see the module docstring.
 
-    :raises AdapterRejected: a module SGLang gives no LoRA, or a layout it cannot take (named).
+    :param adapter: a :class:`kimi_core.lora.Adapter` or the folder of a PEFT adapter (HF / PEFT tensor names).
+    :param config: the model's :class:`kimi_core.config.KimiConfig`.
+    :returns: a new :class:`kimi_core.lora.Adapter`; ``adapter`` is not changed.
+    :raises kimi_core.errors.AdapterRejected: an adapter that does not load, a module SGLang gives no LoRA, or a
+        layout it cannot take (folder, tensor and what was expected named).
+
+    Example::
+
+        from kimi_core.config import load_config
+        served = prepare_adapter("ckpt/adapter-v3", load_config("ckpt/model"))
+        served.save_replacing("ckpt/adapter-v3.sglang")
     """
+    from kimi_core.lora import Adapter, AdapterConfigError, AdapterError
+
+    if isinstance(adapter, (str, os.PathLike)):
+        try:
+            adapter = Adapter.load(adapter)
+        except (AdapterError, AdapterConfigError) as e:
+            raise AdapterRejected(str(e)) from e
+    try:
+        return _prepare(adapter, config)
+    except (AdapterError, AdapterConfigError) as e:
+        raise AdapterRejected(str(e)) from e
+
+
+def _prepare(adapter, config):
     from kimi_core.lora import convert_layout
     from kimi_core.lora.config import scaling_for
     from kimi_core.lora.fold_scaling import fold_pattern_scaling
     from kimi_core.lora.layouts import decompose, detect_layout
-
     from kimi_sglang_plugin.mapping import LORA_TARGET_NAMES, lora_target_modules
 
     where = getattr(adapter, "source", None) or "<adapter>"
@@ -93,11 +113,14 @@ def prepare_adapter(adapter, config):
             continue
         leaf = _leaf(n)
         if _kda_layer_leaf(n, leaf, config):
-            raise AdapterRejected(f"{where}: {n}: SGLang fuses KDA's {leaf} into fused_qkvg_proj / its gates and "
-                                  "gives it no LoRA; train KDA layers without it (exclude_modules) or serve with vLLM")
+            raise AdapterRejected(
+                f"{where}: {n}: SGLang fuses KDA's {leaf} into fused_qkvg_proj / its gates and "
+                "gives it no LoRA; train KDA layers without it (exclude_modules) or serve with vLLM"
+            )
         if leaf not in LORA_TARGET_NAMES and leaf not in ("gate_up_proj",):
-            raise AdapterRejected(f"{where}: {n}: SGLang has no LoRA for module {leaf!r} "
-                                  f"(served: {sorted(LORA_TARGET_NAMES)})")
+            raise AdapterRejected(
+                f"{where}: {n}: SGLang has no LoRA for module {leaf!r} (served: {sorted(LORA_TARGET_NAMES)})"
+            )
     ad = adapter
     has_routed_experts = any(".experts." in n and ".shared_experts." not in n for n in ad.tensors)
     if has_routed_experts:
@@ -107,8 +130,11 @@ def prepare_adapter(adapter, config):
     ad = _pad_to_rank(fold_pattern_scaling(ad))
     cfg = ad.adapter_config
     if cfg.get("use_rslora"):  # SGLang scales by lora_alpha / r: the alpha that gives the rsLoRA scaling
-        ad.adapter_config = {**cfg, "use_rslora": False,
-                             "lora_alpha": scaling_for(cfg, int(cfg["r"]), float(cfg["lora_alpha"])) * int(cfg["r"])}
+        ad.adapter_config = {
+            **cfg,
+            "use_rslora": False,
+            "lora_alpha": scaling_for(cfg, int(cfg["r"]), float(cfg["lora_alpha"])) * int(cfg["r"]),
+        }
     leaves = [leaf for leaf in adapter_leaves(ad.tensors) if leaf != "gate_up_proj"]
     if has_routed_experts:
         leaves += ["w1", "w2"]
@@ -128,12 +154,16 @@ def check_served_config(adapter_config: dict, where: str = "adapter_config") -> 
 
     for key in ("rank_pattern", "alpha_pattern"):
         if adapter_config.get(key):
-            raise AdapterRejected(f"{where}: {key} is set; SGLang scales every module by lora_alpha / r and would serve "
-                                  "those modules with the wrong scaling: pass the adapter through "
-                                  "kimi_sglang_plugin.adapter_prep.prepare_adapter first")
+            raise AdapterRejected(
+                f"{where}: {key} is set; SGLang scales every module by lora_alpha / r and would serve "
+                "those modules with the wrong scaling: pass the adapter through "
+                "kimi_sglang_plugin.adapters.prepare_adapter first"
+            )
     if adapter_config.get("use_rslora"):
-        raise AdapterRejected(f"{where}: use_rslora is set; SGLang ignores it (scaling lora_alpha / r): "
-                              "pass the adapter through kimi_sglang_plugin.adapter_prep.prepare_adapter first")
+        raise AdapterRejected(
+            f"{where}: use_rslora is set; SGLang ignores it (scaling lora_alpha / r): "
+            "pass the adapter through kimi_sglang_plugin.adapters.prepare_adapter first"
+        )
     targets = adapter_config.get("target_modules")
     if isinstance(targets, str):
         return
@@ -142,9 +172,11 @@ def check_served_config(adapter_config: dict, where: str = "adapter_config") -> 
     accepted = (set(LORA_TARGET_NAMES) - {"w1", "w2", "w3"}) | set(LORA_TARGET_NAMES.values())
     bad = sorted(set(targets or ()) - accepted)
     if bad:
-        raise AdapterRejected(f"{where}: target_modules {bad} are not SGLang --lora-target-modules names; its LoRA pool "
-                              "would refuse the adapter as incompatible: pass it through "
-                              "kimi_sglang_plugin.adapter_prep.prepare_adapter first")
+        raise AdapterRejected(
+            f"{where}: target_modules {bad} are not SGLang --lora-target-modules names; its LoRA pool "
+            "would refuse the adapter as incompatible: pass it through "
+            "kimi_sglang_plugin.adapters.prepare_adapter first"
+        )
 
 
 def save_prepared(adapter, config, out_dir: str) -> str:

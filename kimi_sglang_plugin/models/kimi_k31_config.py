@@ -10,7 +10,7 @@ multimodal processor, ...). Every one of them must hold for K3.1 too, so rather 
 gate, this config presents the architectures list as ``[KimiK3ForConditionalGeneration,
 KimiK31ForConditionalGeneration]``: gates that test ``architectures[0]`` or membership see K3,
 and the two places that must tell K3.1 apart (the model registry and ``is_deepseek_dsa``) are
-hooked to look for the second entry (``kimi_sglang_plugin.hooks.dsa_gates``). The text config
+hooked to look for the second entry (``kimi_sglang_plugin.patches.k31_dsa_gates``). The text config
 carries the same list, because SGLang calls ``is_deepseek_dsa`` on ``hf_text_config`` as well.
 """
 
@@ -18,10 +18,13 @@ from __future__ import annotations
 
 from sglang.srt.configs.kimi_k3 import KimiK3Config
 
-from kimi_sglang_plugin.registration import K3_ARCH, K31_ARCH, K31_MODEL_TYPE
+from kimi_core.architectures import K3, K31
 
-__all__ = ["KimiK31Config", "INDEXER_FIELDS", "is_k31_config"]
+__all__ = ["KimiK31Config", "K31_MODEL_TYPE", "INDEXER_FIELDS", "is_k31_config"]
 
+#: ``config.json`` ``model_type`` of K3.1
+K31_MODEL_TYPE = "kimi_k31"
+#: the indexer fields of K3.1's ``text_config``
 INDEXER_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")
 
 
@@ -32,7 +35,7 @@ def is_k31_config(config) -> bool:
         archs, topk = config.get("architectures") or [], config.get("index_topk")
     else:
         archs, topk = getattr(config, "architectures", None) or [], getattr(config, "index_topk", None)
-    return K31_ARCH in archs and topk is not None
+    return K31 in archs and topk is not None
 
 
 class KimiK31Config(KimiK3Config):
@@ -50,10 +53,10 @@ class KimiK31Config(KimiK3Config):
         for name in INDEXER_FIELDS if text_config is not None else ():
             v = getattr(tc, name, None)
             if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"config.json: text_config.{name}={v!r}; K3.1 ({K31_ARCH}) needs a positive int")
-        archs = list(self.architectures or [K31_ARCH])
-        if K31_ARCH in archs:
-            archs = [K3_ARCH, K31_ARCH] + [a for a in archs if a not in (K3_ARCH, K31_ARCH)]
+                raise ValueError(f"config.json: text_config.{name}={v!r}; K3.1 ({K31}) needs a positive int")
+        archs = list(self.architectures or [K31])
+        if K31 in archs:
+            archs = [K3, K31] + [a for a in archs if a not in (K3, K31)]
         self.architectures = archs
         tc.architectures = list(archs)
 

@@ -4,8 +4,8 @@ SGLang's Triton score / combine kernels (0.5.17 and 0.5.23 ``layers/attn_residua
 "H = 7168 = 7 x 1024") run ``hidden_size // 1024`` column blocks with no mask and no remainder. At a width that
 is not a multiple of 1024 the combine kernel leaves the remainder of its ``torch.empty`` output unwritten (all
 of it below 1024) and the score kernel reads past the row: every aggregation of the attention-residual bank is
-then garbage, served without an error (measured on the H200 with 0.5.17 at hidden 512, 2026-12-02: logprobs
-uncorrelated with ``kimi_core.reference``). On sm90 every K3 aggregation takes this path (the TMA fast path is
+then garbage, served without an error (at hidden 512 the served logprobs are uncorrelated with
+``kimi_core.reference``). On sm90 every K3 aggregation takes this path (the TMA fast path is
 SM100-only and 7168-only). The release (7168) is unaffected; a K3-architecture model of another width is not.
 
 The hook sends exactly those widths to SGLang's own eager mixture, ``aggregate_stream_torch`` (the fallback
@@ -31,6 +31,10 @@ def mix_any_width(original, prefix_sum, bank, nvb, score_proj, score_norm, *args
         return original(prefix_sum, bank, nvb, score_proj, score_norm, *args, **kwargs)
     if width not in _LOGGED:
         _LOGGED.add(width)
-        logger.info("kimi_sglang_plugin: attention residuals at hidden_size %d (not a multiple of %d) run "
-                    "aggregate_stream_torch", width, attn_residual._BLOCK_H)
+        logger.info(
+            "kimi_sglang_plugin: attention residuals at hidden_size %d (not a multiple of %d) run "
+            "aggregate_stream_torch",
+            width,
+            attn_residual._BLOCK_H,
+        )
     return attn_residual.aggregate_stream_torch(prefix_sum, bank, nvb, score_proj, score_norm)

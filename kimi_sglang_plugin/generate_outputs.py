@@ -25,10 +25,13 @@ def prompt_logprobs(meta_info: dict, ids: list[int]) -> list[float]:
     """``log p(ids[t] | ids[:t])`` for t = 1..T-1 from ``meta_info["input_token_logprobs"]``."""
     rows = meta_info.get("input_token_logprobs")
     if rows is None:
-        raise ValueError("meta_info has no input_token_logprobs: generate(..., return_logprob=True, logprob_start_len=0)")
+        raise ValueError(
+            "meta_info has no input_token_logprobs: generate(..., return_logprob=True, logprob_start_len=0)"
+        )
     if len(rows) != len(ids):
-        raise ValueError(f"input_token_logprobs has {len(rows)} rows for a {len(ids)}-token prompt "
-                         "(logprob_start_len must be 0)")
+        raise ValueError(
+            f"input_token_logprobs has {len(rows)} rows for a {len(ids)}-token prompt (logprob_start_len must be 0)"
+        )
     got_ids = [int(r[1]) for r in rows]
     if got_ids != list(ids):
         raise ValueError(f"input_token_logprobs token ids {got_ids} are not the prompt {list(ids)}")
@@ -45,8 +48,10 @@ def routed_experts(meta_info: dict, T: int, layers: int, k: int) -> list:
 
     raw = meta_info.get("routed_experts")
     if raw is None:
-        raise ValueError("meta_info has no routed_experts: enable_return_routed_experts=True on the engine and "
-                         "return_routed_experts=True on the request")
+        raise ValueError(
+            "meta_info has no routed_experts: enable_return_routed_experts=True on the engine and "
+            "return_routed_experts=True on the request"
+        )
     arr = np.frombuffer(base64.b64decode(raw), dtype=np.int32)
     if arr.size % (layers * k) or arr.size // (layers * k) < T:
         raise ValueError(f"routed_experts has {arr.size} ids, not [>= {T}, {layers}, {k}]")
@@ -69,8 +74,10 @@ def output_logprobs(meta_info: dict, topk: int):
     if topk:
         top = meta_info.get("output_top_logprobs")
         if top is None or len(top) != len(rows):
-            raise ValueError(f"output_top_logprobs has {None if top is None else len(top)} rows for {len(rows)} "
-                             f"generated tokens: generate(..., top_logprobs_num={topk})")
+            raise ValueError(
+                f"output_top_logprobs has {None if top is None else len(top)} rows for {len(rows)} "
+                f"generated tokens: generate(..., top_logprobs_num={topk})"
+            )
         for i, cands in enumerate(top):
             for j, c in enumerate((cands or [])[:topk]):
                 ids[i, j], tlp[i, j] = int(c[1]), float(c[0])

@@ -1,6 +1,6 @@
 """K3 config fields under the DeepSeek names SGLang reads: K3's ``KimiLinearConfig`` says ``num_shared_experts`` /
 ``num_experts_per_token`` where SGLang's LoRA sizing and routed-experts capturer read ``n_shared_experts`` /
-``num_experts_per_tok`` (the hooks in :mod:`.lora_fixes` and :mod:`.routed_experts_capture`)."""
+``num_experts_per_tok`` (shared by :mod:`.lora_shared_experts_alias` and :mod:`.routed_experts_capture`)."""
 
 from __future__ import annotations
 

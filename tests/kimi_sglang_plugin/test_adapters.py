@@ -1,4 +1,4 @@
-"""kimi_sglang_plugin.adapter_prep: the adapter as SGLang serves it (one lora_alpha / r, its target names).
+"""kimi_sglang_plugin.adapters: the adapter as SGLang serves it (one lora_alpha / r, its target names).
 
 Oracles: ``kimi_core.reference`` with the original adapter (PEFT semantics: rank_pattern / alpha_pattern,
 rsLoRA) against the prepared one read with one global scaling, and SGLang's own
@@ -10,14 +10,25 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kimi_core.errors import AdapterRejected
 from kimi_core.lora import Adapter, LoraSpec, random_adapter
 from kimi_core.reference import load_reference_model
-from kimi_sglang_plugin.adapter_prep import AdapterRejected, prepare_adapter, save_prepared
+from kimi_sglang_plugin.adapters import prepare_adapter, save_prepared
 from kimi_sglang_plugin.mapping import lora_target_modules
 
 IDS = torch.tensor([[5, 17, 99, 3, 250, 511, 42, 7]])
-K3_LEAVES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj",
-             "w1", "w3", "w2")
+K3_LEAVES = (
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "w1",
+    "w3",
+    "w2",
+)
 
 
 def _global_scaling_only(ad: Adapter) -> Adapter:
@@ -36,15 +47,23 @@ def k3(tiny_ckpt):
     return path, load_config(path), load_reference_model(path, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("layout,normalize,rslora", [("shared_outer", False, False), ("per_expert", True, False),
-                                                     ("per_expert", False, True)])
+@pytest.mark.parametrize(
+    "layout,normalize,rslora",
+    [("shared_outer", False, False), ("per_expert", True, False), ("per_expert", False, True)],
+)
 def test_prepared_adapter_is_served_alike_by_global_scaling(k3, layout, normalize, rslora):
     """Capacity-normalised experts (rank_pattern), rsLoRA and plain adapters: the prepared adapter read with
     SGLang's one ``lora_alpha / r`` (no patterns, no rsLoRA, one rank) gives the logprobs of the original
     read with PEFT's per-module scaling (float64 reference)."""
     _, cfg, ref = k3
-    spec = LoraSpec(rank=16, alpha=32.0, target_modules=K3_LEAVES, expert_layout=layout,
-                    normalize_moe_lora=normalize, use_rslora=rslora)
+    spec = LoraSpec(
+        rank=16,
+        alpha=32.0,
+        target_modules=K3_LEAVES,
+        expert_layout=layout,
+        normalize_moe_lora=normalize,
+        use_rslora=rslora,
+    )
     ad = random_adapter(cfg, spec, seed=3, b_std=0.5)
     prepared = prepare_adapter(ad, cfg)
     want = ref.logprobs(IDS[:, :-1], IDS[:, 1:], adapter=ad)
@@ -65,7 +84,9 @@ def test_target_modules_pass_sglang_subset_check(k3):
     from sglang.srt.lora.utils import get_normalized_target_modules
 
     _, cfg, _ = k3
-    ad = random_adapter(cfg, LoraSpec(rank=8, alpha=16.0, target_modules=K3_LEAVES, expert_layout="shared_outer"), seed=1)
+    ad = random_adapter(
+        cfg, LoraSpec(rank=8, alpha=16.0, target_modules=K3_LEAVES, expert_layout="shared_outer"), seed=1
+    )
     engine = get_normalized_target_modules(lora_target_modules(K3_LEAVES))
     prepared = prepare_adapter(ad, cfg).adapter_config["target_modules"]
     assert get_normalized_target_modules(prepared) <= engine, (prepared, engine)
@@ -96,7 +117,7 @@ def test_save_prepared_is_atomic(k3, tmp_path):
 def test_unprepared_config_refused(k3):
     """check_served_config refuses configs SGLang would misread (rank_pattern, rsLoRA) or refuse (HF expert
     leaves, KDA projections), naming the field; a prepared adapter's config passes."""
-    from kimi_sglang_plugin.adapter_prep import check_served_config
+    from kimi_sglang_plugin.adapters import check_served_config
 
     _, cfg, _ = k3
     ad = random_adapter(cfg, LoraSpec(rank=16, alpha=32.0, target_modules=K3_LEAVES, normalize_moe_lora=True), seed=4)
@@ -108,3 +129,18 @@ def test_unprepared_config_refused(k3):
     with pytest.raises(AdapterRejected, match=r"target_modules \['w1', 'w2', 'w3'\]"):
         check_served_config(plain.adapter_config)
     check_served_config(prepare_adapter(ad, cfg).adapter_config)
+
+
+def test_prepare_adapter_takes_a_folder(k3, tmp_path):
+    """prepare_adapter(folder, config) loads the PEFT folder and gives what the loaded adapter gives; a folder
+    without an adapter is refused with AdapterRejected naming it."""
+    _, cfg, _ = k3
+    ad = random_adapter(cfg, LoraSpec(rank=8, alpha=16.0, target_modules=K3_LEAVES), seed=6)
+    folder = tmp_path / "v7"
+    ad.save_replacing(str(folder))
+    from_folder, from_object = prepare_adapter(str(folder), cfg), prepare_adapter(Adapter.load(str(folder)), cfg)
+    assert from_folder.adapter_config == from_object.adapter_config
+    assert sorted(from_folder.tensors) == sorted(from_object.tensors)
+    assert all(torch.equal(from_folder.tensors[n], t) for n, t in from_object.tensors.items())
+    with pytest.raises(AdapterRejected, match="missing"):
+        prepare_adapter(tmp_path / "missing", cfg)

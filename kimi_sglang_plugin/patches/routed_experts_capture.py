@@ -1,7 +1,7 @@
 """K3 routed-experts capture (``--enable-return-routed-experts``, what miles' rollout routing replay reads) on
 SGLang 0.5.17.
 
-0.5.17 cannot return routed experts for the in-tree K3 at all (H200, 2026-12-02, stock and through the plugin):
+0.5.17 cannot return routed experts for the in-tree K3 at all (stock, and through the plugin without these hooks):
 
 * ``RoutedExpertsCapturer.__init__`` (``srt/state_capturer/routed_experts.py:69``) reads
   ``hf_text_config.num_experts_per_tok``; K3's ``KimiLinearConfig`` names it ``num_experts_per_token`` and has no
@@ -16,7 +16,7 @@ so these hooks apply to 0.5.17 only.
 
 from __future__ import annotations
 
-from kimi_sglang_plugin.hooks.config_alias import alias_field
+from kimi_sglang_plugin.patches.config_alias import alias_field
 
 
 def alias_num_experts_per_tok(result, config, *args, **kwargs):

@@ -5,9 +5,9 @@ concatenates the bf16 weights of ``shared_experts.gate_up_proj``, the router ``g
 ``routed_expert_down_proj`` into one ``[gu + E + latent, H]`` buffer, and ``_forward_fused`` then multiplies the
 hidden states by that buffer and the shared experts' activations by ``shared_experts.down_proj.weight``
 directly. SGLang's LoRA wraps those modules *after* the merge, and the fused path never calls them: shared-expert
-LoRA is accepted, loaded and silently not applied (H200, 0.5.17, 2026-12-02: the gate/up/down adapter served
-0.136 relative RMS off the reference with that adapter, against a bf16 floor of 1.8e-3; the routed-expert and
-attention adapters in the same engine were within the floor). 0.5.23 merges the same way.
+LoRA is accepted, loaded and silently not applied (a shared gate/up/down adapter is served far outside the
+bf16 floor, while routed-expert and attention adapters in the same engine are within it). 0.5.23 merges the
+same way.
 
 Fix: when LoRA is enabled on the server (``--enable-lora`` or ``--lora-paths``) the merge is skipped, so
 ``_front_w`` stays ``None`` and every forward takes ``_forward_unfused``, which calls the (LoRA-wrapped) modules.
@@ -32,8 +32,7 @@ def server_lora_enabled() -> bool:
         args = get_server_args()
         return bool(args.enable_lora) or (args.enable_lora is None and bool(args.lora_paths))
     except Exception as e:  # not published yet / another layout: be correct rather than fast
-        log.warning("kimi_sglang_plugin: cannot read SGLang's server arguments (%s); K3's MoE front stays "
-                    "unmerged", e)
+        log.warning("kimi_sglang_plugin: cannot read SGLang's server arguments (%s); K3's MoE front stays unmerged", e)
         return True
 
 
@@ -42,8 +41,9 @@ def merge_front_weights_unless_lora(original, moe, *args, **kwargs):
     global _logged
     if server_lora_enabled():
         if not _logged:
-            log.info("kimi_sglang_plugin: LoRA on, K3 MoE layers keep their front unmerged (shared-expert LoRA "
-                     "applies)")
+            log.info(
+                "kimi_sglang_plugin: LoRA on, K3 MoE layers keep their front unmerged (shared-expert LoRA applies)"
+            )
             _logged = True
         return None
     return original(moe, *args, **kwargs)
