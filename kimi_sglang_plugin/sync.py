@@ -41,8 +41,7 @@ from typing import Mapping
 
 import torch
 
-from kimi_core.lora import iter_buckets
-from kimi_core.lora.buckets import Bucket
+from kimi_core.sync import Bucket, iter_buckets
 
 __all__ = ["RankLayout", "LoraSyncPayload", "build_rank_buckets", "build_payload", "decode_payload",
            "sha256_hex", "StockSGLangBackend", "MilesRegisterBackend", "LOAD_FORMAT"]

@@ -1,8 +1,6 @@
-"""GPU block sums for bucket checksums, fused into the copy that moves the bytes.
+"""The block sums of :mod:`kimi_core.sync.checksum` on a CUDA device: one Triton program per block.
 
-:func:`kimi_core.lora.buckets.region_sums` cuts every tensor region of a bucket into blocks of
-``BLOCK_WORDS`` little-endian 64-bit words and sums each block mod 2^64. This module computes those
-block sums on a CUDA device with one Triton program per block, and the same program can
+The same program can
 
 * store the words it read at the block's destination (the checksum rides in the copy: one read,
   one write);
@@ -11,22 +9,15 @@ block sums on a CUDA device with one Triton program per block, and the same prog
 * compare each sum with the sender's (``expect_base``) and raise a device flag, so a receiver
   synchronises once per adapter version, not once per bucket.
 
-Every address must be memory of the launch device: loads from a peer GPU's IPC-mapped buffer
-fault on H200 (measured), so a cross-GPU receiver copies first.
+Every address must be memory of the launch device (a cross-GPU receiver copies first).
 
-Block table (``int64 [6, n_blocks]`` on the launch device, built in
-:mod:`kimi_core.lora.block_tables`): per block the source word, how many words to read from the
-source (the rest of the block reads as zero: a tensor's alignment gap), the destination word, the
-block length in words (``<= BLOCK``), the word of its sum, the word of the sender's sum; the byte
-address of row r is ``base_r + 8 * row``, with each base a launch argument (0 for absolute rows), so
-one launch can span many tensors or many buckets. Sums are ``int64`` whose bits are the unsigned
-sums (Triton's 64-bit adds wrap).
-
-Launch shape: ``CHUNK_WORDS`` words per load step and ``NUM_WARPS`` warps per program (and
-``STREAM_HINTS``: evict-first loads and streaming stores on whole blocks), chosen by
-``benchmarks/cuda_ipc_sync.py --tune`` on an H200 (RESULTS.md; one program per block beat fewer
-programs looping over blocks, and a sums pass beside a copy-engine transfer hides behind it at full
-width).
+Block table (``int64 [6, n_blocks]`` on the launch device, built in :mod:`kimi_core.sync.block_tables`):
+per block the source word, how many words to read from the source (the rest of the block reads as zero:
+a tensor's alignment gap), the destination word, the block length in words (``<= BLOCK``), the word of
+its sum, the word of the sender's sum; the byte address of row r is ``base_r + 8 * row``, with each base
+a launch argument (0 for absolute rows), so one launch can span many tensors or many buckets. Sums are
+``int64`` whose bits are the unsigned sums (Triton's 64-bit adds wrap). The torch reference is the CPU
+path of :func:`kimi_core.sync.checksum.copy_block_sums`.
 """
 
 from __future__ import annotations
@@ -37,9 +28,10 @@ import torch
 
 __all__ = ["CHUNK_WORDS", "NUM_WARPS", "STREAM_HINTS", "copy_sum_blocks"]
 
-CHUNK_WORDS = 4096  # --tune on an H200 (RESULTS.md, 2026-11-30): 4096 x 4 warps with hints, 1.87 TB/s fused
+# launch shape and cache hints: `benchmarks/adapter_sync.py tune`; see docs/performance.md#adapter-sync
+CHUNK_WORDS = 4096
 NUM_WARPS = 4
-STREAM_HINTS = True  # streaming cache hints on whole blocks (swept by --tune)
+STREAM_HINTS = True
 
 _KERNEL = None
 
@@ -51,10 +43,23 @@ def _kernel():
         import triton.language as tl
 
         @triton.jit
-        def _copy_sum_blocks(table, n_blocks, src_base, dst_base, sums_base, expect_base, flag,
-                             COPY: tl.constexpr, SUMS: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr,
-                             CHUNK: tl.constexpr, ALIGNED: tl.constexpr, LOAD_EVICT: tl.constexpr,
-                             STORE_CACHE: tl.constexpr):
+        def _copy_sum_blocks(
+            table,
+            n_blocks,
+            src_base,
+            dst_base,
+            sums_base,
+            expect_base,
+            flag,
+            COPY: tl.constexpr,
+            SUMS: tl.constexpr,
+            CHECK: tl.constexpr,
+            BLOCK: tl.constexpr,
+            CHUNK: tl.constexpr,
+            ALIGNED: tl.constexpr,
+            LOAD_EVICT: tl.constexpr,
+            STORE_CACHE: tl.constexpr,
+        ):
             blk = tl.program_id(0)
             src_word = tl.load(table + blk)
             n_src = tl.load(table + n_blocks + blk)
@@ -92,10 +97,20 @@ def _kernel():
     return _KERNEL
 
 
-def copy_sum_blocks(table: torch.Tensor, block_words: int, *, src_base: int, dst_base: int | None = None,
-                    sums_base: int | None = None, expect_base: int | None = None, flag: torch.Tensor | None = None,
-                    aligned: bool = False, chunk_words: int | None = None, num_warps: int | None = None,
-                    stream_hints: bool | None = None) -> None:
+def copy_sum_blocks(
+    table: torch.Tensor,
+    block_words: int,
+    *,
+    src_base: int,
+    dst_base: int | None = None,
+    sums_base: int | None = None,
+    expect_base: int | None = None,
+    flag: torch.Tensor | None = None,
+    aligned: bool = False,
+    chunk_words: int | None = None,
+    num_warps: int | None = None,
+    stream_hints: bool | None = None,
+) -> None:
     """Launch one program per block of ``table`` (see the module docstring) on ``table``'s device.
 
     Each ``*_base`` is a byte address (``tensor.data_ptr()``, or ``0`` where the table's row is
@@ -124,10 +139,21 @@ def copy_sum_blocks(table: torch.Tensor, block_words: int, *, src_base: int, dst
     stream = STREAM_HINTS if stream_hints is None else stream_hints
     # CPU tensors only under TRITON_INTERPRET=1 (the tests); addresses are then host memory
     with torch.cuda.device(table.device) if table.device.type == "cuda" else contextlib.nullcontext():
-        _kernel()[(n,)](table, n, src_base, dst_base or 0, sums_base or 0, expect_base or 0,
-                        flag if flag is not None else table, COPY=dst_base is not None, SUMS=sums_base is not None,
-                        CHECK=flag is not None, BLOCK=block_words, CHUNK=min(chunk_words or CHUNK_WORDS, block_words),
-                        ALIGNED=aligned, num_warps=num_warps or NUM_WARPS,
-                        # streaming: read once, written for another process: keep both out of L2
-                        **(dict(LOAD_EVICT="evict_first", STORE_CACHE=".cs") if stream else
-                           dict(LOAD_EVICT="", STORE_CACHE="")))
+        _kernel()[(n,)](
+            table,
+            n,
+            src_base,
+            dst_base or 0,
+            sums_base or 0,
+            expect_base or 0,
+            flag if flag is not None else table,
+            COPY=dst_base is not None,
+            SUMS=sums_base is not None,
+            CHECK=flag is not None,
+            BLOCK=block_words,
+            CHUNK=min(chunk_words or CHUNK_WORDS, block_words),
+            ALIGNED=aligned,
+            num_warps=num_warps or NUM_WARPS,
+            # streaming: read once, written for another process: keep both out of L2
+            **(dict(LOAD_EVICT="evict_first", STORE_CACHE=".cs") if stream else dict(LOAD_EVICT="", STORE_CACHE="")),
+        )

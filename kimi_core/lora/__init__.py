@@ -4,7 +4,7 @@ checksums, and size accounting. Used by ``kimi_core.reference``, the engine plug
 """
 
 from kimi_core.lora.adapter import Adapter, AdapterError
-from kimi_core.lora.buckets import Bucket, BucketChecksumError, assemble, filter_experts, iter_buckets
+from kimi_core.sync.buckets import Bucket, BucketChecksumError, assemble, filter_experts, iter_buckets
 from kimi_core.lora.config import ALL_LINEAR, AdapterConfigError, LoraSpec, read_adapter_config, write_adapter_config
 from kimi_core.lora.layouts import convert_layout
 from kimi_core.lora.naming import iter_targets, target_shapes

@@ -1,8 +1,10 @@
-"""Adapter-only sync transports: by disk for vLLM (:mod:`.disk`), by shared memory as the CPU stand-in
-for SGLang's CUDA-IPC buckets (:mod:`.shm`). Both: ``publish(adapter, version) -> (name, timings)``,
-``receive(version) -> Adapter``, :class:`AdapterSyncError` on a missing or corrupt version."""
+"""The adapter sync's transports behind the protocol of :mod:`kimi_core.sync` (``publish(adapter, k) ->
+(sent, timings)``, ``receive(k, sent) -> Adapter``, :class:`AdapterSyncError` naming the version, bucket and
+tensor): by disk for vLLM (:mod:`.disk`), by CUDA IPC for SGLang and miles (:mod:`.cuda_ipc`, imported on
+use: it needs a GPU). Which transport a host uses is answered by the plugins' ``kimi_rl_sync_transports``
+hook (:func:`kimi_rl_glue.plugins.sync_transports`)."""
 
-from kimi_rl_glue.sync.disk import AdapterSyncError, DiskAdapterSync
-from kimi_rl_glue.sync.shm import ShmAdapterSync
+from kimi_core.sync import AdapterSyncError, AdapterTransport
+from kimi_rl_glue.sync.disk import DiskAdapterSync
 
-__all__ = ["AdapterSyncError", "DiskAdapterSync", "ShmAdapterSync"]
+__all__ = ["AdapterSyncError", "AdapterTransport", "DiskAdapterSync"]

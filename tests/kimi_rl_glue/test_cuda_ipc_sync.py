@@ -1,50 +1,64 @@
 """CUDA-IPC adapter transport: clear errors without a GPU and for bad manifests; on GPUs (``-m gpu``)
 versions through reused buffers arrive byte-exact and a flipped byte is named (timing:
-``benchmarks/cuda_ipc_sync.py``)."""
+``benchmarks/adapter_sync.py cuda-ipc``)."""
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 import struct
-import zlib
 
 import pytest
 import torch
 
 from kimi_core.lora import Adapter
+from kimi_core.sync import AdapterSyncError, AdapterTransport
 from kimi_rl_glue.sync.cuda_ipc import CudaIpcAdapterSync
-from kimi_rl_glue.sync.disk import AdapterSyncError
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_without_cuda_names_the_cpu_transport():
-    with pytest.raises(AdapterSyncError, match="ShmAdapterSync"):
+    with pytest.raises(AdapterSyncError, match="DiskAdapterSync"):
         CudaIpcAdapterSync()
 
 
-_HEADER = struct.Struct("<QIQI?")
+def test_implements_the_protocol():
+    """The CUDA-IPC transport has the protocol's publish / receive (checked without a GPU)."""
+    assert issubclass(CudaIpcAdapterSync, AdapterTransport)
+
+
+_HEADER = struct.Struct("<Q16sQ16s?")
+
+
+def _b2(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def _framed(body: bytes, blob: bytes = b"") -> bytes:
-    """The documented frame: little-endian u64 body length, u32 CRC-32 (zlib) of the body, u64 layout
-    blob length, u32 its CRC-32, bool "CRCs set"; then the body and the blob."""
-    return _HEADER.pack(len(body), zlib.crc32(body), len(blob), zlib.crc32(blob), True) + body + blob
+    """The documented frame: little-endian u64 body length, BLAKE2b-128 of the body, u64 layout blob length,
+    its BLAKE2b-128, bool "digests set"; then the body and the blob."""
+    return _HEADER.pack(len(body), _b2(body), len(blob), _b2(blob), True) + body + blob
 
 
 def _body(manifest: bytes) -> dict:
-    return pickle.loads(manifest[_HEADER.size: _HEADER.size + _HEADER.unpack_from(manifest)[0]])
+    return pickle.loads(manifest[_HEADER.size : _HEADER.size + _HEADER.unpack_from(manifest)[0]])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("manifest, match", [(_framed(b"not a pickle"), "corrupt"),
-                                             (b"x" * 25 + pickle.dumps({"version": 4}), "CRC-32"),
-                                             (_framed(pickle.dumps({"version": 4}), b"not a layout"), "layout"),
-                                             (_framed(pickle.dumps({"version": 4}))[:-3], "CRC-32"),
-                                             (_framed(pickle.dumps({"version": 4}))[:5], "CRC-32"),
-                                             (_framed(pickle.dumps({"version": 3})), "version 3, expected 4")])
+@pytest.mark.parametrize(
+    "manifest, match",
+    [
+        (_framed(b"not a pickle"), "corrupt"),
+        (b"x" * 49 + pickle.dumps({"version": 4}), "digest"),
+        (_framed(pickle.dumps({"version": 4}), b"not a layout"), "layout"),
+        (_framed(pickle.dumps({"version": 4}))[:-3], "digest"),
+        (_framed(pickle.dumps({"version": 4}))[:5], "digest"),
+        (_framed(pickle.dumps({"version": 3})), "version 3, expected 4"),
+    ],
+)
 def test_bad_or_stale_manifest_is_named(manifest, match):
     with pytest.raises(AdapterSyncError, match=match):
-        CudaIpcAdapterSync(0).receive(manifest, 4)
+        CudaIpcAdapterSync(0).receive(4, manifest)
 
 
 def _engine(gpu: int, conn) -> None:
@@ -54,7 +68,7 @@ def _engine(gpu: int, conn) -> None:
     sync, last = CudaIpcAdapterSync(gpu, bucket_bytes=1 << 20), None
     while (msg := conn.recv()) is not None:
         try:
-            last = sync.receive(*msg)
+            last = sync.receive(msg[1], msg[0])
             conn.send({k: v.cpu() for k, v in last.tensors.items()})
         except AdapterSyncError as e:
             conn.send((str(e), {k: v.cpu() for k, v in last.tensors.items()}))
@@ -110,8 +124,8 @@ def test_versions_through_reused_buffers_arrive_exactly(engine_gpu):
 
 _COPY_VERSION_SCRIPT = r"""
 import torch
-from kimi_core.lora import BucketChecksumError, iter_buckets
-from kimi_core.lora.buckets import copy_block_sums
+from kimi_core.sync import BucketChecksumError, iter_buckets
+from kimi_core.sync.checksum import copy_block_sums
 from kimi_rl_glue.sync.cuda_ipc import CudaIpcAdapterSync
 
 def wire(b):  # the bucket's bytes, then its block sums (numpy on the CPU), as the trainer's GPU flatten writes them
@@ -152,8 +166,14 @@ def test_colocated_version_copy_in_triton_interpreter():
 
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, "-c", _COPY_VERSION_SCRIPT], capture_output=True, text=True, timeout=600,
-                         cwd=root, env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root))
+    res = subprocess.run(
+        [sys.executable, "-c", _COPY_VERSION_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+        env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root),
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "COPY True FLAG 0 PENDING" in res.stdout and "FLAG2 1 NAMED True" in res.stdout, res.stdout
     assert "BUCKETS 1 " not in res.stdout, res.stdout  # several buckets in the one launch

@@ -1,4 +1,5 @@
-"""GPU bucket checksums (Triton block sums, fused copy) equal the numpy ``region_sums``; CPU copy path too."""
+"""GPU bucket checksums (kimi_core/kernels/block_sums.py: Triton block sums, fused copy) equal the numpy ones of
+kimi_core/sync/checksum.py; CPU copy path too."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from kimi_core.lora import iter_buckets
-from kimi_core.lora.buckets import BLOCK_WORDS, copy_block_sums, copy_region_sums, region_sums
-from kimi_core.lora.version_layout import flatten_version
+from kimi_core.sync import iter_buckets
+from kimi_core.sync.checksum import BLOCK_WORDS, copy_block_sums, copy_region_sums, region_sums
+from kimi_core.sync.version_layout import flatten_version
 
 
 def _regions(seed: int) -> tuple[torch.Tensor, list[int]]:
@@ -46,7 +47,7 @@ def _brute_block_sums(buf: torch.Tensor, starts: list[int]) -> list[int]:
     out = []
     for a, b in zip(bounds, bounds[1:]):
         for s in range(a, b, BLOCK_WORDS):
-            out.append(sum(words[s:min(s + BLOCK_WORDS, b)]) % (1 << 64))
+            out.append(sum(words[s : min(s + BLOCK_WORDS, b)]) % (1 << 64))
     return out
 
 
@@ -59,7 +60,7 @@ def test_block_sums_equal_brute_force_and_name_the_corrupt_tensor():
     bad = buf.clone()
     victim = 5  # a multi-block region
     bad[starts[victim] + 8 * BLOCK_WORDS + 3] ^= 0x40
-    from kimi_core.lora.buckets import first_bad_region
+    from kimi_core.sync.checksum import first_bad_region
 
     assert first_bad_region(copy_block_sums(bad, None, starts), got, starts, buf.numel()) == victim
     assert first_bad_region(got, got, starts, buf.numel()) is None
@@ -90,8 +91,12 @@ def test_gpu_region_sums_equal_numpy(seed):
 @pytest.mark.gpu
 def test_gpu_buckets_equal_cpu_buckets():
     g = torch.Generator().manual_seed(3)
-    tensors = {f"t{i}": torch.randn(n, generator=g).to(dt) for i, (n, dt) in
-               enumerate([(1000, torch.bfloat16), (7, torch.float32), (40000, torch.bfloat16), (3, torch.bfloat16)])}
+    tensors = {
+        f"t{i}": torch.randn(n, generator=g).to(dt)
+        for i, (n, dt) in enumerate(
+            [(1000, torch.bfloat16), (7, torch.float32), (40000, torch.bfloat16), (3, torch.bfloat16)]
+        )
+    }
     cpu = list(iter_buckets(tensors, 64 << 10))
     gpu = list(iter_buckets({k: v.cuda() for k, v in tensors.items()}, 64 << 10, device="cuda"))
     assert [b.checksum for b in cpu] == [b.checksum for b in gpu]
@@ -119,9 +124,13 @@ def _word_tensors(seed: int) -> dict[str, torch.Tensor]:
     """Tensors of whole 8-byte words, incl. a view at an 8-byte aligned offset."""
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(4, 3 * BLOCK_WORDS + 12, generator=g).to(torch.bfloat16)
-    return {"a": torch.randn(4, 64, generator=g).to(torch.bfloat16), "b": torch.randn(5, generator=g).double(),
-            "big": torch.randn(3 * BLOCK_WORDS + 20, generator=g), "row": base[1, 4:],
-            "c": torch.randint(-2**62, 2**62, (BLOCK_WORDS,), generator=g)}
+    return {
+        "a": torch.randn(4, 64, generator=g).to(torch.bfloat16),
+        "b": torch.randn(5, generator=g).double(),
+        "big": torch.randn(3 * BLOCK_WORDS + 20, generator=g),
+        "row": base[1, 4:],
+        "c": torch.randint(-(2**62), 2**62, (BLOCK_WORDS,), generator=g),
+    }
 
 
 @pytest.mark.gpu
@@ -137,9 +146,13 @@ def test_gpu_flatten_with_block_sums(odd, sums):
     cpu = list(iter_buckets(tensors, 40 << 10, checksum=False))
     on_gpu = {k: v.cuda() for k, v in tensors.items()}
     for i in range(4):  # iter_buckets, twice (cached tables), then flatten_version (one launch), twice
-        gpu = (list(iter_buckets(on_gpu, 40 << 10, checksum=False, device="cuda", block_sums=sums)) if i < 2 else
-               flatten_version(on_gpu, 40 << 10, device=torch.device("cuda", torch.cuda.current_device()),
-                               block_sums=sums)[0])
+        gpu = (
+            list(iter_buckets(on_gpu, 40 << 10, checksum=False, device="cuda", block_sums=sums))
+            if i < 2
+            else flatten_version(
+                on_gpu, 40 << 10, device=torch.device("cuda", torch.cuda.current_device()), block_sums=sums
+            )[0]
+        )
         assert len(cpu) == len(gpu) > 1
         for c, g in zip(cpu, gpu):
             assert torch.equal(g.buffer.cpu(), c.buffer)
@@ -186,14 +199,15 @@ import numpy as np, torch
 sys.path.insert(0, sys.argv[1])
 from test_bucket_sums_gpu import _brute_block_sums, _regions, _word_tensors
 from kimi_core.kernels.block_sums import copy_sum_blocks
-from kimi_core.lora import iter_buckets
-from kimi_core.lora.block_tables import BLOCK_WORDS, bucket_table, flatten_table, gather_addresses, version_table
-from kimi_core.lora.buckets import n_blocks
+from kimi_core.sync import iter_buckets
+from kimi_core.sync.block_tables import bucket_table, flatten_table, gather_addresses, version_table
+from kimi_core.sync.checksum import BLOCK_WORDS, n_blocks
 cpu = torch.device("cpu")
 buf, starts = _regions(9)
 table, _ = bucket_table(tuple(starts), buf.numel(), cpu)
 want = torch.tensor(_brute_block_sums(buf, starts), dtype=torch.uint64).view(torch.int64)
-dst, sums, flag = torch.zeros(buf.numel() // 8, dtype=torch.int64), torch.empty_like(want), torch.zeros((), dtype=torch.int32)
+dst, sums = torch.zeros(buf.numel() // 8, dtype=torch.int64), torch.empty_like(want)
+flag = torch.zeros((), dtype=torch.int32)
 copy_sum_blocks(table, BLOCK_WORDS, src_base=buf.data_ptr(), dst_base=dst.data_ptr(), sums_base=sums.data_ptr(),
                 expect_base=want.data_ptr(), flag=flag)
 print("SUMS", torch.equal(sums, want), "COPY", torch.equal(dst.view(torch.uint8), buf), "FLAG0", int(flag))
@@ -226,7 +240,7 @@ print("GATHER", torch.equal(out.view(torch.uint8), ref.buffer),
       s.numpy().view(np.uint64).tolist() == _brute_block_sums(ref.buffer, ref.region_starts()))
 # the trainer's flatten of a whole version in one launch (three buckets), equal to the CPU flatten
 import pickle
-from kimi_core.lora.version_layout import flatten_version
+from kimi_core.sync.version_layout import flatten_version
 got, lay = flatten_version(ts, 40 << 10, device=cpu, block_sums=True)
 cpu_b = list(iter_buckets(ts, 40 << 10, checksum=False))
 # the layout (built once, cached) carries exactly the buckets' metadata for a receiver
@@ -272,8 +286,14 @@ def test_copy_sum_blocks_kernel_in_triton_interpreter():
     pytest.importorskip("triton")
     here = os.path.dirname(__file__)
     root = os.path.dirname(os.path.dirname(os.path.dirname(here)))
-    res = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT, here], capture_output=True, text=True, timeout=600,
-                         cwd=root, env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root))
+    res = subprocess.run(
+        [sys.executable, "-c", _INTERP_SCRIPT, here],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+        env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root),
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "SUMS True COPY True FLAG0 0" in res.stdout and "FLAG1 1" in res.stdout, res.stdout
     assert "GAP [1, 2, 3, 0, 0] 6" in res.stdout, res.stdout

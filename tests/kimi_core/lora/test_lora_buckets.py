@@ -1,4 +1,5 @@
-"""Bucketed adapter streaming: lossless flattening, corruption detection, expert-row filtering."""
+"""Bucketed adapter streaming (kimi_core/sync/buckets.py, checksum.py): lossless flattening, corruption detection,
+expert-row filtering."""
 
 from __future__ import annotations
 
@@ -6,17 +7,25 @@ import pytest
 import torch
 
 from kimi_core.lora import (
-    Bucket, BucketChecksumError, LoraSpec, assemble, convert_layout, filter_experts, iter_buckets, load_adapter,
+    Bucket,
+    BucketChecksumError,
+    LoraSpec,
+    assemble,
+    convert_layout,
+    filter_experts,
+    iter_buckets,
+    load_adapter,
     random_adapter,
 )
-from kimi_core.lora.buckets import region_sums
+from kimi_core.sync.checksum import region_sums
 
 
 @pytest.fixture(scope="module")
 def k3_ad(k3_tiny):
     c = k3_tiny
-    return c, random_adapter(c, LoraSpec(rank=4, expert_layout="shared_outer"), seed=9, layout="per_expert",
-                             dtype=torch.bfloat16)
+    return c, random_adapter(
+        c, LoraSpec(rank=4, expert_layout="shared_outer"), seed=9, layout="per_expert", dtype=torch.bfloat16
+    )
 
 
 @pytest.mark.parametrize("bucket_bytes", [1, 3000, 20_000, 1 << 30], ids=["1B", "3kB", "20kB", "1GB"])
@@ -57,7 +66,7 @@ def test_reordered_blocks_and_metadata_edits_are_detected():
     b = next(iter(iter_buckets(t, 1 << 30)))
     buf = b.buffer.clone()
     blk = 4096 * 8
-    buf[:blk], buf[blk:2 * blk] = b.buffer[blk:2 * blk].clone(), b.buffer[:blk].clone()
+    buf[:blk], buf[blk : 2 * blk] = b.buffer[blk : 2 * blk].clone(), b.buffer[:blk].clone()
     with pytest.raises(BucketChecksumError, match="corrupt"):
         Bucket.from_parts(buf, b.metadata())
     meta = b.metadata()
@@ -78,14 +87,14 @@ def test_region_sums_match_python_reference():
         x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M
         return x ^ (x >> 31)
 
-    words = [int.from_bytes(bytes(buf[i:i + 8].tolist()), "little") for i in range(0, buf.numel(), 8)]
+    words = [int.from_bytes(bytes(buf[i : i + 8].tolist()), "little") for i in range(0, buf.numel(), 8)]
     bounds = [s // 8 for s in starts] + [len(words)]
     want = []
     for i in range(len(starts)):
         a, b = bounds[i], bounds[i + 1]
         acc = 0
         for k, bs in enumerate(range(a, b, 4096)):
-            blk = sum(words[bs:min(bs + 4096, b)]) & M
+            blk = sum(words[bs : min(bs + 4096, b)]) & M
             w = (((2 * k + 1) * 0x9E3779B97F4A7C15) & M) | 1
             acc = (acc + blk * w) & M
         want.append(mix((acc + (b - a)) & M))

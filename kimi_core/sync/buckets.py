@@ -1,19 +1,11 @@
-"""Stream an adapter as flat byte buckets with fast checksums, optionally only some experts' rows.
+"""Stream an adapter as flat byte buckets with their checksums, optionally only some experts' rows.
 
 A :class:`Bucket` is one contiguous ``uint8`` buffer plus a metadata list of
 ``(name, dtype, shape, offset, nbytes, sum)``: the flattened-bucket idea of SGLang's
 ``load_format="flattened_bucket"`` and miles' ``FlattenedTensorBucket`` (our own format). Every
-tensor starts at a multiple of :data:`ALIGN` bytes; the gap after it is zero and belongs to it,
-so each byte of the buffer is covered by exactly one tensor's checksum.
-
-Checksum (:func:`region_sums`): the buffer is read once as little-endian 64-bit words; each
-tensor's region is cut into blocks of :data:`BLOCK_WORDS` words, each block is summed mod 2^64
-(``numpy.add.reduceat``: one pass, memory-bound), block sums are combined with odd position
-weights and mixed (splitmix64 finaliser). A single flipped byte changes one word by
-``v * 2^(8j)`` with ``0 < |v| < 256``; times an odd weight this is still nonzero mod 2^64, so
-it is always detected; swapped blocks are detected through the weights. The bucket checksum is
-BLAKE2b over the metadata (names, shapes, offsets and tensor sums): small, so cryptographic.
-Measured on 2 CPU cores: ~10 GB/s for the sums vs ~1 GB/s SHA-256 (``benchmarks/RESULTS.md``).
+tensor starts at a multiple of :data:`~kimi_core.sync.checksum.ALIGN` bytes; the gap after it is zero
+and belongs to it, so each byte of the buffer is covered by exactly one tensor's sum. The sums and the
+bucket's metadata digest are the scheme of :mod:`kimi_core.sync.checksum`.
 
 Expert filtering (:func:`filter_experts`) gives a consumer rank only experts ``[lo, hi)``:
 per-expert names outside the range are dropped, 3-D ``[E, ...]`` factors and the stacked
@@ -23,34 +15,35 @@ factors and non-expert modules are kept. Names do not change; the range travels 
 
 from __future__ import annotations
 
-from kimi_core.errors import KimiError
-
-import hashlib
-import json
 import math
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
 
-import numpy as np
 import torch
 
-from kimi_core.lora.block_tables import (
-    ALIGN, BLOCK_WORDS, block_layout, bucket_table, starts_key,
+from kimi_core.sync.checksum import (
+    ALIGN,
+    copy_block_sums,
+    first_bad_region,
+    json_digest,
+    n_blocks,
+    region_sums,
 )
-from kimi_core.lora.naming import parse_lora_name
+from kimi_core.sync.errors import BucketChecksumError
 
 __all__ = [
-    "ALIGN", "BLOCK_WORDS", "Bucket", "BucketChecksumError", "TensorMeta",
-    "bucket_metadata", "filter_experts", "group_spans", "iter_buckets", "metas_of", "assemble", "region_sums", "copy_region_sums", "copy_block_sums",
-    "first_bad_region", "n_blocks",
+    "Bucket",
+    "BucketChecksumError",
+    "TensorMeta",
+    "assemble",
+    "bucket_metadata",
+    "cat_into_bucket",
+    "filter_experts",
+    "group_spans",
+    "iter_buckets",
+    "metas_of",
+    "wire_buffer",
 ]
-
-_M64 = (1 << 64) - 1
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-class BucketChecksumError(KimiError, ValueError):
-    """A received bucket does not match its checksums; names the bucket and the tensor."""
 
 
 @dataclass(frozen=True)
@@ -68,125 +61,23 @@ class TensorMeta:
         return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes, f"{self.sum:016x}"]
 
     @classmethod
-    def from_list(cls, x) -> "TensorMeta":
+    def from_list(cls, x) -> TensorMeta:
         return cls(x[0], x[1], tuple(x[2]), int(x[3]), int(x[4]), int(x[5], 16))
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser, vectorised (a bijection: it cannot hide a difference)."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
-
-def _combine(sums: np.ndarray, layout) -> list[int]:
-    """Per-region checksums from the block sums (``uint64 [n_blocks]``) of :func:`block_layout`."""
-    w_starts, nonempty, first_block, local = layout.w_starts, layout.nonempty, layout.first_block, layout.local
-    mixed = np.zeros(len(w_starts) - 1, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        if len(nonempty):
-            weights = (local * np.uint64(2) + np.uint64(1)) * _GOLDEN | np.uint64(1)
-            mixed[nonempty] = np.add.reduceat(sums * weights, first_block)
-        mixed = mixed + np.diff(w_starts).astype(np.uint64)
-    return [int(v) for v in _mix(mixed)]
-
-
-def region_sums(buffer: torch.Tensor | np.ndarray, starts: list[int], total: int | None = None) -> list[int]:
-    """64-bit checksum of each byte region ``[starts[i], starts[i+1])`` (last one ends at ``total``).
-
-    ``buffer`` is a ``uint8`` tensor (CPU or CUDA) or array whose length and ``starts`` are
-    multiples of 8. On CUDA the block sums run in :func:`kimi_core.kernels.block_sums.block_sums`.
-    """
-    if isinstance(buffer, np.ndarray):
-        buffer = torch.from_numpy(buffer)
-    return copy_region_sums(buffer, None, starts, total)
-
-
-def copy_block_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[int],
-                    total: int | None = None, *, expect: torch.Tensor | None = None,
-                    flag: torch.Tensor | None = None) -> torch.Tensor:
-    """The block sums of ``src`` (``uint8 [>= total]``) as ``int64 [n_blocks]`` (bits = the unsigned
-    sums) on the checking device, copying the first ``total`` bytes to ``dst`` on the way when given.
-
-    On one CUDA device the copy and the sums are one kernel
-    (:func:`kimi_core.kernels.block_sums.copy_sum_blocks`); nothing waits for it. ``expect`` (the
-    sender's ``int64 [n_blocks]`` sums, any GPU) with ``flag`` (``int32 []`` on the checking device)
-    compares in the same kernel and sets ``flag`` to 1 on a mismatch: synchronise once, read
-    ``flag``. Across GPUs (an IPC buffer of a peer): a copy over NVLink, then the sums of the local
-    copy (kernel loads from IPC-mapped peer memory fault on H200, and with peer access on they run
-    at 351 GB/s vs 389 GB/s for the copy engine: measured). On the CPU: a copy,
-    then numpy's ``add.reduceat`` (``expect``/``flag`` compared with torch ops).
-    """
-    total = src.numel() if total is None else total
-    for name, t in (("src", src), ("dst", dst)):  # the kernel writes through raw addresses
-        if t is not None and (t.dtype != torch.uint8 or not t.is_contiguous() or t.numel() < total):
-            raise ValueError(f"copy_block_sums: {name} must be contiguous uint8 of >= {total} bytes, got {t.dtype} "
-                             f"{tuple(t.shape)}")
-    dev = (dst if dst is not None else src).device
-    if dev.type == "cuda" and src.device == dev:
-        from kimi_core.kernels.block_sums import copy_sum_blocks
-
-        table, aligned = bucket_table(starts_key(starts), int(total), dev)
-        sums = torch.empty(table.shape[1], dtype=torch.int64, device=dev)
-        if expect is not None and (expect.numel() != sums.numel() or expect.dtype != torch.int64):
-            raise ValueError(f"copy_block_sums: expect must be int64 [{sums.numel()}], got {expect.dtype} "
-                             f"[{expect.numel()}]")
-        if expect is not None and expect.device != dev:
-            expect = expect.to(dev)
-        copy_sum_blocks(table, BLOCK_WORDS, src_base=src.data_ptr(), dst_base=None if dst is None else dst.data_ptr(),
-                        sums_base=sums.data_ptr(), expect_base=None if expect is None else expect.data_ptr(),
-                        flag=flag, aligned=aligned)
-        return sums
-    if dst is not None:
-        if dst.device.type == "cpu" and src.device.type == "cpu":
-            np.copyto(dst.numpy()[:total], src.numpy()[:total])
-        else:
-            dst[:total].copy_(src[:total])
-        return copy_block_sums(dst, None, starts, total, expect=expect, flag=flag)
-    if src.device.type == "cuda":  # reached only through the copy above: src is now local
-        return copy_block_sums(src, None, starts, total, expect=expect, flag=flag)
-    layout = block_layout(starts, total)
-    words = src.numpy()[:total].view(np.uint64)
-    # regions are contiguous, so reduceat's "up to the next index" is "up to the end of this block"
-    sums = np.add.reduceat(words, layout.bst) if len(layout.bst) else np.zeros(0, np.uint64)
-    out = torch.from_numpy(sums.view(np.int64))
-    if expect is not None:
-        flag |= (out != expect.cpu()).any().to(flag.dtype)
-    return out
-
-
-def copy_region_sums(src: torch.Tensor, dst: torch.Tensor | None, starts: list[int],
-                     total: int | None = None) -> list[int]:
-    """:func:`region_sums` of ``src``, copying it to ``dst`` on the way (:func:`copy_block_sums`)."""
-    total = src.numel() if total is None else total
-    sums = copy_block_sums(src, dst, starts, total)
-    return _combine(sums.cpu().numpy().view(np.uint64), block_layout(starts, total))
-
-
-def first_bad_region(got: torch.Tensor, sent: torch.Tensor, starts: list[int], total: int) -> int | None:
-    """Index of the region holding the first block whose sums differ (``got`` vs ``sent``, both
-    ``int64 [n_blocks]``), or ``None`` if all agree. Host-side; only called once something differs."""
-    got, sent = got.cpu(), sent.cpu()
-    if got.shape != sent.shape:
-        return 0
-    diff = torch.nonzero(got != sent).flatten()
-    if not len(diff):
-        return None
-    lay = block_layout(starts, total)
-    return int(lay.region[int(diff[0])])
-
-
 def _digest(metas: list[TensorMeta], nbytes: int, expert_range) -> str:
-    body = json.dumps({"nbytes": nbytes, "expert_range": expert_range, "tensors": [m.to_list() for m in metas]},
-                      sort_keys=True).encode()
-    return hashlib.blake2b(body, digest_size=16).hexdigest()
+    return json_digest({"nbytes": nbytes, "expert_range": expert_range, "tensors": [m.to_list() for m in metas]})
 
 
 def bucket_metadata(index: int, nbytes: int, checksum: str, expert_range, metas) -> dict:
     """:meth:`Bucket.metadata` of a bucket with these fields (also without building the bucket)."""
-    return {"index": index, "nbytes": nbytes, "checksum": checksum,
-            "expert_range": list(expert_range) if expert_range else None, "tensors": [m.to_list() for m in metas]}
+    return {
+        "index": index,
+        "nbytes": nbytes,
+        "checksum": checksum,
+        "expert_range": list(expert_range) if expert_range else None,
+        "tensors": [m.to_list() for m in metas],
+    }
 
 
 @dataclass
@@ -210,7 +101,7 @@ class Bucket:
     @property
     def block_sums(self) -> torch.Tensor | None:
         """``int64 [n_blocks]`` block sums stored after the bytes in :attr:`wire` (else ``None``)."""
-        return None if self.wire is None else self.wire[self.nbytes:].view(torch.int64)
+        return None if self.wire is None else self.wire[self.nbytes :].view(torch.int64)
 
     @property
     def nbytes(self) -> int:
@@ -221,7 +112,7 @@ class Bucket:
         out = {}
         for m in self.metas:
             dt = getattr(torch, m.dtype)
-            out[m.name] = self.buffer[m.offset: m.offset + m.nbytes].view(dt).view(m.shape)
+            out[m.name] = self.buffer[m.offset : m.offset + m.nbytes].view(dt).view(m.shape)
         return out
 
     def metadata(self) -> dict:
@@ -229,14 +120,21 @@ class Bucket:
         return bucket_metadata(self.index, self.nbytes, self.checksum, self.expert_range, self.metas)
 
     @classmethod
-    def from_parts(cls, buffer: torch.Tensor, metadata: dict, verify: bool = True) -> "Bucket":
+    def from_parts(cls, buffer: torch.Tensor, metadata: dict, verify: bool = True) -> Bucket:
         """The receiving side: wrap a received buffer and its metadata; verifies by default."""
         rng = metadata.get("expert_range")
-        b = cls(int(metadata["index"]), buffer, [TensorMeta.from_list(x) for x in metadata["tensors"]],
-                metadata["checksum"], tuple(rng) if rng else None)
+        b = cls(
+            int(metadata["index"]),
+            buffer,
+            [TensorMeta.from_list(x) for x in metadata["tensors"]],
+            metadata["checksum"],
+            tuple(rng) if rng else None,
+        )
         if buffer.dtype != torch.uint8 or buffer.ndim != 1 or buffer.numel() != int(metadata["nbytes"]):
-            raise BucketChecksumError(f"bucket {b.index}: buffer must be uint8 [{metadata['nbytes']}], got "
-                                      f"{buffer.dtype} {tuple(buffer.shape)}")
+            raise BucketChecksumError(
+                f"bucket {b.index}: buffer must be uint8 [{metadata['nbytes']}], got "
+                f"{buffer.dtype} {tuple(buffer.shape)}"
+            )
         if verify:
             b.verify()
         return b
@@ -252,16 +150,20 @@ class Bucket:
         """Check only the metadata digest (the block-sum transport checks the bytes separately)."""
         d = self._metadata_digest()
         if d != self.checksum:
-            raise BucketChecksumError(f"bucket {self.index}: metadata checksum {d} != sent {self.checksum} "
-                                      "(names, shapes, offsets or sums were altered)")
+            raise BucketChecksumError(
+                f"bucket {self.index}: metadata checksum {d} != sent {self.checksum} "
+                "(names, shapes, offsets or sums were altered)"
+            )
 
     def check_blocks(self, got: torch.Tensor, sent: torch.Tensor) -> None:
         """Raise :class:`BucketChecksumError` naming the first tensor whose block sums differ."""
         i = first_bad_region(got, sent, self.region_starts(), self.nbytes)
         if i is not None:
             m = self.metas[i]
-            raise BucketChecksumError(f"bucket {self.index}: tensor {m.name!r} (bytes {m.offset}..{m.offset + m.nbytes}) "
-                                      "is corrupt: block sums differ from the sent ones")
+            raise BucketChecksumError(
+                f"bucket {self.index}: tensor {m.name!r} (bytes {m.offset}..{m.offset + m.nbytes}) "
+                "is corrupt: block sums differ from the sent ones"
+            )
 
     def region_starts(self) -> list[int]:
         """Byte offset of every tensor region (the ``starts`` of :func:`region_sums`)."""
@@ -279,17 +181,13 @@ class Bucket:
             if s != m.sum:
                 raise BucketChecksumError(
                     f"bucket {self.index}: tensor {m.name!r} (bytes {m.offset}..{m.offset + m.nbytes}) is corrupt: "
-                    f"checksum {s:016x} != sent {m.sum:016x}")
+                    f"checksum {s:016x} != sent {m.sum:016x}"
+                )
         self.verify_metadata()
 
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def n_blocks(starts: list[int], total: int) -> int:
-    """How many checksum blocks a bucket with regions ``starts`` and ``total`` bytes has."""
-    return len(block_layout(starts, total).bst)
 
 
 def _metas(items: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorMeta], int]:
@@ -307,20 +205,29 @@ def metas_of(signature) -> tuple[list[TensorMeta], int]:
     return metas, off
 
 
-def _wire_buffer(index: int, off: int, starts: list[int], device: torch.device, block_sums: bool,
-                 allocate) -> tuple[torch.Tensor, torch.Tensor | None]:
+def wire_buffer(
+    index: int, off: int, starts: list[int], device: torch.device, block_sums: bool, allocate
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A GPU bucket's ``(buffer, wire)``: one allocation (from ``allocate`` when given) holding the
     ``off`` bytes and, with ``block_sums``, the block sums after them (``wire`` is ``None`` without)."""
     n = off + (8 * n_blocks(starts, off) if block_sums else 0)
     wire = allocate(index, n) if allocate else torch.empty(n, dtype=torch.uint8, device=device)
     if wire.dtype != torch.uint8 or wire.shape != (n,) or wire.device != device:
-        raise ValueError(f"iter_buckets: allocate({index}, {n}) must return uint8 [{n}] on {device}, got "
-                         f"{wire.dtype} {tuple(wire.shape)} on {wire.device}")
+        raise ValueError(
+            f"iter_buckets: allocate({index}, {n}) must return uint8 [{n}] on {device}, got "
+            f"{wire.dtype} {tuple(wire.shape)} on {wire.device}"
+        )
     return wire[:off], (wire if block_sums else None)
 
 
-def _cat_into(items: list[tuple[str, torch.Tensor]], metas: list[TensorMeta], buf: torch.Tensor,
-              wire: torch.Tensor | None, starts: list[int], device: torch.device) -> None:
+def cat_into_bucket(
+    items: list[tuple[str, torch.Tensor]],
+    metas: list[TensorMeta],
+    buf: torch.Tensor,
+    wire: torch.Tensor | None,
+    starts: list[int],
+    device: torch.device,
+) -> None:
     """Flatten ``items`` into the GPU bucket ``buf`` with one concatenation (tensors and their zero
     gaps; any device, layout or alignment), then its block sums into ``wire``'s tail when given."""
     cat, zeros = [], torch.zeros(ALIGN, dtype=torch.uint8, device=device)
@@ -330,12 +237,19 @@ def _cat_into(items: list[tuple[str, torch.Tensor]], metas: list[TensorMeta], bu
             cat.append(zeros[: _align(m.nbytes) - m.nbytes])
     torch.cat(cat, out=buf)
     if wire is not None:
-        wire[buf.numel():].view(torch.int64).copy_(copy_block_sums(buf, None, starts, buf.numel()))
+        wire[buf.numel() :].view(torch.int64).copy_(copy_block_sums(buf, None, starts, buf.numel()))
 
 
-def _flatten(index: int, items: list[tuple[str, torch.Tensor]], expert_range, checksum: bool,
-             staging: list | None = None, device: torch.device | None = None, block_sums: bool = False,
-             allocate=None) -> Bucket:
+def _flatten(
+    index: int,
+    items: list[tuple[str, torch.Tensor]],
+    expert_range,
+    checksum: bool,
+    staging: list | None = None,
+    device: torch.device | None = None,
+    block_sums: bool = False,
+    allocate=None,
+) -> Bucket:
     metas, off = _metas(items)
     device = torch.device(device or "cpu")
     starts = [m.offset for m in metas]
@@ -343,7 +257,7 @@ def _flatten(index: int, items: list[tuple[str, torch.Tensor]], expert_range, ch
     if block_sums or allocate:
         if device.type != "cuda" or staging is not None:
             raise ValueError("iter_buckets: block_sums=True or allocate= needs a CUDA device and no staging buffer")
-        buf, wire = _wire_buffer(index, off, starts, device, block_sums, allocate)
+        buf, wire = wire_buffer(index, off, starts, device, block_sums, allocate)
     elif staging is None:
         buf = torch.empty(off, dtype=torch.uint8, device=device)
     else:
@@ -357,10 +271,10 @@ def _flatten(index: int, items: list[tuple[str, torch.Tensor]], expert_range, ch
             if src.device.type != "cpu":
                 src = src.cpu()
             # numpy's memcpy is ~4x faster than torch.copy_ for the many ~100 kB expert factors
-            arr[m.offset: m.offset + m.nbytes] = src.contiguous().reshape(-1).view(torch.uint8).numpy()
-            arr[m.offset + m.nbytes: _align(m.offset + m.nbytes)] = 0
+            arr[m.offset : m.offset + m.nbytes] = src.contiguous().reshape(-1).view(torch.uint8).numpy()
+            arr[m.offset + m.nbytes : _align(m.offset + m.nbytes)] = 0
     else:  # bucket by bucket; flatten_version gathers a whole version in one launch
-        _cat_into(items, metas, buf, wire, starts, device)
+        cat_into_bucket(items, metas, buf, wire, starts, device)
     if checksum:
         region = region_sums(buf, starts, off)
         metas = [TensorMeta(m.name, m.dtype, m.shape, m.offset, m.nbytes, s) for m, s in zip(metas, region)]
@@ -376,6 +290,8 @@ def filter_experts(tensors: Mapping[str, torch.Tensor], config, lo: int, hi: int
     Sliced 3-D factors are views; sliced stacked ``lora_B`` is a copy (its experts are the
     fastest-varying column index).
     """
+    from kimi_core.lora.naming import parse_lora_name  # here: kimi_core.lora re-exports this module
+
     E = config.n_routed_experts
     if not 0 <= lo < hi <= E:
         raise ValueError(f"filter_experts: expert range [{lo}, {hi}) is not inside [0, {E})")
@@ -399,7 +315,7 @@ def filter_experts(tensors: Mapping[str, torch.Tensor], config, lo: int, hi: int
                 if t.shape[0] % E:
                     raise ValueError(f"filter_experts: {name!r} rows {t.shape[0]} are not a multiple of {E} experts")
                 r = t.shape[0] // E
-                out[name] = t[lo * r: hi * r]
+                out[name] = t[lo * r : hi * r]
             else:
                 if t.shape[1] % E:
                     raise ValueError(f"filter_experts: {name!r} columns {t.shape[1]} are not a multiple of {E} experts")
@@ -408,11 +324,19 @@ def filter_experts(tensors: Mapping[str, torch.Tensor], config, lo: int, hi: int
     return out
 
 
-def iter_buckets(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                 bucket_bytes: int = 256 << 20, *, config=None, experts: tuple[int, int] | None = None,
-                 checksum: bool = True, reuse_buffer: bool = False,
-                 staging: torch.Tensor | None = None, device: torch.device | str | None = None,
-                 block_sums: bool = False, allocate=None) -> Iterator[Bucket]:
+def iter_buckets(
+    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int = 256 << 20,
+    *,
+    config=None,
+    experts: tuple[int, int] | None = None,
+    checksum: bool = True,
+    reuse_buffer: bool = False,
+    staging: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+    block_sums: bool = False,
+    allocate=None,
+) -> Iterator[Bucket]:
     """Yield :class:`Bucket` s of at most ``bucket_bytes`` (a tensor larger than that gets a bucket
     of its own), in the order of ``tensors``.
 
@@ -453,7 +377,7 @@ def _groups(items, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]
     """Consecutive ``(name, tensor)`` groups of at most ``bucket_bytes`` (a larger tensor alone)."""
     items = list(items)
     for span in group_spans([t.numel() * t.element_size() for _, t in items], bucket_bytes):
-        yield items[span.start: span.stop]
+        yield items[span.start : span.stop]
 
 
 def group_spans(nbytes: list[int], bucket_bytes: int) -> list[range]:

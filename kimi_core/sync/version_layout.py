@@ -2,14 +2,14 @@
 
 An RL run syncs the same adapter shape at every step: the same names, dtypes and shapes in the same
 order. :class:`VersionLayout` is everything that follows from those alone: which tensors share a
-bucket, each tensor's :class:`~kimi_core.lora.buckets.TensorMeta`, each bucket's size, and the
-buckets' metadata pickled once (:attr:`VersionLayout.blob`, with its CRC-32) for a receiver. It is
+bucket, each tensor's :class:`~kimi_core.sync.buckets.TensorMeta`, each bucket's size, and the
+buckets' metadata pickled once (:attr:`VersionLayout.blob`, with its digest) for a receiver. It is
 cached by that signature, so with the per-expert layout (tens of thousands of tensors) no step
 rebuilds thousands of metadata records on the trainer, and a receiver that keeps the last blob
-parses it once (:mod:`kimi_rl_glue.sync.cuda_ipc`).
+parses it once (the CUDA-IPC transport).
 
 :func:`flatten_version` then gathers every bucket whose tensors are contiguous and
-:data:`~kimi_core.lora.block_tables.ALIGN`-aligned on the device in one kernel launch (the block
+:data:`~kimi_core.sync.checksum.ALIGN`-aligned on the device in one kernel launch (the block
 table, absolute addresses, is cached too: parameters and persistent buckets keep their addresses),
 with the block sums fused; any other bucket is concatenated on its own.
 """
@@ -19,16 +19,23 @@ from __future__ import annotations
 import functools
 import math
 import pickle
-import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 
-from kimi_core.lora.block_tables import BLOCK_WORDS, flatten_table, gather_addresses
-from kimi_core.lora.buckets import (
-    Bucket, TensorMeta, _cat_into, _wire_buffer, bucket_metadata, filter_experts, group_spans, metas_of,
+from kimi_core.sync.block_tables import flatten_table, gather_addresses
+from kimi_core.sync.buckets import (
+    Bucket,
+    TensorMeta,
+    bucket_metadata,
+    cat_into_bucket,
+    filter_experts,
+    group_spans,
+    metas_of,
+    wire_buffer,
 )
+from kimi_core.sync.checksum import BLOCK_WORDS, digest
 
 __all__ = ["VersionLayout", "flatten_version", "version_layout"]
 
@@ -55,39 +62,55 @@ class VersionLayout:
 
     @functools.cached_property
     def blob(self) -> bytes:
-        """Every bucket's :meth:`~kimi_core.lora.buckets.Bucket.metadata`, pickled (a list)."""
-        return pickle.dumps([bucket_metadata(i, n, "", self.expert_range, ms)
-                             for i, (n, ms) in enumerate(zip(self.sizes, self.metas))], protocol=5)
+        """Every bucket's :meth:`~kimi_core.sync.buckets.Bucket.metadata`, pickled (a list)."""
+        return pickle.dumps(
+            [bucket_metadata(i, n, "", self.expert_range, ms) for i, (n, ms) in enumerate(zip(self.sizes, self.metas))],
+            protocol=5,
+        )
 
     @functools.cached_property
-    def blob_crc(self) -> int:
-        return zlib.crc32(self.blob)
+    def blob_digest(self) -> bytes:
+        """:func:`~kimi_core.sync.checksum.digest` of :attr:`blob`, computed once per layout."""
+        return digest(self.blob)
 
 
-def version_layout(tensors: Mapping[str, torch.Tensor], bucket_bytes: int,
-                   expert_range: tuple[int, int] | None = None) -> VersionLayout:
+def version_layout(
+    tensors: Mapping[str, torch.Tensor], bucket_bytes: int, expert_range: tuple[int, int] | None = None
+) -> VersionLayout:
     """The (cached) :class:`VersionLayout` of ``tensors`` in buckets of at most ``bucket_bytes``."""
-    return _layout(tuple((name, t.dtype, t.shape) for name, t in tensors.items()), bucket_bytes,
-                   tuple(expert_range) if expert_range else None)
+    return _layout(
+        tuple((name, t.dtype, t.shape) for name, t in tensors.items()),
+        bucket_bytes,
+        tuple(expert_range) if expert_range else None,
+    )
 
 
 @functools.lru_cache(maxsize=8)
 def _layout(signature: tuple, bucket_bytes: int, expert_range) -> VersionLayout:
     spans = group_spans([math.prod(shape) * dtype.itemsize for _, dtype, shape in signature], bucket_bytes)
-    per_bucket = [metas_of(signature[s.start: s.stop]) for s in spans]
-    return VersionLayout(tuple(spans), tuple(tuple(ms) for ms, _ in per_bucket), tuple(n for _, n in per_bucket),
-                         expert_range)
+    per_bucket = [metas_of(signature[s.start : s.stop]) for s in spans]
+    return VersionLayout(
+        tuple(spans), tuple(tuple(ms) for ms, _ in per_bucket), tuple(n for _, n in per_bucket), expert_range
+    )
 
 
-def flatten_version(tensors: Mapping[str, torch.Tensor], bucket_bytes: int, *, device: torch.device,
-                    block_sums: bool = False, allocate=None, config=None, experts: tuple[int, int] | None = None,
-                    events: tuple | None = None) -> tuple[list[Bucket], VersionLayout]:
+def flatten_version(
+    tensors: Mapping[str, torch.Tensor],
+    bucket_bytes: int,
+    *,
+    device: torch.device,
+    block_sums: bool = False,
+    allocate=None,
+    config=None,
+    experts: tuple[int, int] | None = None,
+    events: tuple | None = None,
+) -> tuple[list[Bucket], VersionLayout]:
     """Every bucket of ``tensors`` on CUDA ``device``, as ``iter_buckets(..., checksum=False)`` gives
     them, with their block sums when ``block_sums``, and their layout.
 
     :param allocate: ``allocate(bucket_index, nbytes)`` returns a bucket's ``uint8`` buffer (bytes,
         then the block sums), e.g. persistent buffers reused at every step.
-    :param config, experts: only experts ``[lo, hi)``'s rows (:func:`~kimi_core.lora.filter_experts`).
+    :param config, experts: only experts ``[lo, hi)``'s rows (:func:`~kimi_core.sync.buckets.filter_experts`).
     :param events: two CUDA events recorded around the gather launch (its GPU time, without the host
         work before it).
     """
@@ -101,15 +124,23 @@ def flatten_version(tensors: Mapping[str, torch.Tensor], bucket_bytes: int, *, d
     items = list(tensors.items())
     out, parts = [], []
     for index, (span, metas, off, starts) in enumerate(zip(layout.spans, layout.metas, layout.sizes, layout.starts)):
-        group = items[span.start: span.stop]
-        buf, wire = _wire_buffer(index, off, starts, device, block_sums, allocate)
+        group = items[span.start : span.stop]
+        buf, wire = wire_buffer(index, off, starts, device, block_sums, allocate)
         out.append(Bucket(index, buf, list(metas), "", layout.expert_range, wire))
         addrs = gather_addresses([t for _, t in group], device)
         if addrs is None:
-            _cat_into(group, metas, buf, wire, starts, device)
+            cat_into_bucket(group, metas, buf, wire, starts, device)
         else:
-            parts.append((addrs, tuple(m.nbytes for m in metas), starts, off, buf.data_ptr(),
-                          wire[off:].data_ptr() if wire is not None else 0))
+            parts.append(
+                (
+                    addrs,
+                    tuple(m.nbytes for m in metas),
+                    starts,
+                    off,
+                    buf.data_ptr(),
+                    wire[off:].data_ptr() if wire is not None else 0,
+                )
+            )
     if parts:
         table = flatten_table(tuple(parts), device)
         if events:

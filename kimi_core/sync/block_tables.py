@@ -1,11 +1,9 @@
-"""Checksum blocks of flat buckets, and the block tables that drive the GPU copy + sums kernel.
+"""The block tables that drive the GPU copy + block-sums kernel over the buckets of an adapter version.
 
-A bucket's tensor regions (``starts``, each a multiple of 8 bytes) are cut into blocks of
-:data:`BLOCK_WORDS` 64-bit words from each region's start (:func:`block_layout`). The kernel
-:func:`kimi_core.kernels.block_sums.copy_sum_blocks` runs one program per block from a table
-``int64 [6, n_blocks]``: source word, words to read from the source, destination word, block length,
-sums word, expected-sums word; each word address is a base (a launch argument, 0 for absolute
-addresses) plus 8 times the row. Three builders:
+The kernel :func:`kimi_core.kernels.block_sums.copy_sum_blocks` runs one program per block of
+:func:`kimi_core.sync.checksum.block_layout` from a table ``int64 [6, n_blocks]``: source word, words to
+read from the source, destination word, block length, sums word, expected-sums word; each word address
+is a base (a launch argument, 0 for absolute addresses) plus 8 times the row. Three builders:
 
 * :func:`bucket_table`: one bucket copied word for word (relative rows);
 * :func:`flatten_table`: the tensors of every bucket of an adapter version gathered into their
@@ -20,56 +18,13 @@ buffers keep their addresses from step to step.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
-__all__ = ["ALIGN", "BLOCK_WORDS", "Layout", "block_layout", "bucket_table", "flatten_table", "gather_addresses",
-           "starts_key", "version_table"]
+from kimi_core.sync.checksum import ALIGN, block_layout
 
-ALIGN = 64  # every tensor region starts at a multiple of ALIGN bytes
-BLOCK_WORDS = 4096
-
-
-class Layout(NamedTuple):
-    """Word-level block partition of a bucket's regions (see :func:`block_layout`)."""
-
-    w_starts: np.ndarray  # int64 [R+1]: region word boundaries
-    nonempty: np.ndarray  # indices of regions with at least one word
-    bst: np.ndarray  # int64 [n_blocks]: each block's first word
-    bend: np.ndarray  # int64 [n_blocks]: one past its last word
-    first_block: np.ndarray  # each nonempty region's first block
-    local: np.ndarray  # uint64 [n_blocks]: the block's position inside its region
-    region: np.ndarray  # int64 [n_blocks]: the block's region
-
-
-def block_layout(starts, total: int) -> Layout:
-    """Block partition of the byte regions ``[starts[i], starts[i+1])`` (the last ends at ``total``); cached."""
-    return _layout(starts_key(starts), int(total))
-
-
-def starts_key(starts) -> tuple[int, ...]:
-    """``starts`` as a hashable cache key (a tuple is used as it is: thousands of regions per bucket)."""
-    return starts if type(starts) is tuple else tuple(int(x) for x in starts)
-
-
-@functools.lru_cache(maxsize=64)
-def _layout(starts: tuple[int, ...], total: int) -> Layout:
-    if total % 8 or any(s % 8 for s in starts):
-        raise ValueError("region_sums: regions must be 8-byte aligned")
-    w_starts = np.append(np.asarray(starts, dtype=np.int64) // 8, np.int64(total // 8))
-    lens = np.diff(w_starts)
-    if (lens < 0).any():
-        raise ValueError("region_sums: region starts must be increasing and end by total")
-    n_blk = (lens + BLOCK_WORDS - 1) // BLOCK_WORDS
-    nonempty = np.flatnonzero(n_blk)
-    first_all = np.cumsum(n_blk) - n_blk
-    region = np.repeat(np.arange(len(lens)), n_blk)
-    local = np.arange(int(n_blk.sum()), dtype=np.int64) - first_all[region]
-    bst = w_starts[region] + local * BLOCK_WORDS
-    bend = np.minimum(bst + BLOCK_WORDS, w_starts[region + 1])
-    return Layout(w_starts, nonempty, bst, bend, first_all[nonempty], local.astype(np.uint64), region)
+__all__ = ["bucket_table", "flatten_table", "gather_addresses", "version_table"]
 
 
 def _table(rows: list[np.ndarray], device: torch.device) -> torch.Tensor:
@@ -83,8 +38,9 @@ def _copy_rows(starts: tuple[int, ...], total: int) -> list[np.ndarray]:
     return [lay.bst, n, lay.bst, n, idx, idx]
 
 
-def _gather_rows(addrs: tuple[int, ...], nbytes: tuple[int, ...], starts: tuple[int, ...],
-                 total: int) -> list[np.ndarray]:
+def _gather_rows(
+    addrs: tuple[int, ...], nbytes: tuple[int, ...], starts: tuple[int, ...], total: int
+) -> list[np.ndarray]:
     """Rows flattening tensors at byte addresses ``addrs`` (multiples of :data:`ALIGN`) of ``nbytes``
     each (multiples of 8) into a bucket with regions ``starts``: the source row absolute, a region's
     alignment gap read as zeros."""
@@ -131,18 +87,22 @@ def gather_addresses(tensors, device: torch.device) -> tuple[int, ...] | None:
 
 
 @functools.lru_cache(maxsize=4)  # device tables of whole versions: tens of MB each
-def flatten_table(buckets: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int, int, int], ...],
-                  device: torch.device) -> torch.Tensor:
+def flatten_table(
+    buckets: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int, int, int], ...], device: torch.device
+) -> torch.Tensor:
     """Flatten every bucket of a version in one launch (the trainer). ``buckets``: per bucket
     ``(tensor addresses, tensor nbytes, region starts, nbytes, bucket address, address of its block
     sums)``, all addresses multiples of :data:`ALIGN`. Every row is absolute (bases 0)."""
-    return _concat([(_gather_rows(a, nb, st, total), (0, dst // 8, sums // 8, 0))
-                    for a, nb, st, total, dst, sums in buckets], device)[0]
+    return _concat(
+        [(_gather_rows(a, nb, st, total), (0, dst // 8, sums // 8, 0)) for a, nb, st, total, dst, sums in buckets],
+        device,
+    )[0]
 
 
 @functools.lru_cache(maxsize=4)  # device tables of whole versions: tens of MB each
-def version_table(buckets: tuple[tuple[int, int, int, tuple[int, ...], int], ...],
-                  device: torch.device) -> tuple[torch.Tensor, tuple[int, ...], bool]:
+def version_table(
+    buckets: tuple[tuple[int, int, int, tuple[int, ...], int], ...], device: torch.device
+) -> tuple[torch.Tensor, tuple[int, ...], bool]:
     """Copy every bucket of a version in one launch (the colocated engine). ``buckets``: per bucket
     ``(source address, destination address, address of the sender's block sums, region starts,
     nbytes)``. Source, destination and expected-sums rows are absolute (bases 0); the sums row
@@ -154,6 +114,7 @@ def version_table(buckets: tuple[tuple[int, int, int, tuple[int, ...], int], ...
         parts.append((rows, (src // 8, dst // 8, offset, expect // 8)))
         offset += len(rows[0])
     table, first = _concat(parts, device)
-    aligned = all(src % ALIGN == 0 and dst % ALIGN == 0 and all(x % ALIGN == 0 for x in st)
-                  for src, dst, _, st, _ in buckets)
+    aligned = all(
+        src % ALIGN == 0 and dst % ALIGN == 0 and all(x % ALIGN == 0 for x in st) for src, dst, _, st, _ in buckets
+    )
     return table, first, aligned
