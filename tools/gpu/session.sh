@@ -4,7 +4,7 @@
 # calls carry on the CPU machine first: bash tools/gpu/prepare_session.sh (~20 min, no device time).
 #
 #   bash tools/gpu/session.sh sglang   # carry .gpu/sglang1 (+ .gpu/sglang_jit, .gpu/triton): SGLang 0.5.17 GPU lane
-#   bash tools/gpu/session.sh sglang_bench  # benchmarks/sglang_serving.py (K3 real-width slice), after sglang
+#   bash tools/gpu/session.sh sglang_bench  # benchmarks/serving.py sglang (K3 real-width slice), after sglang
 #   bash tools/gpu/session.sh w4a16    # kernels GPU tests + benchmarks/w4a16_grouped_gemm.py
 #   bash tools/gpu/session.sh gluon    # the experimental Gluon W4A16 fwd + dgrad (#21): GPU test, then table
 #   bash tools/gpu/session.sh w4a16_profile  # Nsight Compute of W4A16 vs BF16 GEMM calls (#21's gap)
@@ -13,13 +13,13 @@
 #   bash tools/gpu/session.sh vllm1    # carry .gpu/vllm1: stash part 1
 #   bash tools/gpu/session.sh vllm2    # carry .gpu/vllm2: stash part 2
 #   bash tools/gpu/session.sh vllm3    # carry .gpu/vllm3 (+ .gpu/sglang1): unstage vLLM 0.26.0, the vLLM GPU lane
-#   bash tools/gpu/session.sh vllm_bench  # benchmarks/vllm_serving.py (K2 real-width slice), after vllm3
+#   bash tools/gpu/session.sh vllm_bench  # benchmarks/serving.py vllm (K2 real-width slice), after vllm3
 #   VLLM_TESTS=none bash tools/gpu/session.sh vllm3 skyrl_demo  # phases run in order in one call
 #   bash tools/gpu/session.sh skyrl_demo  # carry .gpu/megatron (megatron-core 0.19.2 cp312 wheel), after vllm3:
 #                                              # kimi-rl demo --recipe skyrl-k2 --device cuda --size small
 #   bash tools/gpu/session.sh miles_demo  # carry .gpu/sglang1 .gpu/sglang_jit .gpu/megatron (+ .gpu/triton):
 #                                              # kimi-rl demo --recipe miles-k3 --device cuda --size small
-#   bash tools/gpu/session.sh megatron_bench  # carry .gpu/megatron: benchmarks/megatron_gpu.py's real-width K3
+#   bash tools/gpu/session.sh megatron_bench  # carry .gpu/megatron: benchmarks/megatron.py single's real-width K3
 #                                              # slice with MXFP4 (W4A16, auto and Gluon) and BF16 experts (#21)
 #
 # The SGLang lane runs in groups (base engines, MoE LoRA + hot load, K3.1, K2 INT4); a group that ran
@@ -215,7 +215,7 @@ vllm_env() { export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0; }
 
 run_vllm_bench() {
   vllm_env
-  timeout "$(left)" python3 benchmarks/vllm_serving.py --no-results ${VLLM_SERVING_ARGS:-} \
+  timeout "$(left)" python3 benchmarks/serving.py vllm ${VLLM_SERVING_ARGS:-} \
     --budget-s $(( $(left) - 30 )) --stack-dump-after 150 --stack-file "$OUT/stacks.txt" --json "$OUT/vllm_serving.json" \
     > "$OUT/vllm_serving.log" 2>&1
   echo "serving rc=$?"; tail -30 "$OUT/vllm_serving.log"
@@ -247,21 +247,21 @@ run_demo() {
   pack_logs
 }
 
-# benchmarks/megatron_gpu.py's real-width K3 slice: MXFP4 (W4A16: auto, the Gluon kernel) and BF16 experts (#21)
+# benchmarks/megatron.py single's real-width K3 slice: MXFP4 (W4A16: auto, the Gluon kernel) and BF16 experts
 run_megatron_bench() {
   export PYTHONPATH=$PWD
   mcore_env
   # MEGATRON_SKIP: the parts not run (default: all but slice, slice-bf16, slice-gluon); MEGATRON_PARTS: how many run
-  timeout "$(left)" python3 benchmarks/megatron_gpu.py --skip "${MEGATRON_SKIP:-tiny,tiny-fla,int4}" --no-append \
-    --part-timeout $(( ($(left) - 20) / ${MEGATRON_PARTS:-3} )) --section-out "$OUT/megatron_slice.md" \
-    > "$OUT/megatron_gpu.log" 2>&1
-  echo "megatron_gpu rc=$?"; cat "$OUT/megatron_slice.md" 2>/dev/null | tail -20
+  timeout "$(left)" python3 benchmarks/megatron.py single --skip "${MEGATRON_SKIP:-tiny,tiny-fla,int4}" \
+    --part-timeout $(( ($(left) - 20) / ${MEGATRON_PARTS:-3} )) --json "$OUT/megatron_slice.json" \
+    > "$OUT/megatron_single.log" 2>&1
+  echo "megatron single rc=$?"; tail -20 "$OUT/megatron_single.log"
   free_gpu
 }
 
 run_sglang_bench() {
   sglang_env
-  SGLANG_PLUGINS=kimi timeout "$(left)" python3 benchmarks/sglang_serving.py --no-results --json "$OUT/sglang_serving.json" \
+  SGLANG_PLUGINS=kimi timeout "$(left)" python3 benchmarks/serving.py sglang --json "$OUT/sglang_serving.json" \
     --budget-s $(( $(left) - 60 )) > "$OUT/sglang_serving.log" 2>&1
   echo "sglang_serving rc=$?"; tail -25 "$OUT/sglang_serving.log"
   free_gpu
