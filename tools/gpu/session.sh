@@ -19,7 +19,7 @@
 #                                              # kimi-rl demo --recipe skyrl-k2 --device cuda --size small
 #   bash tools/gpu/session.sh miles_demo  # carry .gpu/sglang1 .gpu/sglang_jit .gpu/megatron (+ .gpu/triton):
 #                                              # kimi-rl demo --recipe miles-k3 --device cuda --size small
-#   bash tools/gpu/session.sh megatron_bench  # carry .gpu/megatron: benchmarks/megatron.py single's real-width K3
+#   bash tools/gpu/session.sh megatron_bench  # carry .gpu/megatron: benchmarks/megatron_trainer.py single's real-width K3
 #                                              # slice with MXFP4 (W4A16, auto and Gluon) and BF16 experts (#21)
 #
 # The SGLang lane runs in groups (base engines, MoE LoRA + hot load, K3.1, K2 INT4); a group that ran
@@ -247,12 +247,12 @@ run_demo() {
   pack_logs
 }
 
-# benchmarks/megatron.py single's real-width K3 slice: MXFP4 (W4A16: auto, the Gluon kernel) and BF16 experts
+# benchmarks/megatron_trainer.py single's real-width K3 slice: MXFP4 (W4A16: auto, the Gluon kernel) and BF16 experts
 run_megatron_bench() {
   export PYTHONPATH=$PWD
   mcore_env
   # MEGATRON_SKIP: the parts not run (default: all but slice, slice-bf16, slice-gluon); MEGATRON_PARTS: how many run
-  timeout "$(left)" python3 benchmarks/megatron.py single --skip "${MEGATRON_SKIP:-tiny,tiny-fla,int4}" \
+  timeout "$(left)" python3 benchmarks/megatron_trainer.py single --skip "${MEGATRON_SKIP:-tiny,tiny-fla,int4}" \
     --part-timeout $(( ($(left) - 20) / ${MEGATRON_PARTS:-3} )) --json "$OUT/megatron_slice.json" \
     > "$OUT/megatron_single.log" 2>&1
   echo "megatron single rc=$?"; tail -20 "$OUT/megatron_single.log"

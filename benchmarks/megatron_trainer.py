@@ -33,11 +33,11 @@ against 3x the one-GPU bf16 run's own error vs fp32 (floor 1e-2). KDA runs kimi_
 gloo, world size 1; per layout: the whole export (fp32 factors -> bf16 PEFT tensors -> validation -> flatten +
 checksums), the gather + layout step alone, the buckets alone and the receiver's verification, in GB/s of adapter.
 
-    python benchmarks/megatron.py single [--skip tiny,tiny-fla,int4] [--json out.json]   # 1 GPU
-    python benchmarks/megatron.py single --smoke                                         # CPU, checks the script
-    python benchmarks/megatron.py multi [--cases tiny,slice,sched] [--models k2,k3,k31]  # 2 GPUs
-    python benchmarks/megatron.py multi --smoke                                          # CPU/gloo, tiny K3.1
-    python benchmarks/megatron.py lora-export [--experts 64] [--bucket-mib 64]           # CPU
+    python benchmarks/megatron_trainer.py single [--skip tiny,tiny-fla,int4] [--json out.json]   # 1 GPU
+    python benchmarks/megatron_trainer.py single --smoke                                         # CPU, checks the script
+    python benchmarks/megatron_trainer.py multi [--cases tiny,slice,sched] [--models k2,k3,k31]  # 2 GPUs
+    python benchmarks/megatron_trainer.py multi --smoke                                          # CPU/gloo, tiny K3.1
+    python benchmarks/megatron_trainer.py lora-export [--experts 64] [--bucket-mib 64]           # CPU
 """
 
 from __future__ import annotations
@@ -84,9 +84,9 @@ def init_world(dev: str) -> None:
     from megatron.core import parallel_state as ps
 
     if dev == "cpu":
-        from kimi_megatron_plugin import cpu_compat
+        from kimi_megatron_plugin import patches
 
-        cpu_compat.apply_cpu_shims()
+        patches.apply_cpu_shims()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     if not torch.distributed.is_initialized():
@@ -106,7 +106,7 @@ def init_world(dev: str) -> None:
 def force_kda(mode: str) -> None:
     """``reference``: the plugin's KDA layers call kimi_core's ``chunk_kda`` on any device."""
     from kimi_core.reference import kda as ref_kda
-    from kimi_megatron_plugin import layers
+    from kimi_megatron_plugin.models import layers
 
     if mode == "reference":
         layers.KimiKDA._kernel = staticmethod(lambda q: ref_kda.chunk_kda)
@@ -142,7 +142,8 @@ def _reference_grads(path, ids, w, dev, dtype=torch.float32):
 
 
 def _megatron_run(path, ids, w, dtype, dev):
-    from kimi_megatron_plugin import checkpoint, mapping, provider
+    from kimi_megatron_plugin import checkpoint, mapping
+    from kimi_megatron_plugin.models import provider
 
     model = provider.build_model_from_hf(path, perform_initialization=False, params_dtype=dtype)
     checkpoint.load_hf_checkpoint(model, path)
@@ -300,7 +301,7 @@ def _fill_experts(model, fmt_int4: bool = False) -> None:
 
 def _expert_bytes(module) -> tuple[int, int]:
     """(bytes of packed weights + scales, logical expert parameters) under ``module``."""
-    from kimi_megatron_plugin.experts import KimiExperts
+    from kimi_megatron_plugin.models.experts import KimiExperts
 
     nbytes = params = 0
     for m in module.modules():
@@ -329,8 +330,8 @@ def part_slice(args, dev, expert_mode: str = "w4a16", label: str | None = None) 
     ``label``: the rows' ``experts`` column (default by ``expert_mode``)."""
     label = label or ("MXFP4 (W4A16)" if expert_mode == "w4a16" else "BF16 (grouped_mm)")
     from kimi_core.config import KimiConfig
-    from kimi_megatron_plugin import provider
-    from kimi_megatron_plugin.experts import KimiExperts
+    from kimi_megatron_plugin.models import provider
+    from kimi_megatron_plugin.models.experts import KimiExperts
 
     init_world(dev)
     force_kda("reference")
@@ -415,8 +416,8 @@ def part_slice(args, dev, expert_mode: str = "w4a16", label: str | None = None) 
 def part_int4(args, dev) -> list[dict]:
     from kimi_core.config import KimiConfig
     from kimi_core.release_configs import k2_release_config
-    from kimi_megatron_plugin import provider
-    from kimi_megatron_plugin.experts import KimiExperts
+    from kimi_megatron_plugin.models import provider
+    from kimi_megatron_plugin.models.experts import KimiExperts
 
     init_world(dev)
     c = k2_release_config()
@@ -646,7 +647,7 @@ def run_single(args) -> None:
     """The parts in order, each in its own process; the table after every part (a later hang keeps the rows)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cpu" and not args.smoke:
-        sys.exit("benchmarks/megatron.py single: no GPU; use --smoke for the CPU check of the script")
+        sys.exit("benchmarks/megatron_trainer.py single: no GPU; use --smoke for the CPU check of the script")
     if args.part:
         rows = PARTS[args.part](args, dev)
         with open(args.part_json, "w") as f:
@@ -661,7 +662,7 @@ def run_single(args) -> None:
         ("tiny", ["--kda", "reference"], args.part_timeout),
         ("tiny", ["--kda", "fla"], args.fla_timeout),
     ]
-    res = {**stamp("megatron.py"), "versions": versions(), "smoke": args.smoke, "rows": [], "parts": {}}
+    res = {**stamp("megatron_trainer.py"), "versions": versions(), "smoke": args.smoke, "rows": [], "parts": {}}
     for name, extra, tmo in plan:
         key = name + ("-fla" if "fla" in extra else "")
         gpu_only = {"tiny-fla": " (fla needs a GPU)", "slice-gluon": " (the Gluon kernel needs a Hopper GPU)"}
@@ -877,7 +878,7 @@ def run_multi(args) -> None:
     os.environ.setdefault("KIMI_KDA_KERNEL", "reference")
     backend = "gloo" if args.smoke else "nccl"
     if backend == "nccl" and torch.cuda.device_count() < 2:
-        raise SystemExit(f"megatron.py multi needs 2 GPUs, found {torch.cuda.device_count()} (--smoke on a CPU)")
+        raise SystemExit(f"megatron_trainer.py multi needs 2 GPUs, found {torch.cuda.device_count()} (--smoke on a CPU)")
     workdir = args.workdir or tempfile.mkdtemp(prefix="kimi_mgpu_")
     dtypes = ["fp32"] if args.smoke else args.dtypes.split(",")
     plan = []
@@ -889,7 +890,7 @@ def run_multi(args) -> None:
     import megatron.core
 
     res = {
-        **stamp("megatron.py"),
+        **stamp("megatron_trainer.py"),
         "versions": f"torch {torch.__version__}, megatron-core {megatron.core.__version__}",
         "rows": [],
         "failed": [],
@@ -933,10 +934,11 @@ def lora_export_config(args):
 def run_lora_export(args) -> None:
     """Each layout's export timed on gloo, world size 1; prints the table, writes ``--json``."""
     from kimi_core.lora import Bucket, LoraSpec, iter_buckets
-    from kimi_megatron_plugin import cpu_compat, provider
+    from kimi_megatron_plugin import cpu_parallel
     from kimi_megatron_plugin.lora import apply_lora, export_adapter, iter_export_buckets
+    from kimi_megatron_plugin.models import provider
 
-    cpu_compat.initialize_cpu_parallel(1, 1, 1, rank=0, world_size=1, port=29000 + os.getpid() % 1000)
+    cpu_parallel.initialize_cpu_parallel(1, 1, 1, rank=0, world_size=1, port=29000 + os.getpid() % 1000)
     kimi = lora_export_config(args)
     model = provider.build_model(kimi, provider.transformer_config(kimi, perform_initialization=False))
     bucket_bytes = args.bucket_mib << 20
@@ -992,8 +994,8 @@ def run_lora_export(args) -> None:
         )
     )
     keys = ("layout", "tensors", "bytes", "buckets", "whole_gb_s", "gather_layout_gb_s", "buckets_gb_s", "verify_gb_s")
-    write_json(args.json, {**stamp("megatron.py"), "rows": [dict(zip(keys, r)) for r in rows]})
-    cpu_compat.destroy_cpu_parallel()
+    write_json(args.json, {**stamp("megatron_trainer.py"), "rows": [dict(zip(keys, r)) for r in rows]})
+    cpu_parallel.destroy_cpu_parallel()
 
 
 # --------------------------------------------------------------------------------------------- main
