@@ -33,10 +33,10 @@ against 3x the one-GPU bf16 run's own error vs fp32 (floor 1e-2). KDA runs kimi_
 gloo, world size 1; per layout: the whole export (fp32 factors -> bf16 PEFT tensors -> validation -> flatten +
 checksums), the gather + layout step alone, the buckets alone and the receiver's verification, in GB/s of adapter.
 
-    python benchmarks/megatron_trainer.py single [--skip tiny,tiny-fla,int4] [--json out.json]   # 1 GPU
-    python benchmarks/megatron_trainer.py single --smoke                                         # CPU, checks the script
-    python benchmarks/megatron_trainer.py multi [--cases tiny,slice,sched] [--models k2,k3,k31]  # 2 GPUs
-    python benchmarks/megatron_trainer.py multi --smoke                                          # CPU/gloo, tiny K3.1
+    python benchmarks/megatron_trainer.py single [--skip tiny,tiny-fla,int4] [--json out.json]  # 1 GPU
+    python benchmarks/megatron_trainer.py single --smoke                                        # CPU: checks it
+    python benchmarks/megatron_trainer.py multi [--cases tiny,slice,sched] [--models k2,k3,k31] # 2 GPUs
+    python benchmarks/megatron_trainer.py multi --smoke                                         # CPU/gloo, K3.1
     python benchmarks/megatron_trainer.py lora-export [--experts 64] [--bucket-mib 64]           # CPU
 """
 
@@ -878,7 +878,7 @@ def run_multi(args) -> None:
     os.environ.setdefault("KIMI_KDA_KERNEL", "reference")
     backend = "gloo" if args.smoke else "nccl"
     if backend == "nccl" and torch.cuda.device_count() < 2:
-        raise SystemExit(f"megatron_trainer.py multi needs 2 GPUs, found {torch.cuda.device_count()} (--smoke on a CPU)")
+        raise SystemExit(f"megatron_trainer.py multi needs 2 GPUs, found {torch.cuda.device_count()} (CPU: --smoke)")
     workdir = args.workdir or tempfile.mkdtemp(prefix="kimi_mgpu_")
     dtypes = ["fp32"] if args.smoke else args.dtypes.split(",")
     plan = []
