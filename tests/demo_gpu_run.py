@@ -1,8 +1,9 @@
 """One ``kimi-rl demo --device cuda --size small`` run for the GPU demo tests (``tests/kimi_rl_glue/test_demo_gpu.py``:
 skyrl-k2 and miles-k3): runs the CLI in a subprocess, keeps its log, summary, metrics and reward plot in
-``$KIMI_TEST_OUT`` (when set, for ``benchmarks/RESULTS.md``), and asserts what every recipe must show: exit 0,
-the engine's own log lines of its GPU path (so a fallback cannot pass), the trainer on cuda, the recipe's
-summary fields, the step-0 train/rollout mismatch within 1.5x the bf16 floor and the reward rise."""
+``$KIMI_TEST_OUT`` (when set: ``tools/gpu/session.sh`` brings them back for ``docs/performance.md#demo-loops``), and
+asserts what every recipe must show: exit 0, the engine's own log lines of its GPU path (so a fallback cannot pass),
+the trainer on cuda, the recipe's summary fields, the step-0 train/rollout mismatch within 1.5x the bf16 floor and
+the reward rise."""
 
 from __future__ import annotations
 
@@ -13,16 +14,32 @@ import subprocess
 import sys
 
 
-def run_demo_on_gpu(recipe: str, out, tag: str, gpu_path_lines: tuple[str, ...], expert_mode: str,
-                    default_steps: int = 20) -> dict:
+def run_demo_on_gpu(
+    recipe: str, out, tag: str, gpu_path_lines: tuple[str, ...], expert_mode: str, default_steps: int = 20
+) -> dict:
     """``tag``: file prefix in ``$KIMI_TEST_OUT`` and the environment's ``KIMI_<TAG>_STEPS`` / ``_TIMEOUT``."""
     env = tag.split("_")[0].upper()
     steps = int(os.environ.get(f"KIMI_{env}_STEPS", str(default_steps)))
-    cmd = [sys.executable, "-m", "kimi_rl_glue.cli", "demo", "--recipe", recipe, "--device", "cuda", "--size",
-           "small", "--steps", str(steps), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kimi_rl_glue.cli",
+        "demo",
+        "--recipe",
+        recipe,
+        "--device",
+        "cuda",
+        "--size",
+        "small",
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+    ]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True,
-                           timeout=int(os.environ.get(f"KIMI_{env}_TIMEOUT", "900")))
+        r = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=int(os.environ.get(f"KIMI_{env}_TIMEOUT", "900"))
+        )
         log, rc = r.stdout + r.stderr, r.returncode
     except subprocess.TimeoutExpired as e:  # keep what it printed, so a run cut short still says where it was
         text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
