@@ -1,4 +1,5 @@
-"""Adapter sync payloads: one per TP rank, flattened buckets SGLang decodes, each EP rank only its experts."""
+"""Adapter sync payloads (kimi_sglang_plugin/sync.py): one per TP rank, flattened buckets SGLang decodes, each EP
+rank only its experts, each verified on receipt with kimi_core.sync's checksums; the glue's SGLang transport."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import re
 import pytest
 import torch
 
-from kimi_core.lora import LoraSpec, random_adapter
 from kimi_core.errors import AdapterRejected
+from kimi_core.lora import LoraSpec, random_adapter
 from kimi_sglang_plugin.adapters import prepare_adapter
 from kimi_sglang_plugin.mapping import K3_LORA_LEAVES as SERVED
-from kimi_sglang_plugin.sync import RankLayout, build_payload, decode_payload, sha256_hex
+from kimi_sglang_plugin.sync import BUCKET_KEY, RankLayout, build_payload, decode_payload, sha256_hex, verify_received
 
 
 def served_adapter(cfg, seed: int, layout: str | None = None, **spec):
@@ -19,6 +20,7 @@ def served_adapter(cfg, seed: int, layout: str | None = None, **spec):
     kw = {"layout": layout} if layout else {}
     ad = random_adapter(cfg, LoraSpec(target_modules=SERVED, **spec), seed=seed, dtype=torch.bfloat16, **kw)
     return prepare_adapter(ad, cfg)
+
 
 _PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 _EXPERT_3D = re.compile(r"\.experts\.(w1|w3|w2)\.lora_[AB]\.weight$")
@@ -41,12 +43,16 @@ def reference_slice(tensors: dict, lo: int, hi: int, num_experts: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("expert_layout,file_layout,tp,ep", [
-    ("shared_outer", "shared_outer", 4, 2),
-    ("per_expert", "per_expert", 4, 4),
-    ("per_expert", "per_expert_3d", 2, 2),
-    ("shared_outer", "shared_outer", 2, 1),
-], ids=["shared_outer-tp4-ep2", "per_expert-tp4-ep4", "per_expert_3d-tp2-ep2", "shared_outer-tp2-ep1"])
+@pytest.mark.parametrize(
+    "expert_layout,file_layout,tp,ep",
+    [
+        ("shared_outer", "shared_outer", 4, 2),
+        ("per_expert", "per_expert", 4, 4),
+        ("per_expert", "per_expert_3d", 2, 2),
+        ("shared_outer", "shared_outer", 2, 1),
+    ],
+    ids=["shared_outer-tp4-ep2", "per_expert-tp4-ep4", "per_expert_3d-tp2-ep2", "shared_outer-tp2-ep1"],
+)
 def test_per_rank_payloads_equal_reference_slicing(plugin, k31_config, expert_layout, file_layout, tp, ep):
     """Each TP rank's decoded payload equals the reference slice of the adapter for its EP rank, bit-exactly."""
     cfg = k31_config
@@ -92,8 +98,12 @@ def test_unprepared_adapter_is_refused(plugin, k31_config):
     """An adapter SGLang would misread (capacity-normalised experts through rank_pattern, which SGLang ignores)
     or refuse (our expert leaves as target_modules) is refused before anything is sent, naming the field and
     the fix; its prepared form goes through."""
-    ad = random_adapter(k31_config, LoraSpec(rank=8, alpha=16, target_modules=SERVED, normalize_moe_lora=True),
-                        seed=4, dtype=torch.bfloat16)
+    ad = random_adapter(
+        k31_config,
+        LoraSpec(rank=8, alpha=16, target_modules=SERVED, normalize_moe_lora=True),
+        seed=4,
+        dtype=torch.bfloat16,
+    )
     assert ad.adapter_config.get("rank_pattern"), "the normalised experts' ranks ride in rank_pattern"
     with pytest.raises(AdapterRejected, match="adapter 'kimi' adapter_config: rank_pattern is set.*prepare_adapter"):
         build_payload("kimi", ad.tensors, ad.adapter_config, k31_config, RankLayout(tp_size=1))
@@ -112,26 +122,60 @@ def test_bad_layout_is_refused():
         RankLayout(tp_size=4, ep_size=4, num_experts=6)
 
 
-def test_glue_tensor_sync_sends_the_prepared_adapter(plugin, k31_config):
-    """``kimi_rl_glue``'s SGLang sync (the miles-k3 loop): version k goes out as ``policy-v<k>``, its one payload
-    decodes bit-exactly to what :func:`prepare_adapter` makes of the trainer's adapter, with SGLang's sha256 per
-    tensor; only the last version is held, and an unpublished one is an ``AdapterSyncError``."""
-    from kimi_rl_glue.demo.sglang_rollout import SglangTensorSync
-    from kimi_rl_glue.sync import AdapterSyncError
+def test_received_payload_with_a_flipped_byte_is_refused_naming_the_tensor(plugin, k31_config):
+    """The receiving side checks a rank's flat buffer against the bucket record the payload carries: the
+    payload as sent passes; one flipped byte (after the sums were taken) raises naming the tensor it lies in."""
+    from sglang.srt.utils import MultiprocessingSerializer
 
-    raw = random_adapter(k31_config, LoraSpec(target_modules=SERVED, rank=4, alpha=8, expert_layout="shared_outer"),
-                         seed=5, dtype=torch.bfloat16, layout="shared_outer")
+    from kimi_core.sync import AdapterSyncError, BucketChecksumError
+
+    ad = served_adapter(k31_config, 7, rank=2, alpha=2)
+    p = build_payload("kimi", ad.tensors, ad.adapter_config, k31_config, RankLayout(tp_size=1))
+    data = MultiprocessingSerializer.deserialize(p.fields_for_send()["serialized_named_tensors"][0])
+    assert set(data) == {"flattened_tensor", "metadata", BUCKET_KEY}
+    verify_received(data, "rank 0")
+    victim = p.buckets[0].metas[len(p.buckets[0].metas) // 2]
+    data["flattened_tensor"][victim.offset + 1] ^= 0x08
+    with pytest.raises(BucketChecksumError, match=f"rank 0: bucket 0: tensor '{re.escape(victim.name)}'.*corrupt"):
+        verify_received(data, "rank 0")
+    del data[BUCKET_KEY]
+    with pytest.raises(AdapterSyncError, match="no 'kimi_bucket' record"):
+        verify_received(data)
+
+
+def test_glue_tensor_sync_sends_the_prepared_adapter(plugin, k31_config):
+    """``kimi_rl_glue``'s SGLang transport (the miles-k3 loop): version k goes out as ``policy-v<k>``, its one
+    payload decodes bit-exactly to what :func:`prepare_adapter` makes of the trainer's adapter and carries no
+    SHA-256 (the manifest's checksums instead); a byte flipped in the sent bucket after publishing is refused by
+    ``receive`` naming the tensor; only the last version is held, and an unpublished one is refused."""
+    from kimi_core.sync import AdapterSyncError, AdapterTransport
+    from kimi_rl_glue.demo.sglang_rollout import SglangTensorSync
+
+    raw = random_adapter(
+        k31_config,
+        LoraSpec(target_modules=SERVED, rank=4, alpha=8, expert_layout="shared_outer"),
+        seed=5,
+        dtype=torch.bfloat16,
+        layout="shared_outer",
+    )
     want = prepare_adapter(raw, k31_config).tensors
     sync = SglangTensorSync(k31_config)
+    assert isinstance(sync, AdapterTransport)
     name, pub = sync.publish(raw, 3)
     got = sync.receive(3)
     assert name == got.name == got.payload.lora_name == "policy-v3" and pub["bytes"] > 0
+    assert got.manifest.version == 3 and got.payload.expected_checksums is None
+    assert got.extra["sync_timings"]["verify_s"] > 0
     tensors = decode_payload(got.payload.serialized_named_tensors[0])
     assert sorted(tensors) == sorted(want) and all(torch.equal(tensors[k], want[k]) for k in want)
-    assert got.payload.expected_checksums == {k: sha256_hex(v) for k, v in want.items()}
     sync.publish(raw, 4)
     with pytest.raises(AdapterSyncError, match="adapter version 3 was not published"):
         sync.receive(3)
+    bucket = sync.receive(4).payload.buckets[0]
+    victim = bucket.metas[0]
+    bucket.buffer[victim.offset] ^= 0x01
+    with pytest.raises(AdapterSyncError, match=f"SGLang payload policy-v4.*tensor '{re.escape(victim.name)}'"):
+        sync.receive(4)
 
 
 def test_a_payload_sent_twice_is_serialized_again(plugin, k31_config):
