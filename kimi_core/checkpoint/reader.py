@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterable, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kimi_core.config import KimiConfig, load_config
 from kimi_core.errors import KimiError
@@ -30,6 +30,14 @@ class CheckpointError(KimiError, KeyError):
 
     def __str__(self):  # KeyError quotes its message; keep it readable
         return str(self.args[0]) if self.args else ""
+
+
+def _open_shard(path: str, device: str = "cpu"):
+    """``safe_open`` of one shard; a truncated or foreign file is a :class:`CheckpointError` naming it."""
+    try:
+        return safe_open(path, framework="pt", device=device)
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 class CheckpointReader:
@@ -67,7 +75,7 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path}: no *.safetensors files and no {INDEX_NAME}")
         wm = {}
         for s in shards:
-            with safe_open(os.path.join(self.path, s), framework="pt") as f:
+            with _open_shard(os.path.join(self.path, s)) as f:
                 for k in f.keys():
                     wm[k] = s
         return wm
@@ -75,7 +83,7 @@ class CheckpointReader:
     def _handle(self, shard: str):
         h = self._handles.get(shard)
         if h is None:
-            h = safe_open(os.path.join(self.path, shard), framework="pt", device=self.device)
+            h = _open_shard(os.path.join(self.path, shard), self.device)
             self._handles[shard] = h
         return h
 
@@ -124,11 +132,14 @@ class CheckpointReader:
     def quant_format(self) -> str:
         q = self.config.quant
         if q is None:
-            raise CheckpointError(f"{self.path}: packed expert weights found but config.json has no quantization_config")
+            raise CheckpointError(
+                f"{self.path}: packed expert weights found but config.json has no quantization_config"
+            )
         return q.format
 
     def get_packed(self, module: str) -> dict[str, torch.Tensor]:
-        """On-disk tensors of a quantized linear: ``weight_packed``, ``weight_scale`` (and ``weight_shape`` if stored)."""
+        """On-disk tensors of a quantized linear: ``weight_packed``, ``weight_scale`` (and ``weight_shape``
+        if stored)."""
         out = {}
         for suffix in ("weight_packed", "weight_scale"):
             name = f"{module}.{suffix}"
@@ -141,12 +152,14 @@ class CheckpointReader:
         want_dtype = torch.int32 if fmt == "pack-quantized" else torch.uint8
         if out["weight_packed"].dtype != want_dtype:
             raise FormatError(
-                f"{self.path}: {module}.weight_packed is {out['weight_packed'].dtype}, but format {fmt!r} stores {want_dtype}"
+                f"{self.path}: {module}.weight_packed is {out['weight_packed'].dtype}, but format "
+                f"{fmt!r} stores {want_dtype}"
             )
         return out
 
-    def get_weight(self, module: str, dtype: torch.dtype = torch.float32,
-                   shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def get_weight(
+        self, module: str, dtype: torch.dtype = torch.float32, shape: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
         """Logical weight of ``module`` (``<module>.weight`` or its exact dequantization).
 
         :param shape: expected shape; a mismatch raises an error naming the tensor.
@@ -155,7 +168,10 @@ class CheckpointReader:
             t = self.get_packed(module)
             w = get_format(self.quant_format()).dequantize(t["weight_packed"], t["weight_scale"], dtype)
             if "weight_shape" in t and tuple(int(v) for v in t["weight_shape"].tolist()) != tuple(w.shape):
-                raise FormatError(f"{self.path}: {module}.weight_shape {t['weight_shape'].tolist()} does not match the packed data {tuple(w.shape)}")
+                raise FormatError(
+                    f"{self.path}: {module}.weight_shape {t['weight_shape'].tolist()} does not match "
+                    f"the packed data {tuple(w.shape)}"
+                )
         else:
             w = self.get(f"{module}.weight").to(dtype)
         if shape is not None and tuple(w.shape) != tuple(shape):

@@ -1,9 +1,8 @@
 """Tiny random Kimi checkpoints in the real on-disk format (``kimi-rl make-tiny``).
 
-Real HF tensor names and config fields (``shared/reference/kimi_arch.md``), experts in the
-model's real 4-bit format, deterministic for a seed, small enough for CPU tests (hidden 256,
-<= 6 layers, 16 experts) but with MLA ``kv_lora_rank`` 512 and ``qk_rope_head_dim`` 64, which
-vLLM's CPU MLA backend requires (``ENVIRONMENT.md``).
+Real HF tensor names and config fields, experts in the model's real 4-bit format, deterministic
+for a seed, small enough for CPU tests (hidden 256, <= 6 layers, 16 experts) but with MLA
+``kv_lora_rank`` 512 and ``qk_rope_head_dim`` 64, which vLLM's CPU MLA backend requires.
 
 Weights are scaled so activations stay O(1): projections ~ N(0, 1/in), residual writers
 (``o_proj``, ``down_proj``, ``w2``) further divided by ``sqrt(2 L)``, embeddings ~ N(0, 1),
@@ -19,7 +18,8 @@ import os
 
 import torch
 
-from kimi_core.checkpoint.writer import write_checkpoint
+from kimi_core.checkpoint.folders import FolderRefused, check_output_folder
+from kimi_core.checkpoint.writer import replace_directory, write_checkpoint
 from kimi_core.config import FAMILIES, KimiConfig
 from kimi_core.quant import int4, mxfp4
 from kimi_core.quant.int4 import CONVENTIONS
@@ -29,30 +29,83 @@ MODELS = tuple(FAMILIES)  # k2, k25, k3, k31
 MAX_LAYERS = 6
 
 _K2_TEXT = {
-    "model_type": "kimi_k2", "vocab_size": 1024, "hidden_size": 256, "num_hidden_layers": 4,
-    "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 128, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "intermediate_size": 512, "moe_intermediate_size": 64, "n_routed_experts": 16,
-    "num_experts_per_tok": 4, "n_shared_experts": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-    "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-    "norm_topk_prob": True, "routed_scaling_factor": 2.827, "rms_norm_eps": 1e-5,
+    "model_type": "kimi_k2",
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 64,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.827,
+    "rms_norm_eps": 1e-5,
     "rope_theta": 50000.0,
-    "rope_scaling": {"type": "yarn", "rope_type": "yarn", "factor": 64.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                     "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
-    "max_position_embeddings": 262144, "hidden_act": "silu", "num_nextn_predict_layers": 0,
-    "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
-    "initializer_range": 0.02, "ep_size": 1, "aux_loss_alpha": 0.0, "seq_aux": True,
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "use_cache": True,
-    "torch_dtype": "bfloat16", "dtype": "bfloat16",
+    "rope_scaling": {
+        "type": "yarn",
+        "rope_type": "yarn",
+        "factor": 64.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+    },
+    "max_position_embeddings": 262144,
+    "hidden_act": "silu",
+    "num_nextn_predict_layers": 0,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "ep_size": 1,
+    "aux_loss_alpha": 0.0,
+    "seq_aux": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "use_cache": True,
+    "torch_dtype": "bfloat16",
+    "dtype": "bfloat16",
 }
+
 
 def _k3_text() -> dict:
     """The K3 release text config at tiny sizes (every other field as released)."""
     text = k3_release_config()["text_config"]
-    text.update(vocab_size=1024, hidden_size=256, num_hidden_layers=5, intermediate_size=512, num_experts=16,
-                num_experts_per_token=4, moe_intermediate_size=64, routed_expert_hidden_size=128,
-                num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, attn_res_block_size=2,
-                bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16", dtype="bfloat16")
+    text.update(
+        vocab_size=1024,
+        hidden_size=256,
+        num_hidden_layers=5,
+        intermediate_size=512,
+        num_experts=16,
+        num_experts_per_token=4,
+        moe_intermediate_size=64,
+        routed_expert_hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=128,
+        attn_res_block_size=2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        torch_dtype="bfloat16",
+        dtype="bfloat16",
+    )
     text["linear_attn_config"].update(num_heads=4, head_dim=32, kda_layers=[], full_attn_layers=[])
     return text
 
@@ -65,8 +118,15 @@ _K31_INDEXER = {"index_n_heads": 4, "index_head_dim": 32, "index_topk": 8}
 #: hidden % 1024; SGLang's KDA: KDA heads = MLA heads, head_dim = v_head_dim; its DSA pool: index_head_dim 128;
 #: DeepGEMM's indexer scores on SM90: 32 or 64 indexer heads).
 SIZES = ("tiny", "small")
-_SMALL_COMMON = {"vocab_size": 4096, "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 8,
-                 "q_lora_rank": 1536, "intermediate_size": 2048, "moe_intermediate_size": 256}
+_SMALL_COMMON = {
+    "vocab_size": 4096,
+    "hidden_size": 1024,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "q_lora_rank": 1536,
+    "intermediate_size": 2048,
+    "moe_intermediate_size": 256,
+}
 _SMALL_K2 = {**_SMALL_COMMON, "n_routed_experts": 64, "num_experts_per_tok": 8}
 _SMALL_K3 = {**_SMALL_COMMON, "num_experts": 64, "num_experts_per_token": 8, "routed_expert_hidden_size": 512}
 _SMALL_KDA = {"num_heads": 8, "head_dim": 128}
@@ -74,12 +134,25 @@ _SMALL_K31_INDEXER = {"index_n_heads": 32, "index_head_dim": 128, "index_topk": 
 
 # vision fields only (no vision weights): vLLM builds the projector from them even when it
 # serves text only (``language_model_only``; on the meta device, then drops it)
-_VISION_STUB = {"patch_size": 14, "vt_hidden_size": 1152, "vt_num_hidden_layers": 1,
-                "mm_projector_type": "patchmergerv2", "projector_ln_eps": 1e-5}
+_VISION_STUB = {
+    "patch_size": 14,
+    "vt_hidden_size": 1152,
+    "vt_num_hidden_layers": 1,
+    "mm_projector_type": "patchmergerv2",
+    "projector_ln_eps": 1e-5,
+}
 
 _INT4_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]
-_MXFP4_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*\\.mlp\\..*",
-                 "re:.*routed_expert_.*", "re:.*block_sparse_moe\\.gate$", "re:vision_tower.*", "re:mm_projector.*"]
+_MXFP4_IGNORE = [
+    "lm_head",
+    "re:.*self_attn.*",
+    "re:.*shared_experts.*",
+    "re:.*\\.mlp\\..*",
+    "re:.*routed_expert_.*",
+    "re:.*block_sparse_moe\\.gate$",
+    "re:vision_tower.*",
+    "re:mm_projector.*",
+]
 
 
 def tiny_config(model: str, quant: str | None = None, layers: int | None = None, size: str = "tiny") -> dict:
@@ -128,17 +201,28 @@ def tiny_config(model: str, quant: str | None = None, layers: int | None = None,
     if quant != "none":
         from kimi_core.config import QuantSpec
 
-        qc = QuantSpec(format=mxfp4.FORMAT if quant == "mxfp4" else int4.FORMAT,
-                       ignore=tuple(_MXFP4_IGNORE if quant == "mxfp4" else _INT4_IGNORE)).to_hf()
+        qc = QuantSpec(
+            format=mxfp4.FORMAT if quant == "mxfp4" else int4.FORMAT,
+            ignore=tuple(_MXFP4_IGNORE if quant == "mxfp4" else _INT4_IGNORE),
+        ).to_hf()
     if model == "k2":
         cfg = {"architectures": [FAMILIES["k2"]], **text}
         if qc:
             cfg["quantization_config"] = qc
         return cfg
     top_type = {"k25": "kimi_k25", "k3": "kimi_k3", "k31": "kimi_k31"}[model]
-    cfg = {"architectures": [FAMILIES[model]], "model_type": top_type, "text_config": text,
-           "vision_config": dict(_VISION_STUB), "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-           "media_placeholder_token_id": 3, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    cfg = {
+        "architectures": [FAMILIES[model]],
+        "model_type": top_type,
+        "text_config": text,
+        "vision_config": dict(_VISION_STUB),
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "media_placeholder_token_id": 3,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
     if qc:
         cfg["quantization_config"] = qc
     return cfg
@@ -162,10 +246,10 @@ class _Init:
 
 
 def _experts(init: _Init, cfg: KimiConfig, moe: str, quant: str, convention: str, out: dict) -> None:
-    H, I, E = cfg.expert_in_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+    H, inter, E = cfg.expert_in_size, cfg.moe_intermediate_size, cfg.n_routed_experts
     gate_n, up_n, down_n = cfg.expert_names
     for e in range(E):
-        for name, (o, i, resid) in ((gate_n, (I, H, False)), (up_n, (I, H, False)), (down_n, (H, I, True))):
+        for name, (o, i, resid) in ((gate_n, (inter, H, False)), (up_n, (inter, H, False)), (down_n, (H, inter, True))):
             w = init.linear(o, i, residual=resid)
             key = f"{moe}.experts.{e}.{name}"
             if quant == "none":
@@ -265,20 +349,43 @@ def tiny_state_dict(config: dict, quant: str, convention: str = "kimi", seed: in
     return out
 
 
-def make_tiny(model: str, out_dir: str | os.PathLike, quant: str | None = None, convention: str = "kimi",
-              seed: int = 0, layers: int | None = None, max_shard_bytes: int = 2 * 2**20, size: str = "tiny") -> str:
+def make_tiny(
+    model: str,
+    out_dir: str | os.PathLike,
+    quant: str | None = None,
+    convention: str = "kimi",
+    seed: int = 0,
+    layers: int | None = None,
+    max_shard_bytes: int = 2 * 2**20,
+    size: str = "tiny",
+) -> str:
     """Write a tiny checkpoint of ``model`` to ``out_dir`` and return the directory.
+
+    An existing checkpoint at ``out_dir`` is replaced as a whole (:func:`replace_directory`: no shard of it is
+    left beside the new one); a file there, or a non-empty folder that is not a checkpoint, is refused.
 
     :param quant: ``int4`` / ``mxfp4`` / ``none``; default: the release format of ``model``.
     :param size: ``tiny`` or ``small`` (:func:`tiny_config`).
-    :param convention: INT4 scale convention, ``kimi`` (amax/7, q in [-7, 7]) or ``rtn`` (amax/7.5, [-8, 7]).
+    :param convention: INT4 scale convention, ``kimi`` (amax/7, q in [-7, 7]) or ``rtn`` (amax/7.5, [-8, 7]);
+        only INT4 experts have one, so ``rtn`` with MXFP4 or unquantized experts is refused.
     :param max_shard_bytes: shard size; small by default so readers are exercised on several shards.
+    :raises FolderRefused: ``out_dir`` is a file or a folder holding something else than a checkpoint.
     """
     if convention not in CONVENTIONS:
         raise ValueError(f"--convention {convention!r}: expected one of {sorted(CONVENTIONS)}")
     cfg = tiny_config(model, quant, layers, size)
     q = quant or ("mxfp4" if model in ("k3", "k31") else "int4")
+    if convention != "kimi" and q != "int4":
+        raise ValueError(
+            f"--convention {convention}: only INT4 experts have a scale convention; {model} with "
+            f"--quant {q} has none (drop --convention, or use --model k2/k25 with INT4 experts)"
+        )
+    out_dir = check_output_folder(out_dir, "--out")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.exists(os.path.join(out_dir, "config.json")):
+        raise FolderRefused(
+            f"--out {out_dir}: a non-empty folder that holds no checkpoint (no config.json); "
+            "make-tiny replaces only an earlier checkpoint; name a new or empty folder"
+        )
     tensors = tiny_state_dict(cfg, q, convention, seed)
-    out_dir = os.fspath(out_dir)
-    write_checkpoint(out_dir, tensors, cfg, max_shard_bytes=max_shard_bytes)
+    replace_directory(out_dir, lambda d: write_checkpoint(d, tensors, cfg, max_shard_bytes=max_shard_bytes))
     return out_dir
