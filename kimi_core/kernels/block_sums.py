@@ -28,7 +28,7 @@ import torch
 
 __all__ = ["CHUNK_WORDS", "NUM_WARPS", "STREAM_HINTS", "copy_sum_blocks"]
 
-# launch shape and cache hints: `benchmarks/adapter_sync.py tune`; see docs/performance.md#adapter-sync
+# launch shape and cache hints: `benchmarks/adapter_sync.py cuda-ipc --tune`; see docs/performance.md#adapter-sync
 CHUNK_WORDS = 4096
 NUM_WARPS = 4
 STREAM_HINTS = True
