@@ -119,7 +119,7 @@ $(P312_STAMP): pyproject.toml $(MEMBER_PYPROJECTS) Makefile
 	$(P312_PIP) install -q --no-deps $(P312_HOSTS); \
 	$(P312_PIP) install -q $(P312_DEPS); \
 	$(P312_PIP) install -q --no-deps $(EDITABLE_MEMBERS) -e .; \
-	$(P312_PY) -c "import kimi_megatron_plugin.te_stub as s; s.install(); import torch, skyrl, megatron.core, megatron.bridge; from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry; print('py312 venv ready: torch', torch.__version__, '| skyrl', skyrl.__version__, '| megatron-core', megatron.core.__version__)"; \
+	$(P312_PY) -c "import kimi_megatron_plugin.patches.te_stub as s; s.install(); import torch, skyrl, megatron.core, megatron.bridge; from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry; print('py312 venv ready: torch', torch.__version__, '| skyrl', skyrl.__version__, '| megatron-core', megatron.core.__version__)"; \
 	echo "py312 venv built in $$(( $$(date +%s) - start )) s, $$(du -sh $(P312_VENV) | cut -f1)"
 	touch $(P312_STAMP)
 

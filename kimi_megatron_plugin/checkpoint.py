@@ -21,8 +21,8 @@ import torch
 from safetensors import safe_open
 
 from kimi_core.checkpoint import CheckpointError, CheckpointReader
-from kimi_core.config import INT4_FORMAT, MXFP4_FORMAT
 from kimi_core.quant import FormatError, get_format
+from kimi_core.quant.formats import INT4, WEIGHT_FORMATS, weight_format
 from kimi_megatron_plugin import mapping
 
 __all__ = ["ShardReader", "load_hf_checkpoint", "export_hf_state_dict", "unwrap_model"]
@@ -68,8 +68,9 @@ class ShardReader:
             rank, size = part
             full = sl.get_shape()[dim]
             if full % size:
-                raise CheckpointError(f"{self.path}: {name} has {full} entries along dim {dim}, not divisible by "
-                                      f"the parallel size {size}")
+                raise CheckpointError(
+                    f"{self.path}: {name} has {full} entries along dim {dim}, not divisible by the parallel size {size}"
+                )
             step = full // size
             idx = [slice(None)] * len(sl.get_shape())
             idx[dim] = slice(rank * step, (rank + 1) * step)
@@ -117,16 +118,21 @@ def _entries(model):
 
 
 def _check_quant(reader: ShardReader, kimi, hf: str, t: torch.Tensor, meg: str) -> None:
+    """A packed expert tensor's dtype must be what ``quantization_config.format`` stores."""
     fmt = kimi.quant.format if kimi.quant is not None else None
     if hf.endswith("weight_packed") or hf.endswith("weight_scale"):
-        want = {INT4_FORMAT: (torch.int32, torch.bfloat16), MXFP4_FORMAT: (torch.uint8, torch.uint8)}.get(fmt)
-        if want is None:
-            raise FormatError(f"{reader.path}: {hf} is a packed 4-bit tensor but config.json declares no "
-                              "quantization_config (expected 'pack-quantized' or 'mxfp4-pack-quantized')")
-        exp = want[0] if hf.endswith("weight_packed") else want[1]
+        if fmt is None:
+            raise FormatError(
+                f"{reader.path}: {hf} is a packed 4-bit tensor but config.json declares no "
+                f"quantization_config (expected one of {sorted(WEIGHT_FORMATS)})"
+            )
+        want = weight_format(fmt)
+        exp = want.packed_dtype if hf.endswith("weight_packed") else want.scale_dtype
         if t.dtype != exp:
-            raise FormatError(f"{reader.path}: {hf} is {t.dtype}, but quantization_config.format={fmt!r} stores "
-                              f"{exp} (megatron {meg}); the checkpoint is not in the declared format")
+            raise FormatError(
+                f"{reader.path}: {hf} is {t.dtype}, but quantization_config.format={fmt!r} stores "
+                f"{exp} (megatron {meg}); the checkpoint is not in the declared format"
+            )
 
 
 def _read_expert_logical(reader: ShardReader, kimi, module: str, dtype) -> torch.Tensor:
@@ -168,8 +174,10 @@ def load_hf_checkpoint(model, path_or_reader, strict: bool = True) -> ShardReade
                     meta[hf] = (None, tuple(piece.shape))
                 else:
                     if not reader.has(hf):
-                        raise CheckpointError(f"{reader.path}: tensor {hf!r} not found in the checkpoint "
-                                              f"(needed by megatron {name}; is the checkpoint quantized as config.json says?)")
+                        raise CheckpointError(
+                            f"{reader.path}: tensor {hf!r} not found in the checkpoint "
+                            f"(needed by megatron {name}; is the checkpoint quantized as config.json says?)"
+                        )
                     piece = reader.get(hf)
                     _check_quant(reader, kimi, hf, piece, name)
                     meta[hf] = (piece.dtype, tuple(piece.shape))
@@ -180,8 +188,9 @@ def load_hf_checkpoint(model, path_or_reader, strict: bool = True) -> ShardReade
             for hf in hfs:
                 if not reader.has(hf):
                     if strict:
-                        raise CheckpointError(f"{reader.path}: tensor {hf!r} not found in the checkpoint "
-                                              f"(needed by megatron {name})")
+                        raise CheckpointError(
+                            f"{reader.path}: tensor {hf!r} not found in the checkpoint (needed by megatron {name})"
+                        )
                     continue
                 meta[hf] = (None, reader.shape(hf))
             if rule.hook:
@@ -203,7 +212,8 @@ def load_hf_checkpoint(model, path_or_reader, strict: bool = True) -> ShardReade
         if tuple(value.shape) != tuple(t.shape):
             raise CheckpointError(
                 f"{reader.path}: {hf_desc} gives shape {tuple(value.shape)} for megatron {name}, but config.json "
-                f"implies {tuple(t.shape)} (tensor parallel rank {tp_rank}/{tp}); config and weights disagree")
+                f"implies {tuple(t.shape)} (tensor parallel rank {tp_rank}/{tp}); config and weights disagree"
+            )
         if not t.is_floating_point() and value.dtype != t.dtype:
             raise FormatError(f"{reader.path}: {hf_desc} is {value.dtype}, megatron {name} holds {t.dtype}")
         t.copy_(value.to(t.dtype))
@@ -286,7 +296,7 @@ def export_hf_state_dict(model) -> dict[str, torch.Tensor]:
                             base = f"{kimi.lm_prefix}model.layers.{layer}.{kimi.moe_prefix}.experts.{e}"
                             hf = f"{base}.{dict(zip(('gate', 'up', 'down'), kimi.expert_names))[proj]}"
                             out[f"{hf}.{k}"] = allv[r].cpu().contiguous()
-                            if k == "weight_packed" and experts.fmt == INT4_FORMAT:
+                            if k == "weight_packed" and experts.fmt is INT4:
                                 o, inp = experts.shapes[proj]
                                 ws = f"{hf}.weight_shape"
                                 out[ws] = torch.tensor([o, inp], dtype=meta.get(ws, (torch.int64,))[0] or torch.int64)

@@ -21,8 +21,8 @@ zero-padded (to ``head_dim`` in the K3 release) and kept unpadded here.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -85,8 +85,11 @@ RULES: tuple[Rule, ...] = (
     # MoE
     _r(r"layer\.mlp\.router\.weight", "{moe}.gate.weight", "rep"),
     _r(r"layer\.mlp\.router\.expert_bias", "{moe}.gate.e_score_correction_bias", "rep"),
-    _r(r"layer\.mlp\.shared_experts\.linear_fc1\.weight",
-       ("{moe}.shared_experts.gate_proj.weight", "{moe}.shared_experts.up_proj.weight"), "glu"),
+    _r(
+        r"layer\.mlp\.shared_experts\.linear_fc1\.weight",
+        ("{moe}.shared_experts.gate_proj.weight", "{moe}.shared_experts.up_proj.weight"),
+        "glu",
+    ),
     _r(r"layer\.mlp\.shared_experts\.linear_fc2\.weight", "{moe}.shared_experts.down_proj.weight", "row"),
     _r(r"layer\.mlp\.routed_expert_(down_proj|up_proj|norm)\.weight", r"{moe}.routed_expert_\1.weight", "rep"),
     # routed experts: packed on-disk tensors (w4a16) or logical weights (qat / dense masters)
@@ -105,7 +108,7 @@ def normalise(name: str) -> tuple[str, int | None]:
     m = _LAYER.match(name)
     if not m:
         return name, None
-    return "layer." + name[m.end():], int(m.group(1))
+    return "layer." + name[m.end() :], int(m.group(1))
 
 
 def match(megatron_name: str) -> tuple[Rule, re.Match, int | None] | None:

@@ -28,7 +28,7 @@ __all__ = ["replay_routing"]
 @contextlib.contextmanager
 def replay_routing(model, routed_experts: torch.Tensor | None):
     """Replay ``routed_experts`` (see the module docstring) in every MoE layer of ``model`` (a
-    ``GPTModel`` built by :mod:`kimi_megatron_plugin.provider` with ``moe_enable_routing_replay=True``)
+    ``GPTModel`` built by :mod:`kimi_megatron_plugin.models.provider` with ``moe_enable_routing_replay=True``)
     for the forward passes inside the block; ``None`` leaves routing alone."""
     if routed_experts is None:
         yield
@@ -38,8 +38,10 @@ def replay_routing(model, routed_experts: torch.Tensor | None):
     kimi = model.kimi_config
     k = kimi.num_experts_per_tok
     if routed_experts.ndim != 4 or routed_experts.shape[2:] != (kimi.num_hidden_layers, k):
-        raise ValueError(f"routed_experts has shape {tuple(routed_experts.shape)}, expected (batch, tokens, "
-                         f"num_hidden_layers={kimi.num_hidden_layers}, num_experts_per_tok={k})")
+        raise ValueError(
+            f"routed_experts has shape {tuple(routed_experts.shape)}, expected (batch, tokens, "
+            f"num_hidden_layers={kimi.num_hidden_layers}, num_experts_per_tok={k})"
+        )
     bad = (routed_experts < 0) | (routed_experts >= kimi.n_routed_experts)
     replays = []
     try:
@@ -49,8 +51,10 @@ def replay_routing(model, routed_experts: torch.Tensor | None):
                 continue
             replay = getattr(router, "router_replay", None)
             if replay is None:
-                raise ValueError("replay_routing: the model was built without moe_enable_routing_replay=True "
-                                 "(pass it to kimi_megatron_plugin.provider.build_model_from_hf)")
+                raise ValueError(
+                    "replay_routing: the model was built without moe_enable_routing_replay=True "
+                    "(pass it to kimi_megatron_plugin.models.provider.build_model_from_hf)"
+                )
             i = layer.layer_number - 1  # global, 1-based in megatron
             if bad[:, :, i].any():
                 raise ValueError(f"routed_experts layer {i} holds expert ids outside [0, {kimi.n_routed_experts})")

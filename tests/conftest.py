@@ -32,11 +32,11 @@ def mcore_world():
     """megatron-core model-parallel state for this one CPU process (gloo, TP = PP = EP = 1)."""
     import socket
 
-    from kimi_megatron_plugin import cpu_compat
+    from kimi_megatron_plugin import cpu_parallel
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cpu_compat.initialize_cpu_parallel(1, 1, 1, rank=0, world_size=1, port=port)
+    cpu_parallel.initialize_cpu_parallel(1, 1, 1, rank=0, world_size=1, port=port)
     yield
-    cpu_compat.destroy_cpu_parallel()
+    cpu_parallel.destroy_cpu_parallel()

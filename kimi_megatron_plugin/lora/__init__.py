@@ -15,5 +15,13 @@ from kimi_megatron_plugin.lora.experts import LoraExperts
 from kimi_megatron_plugin.lora.export import export_adapter, iter_export_buckets, lora_decomposed
 from kimi_megatron_plugin.lora.layers import LoraLinear
 
-__all__ = ["KimiLora", "LoraApplyError", "LoraExperts", "LoraLinear", "apply_lora", "export_adapter",
-           "iter_export_buckets", "lora_decomposed"]
+__all__ = [
+    "KimiLora",
+    "LoraApplyError",
+    "LoraExperts",
+    "LoraLinear",
+    "apply_lora",
+    "export_adapter",
+    "iter_export_buckets",
+    "lora_decomposed",
+]

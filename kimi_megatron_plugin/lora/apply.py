@@ -22,19 +22,18 @@ Example::
 
 from __future__ import annotations
 
-from kimi_core.errors import KimiError
-
 import zlib
 
 import torch
 
+from kimi_core.errors import KimiError
 from kimi_core.lora import LoraSpec, load_adapter
 from kimi_core.lora.naming import iter_target_groups, moe_module
 from kimi_megatron_plugin import mapping
 from kimi_megatron_plugin.checkpoint import unwrap_model
-from kimi_megatron_plugin.experts import KimiExperts
 from kimi_megatron_plugin.lora.experts import PROJ, LoraExperts
 from kimi_megatron_plugin.lora.layers import LoraLinear, add_delta
+from kimi_megatron_plugin.models.experts import KimiExperts
 
 __all__ = ["KimiLora", "apply_lora", "LoraApplyError"]
 
@@ -49,7 +48,7 @@ def _key(name: str) -> str:
 
 def _randn_A(seed: int, name: str, rank: int, fan_in: int) -> torch.Tensor:
     g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    return torch.randn(rank, fan_in, generator=g) * fan_in ** -0.5
+    return torch.randn(rank, fan_in, generator=g) * fan_in**-0.5
 
 
 def _parallel():
@@ -58,9 +57,14 @@ def _parallel():
     init = torch.distributed.is_initialized() and ps.model_parallel_is_initialized()
     if not init:
         return dict(tp_group=None, tp_rank=0, tp=1, ep_group=None, ep_rank=0, ep=1)
-    return dict(tp_group=ps.get_tensor_model_parallel_group(), tp_rank=ps.get_tensor_model_parallel_rank(),
-                tp=ps.get_tensor_model_parallel_world_size(), ep_group=ps.get_expert_model_parallel_group(),
-                ep_rank=ps.get_expert_model_parallel_rank(), ep=ps.get_expert_model_parallel_world_size())
+    return dict(
+        tp_group=ps.get_tensor_model_parallel_group(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp=ps.get_tensor_model_parallel_world_size(),
+        ep_group=ps.get_expert_model_parallel_group(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep=ps.get_expert_model_parallel_world_size(),
+    )
 
 
 class KimiLora(torch.nn.Module):
@@ -114,7 +118,7 @@ class KimiLora(torch.nn.Module):
         dict); validated by :func:`kimi_core.lora.load_adapter` first. Missing modules, or a scaling
         that differs from this spec's, raise naming the module."""
         ra = load_adapter(adapter, self.config, max_rank=max_rank)
-        for key, lin in self.dense.items():
+        for lin in self.dense.values():
             f = ra.dense(lin.module)
             if f is None:
                 raise LoraApplyError(f"{ra.source}: no factors for LoRA target {lin.module!r}")
@@ -148,8 +152,10 @@ class KimiLora(torch.nn.Module):
 
 def _check_scaling(source, name, got: float, want: float) -> None:
     if abs(got - want) > 1e-12 * max(1.0, abs(want)):
-        raise LoraApplyError(f"{source}: {name} has LoRA scaling {got:g} (alpha/r from its adapter_config), but the "
-                             f"trainer's LoraSpec gives {want:g}; use the same rank/alpha/normalize_moe_lora")
+        raise LoraApplyError(
+            f"{source}: {name} has LoRA scaling {got:g} (alpha/r from its adapter_config), but the "
+            f"trainer's LoraSpec gives {want:g}; use the same rank/alpha/normalize_moe_lora"
+        )
 
 
 def _dense_hook(parts: list[tuple[LoraLinear | None, int]]):
@@ -160,14 +166,15 @@ def _dense_hook(parts: list[tuple[LoraLinear | None, int]]):
         x = args[0]
         y = out[0] if isinstance(out, tuple) else out
         ds = []
-        for lin, width in parts:
+        for lin, _width in parts:
             ds.append(lin.delta(x) if lin is not None else None)
         if len(ds) == 1:
             d = ds[0]
         else:
             ref = next(t for t in ds if t is not None)
-            d = torch.cat([t if t is not None else ref.new_zeros(*ref.shape[:-1], w)
-                           for t, (_l, w) in zip(ds, parts)], dim=-1)
+            d = torch.cat(
+                [t if t is not None else ref.new_zeros(*ref.shape[:-1], w) for t, (_l, w) in zip(ds, parts)], dim=-1
+            )
         if d.shape[-1] != y.shape[-1]:
             d = _gather_like_base(_mod, d, parts, y.shape[-1])
         y = add_delta(y, d)
@@ -181,13 +188,20 @@ def _gather_like_base(mod, d: torch.Tensor, parts, width: int) -> torch.Tensor:
     TP > 1 gathers inside its forward, with a backward that sums the shared rope key's gradient):
     send the local delta through the same gather, so it gets exactly the base output's gradient."""
     lin = parts[0][0]
-    from kimi_megatron_plugin import layers as kl
+    from kimi_megatron_plugin.models import layers as kl
 
     gather = getattr(kl, "_GatherKVLatent", None)
-    if len(parts) != 1 or lin.kind != "col" or width != lin.out_features or gather is None or \
-            not lin.module.endswith("kv_a_proj_with_mqa"):
-        raise LoraApplyError(f"{lin.module if lin is not None else mod}: base output width {width} fits neither "
-                             f"the local LoRA delta ({d.shape[-1]}) nor a known gathered output")
+    if (
+        len(parts) != 1
+        or lin.kind != "col"
+        or width != lin.out_features
+        or gather is None
+        or not lin.module.endswith("kv_a_proj_with_mqa")
+    ):
+        raise LoraApplyError(
+            f"{lin.module if lin is not None else mod}: base output width {width} fits neither "
+            f"the local LoRA delta ({d.shape[-1]}) nor a known gathered output"
+        )
     return gather.apply(d, mod.config.kv_lora_rank, lin.tp_group)
 
 
@@ -203,8 +217,10 @@ def apply_lora(model, spec: LoraSpec, seed: int = 0, freeze_base: bool = True) -
     groups = list(iter_target_groups(kimi, spec))
     bad = [g.module for g in groups if g.kind == "indexer"]
     if bad:
-        raise LoraApplyError(f"LoraSpec.target_modules selects the DSA indexer ({bad[0]}); the indexer runs "
-                             "frozen under no_grad in kimi_megatron_plugin, so its LoRA could not train")
+        raise LoraApplyError(
+            f"LoraSpec.target_modules selects the DSA indexer ({bad[0]}); the indexer runs "
+            "frozen under no_grad in kimi_megatron_plugin, so its LoRA could not train"
+        )
     dense = {g.module: g for g in groups if g.kind != "expert"}
     expert_groups = {(g.moe, g.proj): g for g in groups if g.kind == "expert"}
     lora = KimiLora(kimi, spec)
@@ -225,8 +241,19 @@ def apply_lora(model, spec: LoraSpec, seed: int = 0, freeze_base: bool = True) -
             targeted = [p for p, hf in zip(PROJ, kimi.expert_names) if (moe, hf) in expert_groups]
             if not targeted:
                 continue
-            le = LoraExperts(moe, kimi.expert_names, mod.shapes, mod.E, kimi.n_routed_experts, par["ep_rank"] * mod.E,
-                             r_e, s_exp, spec.expert_layout, targeted, device=device)
+            le = LoraExperts(
+                moe,
+                kimi.expert_names,
+                mod.shapes,
+                mod.E,
+                kimi.n_routed_experts,
+                par["ep_rank"] * mod.E,
+                r_e,
+                s_exp,
+                spec.expert_layout,
+                targeted,
+                device=device,
+            )
             for p in targeted:
                 hf = dict(zip(PROJ, kimi.expert_names))[p]
                 found.add(f"{moe}.experts.{{e}}.{hf}")
@@ -265,24 +292,38 @@ def apply_lora(model, spec: LoraSpec, seed: int = 0, freeze_base: bool = True) -
                 kind = "row"
             else:
                 kind = "rep"
-            lin = LoraLinear(h, g.in_features, g.out_features, spec.rank, s_dense, kind, par["tp_group"],
-                             par["tp_rank"], par["tp"], device=device)
+            lin = LoraLinear(
+                h,
+                g.in_features,
+                g.out_features,
+                spec.rank,
+                s_dense,
+                kind,
+                par["tp_group"],
+                par["tp_rank"],
+                par["tp"],
+                device=device,
+            )
             lin.set_full(_randn_A(seed, h, spec.rank, g.in_features), torch.zeros(g.out_features, spec.rank))
             got = (lin.B.shape[0], lin.A.shape[1])
             if got != (width, i_loc):
-                raise LoraApplyError(f"{h}: megatron {name}.weight is {tuple(w.shape)} on this rank, LoRA pieces "
-                                     f"would be [{got[0]}, {got[1]}] (kind {kind}); mapping and module disagree")
+                raise LoraApplyError(
+                    f"{h}: megatron {name}.weight is {tuple(w.shape)} on this rank, LoRA pieces "
+                    f"would be [{got[0]}, {got[1]}] (kind {kind}); mapping and module disagree"
+                )
             lora.dense[_key(h)] = lin
             parts.append((lin, width))
             found.add(h)
         lora._handles.append(mod.register_forward_hook(_dense_hook(parts)))
     # every selected target of this stage's layers must have found its module
-    layers = {l.layer_number - 1 for l in model.decoder.layers}
+    layers = {layer.layer_number - 1 for layer in model.decoder.layers}
     missing = [g.module for g in groups if g.layer in layers and g.module not in found]
     if missing:
         lora.remove()
-        raise LoraApplyError(f"LoRA targets without a megatron module on this rank: {missing[:4]} "
-                             f"({len(missing)} in all); kimi_megatron_plugin.mapping has no rule for them")
+        raise LoraApplyError(
+            f"LoRA targets without a megatron module on this rank: {missing[:4]} "
+            f"({len(missing)} in all); kimi_megatron_plugin.mapping has no rule for them"
+        )
     if freeze_base:
         for p in model.parameters():
             p.requires_grad_(False)

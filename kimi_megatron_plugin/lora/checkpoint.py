@@ -59,8 +59,13 @@ def save(directory: str, lora, optimizer=None, step: int = 0, hf_export: bool = 
     _atomic(os.path.join(directory, f"lora_rank{r}.safetensors"), lambda p: save_file(sd, p))
     if optimizer is not None:
         _atomic(os.path.join(directory, f"optim_rank{r}.pt"), lambda p: torch.save(optimizer.state_dict(), p))
-    meta = {"step": int(step), "layout": _layout(lora), "spec": _spec_dict(lora.spec),
-            "tensors": {k: list(v.shape) for k, v in sd.items()}, "optimizer": optimizer is not None}
+    meta = {
+        "step": int(step),
+        "layout": _layout(lora),
+        "spec": _spec_dict(lora.spec),
+        "tensors": {k: list(v.shape) for k, v in sd.items()},
+        "optimizer": optimizer is not None,
+    }
 
     def wjson(p):
         with open(p, "w") as f:
@@ -85,8 +90,10 @@ def load(directory: str, lora, optimizer=None) -> dict:
     with open(mpath) as f:
         meta = json.load(f)
     if meta["layout"] != _layout(lora):
-        raise LoraCheckpointError(f"{mpath}: layout {meta['layout']} != running layout {_layout(lora)}; resume "
-                                  "with the same TP/EP sizes (or re-shard through hf_adapter/)")
+        raise LoraCheckpointError(
+            f"{mpath}: layout {meta['layout']} != running layout {_layout(lora)}; resume "
+            "with the same TP/EP sizes (or re-shard through hf_adapter/)"
+        )
     if meta["spec"] != _spec_dict(lora.spec):
         raise LoraCheckpointError(f"{mpath}: spec {meta['spec']} != running LoraSpec {_spec_dict(lora.spec)}")
     spath = os.path.join(directory, f"lora_rank{r}.safetensors")
@@ -94,11 +101,14 @@ def load(directory: str, lora, optimizer=None) -> dict:
     own = lora.state_dict()
     if set(sd) != set(own):
         extra, missing = sorted(set(sd) - set(own)), sorted(set(own) - set(sd))
-        raise LoraCheckpointError(f"{spath}: tensors differ from the running LoRA (unexpected {extra[:3]}, "
-                                  f"missing {missing[:3]})")
+        raise LoraCheckpointError(
+            f"{spath}: tensors differ from the running LoRA (unexpected {extra[:3]}, missing {missing[:3]})"
+        )
     for k, v in sd.items():
         if tuple(v.shape) != tuple(own[k].shape):
-            raise LoraCheckpointError(f"{spath}: tensor {k!r} is {tuple(v.shape)}, running LoRA has {tuple(own[k].shape)}")
+            raise LoraCheckpointError(
+                f"{spath}: tensor {k!r} is {tuple(v.shape)}, running LoRA has {tuple(own[k].shape)}"
+            )
     lora.load_state_dict(sd)
     if optimizer is not None:
         opath = os.path.join(directory, f"optim_rank{r}.pt")

@@ -1,4 +1,4 @@
-"""LoRA on the routed experts of one MoE layer (:class:`kimi_megatron_plugin.experts.KimiExperts`).
+"""LoRA on the routed experts of one MoE layer (:class:`kimi_megatron_plugin.models.experts.KimiExperts`).
 
 Per projection (``gate``/``up``/``down``; HF ``gate_proj/up_proj/down_proj`` or ``w1/w3/w2``) the
 factors are held as ``A [nA, r, in]`` and ``B [nB, out, r]``, ``n`` = local experts or 1 (shared):
@@ -45,8 +45,20 @@ class LoraExperts(torch.nn.Module):
     :param expert_offset: global id of local expert 0 (``ep_rank * E_local``).
     """
 
-    def __init__(self, moe: str, hf_proj: tuple[str, str, str], shapes: dict, num_local: int, num_experts: int,
-                 expert_offset: int, rank: int, scaling: float, layout: str, targeted, device=None):
+    def __init__(
+        self,
+        moe: str,
+        hf_proj: tuple[str, str, str],
+        shapes: dict,
+        num_local: int,
+        num_experts: int,
+        expert_offset: int,
+        rank: int,
+        scaling: float,
+        layout: str,
+        targeted,
+        device=None,
+    ):
         super().__init__()
         if layout not in ("per_expert", "shared_outer"):
             raise ValueError(f"LoraExperts({moe}): expert_layout={layout!r}; expected per_expert or shared_outer")
@@ -57,7 +69,10 @@ class LoraExperts(torch.nn.Module):
         self.shared: dict[str, tuple[bool, bool]] = {}  # proj -> (A shared, B shared)
         for p in self.targeted:
             out, inp = shapes[p]
-            self.shared[p] = (layout == "shared_outer" and p in ("gate", "up"), layout == "shared_outer" and p == "down")
+            self.shared[p] = (
+                layout == "shared_outer" and p in ("gate", "up"),
+                layout == "shared_outer" and p == "down",
+            )
             nA = 1 if self.shared[p][0] else num_local
             nB = 1 if self.shared[p][1] else num_local
             setattr(self, f"{p}_A", torch.nn.Parameter(torch.zeros(nA, rank, inp, device=device)))
@@ -85,16 +100,20 @@ class LoraExperts(torch.nn.Module):
         for src, dst, ab in ((A, pA, "lora_A"), (B, pB, "lora_B")):
             n = src.shape[0]
             if n not in (1, self.num_experts) or tuple(src.shape[1:]) != tuple(dst.shape[1:]):
-                raise ValueError(f"{self.moe}.experts.{self.hf_proj[proj]}.{ab}: shape {tuple(src.shape)}; expected "
-                                 f"[{self.num_experts} or 1, {', '.join(map(str, dst.shape[1:]))}]")
+                raise ValueError(
+                    f"{self.moe}.experts.{self.hf_proj[proj]}.{ab}: shape {tuple(src.shape)}; expected "
+                    f"[{self.num_experts} or 1, {', '.join(map(str, dst.shape[1:]))}]"
+                )
             if self.shared[proj][0 if ab == "lora_A" else 1]:
                 if n != 1 and not bool((src == src[:1]).all()):
-                    raise ValueError(f"{self.moe}.experts.{self.hf_proj[proj]}.{ab} differs between experts, but "
-                                     "expert_layout='shared_outer' holds one factor per layer; train it per_expert")
+                    raise ValueError(
+                        f"{self.moe}.experts.{self.hf_proj[proj]}.{ab} differs between experts, but "
+                        "expert_layout='shared_outer' holds one factor per layer; train it per_expert"
+                    )
                 dst.copy_(src[:1])
             else:
                 local = src.expand(self.num_experts, *src.shape[1:]) if n == 1 else src
-                dst.copy_(local[self.offset: self.offset + self.E])
+                dst.copy_(local[self.offset : self.offset + self.E])
 
     def full(self, proj: str, ep_group=None, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """All experts' ``(A [E or 1, r, in], B [E or 1, out, r])`` (``grad``: their gradients);

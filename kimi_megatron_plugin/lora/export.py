@@ -18,7 +18,7 @@ tensor, BLAKE2b per bucket, optional expert-row filtering for a consumer rank).
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -29,8 +29,9 @@ from kimi_core.lora.layouts import Decomposed, compose, decompose
 __all__ = ["lora_decomposed", "export_adapter", "iter_export_buckets"]
 
 
-def lora_decomposed(lora, dtype: torch.dtype = torch.bfloat16, gather_pipeline: bool = True,
-                    grads: bool = False) -> Decomposed:
+def lora_decomposed(
+    lora, dtype: torch.dtype = torch.bfloat16, gather_pipeline: bool = True, grads: bool = False
+) -> Decomposed:
     """Full factors of every target (collective over TP and EP; over PP with ``gather_pipeline``).
 
     ``grads=True`` gives their gradients in the same form (tests, gradient checks)."""
@@ -50,11 +51,15 @@ def lora_decomposed(lora, dtype: torch.dtype = torch.bfloat16, gather_pipeline: 
     if gather_pipeline:
         from megatron.core import parallel_state as ps
 
-        if torch.distributed.is_initialized() and ps.model_parallel_is_initialized() and \
-                ps.get_pipeline_model_parallel_world_size() > 1:
+        if (
+            torch.distributed.is_initialized()
+            and ps.model_parallel_is_initialized()
+            and ps.get_pipeline_model_parallel_world_size() > 1
+        ):
             parts = [None] * ps.get_pipeline_model_parallel_world_size()
-            torch.distributed.all_gather_object(parts, (dec.dense, dec.experts, dec.rank_alpha),
-                                                group=ps.get_pipeline_model_parallel_group())
+            torch.distributed.all_gather_object(
+                parts, (dec.dense, dec.experts, dec.rank_alpha), group=ps.get_pipeline_model_parallel_group()
+            )
             for d, e, ra in parts:
                 dec.dense.update(d)
                 dec.experts.update(e)
@@ -62,8 +67,9 @@ def lora_decomposed(lora, dtype: torch.dtype = torch.bfloat16, gather_pipeline: 
     return dec
 
 
-def export_adapter(lora, layout: str = "per_expert", dtype: torch.dtype = torch.bfloat16,
-                   gather_pipeline: bool = True) -> Adapter:
+def export_adapter(
+    lora, layout: str = "per_expert", dtype: torch.dtype = torch.bfloat16, gather_pipeline: bool = True
+) -> Adapter:
     """The adapter as a :class:`kimi_core.lora.Adapter` in file ``layout`` (every rank gets it).
 
     ``shared_outer`` needs a spec trained with ``expert_layout="shared_outer"`` (or factors equal
@@ -76,9 +82,16 @@ def export_adapter(lora, layout: str = "per_expert", dtype: torch.dtype = torch.
     return ad
 
 
-def iter_export_buckets(adapter_or_lora, bucket_bytes: int = 256 << 20, *, config=None, layout: str = "per_expert",
-                        max_rank: int | None = None, experts: tuple[int, int] | None = None,
-                        staging: torch.Tensor | None = None) -> Iterator[Bucket]:
+def iter_export_buckets(
+    adapter_or_lora,
+    bucket_bytes: int = 256 << 20,
+    *,
+    config=None,
+    layout: str = "per_expert",
+    max_rank: int | None = None,
+    experts: tuple[int, int] | None = None,
+    staging: torch.Tensor | None = None,
+) -> Iterator[Bucket]:
     """Validate, then stream the adapter as checksummed buckets.
 
     :param adapter_or_lora: an :class:`Adapter` or a :class:`~kimi_megatron_plugin.lora.apply.KimiLora`

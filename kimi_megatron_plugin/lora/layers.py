@@ -102,14 +102,27 @@ class LoraLinear(torch.nn.Module):
     :ivar A: ``[r, in]`` (``row``: ``[r, in/tp]``) fp32 parameter; ``B``: ``[out, r]`` (``col``: ``[out/tp, r]``).
     """
 
-    def __init__(self, module: str, in_features: int, out_features: int, rank: int, scaling: float,
-                 kind: str = "rep", tp_group=None, tp_rank: int = 0, tp_size: int = 1, device=None):
+    def __init__(
+        self,
+        module: str,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        scaling: float,
+        kind: str = "rep",
+        tp_group=None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        device=None,
+    ):
         super().__init__()
         if kind not in ("col", "row", "rep"):
             raise ValueError(f"LoraLinear({module}): kind={kind!r}; expected col, row or rep")
         if kind == "col" and out_features % tp_size or kind == "row" and in_features % tp_size:
-            raise ValueError(f"LoraLinear({module}): [{out_features}, {in_features}] is not divisible by "
-                             f"--tensor-model-parallel-size {tp_size}")
+            raise ValueError(
+                f"LoraLinear({module}): [{out_features}, {in_features}] is not divisible by "
+                f"--tensor-model-parallel-size {tp_size}"
+            )
         self.module, self.kind, self.scaling = module, kind, float(scaling)
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
         self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
@@ -122,8 +135,10 @@ class LoraLinear(torch.nn.Module):
     def local_slice(self, A: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's pieces of full ``A [r, in]``, ``B [out, r]``."""
         if tuple(A.shape) != (self.rank, self.in_features) or tuple(B.shape) != (self.out_features, self.rank):
-            raise ValueError(f"{self.module}: LoRA factors lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)}; "
-                             f"expected [{self.rank}, {self.in_features}] / [{self.out_features}, {self.rank}]")
+            raise ValueError(
+                f"{self.module}: LoRA factors lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)}; "
+                f"expected [{self.rank}, {self.in_features}] / [{self.out_features}, {self.rank}]"
+            )
         if self.kind == "col":
             B = B.chunk(self.tp_size, dim=0)[self.tp_rank]
         elif self.kind == "row":

@@ -55,9 +55,9 @@ class MegatronLoraTrainer:
                  grid: tuple[float, int] | None = None, quant_format: str | None = None, device: str = "cpu"):
         self.device = torch.device(device)
         if self.device.type == "cpu":
-            from kimi_megatron_plugin import cpu_compat
+            from kimi_megatron_plugin import patches
 
-            cpu_compat.apply_cpu_shims()
+            patches.apply_cpu_shims()
         from megatron.core import parallel_state as ps
 
         self._own_dist = not torch.distributed.is_initialized()
@@ -80,8 +80,9 @@ class MegatronLoraTrainer:
                 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
                 model_parallel_cuda_manual_seed(seed)
-        from kimi_megatron_plugin import checkpoint, provider
+        from kimi_megatron_plugin import checkpoint
         from kimi_megatron_plugin.lora import apply_lora
+        from kimi_megatron_plugin.models import provider
 
         quant = {} if grid is None else {"scale_divisor": grid[0], "q_min": grid[1]}
         if quant_format is not None:

@@ -12,7 +12,7 @@ imports the left part and takes the attribute, so:
 
 What :func:`init` does, each step idempotent:
 
-1. no GPU: :func:`kimi_megatron_plugin.cpu_compat.apply_cpu_shims` (nothing on a GPU);
+1. no GPU: :func:`kimi_megatron_plugin.patches.apply_cpu_shims` (nothing on a GPU);
 2. imports :mod:`kimi_megatron_plugin.spec`, which checks the megatron-core version and fixes its
    TransformerEngine-absent flags, so a wrong install fails here with the version named;
 3. :func:`kimi_megatron_plugin.bridge.register` when ``megatron.bridge`` is importable, else one
@@ -43,11 +43,11 @@ def init(args) -> dict:
     """
     import torch
 
-    from kimi_megatron_plugin import bridge, cpu_compat
+    from kimi_megatron_plugin import bridge, patches
 
     done: dict = {"cpu_shims": False, "bridge": None, "plugin_models": []}
     if not torch.cuda.is_available():
-        done["cpu_shims"] = cpu_compat.apply_cpu_shims()
+        done["cpu_shims"] = patches.apply_cpu_shims()
         log.info("kimi_rl_glue.miles.init: no GPU, megatron-core CPU shims applied")
     import kimi_megatron_plugin.spec  # noqa: F401  (megatron-core version check, no-TE shims)
 

@@ -24,7 +24,7 @@ class MegatronNumericsEngine(Engine):
     install_hint = 'pip install "kimi-rl-plugins[megatron]"'
 
     def run(self, model_dir, input_ids, adapter=None, dtype=torch.float32):
-        from kimi_megatron_plugin.pipeline import unpack_bank
+        from kimi_megatron_plugin.models.pipeline import unpack_bank
         from kimi_rl_glue.demo.megatron_trainer import MegatronLoraTrainer
 
         # the LoRA modules are shaped by the adapter's own config; without one they are removed

@@ -10,7 +10,11 @@ import pytest
 
 _HERE = os.path.dirname(__file__)
 _ROOT = os.path.dirname(os.path.dirname(_HERE))
-for p in (_ROOT, _HERE, os.path.dirname(_HERE)):  # package (even before `pip install -e .` picks it up), mp_worker, utils
+for p in (
+    _ROOT,
+    _HERE,
+    os.path.dirname(_HERE),
+):  # package (even before `pip install -e .` picks it up), mp_worker, utils
     if p not in sys.path:
         sys.path.insert(0, p)
 
@@ -26,8 +30,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def mcore_world():
     """megatron-core model-parallel state for a single CPU process (TP = PP = EP = 1)."""
-    from kimi_megatron_plugin import cpu_compat
+    from kimi_megatron_plugin import cpu_parallel
 
-    cpu_compat.initialize_cpu_parallel(1, 1, 1, rank=0, world_size=1, port=free_port())
+    cpu_parallel.initialize_cpu_parallel(1, 1, 1, rank=0, world_size=1, port=free_port())
     yield
-    cpu_compat.destroy_cpu_parallel()
+    cpu_parallel.destroy_cpu_parallel()

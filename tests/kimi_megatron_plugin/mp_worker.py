@@ -5,7 +5,7 @@ only its shard), runs forward and backward of a fixed loss and writes, from rank
 the full gradients keyed by layout-independent names (``decoder.layers.<global>.<rest>``, TP and
 EP pieces gathered, DP replicas summed) and every rank's read log.
 
-Backends: ``gloo`` (CPU, with :mod:`kimi_megatron_plugin.cpu_compat`; the tests) and ``nccl``
+Backends: ``gloo`` (CPU, with :mod:`kimi_megatron_plugin.patches`; the tests) and ``nccl``
 (rank ``r`` on ``cuda:r``; ``benchmarks/multi_gpu.py``). Payloads always come back on the CPU.
 """
 
@@ -43,8 +43,13 @@ def _full_grads(model, tp_group, ep_group, dp_sum_group):
         if p.grad is None:
             continue
         rule, _m, local = mapping.match(name)
-        key = name if local is None else name.replace(
-            f"decoder.layers.{local}.", f"decoder.layers.{model.decoder.layers[local].layer_number - 1}.", 1)
+        key = (
+            name
+            if local is None
+            else name.replace(
+                f"decoder.layers.{local}.", f"decoder.layers.{model.decoder.layers[local].layer_number - 1}.", 1
+            )
+        )
         g = p.grad.detach().clone()
         if rule.split == "expert":
             g = _gather(g, 0, ep_group)
@@ -66,12 +71,13 @@ def split_data_parallel(ids, w, ep: int):
     if ep == 1:
         return ids, w, None
     r = ps.get_data_parallel_rank()
-    return ids[r:r + 1], w[r:r + 1], ps.get_data_parallel_group()
+    return ids[r : r + 1], w[r : r + 1], ps.get_data_parallel_group()
 
 
 def forward_backward(model, ids, w, pp: int):
     """Forward + backward of ``sum(logits * w)``; with PP=2 the two stages exchange the packed boundary
-    tensor and its gradient by send/recv, sized by ``pipeline.bank_tensor_shapes_fn``. Returns the full-vocab logits (``None`` on a non-last stage)."""
+    tensor and its gradient by send/recv, sized by ``pipeline.bank_tensor_shapes_fn``. Returns the full-vocab
+    logits (``None`` on a non-last stage)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region as gather_vocab
 
@@ -81,7 +87,7 @@ def forward_backward(model, ids, w, pp: int):
         logits = gather_vocab(model(ids, pos, attention_mask=None))  # vocab-parallel -> full
         (logits.float() * w).sum().backward()
         return logits
-    from kimi_megatron_plugin.pipeline import bank_tensor_shapes_fn
+    from kimi_megatron_plugin.models.pipeline import bank_tensor_shapes_fn
 
     stage = ps.get_pipeline_model_parallel_rank()
     nxt, prv = ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank()
@@ -123,7 +129,7 @@ def schedule_forward_backward(model, ids, w, pp: int, schedule: str):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region as gather_vocab
 
-    from kimi_megatron_plugin.pipeline import bank_tensor_shapes_fn
+    from kimi_megatron_plugin.models.pipeline import bank_tensor_shapes_fn
 
     n_mb = ids.shape[0]
     kept = []
@@ -136,11 +142,18 @@ def schedule_forward_backward(model, ids, w, pp: int, schedule: str):
     def step(rows, model):
         r = next(rows)
         pos = torch.arange(ids.shape[1], device=ids.device)[None]
-        return model(ids[r:r + 1], pos, attention_mask=None), partial(loss_func, w[r:r + 1])
+        return model(ids[r : r + 1], pos, attention_mask=None), partial(loss_func, w[r : r + 1])
 
     kw = {"adjust_tensor_shapes_fn": bank_tensor_shapes_fn(model)} if pp > 1 and schedule == "adjust" else {}
-    get_forward_backward_func()(forward_step_func=step, data_iterator=iter(range(n_mb)), model=[model],
-                                num_microbatches=n_mb, seq_length=ids.shape[1], micro_batch_size=1, **kw)
+    get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iter(range(n_mb)),
+        model=[model],
+        num_microbatches=n_mb,
+        seq_length=ids.shape[1],
+        micro_batch_size=1,
+        **kw,
+    )
     return torch.cat(kept) if kept else None
 
 
@@ -148,48 +161,81 @@ def init_parallel(tp: int, pp: int, ep: int) -> None:
     """Megatron's model-parallel groups (ETP 1); on a GPU also its model-parallel CUDA RNG."""
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+    )
     if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(1234)
 
 
-def one_config(ckpt: str, tp: int, pp: int, ep: int, expert_mode: str = "w4a16",
-               dtype: torch.dtype = torch.float32, schedule: str | None = None) -> dict:
+def one_config(
+    ckpt: str,
+    tp: int,
+    pp: int,
+    ep: int,
+    expert_mode: str = "w4a16",
+    dtype: torch.dtype = torch.float32,
+    schedule: str | None = None,
+) -> dict:
     """Build, load, forward and backward for one (TP, PP, EP) layout; returns this rank's payload.
 
     ``schedule``: ``None`` (explicit send/recv, CPU or GPU) or a :data:`SCHEDULES` key (megatron's
     own schedule, GPU)."""
     from megatron.core import parallel_state as ps
 
-    from kimi_megatron_plugin import checkpoint, provider
+    from kimi_megatron_plugin import checkpoint
+    from kimi_megatron_plugin.models import provider
 
     init_parallel(tp, pp, ep)
-    model = provider.build_model_from_hf(ckpt, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep,
-                                         expert_mode=expert_mode, perform_initialization=False,
-                                         params_dtype=dtype, **SCHEDULES.get(schedule, {}))
+    model = provider.build_model_from_hf(
+        ckpt,
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        expert_parallel=ep,
+        expert_mode=expert_mode,
+        perform_initialization=False,
+        params_dtype=dtype,
+        **SCHEDULES.get(schedule, {}),
+    )
     reader = checkpoint.load_hf_checkpoint(model, ckpt)
     kimi = model.kimi_config
     ids, w, dp_sum_group = split_data_parallel(*inputs(kimi.vocab_size), ep)
-    logits = (forward_backward(model, ids, w, pp) if schedule is None
-              else schedule_forward_backward(model, ids, w, pp, schedule))
-    grads = _full_grads(model, ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group(),
-                        dp_sum_group)
+    logits = (
+        forward_backward(model, ids, w, pp)
+        if schedule is None
+        else schedule_forward_backward(model, ids, w, pp, schedule)
+    )
+    grads = _full_grads(model, ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group(), dp_sum_group)
     if ep > 1:
         logits = _gather_rows(logits)
-    payload = {"logits": logits.detach().float().cpu() if logits is not None else None,
-               "grads": {k: v.float().cpu() for k, v in grads.items()},
-               "read_log": dict(reader.read_log), "bytes_read": reader.bytes_read,
-               "full_bytes": {n: _full_bytes(reader, n) for n in reader.read_log},
-               "stage_layers": [layer.layer_number - 1 for layer in model.decoder.layers]}
+    payload = {
+        "logits": logits.detach().float().cpu() if logits is not None else None,
+        "grads": {k: v.float().cpu() for k, v in grads.items()},
+        "read_log": dict(reader.read_log),
+        "bytes_read": reader.bytes_read,
+        "full_bytes": {n: _full_bytes(reader, n) for n in reader.read_log},
+        "stage_layers": [layer.layer_number - 1 for layer in model.decoder.layers],
+    }
     ps.destroy_model_parallel()
     return payload
 
 
-def run(rank: int, world: int, ckpt: str, port: int, out_path: str, names: list[str], config_fn=None,
-        kwargs: dict | None = None, backend: str = "gloo") -> None:
+def run(
+    rank: int,
+    world: int,
+    ckpt: str,
+    port: int,
+    out_path: str,
+    names: list[str],
+    config_fn=None,
+    kwargs: dict | None = None,
+    backend: str = "gloo",
+) -> None:
     """All layouts in ``names`` one after the other in the same ``world``-process world.
 
     ``config_fn(ckpt, tp, pp, ep, **kwargs)`` returns one rank's payload (default: :func:`one_config`).
@@ -201,13 +247,12 @@ def run(rank: int, world: int, ckpt: str, port: int, out_path: str, names: list[
         torch.cuda.set_device(rank)
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 runs are compared at 1e-5
         torch.backends.cudnn.allow_tf32 = False
-        torch.distributed.init_process_group("nccl", rank=rank, world_size=world,
-                                             device_id=torch.device("cuda", rank))
+        torch.distributed.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     else:
         torch.set_num_threads(1)
-        from kimi_megatron_plugin import cpu_compat
+        from kimi_megatron_plugin import patches
 
-        cpu_compat.apply_cpu_shims()
+        patches.apply_cpu_shims()
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     for name in names:
@@ -222,8 +267,9 @@ def run(rank: int, world: int, ckpt: str, port: int, out_path: str, names: list[
 
 
 def _gather_rows(logits):
-    from kimi_megatron_plugin.checkpoint import _gather, gather_tp
     from megatron.core import parallel_state as ps
+
+    from kimi_megatron_plugin.checkpoint import _gather
 
     return _gather(logits.detach(), 0, ps.get_data_parallel_group())
 
@@ -236,8 +282,16 @@ def _full_bytes(reader, name: str) -> int:
     return n * {"BF16": 2, "F32": 4, "I32": 4, "U8": 1, "I64": 8, "F16": 2}[sl.get_dtype()]
 
 
-def spawn(ckpt: str, out_path: str, names=tuple(CONFIGS), expert_mode: str = "w4a16", world: int = 2,
-          config_fn=None, backend: str = "gloo", kwargs: dict | None = None) -> dict:
+def spawn(
+    ckpt: str,
+    out_path: str,
+    names=tuple(CONFIGS),
+    expert_mode: str = "w4a16",
+    world: int = 2,
+    config_fn=None,
+    backend: str = "gloo",
+    kwargs: dict | None = None,
+) -> dict:
     """Run the layouts ``names`` in ``world`` spawned processes; returns ``{name: [payload per rank]}``.
 
     ``config_fn`` (a module-level function, so it pickles) replaces :func:`one_config`; it gets no
@@ -251,6 +305,5 @@ def spawn(ckpt: str, out_path: str, names=tuple(CONFIGS), expert_mode: str = "w4
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     kwargs = dict(kwargs or {}, **({} if config_fn is not None else {"expert_mode": expert_mode}))
-    mp.spawn(run, args=(world, ckpt, port, out_path, list(names), config_fn, kwargs, backend), nprocs=world,
-             join=True)
+    mp.spawn(run, args=(world, ckpt, port, out_path, list(names), config_fn, kwargs, backend), nprocs=world, join=True)
     return torch.load(out_path, weights_only=False)  # written by run() above, never a foreign file

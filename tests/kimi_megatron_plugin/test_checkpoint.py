@@ -13,7 +13,7 @@ from kimi_core.checkpoint import CheckpointReader, write_checkpoint
 
 
 def _build(path, **kw):
-    from kimi_megatron_plugin import provider
+    from kimi_megatron_plugin.models import provider
 
     return provider.build_model_from_hf(path, perform_initialization=False, **kw)
 
@@ -110,8 +110,8 @@ def test_shape_mismatch_names_tensor(tiny_ckpt, tmp_path, mcore_world):
 
 def test_a_log_hooks_round_trip():
     """A_log import strips zero padding (non-zero padding is an error) and export restores it."""
-    from kimi_core.config import KimiConfig
     from kimi_core.checkpoint.tiny import tiny_config
+    from kimi_core.config import KimiConfig
     from kimi_megatron_plugin.mapping import A_LOG_HOOKS
 
     kimi = KimiConfig.from_hf(tiny_config("k3", layers=2))

@@ -1,20 +1,27 @@
-"""TP=2, PP=2 and EP=2 (2 gloo processes each) give the one-process logits and gradients; ranks read only their shard."""
+"""TP=2, PP=2 and EP=2 (2 gloo processes each) give the one-process logits and gradients; ranks read only their
+shard."""
 
 from __future__ import annotations
 
-import pytest
-
 import mp_worker
+import pytest
 from utils import assert_close
 
 pytestmark = pytest.mark.timeout(900)
 
 # Parameters whose gradient does not flow back through an MLA input (the last layer, 3, is MLA in
 # the tiny 4-layer K3.1): exact even without the shared-k_pe gradient sum (kept as a narrower check).
-_TP_EXACT = ("decoder.layers.3.mlp.", "decoder.layers.3.pre_mlp_layernorm", "decoder.layers.3.mlp_res_",
-             "decoder.final_layernorm", "output_layer", "decoder.layers.3.self_attention.linear_proj",
-             "decoder.layers.3.self_attention.linear_g_proj", "decoder.layers.3.self_attention.linear_q_up_proj",
-             "decoder.layers.3.self_attention.linear_kv_up_proj")
+_TP_EXACT = (
+    "decoder.layers.3.mlp.",
+    "decoder.layers.3.pre_mlp_layernorm",
+    "decoder.layers.3.mlp_res_",
+    "decoder.final_layernorm",
+    "output_layer",
+    "decoder.layers.3.self_attention.linear_proj",
+    "decoder.layers.3.self_attention.linear_g_proj",
+    "decoder.layers.3.self_attention.linear_q_up_proj",
+    "decoder.layers.3.self_attention.linear_kv_up_proj",
+)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from utils import assert_close, rel_rms_error
 
 B, T = 2, 9
@@ -14,7 +13,8 @@ B, T = 2, 9
 
 def _setup(path):
     from kimi_core.reference import load_reference_model
-    from kimi_megatron_plugin import checkpoint, provider
+    from kimi_megatron_plugin import checkpoint
+    from kimi_megatron_plugin.models import provider
 
     model = provider.build_model_from_hf(path, perform_initialization=False, moe_enable_routing_replay=True)
     checkpoint.load_hf_checkpoint(model, path)
@@ -47,7 +47,7 @@ def test_replayed_routing_matches_reference(family, tiny_ckpt, mcore_world):
 
 
 def test_replay_errors_name_the_problem(tiny_ckpt, mcore_world):
-    from kimi_megatron_plugin import provider
+    from kimi_megatron_plugin.models import provider
     from kimi_megatron_plugin.routing_replay import replay_routing
 
     path = tiny_ckpt("k2", layers=3)

@@ -132,7 +132,7 @@ def test_qat_on_bf16_masters_trains_the_served_grid(k2, tmp_path):
     from kimi_core.reference import load_reference_model
     from kimi_rl_glue.demo.megatron_trainer import MegatronLoraTrainer
     from kimi_rl_glue.demo.recipes import KIMI_INT4_GRID
-    from kimi_megatron_plugin.experts import KimiExperts
+    from kimi_megatron_plugin.models.experts import KimiExperts
 
     masters = str(tmp_path / "masters")
     dequantize_checkpoint(k2, masters, *KIMI_INT4_GRID, verify=True, progress=False)

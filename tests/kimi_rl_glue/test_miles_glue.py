@@ -57,7 +57,7 @@ def test_provider_load_export_round_trip(mcore_world, tiny_ckpt, tmp_path):
     """Wrapped provider -> LoRA in the chunk's parameters (hidden from its state dict); an adapter loaded with
     load_lora_adapter_hf comes back bit-exact from export_lora_hf_named under HF/PEFT names, and miles' saved
     form of that export loads again."""
-    from kimi_megatron_plugin import provider
+    from kimi_megatron_plugin.models import provider
 
     path = tiny_ckpt("k2", layers=2)
 
@@ -101,7 +101,7 @@ def test_provider_load_export_round_trip(mcore_world, tiny_ckpt, tmp_path):
 
 def test_unwrapped_model_is_named(mcore_world, tiny_ckpt):
     """A chunk built without the wrapper: the error names the flag to set."""
-    from kimi_megatron_plugin import provider
+    from kimi_megatron_plugin.models import provider
 
     m = provider.build_model_from_hf(tiny_ckpt("k2", layers=2), perform_initialization=False)
     with pytest.raises(lp.LoraProviderError, match="--lora-provider-path"):

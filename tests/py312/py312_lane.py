@@ -24,7 +24,7 @@ def require(module: str, pin: str):
         if importlib.util.find_spec(".".join(parts[:i])) is None:
             pytest.skip(f"{LANE}: {pin} is not installed", allow_module_level=True)
     if module.startswith("megatron.bridge"):
-        from kimi_megatron_plugin import te_stub
+        from kimi_megatron_plugin.patches import te_stub
 
         te_stub.install()  # megatron-bridge 0.6.2 imports TransformerEngine unguarded (te_stub.py says where)
     return importlib.import_module(module)

@@ -3,7 +3,7 @@
 Oracles: Bridge's own architecture lookup (``AutoBridge`` / ``get_model_bridge``), Bridge's loader
 filling a model built by Bridge's provider path, kimi_core.reference logits (fp32, rel <= 1e-4), and
 our native loader (:func:`kimi_megatron_plugin.checkpoint.load_hf_checkpoint`) for bit-equality.
-TransformerEngine is absent: Bridge imports through :mod:`kimi_megatron_plugin.te_stub`.
+TransformerEngine is absent: Bridge imports through :mod:`kimi_megatron_plugin.patches.te_stub`.
 """
 
 from __future__ import annotations
@@ -13,23 +13,26 @@ import sys
 
 import pytest
 import torch
-
 from py312_lane import require
 
 require("megatron.bridge", "megatron-bridge==0.6.2")
-from kimi_megatron_plugin import bridge as kimi_bridge  # noqa: E402
+from kimi_megatron_plugin import bridge as kimi_bridge
 
 kimi_bridge.register()
-from megatron.bridge import AutoBridge  # noqa: E402
-from megatron.bridge.models.conversion.model_bridge import get_model_bridge  # noqa: E402
-from safetensors import safe_open  # noqa: E402
+from megatron.bridge import AutoBridge
+from megatron.bridge.models.conversion.model_bridge import get_model_bridge
+from safetensors import safe_open
+from utils import assert_close
 
-from kimi_core.checkpoint import CheckpointReader  # noqa: E402
-from kimi_megatron_plugin import checkpoint, mapping  # noqa: E402
-from utils import assert_close  # noqa: E402
+from kimi_core import architectures
+from kimi_core.checkpoint import CheckpointReader
+from kimi_megatron_plugin import checkpoint, mapping
+from kimi_megatron_plugin.registration import MODEL_CLASSES
 
-FAMILIES = {"k2": ("DeepseekV3ForCausalLM", 3), "k25": ("KimiK25ForConditionalGeneration", 3),
-            "k3": ("KimiK3ForConditionalGeneration", 4), "k31": ("KimiK31ForConditionalGeneration", 4)}
+FAMILIES = {
+    family: (architectures.FAMILIES[family], layers)
+    for family, layers in (("k2", 3), ("k25", 3), ("k3", 4), ("k31", 4))
+}
 B, T = 2, 13
 
 
@@ -47,8 +50,9 @@ def bridged(tiny_ckpt, mcore_world):
         if family not in cache:
             path = tiny_ckpt(family, layers=FAMILIES[family][1])
             auto = AutoBridge.from_hf_pretrained(path)
-            (model,) = auto.to_megatron_model(wrap_with_ddp=False, use_cpu_initialization=True,
-                                              mixed_precision_wrapper=None)
+            (model,) = auto.to_megatron_model(
+                wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None
+            )
             cache[family] = (path, auto, model)
         return cache[family]
 
@@ -56,7 +60,8 @@ def bridged(tiny_ckpt, mcore_world):
 
 
 def test_te_stub_does_not_fake_transformer_engine():
-    """Bridge imported without TE: its unguarded lora_layers got the placeholder, but `import transformer_engine` still fails elsewhere."""
+    """Bridge imported without TE: its unguarded lora_layers got the placeholder, but `import transformer_engine`
+    still fails elsewhere."""
     lora_layers = importlib.import_module("megatron.bridge.peft.lora_layers")
     assert lora_layers.te.__name__ == "transformer_engine.pytorch" and "transformer_engine" not in sys.modules
     with pytest.raises(ImportError):
@@ -73,10 +78,12 @@ def test_autobridge_resolves_our_bridge(family, tiny_ckpt):
     assert AutoBridge.can_handle(path)
     auto = AutoBridge.from_hf_pretrained(path)
     assert type(auto._model_bridge) is kimi_bridge.registered_bridges()[arch]
+    module, _, name = MODEL_CLASSES[arch].partition(":")
+    assert kimi_bridge.registered_bridges()[arch] is getattr(importlib.import_module(module), name)
     assert arch in AutoBridge.list_supported_models()
     provider = auto.to_megatron_provider(load_weights=False)
-    from kimi_megatron_plugin.bridge_impl import KimiBridgeProvider
-    from kimi_megatron_plugin.provider import KimiModelProvider
+    from kimi_megatron_plugin.bridge.provider import KimiBridgeProvider
+    from kimi_megatron_plugin.models.provider import KimiModelProvider
 
     assert isinstance(provider, KimiBridgeProvider) and isinstance(provider, KimiModelProvider)
 
@@ -94,7 +101,8 @@ def test_plain_deepseek_v3_keeps_bridges_own_bridge():
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_mapping_covers_checkpoint_and_model(family, bridged):
-    """Every megatron weight of the model our provider builds has a Bridge mapping, and their HF names are exactly the checkpoint's tensors (INT4 weight_shape metadata aside)."""
+    """Every megatron weight of the model our provider builds has a Bridge mapping, and their HF names are exactly
+    the checkpoint's tensors (INT4 weight_shape metadata aside)."""
     path, auto, model = bridged(family)
     registry = auto._model_bridge.mapping_registry()
     names = [n for n, _ in model.state_dict(keep_vars=True).items() if not mapping.IGNORED.fullmatch(n)]
@@ -112,9 +120,10 @@ def test_mapping_covers_checkpoint_and_model(family, bridged):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_bridge_loaded_model_matches_reference_and_native_load(family, bridged):
-    """The model Bridge builds (our provider) and loads (our name table) gives kimi_core.reference's fp32 logits (rel <= 1e-4) and holds exactly the tensors our native loader reads."""
+    """The model Bridge builds (our provider) and loads (our name table) gives kimi_core.reference's fp32 logits
+    (rel <= 1e-4) and holds exactly the tensors our native loader reads."""
     from kimi_core.reference import load_reference_model
-    from kimi_megatron_plugin.provider import build_model_from_hf
+    from kimi_megatron_plugin.models.provider import build_model_from_hf
 
     path, _, model = bridged(family)
     ids = torch.randint(0, model.kimi_config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
@@ -131,15 +140,17 @@ def test_bridge_loaded_model_matches_reference_and_native_load(family, bridged):
 
 
 def test_qat_masters_through_bridge(tiny_ckpt, mcore_world):
-    """K2 with fake-INT4 QAT masters: Bridge's load (our dequantizing hook) fills the same masters as our native loader."""
-    from kimi_megatron_plugin.provider import build_model_from_hf
+    """K2 with fake-INT4 QAT masters: Bridge's load (our dequantizing hook) fills the same masters as our native
+    loader."""
+    from kimi_megatron_plugin.models.provider import build_model_from_hf
 
     path = tiny_ckpt("k2", layers=2)
     auto = AutoBridge.from_hf_pretrained(path)
     provider = auto.to_megatron_provider(load_weights=True)
     provider.expert_mode, provider.expert_kwargs = "qat", {"scale_divisor": 7.0, "q_min": -7}
-    (model,) = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True,
-                                                  mixed_precision_wrapper=None)
+    (model,) = provider.provide_distributed_model(
+        wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None
+    )
     native = build_model_from_hf(path, perform_initialization=False, expert_mode="qat", scale_divisor=7.0, q_min=-7)
     checkpoint.load_hf_checkpoint(native, path)
     a, b = native.state_dict(), model.state_dict()
@@ -165,5 +176,6 @@ def test_wrong_packed_dtype_is_named(tiny_ckpt, mcore_world, tmp_path):
     sd[victim] = sd[victim].to(torch.int32)
     save_file(sd, str(shard), metadata={"format": "pt"})
     with pytest.raises(TypeError, match=victim.replace(".", r"\.") + r" is torch.int32, but quantization_config"):
-        AutoBridge.from_hf_pretrained(str(dst)).to_megatron_model(wrap_with_ddp=False, use_cpu_initialization=True,
-                                                                  mixed_precision_wrapper=None)
+        AutoBridge.from_hf_pretrained(str(dst)).to_megatron_model(
+            wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None
+        )

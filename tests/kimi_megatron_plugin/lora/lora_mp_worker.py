@@ -9,9 +9,8 @@ logits (last stage; batch rows gathered under EP) and the loss ``sum(logits * w)
 
 from __future__ import annotations
 
-import torch
-
 import mp_worker
+import torch
 
 SPEC = dict(rank=4, alpha=8, expert_layout="shared_outer", normalize_moe_lora=True)
 
@@ -20,12 +19,19 @@ def one_config(ckpt: str, tp: int, pp: int, ep: int, dtype: torch.dtype = torch.
     from megatron.core import parallel_state as ps
 
     from kimi_core.lora import LoraSpec, random_adapter
-    from kimi_megatron_plugin import checkpoint, provider
+    from kimi_megatron_plugin import checkpoint
     from kimi_megatron_plugin.lora import apply_lora, lora_decomposed
+    from kimi_megatron_plugin.models import provider
 
     mp_worker.init_parallel(tp, pp, ep)
-    model = provider.build_model_from_hf(ckpt, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep,
-                                         perform_initialization=False, params_dtype=dtype)
+    model = provider.build_model_from_hf(
+        ckpt,
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        expert_parallel=ep,
+        perform_initialization=False,
+        params_dtype=dtype,
+    )
     checkpoint.load_hf_checkpoint(model, ckpt)
     spec = LoraSpec(**SPEC)
     lora = apply_lora(model, spec)
@@ -54,8 +60,15 @@ def _cpu(v):
     return type(v)(_cpu(x) for x in v)
 
 
-def spawn(ckpt: str, out_path: str, names=tuple(mp_worker.CONFIGS), world: int = 2, backend: str = "gloo",
-          dtype: torch.dtype = torch.float32) -> dict:
+def spawn(
+    ckpt: str,
+    out_path: str,
+    names=tuple(mp_worker.CONFIGS),
+    world: int = 2,
+    backend: str = "gloo",
+    dtype: torch.dtype = torch.float32,
+) -> dict:
     """The layouts ``names`` through :func:`mp_worker.spawn` with this module's :func:`one_config`."""
-    return mp_worker.spawn(ckpt, out_path, names, world=world, config_fn=one_config, backend=backend,
-                           kwargs={"dtype": dtype})
+    return mp_worker.spawn(
+        ckpt, out_path, names, world=world, config_fn=one_config, backend=backend, kwargs={"dtype": dtype}
+    )

@@ -10,8 +10,9 @@ import torch
 @pytest.fixture(scope="module")
 def lora_k2(tiny_ckpt, mcore_world):
     from kimi_core.lora import LoraSpec, random_adapter
-    from kimi_megatron_plugin import checkpoint, provider
+    from kimi_megatron_plugin import checkpoint
     from kimi_megatron_plugin.lora import apply_lora
+    from kimi_megatron_plugin.models import provider
 
     path = tiny_ckpt("k2", layers=2)
     m = provider.build_model_from_hf(path, perform_initialization=False)
@@ -32,8 +33,10 @@ def test_flipped_byte_in_any_bucket_is_detected(lora_k2, layout):
 
     # stacked folds experts into the rank and keeps gate/up A separate: rank 2r (docs/lora.md)
     max_rank = 16 if layout == "stacked" else 8
-    buckets = [Bucket.from_parts(b.buffer.clone(), b.metadata()) for b in
-               iter_export_buckets(lora_k2, 64 << 10, layout=layout, max_rank=max_rank)]
+    buckets = [
+        Bucket.from_parts(b.buffer.clone(), b.metadata())
+        for b in iter_export_buckets(lora_k2, 64 << 10, layout=layout, max_rank=max_rank)
+    ]
     assert len(buckets) > 3
     got = assemble(buckets)
     assert len(got) > 20
@@ -69,8 +72,9 @@ def _bad(adapter, edit):
     return type(adapter)(t, adapter.adapter_config)
 
 
-@pytest.mark.parametrize("case,match", [
-    ("rank", "max"), ("unknown", "not a LoRA target|unknown|no module"), ("nan", "NaN|non-finite|Inf")])
+@pytest.mark.parametrize(
+    "case,match", [("rank", "max"), ("unknown", "not a LoRA target|unknown|no module"), ("nan", "NaN|non-finite|Inf")]
+)
 def test_bad_adapter_rejected_before_any_bucket(lora_k2, case, match):
     """A rank above the engine's max, an unknown module or a NaN raises AdapterError, naming the
     tensor, from the call itself: no bucket is produced."""
@@ -82,9 +86,19 @@ def test_bad_adapter_rejected_before_any_bucket(lora_k2, case, match):
     if case == "rank":
         max_rank = 4
     elif case == "unknown":
-        ad = _bad(ad, lambda t: t.update({
-            "base_model.model.model.layers.1.mlp.not_a_proj.lora_A.weight": torch.zeros(8, 256, dtype=torch.bfloat16),
-            "base_model.model.model.layers.1.mlp.not_a_proj.lora_B.weight": torch.zeros(256, 8, dtype=torch.bfloat16)}))
+        ad = _bad(
+            ad,
+            lambda t: t.update(
+                {
+                    "base_model.model.model.layers.1.mlp.not_a_proj.lora_A.weight": torch.zeros(
+                        8, 256, dtype=torch.bfloat16
+                    ),
+                    "base_model.model.model.layers.1.mlp.not_a_proj.lora_B.weight": torch.zeros(
+                        256, 8, dtype=torch.bfloat16
+                    ),
+                }
+            ),
+        )
     else:
         k = "base_model.model.model.layers.1.mlp.experts.0.down_proj.lora_B.weight"
         ad = _bad(ad, lambda t: t.update({k: torch.full_like(t[k], float("nan"))}))

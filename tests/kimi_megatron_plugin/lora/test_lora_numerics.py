@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from utils import assert_close, rel_rms_error
 
 B, T = 2, 9
@@ -26,7 +25,8 @@ LAYERS = {"k2": 2, "k3": 4, "k31": 4}
 def models(tiny_ckpt, mcore_world):
     """``models(family) -> (path, megatron fp32 model, reference fp32 model)``, built once per family."""
     from kimi_core.reference import load_reference_model
-    from kimi_megatron_plugin import checkpoint, provider
+    from kimi_megatron_plugin import checkpoint
+    from kimi_megatron_plugin.models import provider
 
     cache = {}
 
@@ -141,8 +141,9 @@ def test_gradients_match_float64_finite_differences(models):
                 tf[idx] = old
             fd = (lp - lm) / (2 * eps)
             scale = max(1.0, flat.abs().max().item())
-            assert abs(fd - float(flat[idx])) <= 1e-4 * scale, \
+            assert abs(fd - float(flat[idx])) <= 1e-4 * scale, (
                 f"{k} lora_{'AB'[ab]}[{idx}]: autograd {float(flat[idx]):.6g} vs float64 finite difference {fd:.6g}"
+            )
             checked += 1
     assert checked >= 12
 

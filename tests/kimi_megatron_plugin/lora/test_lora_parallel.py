@@ -9,16 +9,20 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-import lora_mp_worker  # noqa: E402
-from utils import assert_close  # noqa: E402
+import lora_mp_worker
+from utils import assert_close
 
 pytestmark = pytest.mark.timeout(900)
 
 # Factors whose gradient does not flow back through an MLA input (the last layer, 3, is MLA in the
 # tiny 4-layer K3.1): upstream of it TP > 1 gradients have the open k_pe gap (docs/megatron.md).
-_TP_EXACT = ("language_model.model.layers.3.self_attn.o_proj", "language_model.model.layers.3.self_attn.g_proj",
-             "language_model.model.layers.3.self_attn.q_b_proj", "language_model.model.layers.3.self_attn.kv_b_proj",
-             "language_model.model.layers.3.block_sparse_moe.")
+_TP_EXACT = (
+    "language_model.model.layers.3.self_attn.o_proj",
+    "language_model.model.layers.3.self_attn.g_proj",
+    "language_model.model.layers.3.self_attn.q_b_proj",
+    "language_model.model.layers.3.self_attn.kv_b_proj",
+    "language_model.model.layers.3.block_sparse_moe.",
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +61,13 @@ def test_tp2_lora_gradients_downstream_of_mla(runs):
 
 def test_tp2_lora_gradients_all(runs):
     """Every TP=2 LoRA-factor gradient equals the one-process one (needs the KimiMLA k_pe gradient
-    fix in kimi_megatron_plugin/layers.py; the LoRA delta of kv_a_proj_with_mqa goes through the same gather)."""
-    from kimi_megatron_plugin import layers
+    fix in kimi_megatron_plugin/models/layers.py; the LoRA delta of kv_a_proj_with_mqa goes through the same gather)."""
+    from kimi_megatron_plugin.models import layers
 
     if not hasattr(layers, "_GatherKVLatent"):
-        pytest.xfail("TP>1 MLA k_pe gradient gap still open in kimi_megatron_plugin/layers.py (docs/megatron.md)")
+        pytest.xfail(
+            "TP>1 MLA k_pe gradient gap still open in kimi_megatron_plugin/models/layers.py (docs/megatron.md)"
+        )
     base, got = runs["single"][0]["grads"], _merged(runs["tp2"])
     assert set(base) == set(got)
     for name in base:

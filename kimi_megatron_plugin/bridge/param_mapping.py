@@ -33,14 +33,10 @@ from megatron.bridge.models.conversion.param_mapping import (
     RowParallelMapping,
 )
 
-from kimi_core.config import INT4_FORMAT, MXFP4_FORMAT
+from kimi_core.quant.formats import WEIGHT_FORMATS, weight_format
 from kimi_megatron_plugin import mapping
 
-__all__ = ["expand_rule", "build_mapping_registry", "KimiExpertStackMapping", "KimiHookedColumnMapping",
-           "PACKED_DTYPES"]
-
-# on-disk dtypes of (weight_packed, weight_scale) per compressed-tensors format
-PACKED_DTYPES = {INT4_FORMAT: (torch.int32, torch.bfloat16), MXFP4_FORMAT: (torch.uint8, torch.uint8)}
+__all__ = ["expand_rule", "build_mapping_registry", "KimiExpertStackMapping", "KimiHookedColumnMapping"]
 
 _GROUP = re.compile(r"\(([^()]*)\)")
 
@@ -54,11 +50,13 @@ def expand_rule(rule: mapping.Rule) -> list[tuple[str, tuple[str, ...]]]:
     groups = [g.split("|") for g in _GROUP.findall(rule.megatron)]
     out = []
     for choice in itertools.product(*groups) if groups else [()]:
-        it = iter(choice)
-        meg = _GROUP.sub(lambda _m: next(it), rule.megatron).replace("\\.", ".")
+        picks = iter(choice)
+        meg = _GROUP.sub(lambda _m, picks=picks: next(picks), rule.megatron).replace("\\.", ".")
         if re.search(r"[\\\[\]()*+?|{}^$]", meg):
-            raise ValueError(f"kimi_megatron_plugin.mapping rule {rule.megatron!r}: only '\\.' and '(a|b)' "
-                             "can be expanded into Bridge wildcard mappings")
+            raise ValueError(
+                f"kimi_megatron_plugin.mapping rule {rule.megatron!r}: only '\\.' and '(a|b)' "
+                "can be expanded into Bridge wildcard mappings"
+            )
         hf = []
         for t in rule.hf:
             for i, c in enumerate(choice, start=1):
@@ -123,14 +121,18 @@ class KimiExpertStackMapping(_KimiMapping, MegatronParamMapping):
         for e, name in sorted(self.hf_param.items(), key=lambda kv: int(kv[0])):
             t = hf_weights[e]
             if kind in ("packed", "scale"):
-                want = PACKED_DTYPES.get(fmt)
-                if want is None:
-                    raise TypeError(f"{name} is a packed 4-bit tensor but config.json declares no quantization_config "
-                                    "(expected 'pack-quantized' or 'mxfp4-pack-quantized')")
-                exp = want[0] if kind == "packed" else want[1]
+                if fmt is None:
+                    raise TypeError(
+                        f"{name} is a packed 4-bit tensor but config.json declares no quantization_config "
+                        f"(expected one of {sorted(WEIGHT_FORMATS)})"
+                    )
+                want = weight_format(fmt)
+                exp = want.packed_dtype if kind == "packed" else want.scale_dtype
                 if t.dtype != exp:
-                    raise TypeError(f"{name} is {t.dtype}, but quantization_config.format={fmt!r} stores {exp} "
-                                    f"(megatron {self.megatron_param})")
+                    raise TypeError(
+                        f"{name} is {t.dtype}, but quantization_config.format={fmt!r} stores {exp} "
+                        f"(megatron {self.megatron_param})"
+                    )
             pieces.append(t)
         return torch.stack(pieces)
 
@@ -139,8 +141,10 @@ class KimiExpertStackMapping(_KimiMapping, MegatronParamMapping):
         if megatron_weights is None:
             return {}
         if self.ep_size > 1:
-            raise NotImplementedError("KimiExpertStackMapping exports with expert parallelism 1; use "
-                                      "kimi_megatron_plugin.checkpoint.export_hf_state_dict under EP")
+            raise NotImplementedError(
+                "KimiExpertStackMapping exports with expert parallelism 1; use "
+                "kimi_megatron_plugin.checkpoint.export_hf_state_dict under EP"
+            )
         ids = sorted(self.hf_param, key=int)
         return {self.hf_param[e]: megatron_weights[i] for i, e in enumerate(ids)}
 
@@ -148,8 +152,11 @@ class KimiExpertStackMapping(_KimiMapping, MegatronParamMapping):
 def _local_experts(kimi) -> list[int]:
     from megatron.core import parallel_state as ps
 
-    ep_rank, ep = (ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()) \
-        if ps.is_initialized() else (0, 1)
+    ep_rank, ep = (
+        (ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size())
+        if ps.is_initialized()
+        else (0, 1)
+    )
     n = kimi.n_routed_experts
     if n % ep:
         raise ValueError(f"n_routed_experts={n} is not divisible by expert_model_parallel_size={ep}")
@@ -165,7 +172,7 @@ def build_mapping_registry(kimi) -> MegatronMappingRegistry:
     out: list[MegatronParamMapping] = []
     for rule in mapping.RULES:
         for meg, hfs in expand_rule(rule):
-            meg = "decoder.layers.*." + meg[len("layer."):] if meg.startswith("layer.") else meg
+            meg = "decoder.layers.*." + meg[len("layer.") :] if meg.startswith("layer.") else meg
             if rule.split == "expert":
                 kind = meg.rsplit("_", 1)[1]  # packed | scale | weight
                 hf = {str(e): _fill(hfs[0], kimi, e) for e in _local_experts(kimi)}

@@ -60,7 +60,7 @@ def boundary_hidden_size(first_layer_of_stage: int, hidden: int, block: int | No
 def bank_tensor_shapes_fn(model):
     """``adjust_tensor_shapes_fn`` for megatron's non-interleaved 1F1B schedule on this rank's stage.
 
-    ``model``: the stage's ``GPTModel`` from :mod:`kimi_megatron_plugin.provider` (``kimi_config``,
+    ``model``: the stage's ``GPTModel`` from :mod:`kimi_megatron_plugin.models.provider` (``kimi_config``,
     ``decoder.layers`` with global 1-based ``layer_number``). The returned
     ``fn(recv_shapes, send_shapes) -> (recv_shapes, send_shapes)`` replaces the last dim of each
     ``(S, B, hidden_size)`` by the packed width at this stage's input and output; empty shapes

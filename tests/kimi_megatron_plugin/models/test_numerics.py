@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from utils import assert_close
 
 B, T = 2, 13
@@ -15,7 +14,8 @@ def _ids(vocab):
 
 
 def _megatron(path, **kw):
-    from kimi_megatron_plugin import checkpoint, provider
+    from kimi_megatron_plugin import checkpoint
+    from kimi_megatron_plugin.models import provider
 
     model = provider.build_model_from_hf(path, perform_initialization=False, **kw)
     checkpoint.load_hf_checkpoint(model, path)
@@ -77,8 +77,8 @@ def test_dense_bf16_experts_match_float64(tiny_ckpt, mcore_world):
     from kimi_core.config import load_config
     from kimi_core.kernels.bf16_grouped import uses_grouped_mm
     from kimi_core.reference.ops import glu
-    from kimi_megatron_plugin import provider
-    from kimi_megatron_plugin.experts import KimiExperts
+    from kimi_megatron_plugin.models import provider
+    from kimi_megatron_plugin.models.experts import KimiExperts
 
     kimi = load_config(tiny_ckpt("k2", layers=2))
     cfg = provider.transformer_config(kimi, params_dtype=torch.bfloat16, num_layers=2)
@@ -103,6 +103,7 @@ def test_dense_bf16_experts_match_float64(tiny_ckpt, mcore_world):
     want = torch.cat(outs) * probs.double()[:, None]
     want.backward(dy.double())
     pairs = [("y", y, want), ("dx", x.grad, x64.grad)] + [
-        (f"d{p}", getattr(ex, f"{p}_weight").grad, w64[p].grad) for p in ("gate", "up", "down")]
+        (f"d{p}", getattr(ex, f"{p}_weight").grad, w64[p].grad) for p in ("gate", "up", "down")
+    ]
     for name, got, ref in pairs:
         assert_close(f"dense bf16 experts {name}", ref.detach(), got.double(), 2e-2)

@@ -18,7 +18,7 @@ Each class is a Megatron module that slots into a megatron-core spec; the maths 
   = ``noaux_tc``, allgather dispatcher) plus K3's latent projections and post-combine RMSNorm.
 * :class:`KimiAttnResLayer` / :class:`KimiOutputNorm` - the attention-residual bank of K3,
   carried between layers (and pipeline stages) packed into the hidden-state tensor
-  (:mod:`kimi_megatron_plugin.pipeline`).
+  (:mod:`kimi_megatron_plugin.models.pipeline`).
 
 Shapes follow megatron: activations ``[S, B, H]`` (sequence first).
 """
@@ -29,32 +29,37 @@ import os
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from kimi_megatron_plugin.version import check_mcore_version
-
-check_mcore_version()
-
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region  # noqa: E402
-from megatron.core.transformer.module import MegatronModule  # noqa: E402
-from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
-from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
-from megatron.core.transformer.multi_latent_attention import MLASelfAttention  # noqa: E402
-from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: E402
-
-from kimi_core.reference import kda as ref_kda  # noqa: E402
-from kimi_megatron_plugin.cpu_compat import apply_no_te_shims  # noqa: E402
-from kimi_core.reference.attn_res import attn_res_aggregate  # noqa: E402
-from kimi_core.reference.indexer import Indexer, topk_mask  # noqa: E402
-from kimi_core.reference.ops import acc_dtype, glu, l2norm, rms_norm  # noqa: E402
-from kimi_megatron_plugin.pipeline import pack_bank, unpack_bank  # noqa: E402
+from kimi_core.reference import kda as ref_kda
+from kimi_core.reference.attn_res import attn_res_aggregate
+from kimi_core.reference.indexer import Indexer, topk_mask
+from kimi_core.reference.ops import acc_dtype, glu, l2norm, rms_norm
+from kimi_megatron_plugin.models.pipeline import pack_bank, unpack_bank
+from kimi_megatron_plugin.patches import apply_no_te_shims
 
 apply_no_te_shims()
 
 __all__ = [
-    "KimiRMSNorm", "KimiCoreAttention", "KimiMLA", "KimiIndexer", "KimiKDA", "KimiMLP", "KimiSharedMLP",
-    "KimiMoELayer", "KimiRouter", "KimiAttnResLayer", "KimiOutputNorm", "ReplicatedLinear",
+    "KimiRMSNorm",
+    "KimiCoreAttention",
+    "KimiMLA",
+    "KimiIndexer",
+    "KimiKDA",
+    "KimiMLP",
+    "KimiSharedMLP",
+    "KimiMoELayer",
+    "KimiRouter",
+    "KimiAttnResLayer",
+    "KimiOutputNorm",
+    "ReplicatedLinear",
 ]
 
 
@@ -63,8 +68,7 @@ def _device():
 
 
 def _tp_size_rank() -> tuple[int, int]:
-    return (parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_tensor_model_parallel_rank())
+    return (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank())
 
 
 def _param(config, *shape, init: bool = True, partition_dim: int | None = None, dtype=None) -> torch.nn.Parameter:
@@ -118,23 +122,47 @@ class KimiCoreAttention(MegatronModule):
     ``forward(..., keep_mask=[B, S_q, S_k] bool)`` adds the DSA top-k selection of K3.1.
     """
 
-    def __init__(self, config, layer_number=1, attn_mask_type=None, attention_type="self", softmax_scale=None,
-                 k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None, **_):
+    def __init__(
+        self,
+        config,
+        layer_number=1,
+        attn_mask_type=None,
+        attention_type="self",
+        softmax_scale=None,
+        k_channels=None,
+        v_channels=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        **_,
+    ):
         super().__init__(config=config)
         if config.context_parallel_size > 1:
-            raise NotImplementedError("kimi_megatron_plugin: KimiCoreAttention does not support context_parallel_size > 1")
+            raise NotImplementedError(
+                "kimi_megatron_plugin: KimiCoreAttention does not support context_parallel_size > 1"
+            )
         # the base ``Attention`` builds this once without MLA's arguments, MLA then rebuilds it
         self.softmax_scale = softmax_scale
 
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, packed_seq_params=None,
-                keep_mask: torch.Tensor | None = None, **_):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        attn_mask_type=None,
+        packed_seq_params=None,
+        keep_mask: torch.Tensor | None = None,
+        **_,
+    ):
         if packed_seq_params is not None:
-            raise NotImplementedError("kimi_megatron_plugin: packed sequences (thd) are not supported by KimiCoreAttention")
+            raise NotImplementedError(
+                "kimi_megatron_plugin: packed sequences (thd) are not supported by KimiCoreAttention"
+            )
         S, B, n, _d = query.shape
         Sk = key.shape[0]
         dt = query.dtype
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, n, S, d]
-        scale = self.softmax_scale if self.softmax_scale is not None else _d ** -0.5
+        scale = self.softmax_scale if self.softmax_scale is not None else _d**-0.5
         logits = (q @ k.transpose(-1, -2)).to(acc_dtype(dt)) * scale  # [B, n, S, Sk]
         keep = torch.arange(Sk, device=q.device)[None, :] <= torch.arange(Sk - S, Sk, device=q.device)[:, None]
         if attention_mask is not None:  # megatron convention: True = masked out
@@ -155,8 +183,16 @@ class _NoRotation(torch.nn.Module):
         super().__init__()
         self.dim = dim
 
-    def get_rotary_seq_len(self, inference_context, transformer, transformer_input, transformer_config,
-                           packed_seq_params=None, *args, **kwargs) -> int:
+    def get_rotary_seq_len(
+        self,
+        inference_context,
+        transformer,
+        transformer_input,
+        transformer_config,
+        packed_seq_params=None,
+        *args,
+        **kwargs,
+    ) -> int:
         return transformer_input.size(0)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, **_):
@@ -201,9 +237,19 @@ class KimiIndexer(MegatronModule):
         for p in self.parameters():
             p.requires_grad_(False)
         p = "self_attn.indexer"
-        self._ref = Indexer(kimi, _ModuleWeights({
-            f"{p}.wq_b": self.wq_b, f"{p}.wk": self.wk, f"{p}.weights_proj": self.weights_proj,
-            f"{p}.k_norm.weight": self.k_norm.weight, f"{p}.k_norm.bias": self.k_norm.bias}), "self_attn")
+        self._ref = Indexer(
+            kimi,
+            _ModuleWeights(
+                {
+                    f"{p}.wq_b": self.wq_b,
+                    f"{p}.wk": self.wk,
+                    f"{p}.weights_proj": self.weights_proj,
+                    f"{p}.k_norm.weight": self.k_norm.weight,
+                    f"{p}.k_norm.bias": self.k_norm.bias,
+                }
+            ),
+            "self_attn",
+        )
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
@@ -238,11 +284,11 @@ class _GatherKVLatent(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         g = grad.contiguous().clone()  # own buffer: the all-reduce below must land in what we return
-        rope = g[..., ctx.kv_lora_rank:].contiguous()
+        rope = g[..., ctx.kv_lora_rank :].contiguous()
         torch.distributed.all_reduce(rope, group=ctx.group)
-        g[..., ctx.kv_lora_rank:] = rope
+        g[..., ctx.kv_lora_rank :] = rope
         w = ctx.width
-        return g[..., ctx.rank * w:(ctx.rank + 1) * w].contiguous(), None, None
+        return g[..., ctx.rank * w : (ctx.rank + 1) * w].contiguous(), None, None
 
 
 def _kv_down_full_output(self, input_, *args, **kwargs):
@@ -263,20 +309,42 @@ class KimiMLA(MLASelfAttention):
     only (no inference context, no packed sequences): ``[S, B, H] -> ([S, B, H], None)``.
     """
 
-    def __init__(self, config, submodules, layer_number, attn_mask_type=None, cp_comm_type=None,
-                 pg_collection=None, kimi=None, **kw):
+    def __init__(
+        self,
+        config,
+        submodules,
+        layer_number,
+        attn_mask_type=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        kimi=None,
+        **kw,
+    ):
         from megatron.core.transformer.enums import AttnMaskType
 
-        super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type or AttnMaskType.causal,
-                         cp_comm_type=cp_comm_type, pg_collection=pg_collection, **kw)
+        super().__init__(
+            config,
+            submodules,
+            layer_number,
+            attn_mask_type=attn_mask_type or AttnMaskType.causal,
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+            **kw,
+        )
         self.kimi = kimi
         if kimi.mla_use_nope:
             self.rotary_pos_emb = _NoRotation(config.qk_pos_emb_head_dim)
         self.linear_g_proj = None
         if kimi.mla_use_output_gate:
             self.linear_g_proj = ColumnParallelLinear(
-                config.hidden_size, config.num_attention_heads * config.v_head_dim, config=config,
-                init_method=config.init_method, bias=False, gather_output=False, skip_bias_add=True)
+                config.hidden_size,
+                config.num_attention_heads * config.v_head_dim,
+                config=config,
+                init_method=config.init_method,
+                bias=False,
+                gather_output=False,
+                skip_bias_add=True,
+            )
         self.indexer = KimiIndexer(config, kimi) if kimi.has_indexer else None
         # TP > 1: megatron gathers ``linear_kv_down_proj``'s output and splits the gradient back, so
         # the shared rope key ``k_pe`` (used by every rank's heads, held in one rank's columns) would
@@ -284,18 +352,33 @@ class KimiMLA(MLASelfAttention):
         # checkpoint slices) instead returns the gathered output through ``_GatherKVLatent``.
         if _tp_size_rank()[0] > 1:
             if config.sequence_parallel:
-                raise NotImplementedError("kimi_megatron_plugin: KimiMLA with TP > 1 does not support "
-                                          "--sequence-parallel (linear_kv_down_proj gather)")
+                raise NotImplementedError(
+                    "kimi_megatron_plugin: KimiMLA with TP > 1 does not support "
+                    "--sequence-parallel (linear_kv_down_proj gather)"
+                )
             if not isinstance(self.linear_kv_down_proj, ColumnParallelLinear):
-                raise TypeError(f"kimi_megatron_plugin: KimiMLA needs linear_kv_down_proj=ColumnParallelLinear, "
-                                f"got {type(self.linear_kv_down_proj).__name__}")
+                raise TypeError(
+                    f"kimi_megatron_plugin: KimiMLA needs linear_kv_down_proj=ColumnParallelLinear, "
+                    f"got {type(self.linear_kv_down_proj).__name__}"
+                )
             self.linear_kv_down_proj.forward = _kv_down_full_output.__get__(self.linear_kv_down_proj)
 
-    def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
-                rotary_pos_emb=None, packed_seq_params=None, position_ids=None, **_):
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        key_value_states=None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        packed_seq_params=None,
+        position_ids=None,
+        **_,
+    ):
         if inference_context is not None or packed_seq_params is not None:
-            raise NotImplementedError("kimi_megatron_plugin: KimiMLA supports the training/prefill path only "
-                                      "(no inference_context, no packed_seq_params)")
+            raise NotImplementedError(
+                "kimi_megatron_plugin: KimiMLA supports the training/prefill path only "
+                "(no inference_context, no packed_seq_params)"
+            )
         q, k, v, qr, _ = self.get_query_key_value_tensors(hidden_states, None, position_ids, None)
         keep = self.indexer(hidden_states, qr) if self.indexer is not None else None
         core = self.core_attention(q, k, v, attention_mask, keep_mask=keep)  # [S, B, n_local * dv]
@@ -316,14 +399,25 @@ class KimiKDA(MegatronModule):
     ``P = heads * head_dim``. Maths: ``kimi_core.reference.kda`` (module docstring there).
     """
 
-    def __init__(self, config, submodules=None, layer_number=1, attn_mask_type=None, cp_comm_type=None,
-                 pg_collection=None, kimi=None, **_):
+    def __init__(
+        self,
+        config,
+        submodules=None,
+        layer_number=1,
+        attn_mask_type=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        kimi=None,
+        **_,
+    ):
         super().__init__(config=config)
         la = kimi.linear_attn
         tp, _r = _tp_size_rank()
         if la.num_heads % tp:
-            raise ValueError(f"config.json: linear_attn_config.num_heads={la.num_heads} is not divisible by "
-                             f"--tensor-model-parallel-size {tp}")
+            raise ValueError(
+                f"config.json: linear_attn_config.num_heads={la.num_heads} is not divisible by "
+                f"--tensor-model-parallel-size {tp}"
+            )
         if config.context_parallel_size > 1:
             raise NotImplementedError("kimi_megatron_plugin: KDA with context_parallel_size > 1 is not supported")
         self.kimi, self.layer_number = kimi, layer_number
@@ -332,9 +426,15 @@ class KimiKDA(MegatronModule):
         H, P, D, W = config.hidden_size, la.num_heads * la.head_dim, la.head_dim, la.short_conv_kernel_size
 
         def col(out):
-            return ColumnParallelLinear(H if out != "f_b" else D, P if out != "b" else la.num_heads, config=config,
-                                        init_method=config.init_method, bias=False, gather_output=False,
-                                        skip_bias_add=True)
+            return ColumnParallelLinear(
+                H if out != "f_b" else D,
+                P if out != "b" else la.num_heads,
+                config=config,
+                init_method=config.init_method,
+                bias=False,
+                gather_output=False,
+                skip_bias_add=True,
+            )
 
         self.q_proj, self.k_proj, self.v_proj = col("q"), col("k"), col("v")
         for n in ("q", "k", "v"):
@@ -356,8 +456,15 @@ class KimiKDA(MegatronModule):
             self.A_log.copy_(torch.log(torch.linspace(1.0, 16.0, self.H)))
             self.dt_bias.zero_()
         self.o_norm = KimiRMSNorm(config, D, kimi.rms_norm_eps)
-        self.o_proj = RowParallelLinear(P, H, config=config, init_method=config.output_layer_init_method,
-                                        bias=False, input_is_parallel=True, skip_bias_add=True)
+        self.o_proj = RowParallelLinear(
+            P,
+            H,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=True,
+        )
 
     @staticmethod
     def _kernel(q):
@@ -393,7 +500,9 @@ class KimiKDA(MegatronModule):
         o, _state = self._kernel(q)(q, k, v, g, beta, initial_state=None, output_final_state=False)
         gate = self.g_proj(x)[0] if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))[0]
         # o_norm is replicated but sees only this rank's heads: sum its gradient over TP
-        w_norm = copy_to_tensor_model_parallel_region(self.o_norm.weight) if _tp_size_rank()[0] > 1 else self.o_norm.weight
+        w_norm = (
+            copy_to_tensor_model_parallel_region(self.o_norm.weight) if _tp_size_rank()[0] > 1 else self.o_norm.weight
+        )
         o = rms_norm(o, w_norm.to(a), self.eps) * torch.sigmoid(gate.to(a).view(B, T, H, D))
         out, bias = self.o_proj(o.reshape(B, T, H * D).to(x.dtype))
         return out.transpose(0, 1), bias
@@ -419,12 +528,24 @@ class KimiMLP(MegatronModule):
         tp, _r = _tp_size_rank()
         if ffn % tp:
             raise ValueError(f"MLP width {ffn} is not divisible by --tensor-model-parallel-size {tp}")
-        self.linear_fc1 = ColumnParallelLinear(config.hidden_size, 2 * ffn, config=config,
-                                               init_method=config.init_method, bias=False, gather_output=False,
-                                               skip_bias_add=True)
-        self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, config=config,
-                                            init_method=config.output_layer_init_method, bias=False,
-                                            input_is_parallel=True, skip_bias_add=True)
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size,
+            2 * ffn,
+            config=config,
+            init_method=config.init_method,
+            bias=False,
+            gather_output=False,
+            skip_bias_add=True,
+        )
+        self.linear_fc2 = RowParallelLinear(
+            ffn,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=True,
+        )
 
     def forward(self, hidden_states, *args, **kwargs):
         h = self.linear_fc1(hidden_states)[0]
@@ -437,7 +558,9 @@ class KimiSharedMLP(KimiMLP):
 
     def __init__(self, config, submodules=None, kimi=None, pg_collection=None, gate=False, **_):
         if gate:
-            raise ValueError("kimi_megatron_plugin: Kimi shared experts have no gate (moe_shared_expert_gate must be False)")
+            raise ValueError(
+                "kimi_megatron_plugin: Kimi shared experts have no gate (moe_shared_expert_gate must be False)"
+            )
         super().__init__(config, submodules, kimi=kimi, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
 
 
@@ -462,7 +585,7 @@ class KimiMoELayer(MoELayer):
     Megatron pieces kept: ``TopKRouter`` (sigmoid scores, ``expert_bias`` = HF
     ``e_score_correction_bias``, renormalised top-k times ``routed_scaling_factor``: DeepSeek's
     ``noaux_tc``), the allgather token dispatcher over TP x EP, the experts built from the spec
-    (:class:`kimi_megatron_plugin.experts.KimiExperts`), shared experts (:class:`KimiSharedMLP`).
+    (:class:`kimi_megatron_plugin.models.experts.KimiExperts`), shared experts (:class:`KimiSharedMLP`).
     Added for K3 (``routed_expert_hidden_size``)::
 
         z   = routed_expert_down_proj(x)               routing still reads the full x
@@ -479,7 +602,8 @@ class KimiMoELayer(MoELayer):
         if kimi.n_group > 1 and kimi.topk_group < kimi.n_group:
             raise NotImplementedError(
                 f"config.json: n_group={kimi.n_group}, topk_group={kimi.topk_group}: group-limited routing is not "
-                "mapped (megatron scores a group by its top-(k/groups) sum, DeepSeek by its top-2 sum)")
+                "mapped (megatron scores a group by its top-(k/groups) sum, DeepSeek by its top-2 sum)"
+            )
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
         self.kimi = kimi
         lat = kimi.routed_expert_hidden_size
@@ -511,18 +635,25 @@ class KimiMoELayer(MoELayer):
 class KimiAttnResLayer(TransformerLayer):
     """K3 decoder layer with the attention-residual bank (``kimi_core.reference.attn_res``).
 
-    ``hidden_states`` is the packed ``[S, B, (N+1)*H]`` tensor of :func:`kimi_megatron_plugin.pipeline.pack_bank`
+    ``hidden_states`` is the packed ``[S, B, (N+1)*H]`` tensor of :func:`kimi_megatron_plugin.models.pipeline.pack_bank`
     (N snapshots then the running ``prefix``); the layer returns the packed state after itself.
     Extra replicated parameters: ``self_attention_res_norm.weight [H]``,
     ``self_attention_res_proj.weight [1, H]``, ``mlp_res_norm.weight [H]``, ``mlp_res_proj.weight [1, H]``.
     """
 
-    def __init__(self, config, submodules, layer_number=1, hidden_dropout=None, pg_collection=None,
-                 vp_stage=None, kimi=None, **_):
+    def __init__(
+        self, config, submodules, layer_number=1, hidden_dropout=None, pg_collection=None, vp_stage=None, kimi=None, **_
+    ):
         if (hidden_dropout if hidden_dropout is not None else config.hidden_dropout) != 0:
             raise ValueError("kimi_megatron_plugin: attention residuals need --hidden-dropout 0")
-        super().__init__(config, submodules, layer_number=layer_number, hidden_dropout=hidden_dropout,
-                         pg_collection=pg_collection, vp_stage=vp_stage)
+        super().__init__(
+            config,
+            submodules,
+            layer_number=layer_number,
+            hidden_dropout=hidden_dropout,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+        )
         self.kimi = kimi
         self.block = kimi.attn_res_block_size
         H = config.hidden_size
@@ -537,8 +668,9 @@ class KimiAttnResLayer(TransformerLayer):
         layer = self.layer_number - 1  # global, 0-based
         prefix, bank = unpack_bank(hidden_states, H)
         if bank:
-            mixed = attn_res_aggregate(prefix, bank, self.self_attention_res_norm.weight,
-                                       self.self_attention_res_proj.weight, eps)
+            mixed = attn_res_aggregate(
+                prefix, bank, self.self_attention_res_norm.weight, self.self_attention_res_proj.weight, eps
+            )
             attn_in = self.input_layernorm(mixed)
         else:
             attn_in = self.input_layernorm(prefix)
@@ -569,7 +701,7 @@ class KimiOutputNorm(torch.nn.Module):
 
     def forward(self, packed: torch.Tensor) -> torch.Tensor:
         prefix, bank = unpack_bank(packed, self.hidden)
-        out = attn_res_aggregate(prefix, bank, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
-                                 self.eps)
+        out = attn_res_aggregate(
+            prefix, bank, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight, self.eps
+        )
         return rms_norm(out, self.weight, self.eps)
-

@@ -1,0 +1,20 @@
+"""The Kimi model on Megatron-Core: block spec, layers, routed experts, pipeline packing and the model provider.
+
+======================  =======================================================================================
+module                  role
+======================  =======================================================================================
+``spec``                per-layer ``ModuleSpec`` of this pipeline stage (``get_block_spec``, miles' ``get_spec``)
+``layers``              norms, MLA core attention, ``KimiMLA``, indexer, ``KimiKDA``, MLP, router, MoE layer,
+                        attention-residual layer and output norm
+``experts``             ``KimiExperts``: ``w4a16`` (packed 4-bit buffers), ``qat`` (fake-quant masters), ``dense``
+``pipeline``            the attention-residual bank packed into one ``[S, B, (N+1)*H]`` tensor between stages
+``provider``            ``KimiConfig`` -> ``MLATransformerConfig``; ``build_model``, ``KimiModelProvider``
+======================  =======================================================================================
+
+Importing any of them checks the megatron-core release first (:func:`kimi_megatron_plugin.host_support.
+check_mcore_version`), so a wrong install fails here, naming the release found and what to install.
+"""
+
+from kimi_megatron_plugin.host_support import check_mcore_version
+
+check_mcore_version()
