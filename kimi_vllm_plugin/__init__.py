@@ -16,10 +16,11 @@ def register() -> None:
     """
     try:
         from kimi_vllm_plugin.registration import register as _register
-    except Exception:  # noqa: BLE001 - an exception here would stop vLLM for every model on the host
+    except Exception:
         import logging
 
-        logging.getLogger(__name__).exception("kimi_vllm_plugin: could not import the registration module; "
-                                              "Kimi architectures are not registered")
+        logging.getLogger(__name__).exception(
+            "kimi_vllm_plugin: could not import the registration module; Kimi architectures are not registered"
+        )
         return
     _register()

@@ -6,15 +6,9 @@ A reused adapter name can serve stale prefix-cache KV computed with the previous
 ``lora_int_id``, both never reused in this client's lifetime, and the previous version is
 unloaded only after the new one is in.
 
-Before vLLM sees an adapter, :func:`prepare_adapter` validates it with :mod:`kimi_core.lora`
-(missing file, unknown module, wrong shape, NaN/Inf, rank above ``max_lora_rank``, rank
-disagreeing with ``r``/``rank_pattern``), rewrites any expert layout (per-expert,
-shared-outer, 3-D, stacked) into the per-expert 2-D form vLLM reads (``is_3d_moe_weight=False``),
-bit-exact, and folds per-module scaling (``rank_pattern`` / ``alpha_pattern``, e.g. capacity-normalised
-experts) into ``lora_B`` (:func:`kimi_core.lora.fold_scaling.fold_pattern_scaling`): vLLM 0.26's
-``PEFTHelper`` has no ``rank_pattern`` and scales every module by ``lora_alpha / r``, which
-under-scaled rank-4 experts 4x. The folded copy is served identically by every release. A rejected
-adapter raises :class:`AdapterRejected`; the engine keeps serving the previous version.
+Before vLLM sees an adapter, :func:`kimi_vllm_plugin.adapters.prepare_adapter` validates it, rewrites
+it into the form vLLM serves and stages it in its own folder. A rejected adapter raises
+:class:`~kimi_core.errors.AdapterRejected`; the engine keeps serving the previous version.
 
 Example (offline ``LLM``)::
 
@@ -25,7 +19,7 @@ Example (offline ``LLM``)::
 Example (HTTP server started with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``)::
 
     client = KimiLoraClient.http("http://rollout:8000", "/ckpt/k2", max_lora_rank=16, stage_dir=...)
-    client.load("/shared/step_12/adapter")                  # then use model="policy-v1" in requests
+    client.load("/nfs/step_12/adapter")                     # then use model="policy-v1" in requests
 """
 
 from __future__ import annotations
@@ -38,15 +32,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from kimi_core.errors import KimiError
+from kimi_core.errors import AdapterRejected
+from kimi_vllm_plugin.adapters import prepare_adapter
 
-__all__ = ["AdapterRejected", "LoadedAdapter", "prepare_adapter", "KimiLoraClient", "OfflineBackend", "HttpBackend"]
+__all__ = ["LoadedAdapter", "KimiLoraClient", "OfflineBackend", "HttpBackend"]
 
 logger = logging.getLogger(__name__)
-
-
-class AdapterRejected(KimiError, ValueError):
-    """The adapter was refused before or by the engine; the previously loaded version keeps serving."""
 
 
 @dataclass(frozen=True)
@@ -58,39 +49,6 @@ class LoadedAdapter:
     path: str
     origin: str
     version: int
-
-
-def prepare_adapter(src, model_config, out_dir: str, max_lora_rank: int) -> str:
-    """Validate ``src`` (PEFT dir, :class:`kimi_core.lora.Adapter` or dict) against the model and
-    write its per-expert 2-D form, per-module scaling folded into ``lora_B``, to ``out_dir``
-    (atomically: temp dir, then rename).
-
-    :param model_config: a :class:`kimi_core.config.KimiConfig`.
-    :raises AdapterRejected: naming the file, tensor and flag at fault.
-    """
-    from kimi_core.lora import Adapter, AdapterError, convert_layout, load_adapter
-    from kimi_core.lora.config import AdapterConfigError
-    from kimi_core.lora.fold_scaling import fold_pattern_scaling
-
-    from kimi_vllm_plugin.models.deepseek_v3 import UNSUPPORTED_LORA_MODULES
-
-    where = os.fspath(src) if isinstance(src, (str, os.PathLike)) else getattr(src, "source", "<memory>")
-    try:
-        resolved = load_adapter(src, model_config, max_rank=max_lora_rank)
-        bad = [m for m in resolved.modules() if m.rsplit(".", 1)[-1] in UNSUPPORTED_LORA_MODULES]
-        if bad:
-            raise AdapterRejected(f"{where}: LoRA on {bad[0]} is not supported by vLLM's MLA (kv_b_proj is "
-                                  f"absorbed into the attention kernel at load); train with exclude_modules="
-                                  f"['kv_b_proj']")
-        ad = Adapter.load(src) if isinstance(src, (str, os.PathLike)) else src
-        if not isinstance(ad, Adapter):
-            ad = Adapter(dict(ad["tensors"]), ad["adapter_config"], ad.get("source", "<memory>"))
-        if resolved.layout not in (None, "per_expert"):
-            ad = convert_layout(ad, model_config, "per_expert")
-        ad = fold_pattern_scaling(ad)
-    except (AdapterError, AdapterConfigError, FileNotFoundError) as e:
-        raise AdapterRejected(str(e)) from None
-    return ad.save_replacing(out_dir)
 
 
 class OfflineBackend:
@@ -126,16 +84,22 @@ class HttpBackend:
         return a.name  # the "model" field of completion requests
 
     def _post(self, path: str, body: dict) -> None:
-        req = urllib.request.Request(f"{self.base_url}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+        req = urllib.request.Request(
+            f"{self.base_url}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         if self.api_key:
             req.add_header("Authorization", f"Bearer {self.api_key}")
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
                 r.read()
         except urllib.error.HTTPError as e:
-            raise AdapterRejected(f"{self.base_url}{path} {body.get('lora_path', body['lora_name'])}: HTTP {e.code}: "
-                                  f"{e.read().decode(errors='replace')[:500]}") from None
+            raise AdapterRejected(
+                f"{self.base_url}{path} {body.get('lora_path', body['lora_name'])}: HTTP {e.code}: "
+                f"{e.read().decode(errors='replace')[:500]}"
+            ) from None
 
     def load(self, a: LoadedAdapter) -> None:
         self._post("/v1/load_lora_adapter", {"lora_name": a.name, "lora_path": a.path, "load_inplace": False})
@@ -156,8 +120,16 @@ class KimiLoraClient:
     :param keep: how many previous versions stay loaded (0: unload right after the new one is in).
     """
 
-    def __init__(self, backend, model_config, max_lora_rank: int, stage_dir: str, base_name: str = "policy",
-                 keep: int = 0, first_int_id: int = 1):
+    def __init__(
+        self,
+        backend,
+        model_config,
+        max_lora_rank: int,
+        stage_dir: str,
+        base_name: str = "policy",
+        keep: int = 0,
+        first_int_id: int = 1,
+    ):
         self.backend = backend
         self.config = model_config
         self.max_lora_rank = max_lora_rank
@@ -169,11 +141,11 @@ class KimiLoraClient:
         self.loaded: list[LoadedAdapter] = []
 
     @classmethod
-    def offline(cls, llm, model_path: str, **kw) -> "KimiLoraClient":
+    def offline(cls, llm, model_path: str, **kw) -> KimiLoraClient:
         return cls(OfflineBackend(llm), _config(model_path), **kw)
 
     @classmethod
-    def http(cls, base_url: str, model_path: str, api_key: str | None = None, **kw) -> "KimiLoraClient":
+    def http(cls, base_url: str, model_path: str, api_key: str | None = None, **kw) -> KimiLoraClient:
         return cls(HttpBackend(base_url, api_key=api_key), _config(model_path), **kw)
 
     @property
@@ -188,13 +160,17 @@ class KimiLoraClient:
         :raises AdapterRejected: nothing changes in the engine; the previous version keeps serving.
         """
         if version is not None and version < self._next_version:
-            raise AdapterRejected(f"version {version} was already used (next is {self._next_version}); "
-                                  "adapter names are never reused (vllm#42125)")
+            raise AdapterRejected(
+                f"version {version} was already used (next is {self._next_version}); "
+                "adapter names are never reused (vllm#42125)"
+            )
         v = self._next_version if version is None else version
         name = f"{self.base_name}-v{v}"
         path = os.path.join(self.stage_dir, name)
-        prepare_adapter(src, self.config, path, self.max_lora_rank)
-        a = LoadedAdapter(name, self._next_id, path, os.fspath(src) if isinstance(src, (str, os.PathLike)) else "<memory>", v)
+        prepare_adapter(src, self.config, max_lora_rank=self.max_lora_rank, out_dir=path)
+        a = LoadedAdapter(
+            name, self._next_id, path, os.fspath(src) if isinstance(src, (str, os.PathLike)) else "<memory>", v
+        )
         # names and ids are consumed even if the engine refuses: never reuse either
         self._next_version, self._next_id = v + 1, self._next_id + 1
         try:
@@ -210,7 +186,7 @@ class KimiLoraClient:
             old = self.loaded.pop(0)
             try:
                 self.backend.unload(old)
-            except Exception as e:  # noqa: BLE001 - an old version that will not unload is only a leak
+            except Exception as e:
                 logger.warning("kimi_vllm_plugin: could not unload %s: %s", old.name, e)
             shutil.rmtree(old.path, ignore_errors=True)
         logger.info("kimi_vllm_plugin: serving adapter %s (id %d) from %s", name, a.int_id, a.origin)

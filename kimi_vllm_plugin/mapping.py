@@ -6,9 +6,9 @@ HF checkpoint / adapter name                            vLLM module or parameter
 ``...layers.{l}.self_attn.q_a_proj`` +                  ``...self_attn.fused_qkv_a_proj`` (vLLM stacks them;
 ``...self_attn.kv_a_proj_with_mqa``                     LoRA: ``packed_modules_mapping["fused_qkv_a_proj"]``)
 ``...mlp.gate_proj`` + ``...mlp.up_proj``               ``...mlp.gate_up_proj`` (also ``shared_experts``)
-``...mlp.gate.weight``, ``.e_score_correction_bias``    ``...mlp.gate`` (:class:`~kimi_vllm_plugin.moe_lora_cpu.KimiRouter`)
+``...mlp.gate.weight``, ``.e_score_correction_bias``    ``...mlp.gate`` (:class:`~.moe_lora.KimiRouter`)
 ``...mlp.experts.{e}.{gate,up,down}_proj.<t>``          ``...mlp.experts.w13[e]`` (gate rows, up rows) / ``.w2[e]``,
- (``<t>``: ``weight`` or ``weight_packed``/``_scale``)   dequantized at load (:class:`~kimi_vllm_plugin.moe_lora_cpu.KimiCpuExperts`)
+ (``<t>``: ``weight`` or ``weight_packed``/``_scale``)   dequantized at load (:class:`~.moe_lora.KimiCpuExperts`)
 ``language_model.model.layers.`` (K2.5 / K3)            ``language_model.model.layers.`` (vLLM's ``hf_to_vllm_mapper``)
 ======================================================  =========================================================
 
@@ -35,8 +35,11 @@ def hf_modules(vllm_module: str) -> list[str]:
     parts = PACKED_LINEARS.get(leaf, (leaf,))
     return [f"{head}.{p}" if head else p for p in parts]
 
+
 #: ``<moe>.experts.{e}.<proj>.<kind>`` with kind weight / weight_packed / weight_scale / weight_shape
-EXPERT_RE = re.compile(r"^(?P<moe>.+)\.experts\.(?P<e>\d+)\.(?P<proj>[a-z_0-9]+)\.(?P<kind>weight(?:_packed|_scale|_shape)?)$")
+EXPERT_RE = re.compile(
+    r"^(?P<moe>.+)\.experts\.(?P<e>\d+)\.(?P<proj>[a-z_0-9]+)\.(?P<kind>weight(?:_packed|_scale|_shape)?)$"
+)
 
 
 def parse_expert_name(name: str):
@@ -47,8 +50,9 @@ def parse_expert_name(name: str):
     return m.group("moe"), int(m.group("e")), m.group("proj"), m.group("kind")
 
 
-def expert_mapping(num_experts: int, gate: str = "gate_proj", down: str = "down_proj",
-                   up: str = "up_proj") -> list[tuple[str, str, int, str]]:
+def expert_mapping(
+    num_experts: int, gate: str = "gate_proj", down: str = "down_proj", up: str = "up_proj"
+) -> list[tuple[str, str, int, str]]:
     """vLLM's ``get_expert_mapping`` rows ``(param prefix, checkpoint prefix, expert, shard)``.
 
     Order per expert is w1 (gate), w2 (down), w3 (up): the triplet order vLLM's
@@ -61,7 +65,8 @@ def expert_mapping(num_experts: int, gate: str = "gate_proj", down: str = "down_
     return rows
 
 
-def expert_lora_names(num_experts: int, gate: str = "gate_proj", down: str = "down_proj",
-                      up: str = "up_proj") -> list[str]:
+def expert_lora_names(
+    num_experts: int, gate: str = "gate_proj", down: str = "down_proj", up: str = "up_proj"
+) -> list[str]:
     """``packed_modules_mapping["experts"]``: ``experts.{e}.<proj>`` in w1, w2, w3 order per expert."""
     return [w.rstrip(".") for _, w, _, _ in expert_mapping(num_experts, gate, down, up)]

@@ -80,19 +80,30 @@ def arm(model) -> int:
 
         hs.append(layer.register_forward_hook(layer_out))
         # self_attn(positions, hidden_states, ...) ; mlp(hidden_states, ...)
-        hs.append(layer.self_attn.register_forward_pre_hook(
-            lambda m, a, kw, i=i: _save(f"attn_in.{i}", _arg(a, kw, 1, "hidden_states")), with_kwargs=True))
-        hs.append(layer.self_attn.register_forward_hook(lambda m, a, out, i=i: _save(f"attn_out.{i}", _first_tensor(out))))
-        hs.append(layer.mlp.register_forward_pre_hook(
-            lambda m, a, kw, i=i: _save(f"mlp_in.{i}", _arg(a, kw, 0, "hidden_states")), with_kwargs=True))
+        hs.append(
+            layer.self_attn.register_forward_pre_hook(
+                lambda m, a, kw, i=i: _save(f"attn_in.{i}", _arg(a, kw, 1, "hidden_states")), with_kwargs=True
+            )
+        )
+        hs.append(
+            layer.self_attn.register_forward_hook(lambda m, a, out, i=i: _save(f"attn_out.{i}", _first_tensor(out)))
+        )
+        hs.append(
+            layer.mlp.register_forward_pre_hook(
+                lambda m, a, kw, i=i: _save(f"mlp_in.{i}", _arg(a, kw, 0, "hidden_states")), with_kwargs=True
+            )
+        )
         hs.append(layer.mlp.register_forward_hook(lambda m, a, out, i=i: _save(f"mlp_out.{i}", _first_tensor(out))))
         _capture_routing(layer.mlp, i)
     for name, mod in model.named_modules():
         cls = type(mod).__name__
         if not cls.endswith("WithLoRA") or "MoE" in cls or not isinstance(mod, torch.nn.Module):
             continue
-        hs.append(mod.register_forward_pre_hook(lambda m, a, kw, n=name: _save(f"lora_in.{n}", _arg(a, kw, 0, "input_")),
-                                                with_kwargs=True))
+        hs.append(
+            mod.register_forward_pre_hook(
+                lambda m, a, kw, n=name: _save(f"lora_in.{n}", _arg(a, kw, 0, "input_")), with_kwargs=True
+            )
+        )
         hs.append(mod.register_forward_hook(lambda m, a, out, n=name: _save(f"lora_out.{n}", _first_tensor(out))))
     return len(hs)
 

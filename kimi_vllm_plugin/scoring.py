@@ -28,28 +28,45 @@ def score(plan: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     if plan.get("dtype") == "float32" and torch.cuda.is_available():
-        raise SystemExit("kimi_vllm_plugin.scoring: dtype float32 is not servable on a GPU vLLM (its MLA backends "
-                         "take bf16/fp16 only); use --dtype bf16 (check-numerics then bounds it by the "
-                         "reference's own bf16 error)")
+        raise SystemExit(
+            "kimi_vllm_plugin.scoring: dtype float32 is not servable on a GPU vLLM (its MLA backends "
+            "take bf16/fp16 only); use --dtype bf16 (check-numerics then bounds it by the "
+            "reference's own bf16 error)"
+        )
 
     from kimi_vllm_plugin.client import KimiLoraClient
     from kimi_vllm_plugin.cpu_engine import cpu_engine_kwargs
 
     ids = plan["ids"]
-    lora = dict(enable_lora=True, max_lora_rank=plan.get("max_lora_rank", 16), max_loras=1) if plan.get("adapter") else {}
+    lora = (
+        dict(enable_lora=True, max_lora_rank=plan.get("max_lora_rank", 16), max_loras=1) if plan.get("adapter") else {}
+    )
     max_len, seqs = max(64, max(len(s) for s in ids) + 2), max(1, len(ids))
     dtype = plan.get("dtype", "bfloat16")
-    llm = LLM(model=plan["ckpt"], skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_len,
-              max_num_seqs=seqs, dtype=dtype, seed=0, **lora, **cpu_engine_kwargs(plan["ckpt"], max_len, seqs, dtype))
+    llm = LLM(
+        model=plan["ckpt"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=max_len,
+        max_num_seqs=seqs,
+        dtype=dtype,
+        seed=0,
+        **lora,
+        **cpu_engine_kwargs(plan["ckpt"], max_len, seqs, dtype),
+    )
     start_s = time.time() - t0
     req = None
     if plan.get("adapter"):
-        client = KimiLoraClient.offline(llm, plan["ckpt"], max_lora_rank=plan.get("max_lora_rank", 16),
-                                        stage_dir=plan["stage_dir"])
+        client = KimiLoraClient.offline(
+            llm, plan["ckpt"], max_lora_rank=plan.get("max_lora_rank", 16), stage_dir=plan["stage_dir"]
+        )
         req = client.load(plan["adapter"])
-    outs = llm.generate([{"prompt_token_ids": s} for s in ids],
-                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), lora_request=req,
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": s} for s in ids],
+        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
+        lora_request=req,
+        use_tqdm=False,
+    )
     lps, top1 = [], []
     for o, s in zip(outs, ids):
         pl = o.prompt_logprobs[1:]
@@ -71,8 +88,9 @@ def _write_hidden(llm, ids, req, path: str) -> None:
     out = {}
     for b, s in enumerate(ids):
         llm.apply_model(arm)
-        llm.generate([{"prompt_token_ids": s}], SamplingParams(max_tokens=1, temperature=0.0), lora_request=req,
-                     use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": s}], SamplingParams(max_tokens=1, temperature=0.0), lora_request=req, use_tqdm=False
+        )
         caps = llm.apply_model(collect)[0]
         layers = sorted((int(k.split(".")[1]), v) for k, v in caps.items() if k.startswith("layer."))
         for k, v in enumerate([caps["embed"], *[v for _, v in layers]]):

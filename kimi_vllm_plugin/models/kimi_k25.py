@@ -4,7 +4,7 @@
 Upstream builds its text model as the in-tree ``DeepseekV2ForCausalLM`` (no MoE LoRA on the
 CPU, no Kimi expert mapping). Here the text model is our
 :class:`~kimi_vllm_plugin.models.deepseek_v3.KimiDeepseekV3ForCausalLM`, selected through the
-``k25_text_model`` patch (ledger: ``kimi_vllm_plugin/patches/__init__.py``), and the wrapper carries
+``k25_text_model`` patch (:mod:`kimi_vllm_plugin.patches.k25_text_model`), and the wrapper carries
 every ``SupportsLoRA`` member (upstream's is not LoRA-capable: vllm-project/vllm#43840).
 """
 
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from vllm.model_executor.models.kimi_k25 import KimiK25ForConditionalGeneration
 
+from kimi_core.architectures import K2
 from kimi_vllm_plugin.models.lora_interface import KimiLoRAMixin
 
 __all__ = ["KimiK25LoRAForConditionalGeneration", "TEXT_ARCH"]
 
-#: registry name our K2.x text class is registered under (registration.MODELS)
-TEXT_ARCH = "DeepseekV3ForCausalLM"
+#: registry name our K2.x text class is registered under (registration.MODEL_CLASSES)
+TEXT_ARCH = K2
 
 
 class KimiK25LoRAForConditionalGeneration(KimiLoRAMixin, KimiK25ForConditionalGeneration):
@@ -29,7 +30,7 @@ class KimiK25LoRAForConditionalGeneration(KimiLoRAMixin, KimiK25ForConditionalGe
     }
 
     def __init__(self, vllm_config, prefix: str = ""):
-        from kimi_vllm_plugin.patches import text_model_arch
+        from kimi_vllm_plugin.patches.k25_text_model import text_model_arch
 
         self.packed_modules_mapping = {k: list(v) for k, v in type(self).packed_modules_mapping.items()}
         import vllm.model_executor.models.kimi_k25 as k25

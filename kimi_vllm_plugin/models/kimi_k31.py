@@ -1,5 +1,6 @@
 """Kimi K3.1 (``KimiK31ForConditionalGeneration``, ``model_type: kimi_k31``): K3 plus the DSA lightning
-indexer on each MLA layer (``self_attn.indexer``, :class:`~kimi_vllm_plugin.indexer.KimiK31Indexer`).
+indexer on each MLA layer (``self_attn.indexer``,
+:class:`~kimi_vllm_plugin.models.kimi_k31_indexer.KimiK31Indexer`).
 
 What is built: K3 (:class:`~kimi_vllm_plugin.models.kimi_k3.KimiK3LoRAForConditionalGeneration`)
 with an indexer module on every MLA layer, so the checkpoint's ``indexer.*`` tensors load into
@@ -12,6 +13,7 @@ refuses longer contexts with an error naming the flag, instead of silently servi
 
 from __future__ import annotations
 
+from kimi_core.architectures import K31
 from kimi_vllm_plugin.models.kimi_k3 import KimiK3LoRAForConditionalGeneration
 
 __all__ = ["KimiK31ForConditionalGeneration", "check_context_fits_topk"]
@@ -22,15 +24,17 @@ def check_context_fits_topk(vllm_config) -> int:
     text = vllm_config.model_config.hf_config.text_config
     topk = getattr(text, "index_topk", None)
     if not topk:
-        raise ValueError("config.json text_config.index_topk is missing: not a K3.1 checkpoint "
-                         "(architectures=['KimiK31ForConditionalGeneration'] needs index_topk/index_n_heads/"
-                         "index_head_dim)")
+        raise ValueError(
+            f"config.json text_config.index_topk is missing: not a K3.1 checkpoint "
+            f"(architectures=['{K31}'] needs index_topk/index_n_heads/index_head_dim)"
+        )
     max_len = vllm_config.model_config.max_model_len
     if max_len > topk:
         raise NotImplementedError(
             f"kimi_vllm_plugin: K3.1 with --max-model-len {max_len} > text_config.index_topk {topk} needs the "
             "DSA sparse attention, which this plugin does not implement; serve with --max-model-len "
-            f"{topk} or less (then every visible key is in the top-k and dense MLA is exact)")
+            f"{topk} or less (then every visible key is in the top-k and dense MLA is exact)"
+        )
     return int(topk)
 
 
@@ -38,7 +42,7 @@ class KimiK31ForConditionalGeneration(KimiK3LoRAForConditionalGeneration):
     """K3.1: K3 with ``self_attn.indexer`` on every MLA layer (contexts up to ``index_topk``)."""
 
     def __init__(self, vllm_config, prefix: str = ""):
-        from kimi_vllm_plugin.indexer import KimiK31Indexer
+        from kimi_vllm_plugin.models.kimi_k31_indexer import KimiK31Indexer
 
         self.index_topk = check_context_fits_topk(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)

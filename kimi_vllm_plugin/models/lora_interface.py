@@ -13,8 +13,15 @@ from kimi_vllm_plugin.mapping import expert_lora_names, expert_mapping
 __all__ = ["LORA_MEMBERS", "KimiLoRAMixin"]
 
 #: the class attributes vLLM's SupportsLoRA protocol reads (plus get_expert_mapping)
-LORA_MEMBERS = ("supports_lora", "is_3d_moe_weight", "is_non_gated_moe", "embedding_modules",
-                "packed_modules_mapping", "lora_skip_prefixes", "get_expert_mapping")
+LORA_MEMBERS = (
+    "supports_lora",
+    "is_3d_moe_weight",
+    "is_non_gated_moe",
+    "embedding_modules",
+    "packed_modules_mapping",
+    "lora_skip_prefixes",
+    "get_expert_mapping",
+)
 
 
 class KimiLoRAMixin:
@@ -39,7 +46,7 @@ class KimiLoRAMixin:
 
     def _num_routed_experts(self) -> int:
         t = self._text_config()
-        return int(getattr(t, "n_routed_experts", None) or getattr(t, "num_experts"))
+        return int(getattr(t, "n_routed_experts", None) or t.num_experts)
 
     def get_expert_mapping(self) -> list[tuple[str, str, int, str]]:
         """``(param prefix, checkpoint prefix, expert, shard)``, w1/w2/w3 per expert."""

@@ -30,13 +30,21 @@ def main(ckpt: str, out_dir: str, max_model_len: int) -> None:
     load_general_plugins()
     # mamba_block_size = max_model_len: the CPU platform turns prefix caching off for MLA models after
     # the hybrid default block size was set, which VllmConfig then rejects
-    args = EngineArgs(model=ckpt, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-                      max_model_len=max_model_len, mamba_block_size=max_model_len, language_model_only=True)
+    args = EngineArgs(
+        model=ckpt,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=max_model_len,
+        mamba_block_size=max_model_len,
+        language_model_only=True,
+    )
     cfg = args.create_engine_config()
     res = {"config_s": time.time() - t0}
     with set_current_vllm_config(cfg):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tempfile.mktemp()}")
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"file://{tempfile.mktemp()}"
+        )
         initialize_model_parallel(1, 1)
         cls, arch = ModelRegistry.resolve_model_cls(cfg.model_config.architectures, cfg.model_config)
         t1 = time.time()
@@ -54,11 +62,25 @@ def main(ckpt: str, out_dir: str, max_model_len: int) -> None:
         res["load_s"] = time.time() - t2
         params = dict(model.named_parameters())
         save_file({n: p.detach().contiguous() for n, p in params.items()}, os.path.join(out_dir, "state.safetensors"))
-        res.update(model_class=type(model).__name__, arch=arch, loaded=sorted(loaded), params=sorted(params),
-                   modules=sorted(n for n, _ in model.named_modules()),
-                   packed_modules_mapping=model.packed_modules_mapping, expert_mapping=model.get_expert_mapping(),
-                   lora={m: getattr(model, m) for m in ("supports_lora", "is_3d_moe_weight", "is_non_gated_moe",
-                                                         "embedding_modules", "lora_skip_prefixes")})
+        res.update(
+            model_class=type(model).__name__,
+            arch=arch,
+            loaded=sorted(loaded),
+            params=sorted(params),
+            modules=sorted(n for n, _ in model.named_modules()),
+            packed_modules_mapping=model.packed_modules_mapping,
+            expert_mapping=model.get_expert_mapping(),
+            lora={
+                m: getattr(model, m)
+                for m in (
+                    "supports_lora",
+                    "is_3d_moe_weight",
+                    "is_non_gated_moe",
+                    "embedding_modules",
+                    "lora_skip_prefixes",
+                )
+            },
+        )
         _moe_io(model, out_dir, res)
         if hasattr(model, "mla_layers"):
             _indexer_io(model, out_dir, res)
@@ -83,7 +105,7 @@ def _moe_io(model, out_dir, res):
     import torch
     from safetensors.torch import save_file
 
-    from kimi_vllm_plugin.k3_cpu import KimiK3CpuMoE
+    from kimi_vllm_plugin.models.cpu_moe import KimiK3CpuMoE
 
     name, moe = next((n, m) for n, m in model.named_modules() if isinstance(m, KimiK3CpuMoE))
     moe = _ready(moe)
@@ -107,8 +129,10 @@ def _indexer_io(model, out_dir, res):
     T = t.index_topk + 5
     x, qr = torch.randn(T, t.hidden_size, generator=g), torch.randn(T, t.q_lora_rank, generator=g)
     scores, keep = idx(x, qr)
-    save_file({"x": x, "qr": qr, "scores": scores, "keep": keep.to(torch.uint8)},
-              os.path.join(out_dir, "indexer_io.safetensors"))
+    save_file(
+        {"x": x, "qr": qr, "scores": scores, "keep": keep.to(torch.uint8)},
+        os.path.join(out_dir, "indexer_io.safetensors"),
+    )
     res["indexer_layer"], res["mla_layers"] = layer, model.mla_layers()
 
 

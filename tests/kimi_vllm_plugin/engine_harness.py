@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import torch
-
 from vllm_adapters import MAX_LORA_RANK, write_all
 
 HERE = os.path.dirname(__file__)
@@ -28,26 +27,50 @@ BF16_PROMPTS = torch.randint(3, 1024, (8, 40), generator=torch.Generator().manua
 BF16_RATIO, BF16_SLACK = 1.5, 1e-3
 
 
-def run_engine(tmp, ckpt: str, dtype: str, enable_lora: bool, steps: list[dict], engine_kwargs=None,
-               plugins: str = "kimi", env: dict | None = None, prompts: list[list[int]] | None = None):
+def run_engine(
+    tmp,
+    ckpt: str,
+    dtype: str,
+    enable_lora: bool,
+    steps: list[dict],
+    engine_kwargs=None,
+    plugins: str = "kimi",
+    env: dict | None = None,
+    prompts: list[list[int]] | None = None,
+):
     """Start one engine on ``ckpt`` through the plugin, run ``steps``; returns ``(result, {tag: step})``.
 
     ``plugins`` is ``VLLM_PLUGINS`` (``"none"``: stock vLLM, no plugin); ``result["log"]`` holds the
     engine's stderr (vLLM's log), for tests that assert which kernels ran.
     """
-    plan = {"ckpt": ckpt, "max_lora_rank": MAX_LORA_RANK, "enable_lora": enable_lora, "prompts": prompts or PROMPTS,
-            "stage_dir": str(tmp / "stage"), "steps": steps, "dtype": dtype, "engine_kwargs": engine_kwargs or {}}
+    plan = {
+        "ckpt": ckpt,
+        "max_lora_rank": MAX_LORA_RANK,
+        "enable_lora": enable_lora,
+        "prompts": prompts or PROMPTS,
+        "stage_dir": str(tmp / "stage"),
+        "steps": steps,
+        "dtype": dtype,
+        "engine_kwargs": engine_kwargs or {},
+    }
     pp, out = tmp / "plan.json", tmp / "result.json"
     pp.write_text(json.dumps(plan))
     # model_info ships a function to the worker (LLM.apply_model), which vLLM only unpickles with this set
     env = dict(os.environ, VLLM_PLUGINS=plugins, VLLM_ALLOW_INSECURE_SERIALIZATION="1", **(env or {}))
-    r = subprocess.run([sys.executable, os.path.join(HERE, "engine_script.py"), str(pp), str(out)],
-                       capture_output=True, text=True, timeout=900, env=env)
+    r = subprocess.run(
+        [sys.executable, os.path.join(HERE, "engine_script.py"), str(pp), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert r.returncode == 0 and out.exists(), f"engine failed:\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
     res = json.loads(out.read_text())
     res["log"] = r.stderr + r.stdout
-    print(f"[{os.path.basename(ckpt)} {dtype}] engine start {res['start_s']:.1f}s, "
-          f"first generate {res['first_generate_s']:.1f}s")
+    print(
+        f"[{os.path.basename(ckpt)} {dtype}] engine start {res['start_s']:.1f}s, "
+        f"first generate {res['first_generate_s']:.1f}s"
+    )
     return res, {s.get("tag") or s["kind"]: s for s in res["steps"]}
 
 
@@ -98,8 +121,10 @@ def check_adapter(steps: dict, ads: dict, reference, tag: str, label: str) -> No
     for p, got in zip(PROMPTS, steps[tag]["lps"][:2]):
         ref, base = reference(p, ads[tag]), reference(p)
         d = maxdiff(got, ref)
-        print(f"{label} adapter {tag} max abs diff {d:.2e} (adapter shifts logprobs by up to "
-              f"{(ref - base).abs().max():.2f})")
+        print(
+            f"{label} adapter {tag} max abs diff {d:.2e} (adapter shifts logprobs by up to "
+            f"{(ref - base).abs().max():.2f})"
+        )
         assert (ref - base).abs().max() > 0.1, "the adapter must matter"
         assert d < FP32_TOL
 
@@ -114,6 +139,8 @@ def check_base_bf16(res: dict, step: dict, ckpt: str, reference, label: str) -> 
     eng = torch.cat([torch.tensor(g, dtype=torch.float64) - w for g, w in zip(step["lps"], want)]).abs()
     own = torch.cat([b16(p) - w for p, w in zip(BF16_PROMPTS, want)]).abs()
     assert eng.numel() == own.numel() == sum(len(p) - 1 for p in BF16_PROMPTS)
-    print(f"{label}: engine median {eng.median():.4f} mean {eng.mean():.4f} max {eng.max():.4f} | bf16 reference "
-          f"median {own.median():.4f} mean {own.mean():.4f} max {own.max():.4f} ({eng.numel()} positions)")
+    print(
+        f"{label}: engine median {eng.median():.4f} mean {eng.mean():.4f} max {eng.max():.4f} | bf16 reference "
+        f"median {own.median():.4f} mean {own.mean():.4f} max {own.max():.4f} ({eng.numel()} positions)"
+    )
     assert eng.median() <= BF16_RATIO * own.median() + BF16_SLACK, (label, eng.median().item(), own.median().item())

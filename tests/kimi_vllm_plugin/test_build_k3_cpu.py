@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from engine_harness import HERE  # noqa: E402
+from engine_harness import HERE
 
 LM = "language_model.model."
 #: vLLM fused parameter -> HF tensors stacked along dim 0, in order (in_proj: K3 KDA, full-rank gate;
@@ -39,12 +39,17 @@ def _build(tiny_ckpt, tmp_path_factory, model: str, max_model_len: int):
 
     ckpt = tiny_ckpt(model)
     out = tmp_path_factory.mktemp(f"build_{model}")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "build_script.py"), ckpt, str(out), str(max_model_len)],
-                       capture_output=True, text=True, timeout=900, env=dict(os.environ, VLLM_PLUGINS="kimi"))
+    r = subprocess.run(
+        [sys.executable, os.path.join(HERE, "build_script.py"), ckpt, str(out), str(max_model_len)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, VLLM_PLUGINS="kimi"),
+    )
     assert r.returncode == 0, f"build failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     res = json.loads((out / "build.json").read_text())
     print(f"[{model}] config {res['config_s']:.1f}s, build {res['build_s']:.2f}s, load_weights {res['load_s']:.2f}s")
-    files = {f[:-len(".safetensors")]: load_file(str(out / f)) for f in os.listdir(out) if f.endswith(".safetensors")}
+    files = {f[: -len(".safetensors")]: load_file(str(out / f)) for f in os.listdir(out) if f.endswith(".safetensors")}
     return ckpt, res, files
 
 
@@ -73,8 +78,13 @@ def _expected(name: str, ck: dict[str, torch.Tensor], quant: str) -> tuple[torch
         E = 1 + max(int(k.split(".experts.")[1].split(".")[0]) for k in ck if k.startswith(base + "."))
         projs = ("w1", "w3") if which == "w13" else ("w2",)
         used = [f"{base}.{e}.{p}.{t}" for e in range(E) for p in projs for t in ("weight_packed", "weight_scale")]
-        deq = [[fmt.dequantize(ck[f"{base}.{e}.{p}.weight_packed"], ck[f"{base}.{e}.{p}.weight_scale"], torch.float32)
-                for p in projs] for e in range(E)]
+        deq = [
+            [
+                fmt.dequantize(ck[f"{base}.{e}.{p}.weight_packed"], ck[f"{base}.{e}.{p}.weight_scale"], torch.float32)
+                for p in projs
+            ]
+            for e in range(E)
+        ]
         return torch.stack([torch.cat(d, 0) for d in deq]), used
     for fused, parts in FUSED.items():
         if mod.endswith("." + fused):
@@ -124,8 +134,10 @@ def test_lora_members_match_module_names(built):
     assert pm["experts"] == [r[1].rstrip(".") for r in rows]
     experts = [m for m in res["modules"] if m.endswith("block_sparse_moe.experts")]
     assert experts and all(e + ".0" not in res["modules"] for e in experts)  # one module holds all experts
-    assert res["model_class"] == {"k3": "KimiK3LoRAForConditionalGeneration",
-                                  "k31": "KimiK31ForConditionalGeneration"}[model]
+    assert (
+        res["model_class"]
+        == {"k3": "KimiK3LoRAForConditionalGeneration", "k31": "KimiK31ForConditionalGeneration"}[model]
+    )
 
 
 def test_moe_block_matches_reference(built):
@@ -189,8 +201,9 @@ def test_k31_refuses_context_beyond_topk(tiny_ckpt):
 
     def cfg(max_len, topk=8):
         text = SimpleNamespace(index_topk=topk)
-        return SimpleNamespace(model_config=SimpleNamespace(max_model_len=max_len,
-                                                            hf_config=SimpleNamespace(text_config=text)))
+        return SimpleNamespace(
+            model_config=SimpleNamespace(max_model_len=max_len, hf_config=SimpleNamespace(text_config=text))
+        )
 
     assert check_context_fits_topk(cfg(8)) == 8
     with pytest.raises(NotImplementedError, match=r"--max-model-len 9 > text_config.index_topk 8"):

@@ -37,8 +37,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("vllm")
 
-from engine_harness import run_engine  # noqa: E402
-from vllm_adapters import MAX_LORA_RANK, write_all, write_families  # noqa: E402
+from engine_harness import run_engine
+from vllm_adapters import write_all, write_families
 
 #: adapters scored and probed one by one; A / B: all-linear, capacity-normalised experts (rank_pattern)
 ADAPTERS = ("A", "B", "U", "attn", "q_b", "kv_a", "shared", "dense", "experts", "experts_norm")
@@ -64,18 +64,30 @@ def _record(key: str, value) -> None:
 
 
 def _steps(ads: dict, probe_dir: str) -> list[dict]:
-    steps = [{"kind": "model_info", "tag": "info"}, {"kind": "base"},
-             {"kind": "probe", "tag": "probe_base", "out": f"{probe_dir}/base.safetensors"}]
+    steps = [
+        {"kind": "model_info", "tag": "info"},
+        {"kind": "base"},
+        {"kind": "probe", "tag": "probe_base", "out": f"{probe_dir}/base.safetensors"},
+    ]
     for tag in ADAPTERS:
-        steps += [{"kind": "load", "client": tag, "path": ads[tag], "tag": f"load_{tag}"},
-                  {"kind": "score", "client": tag, "tag": tag},
-                  {"kind": "probe", "client": tag, "tag": f"probe_{tag}", "out": f"{probe_dir}/{tag}.safetensors"}]
+        steps += [
+            {"kind": "load", "client": tag, "path": ads[tag], "tag": f"load_{tag}"},
+            {"kind": "score", "client": tag, "tag": tag},
+            {"kind": "probe", "client": tag, "tag": f"probe_{tag}", "out": f"{probe_dir}/{tag}.safetensors"},
+        ]
     # vLLM reading the adapter file itself (no fold): what vLLM 0.26 made of rank_pattern adapters
-    steps += [{"kind": "raw_load", "path": ads["A"], "tag": "A_raw"}, {"kind": "score", "raw": "A_raw", "tag": "score_A_raw"}]
+    steps += [
+        {"kind": "raw_load", "path": ads["A"], "tag": "A_raw"},
+        {"kind": "score", "raw": "A_raw", "tag": "score_A_raw"},
+    ]
     steps += [{"kind": "score_mixed", "clients": ["A", "B", None, "U"], "tag": "mixed"}]
     # hot reload through one client: v1 = A, v2 = B, then every bad adapter refused, v2 still serving
-    steps += [{"kind": "load", "client": "policy", "path": ads["A"], "tag": "v1"}, {"kind": "score", "client": "policy", "tag": "score_v1"},
-              {"kind": "load", "client": "policy", "path": ads["B"], "tag": "v2"}, {"kind": "score", "client": "policy", "tag": "score_v2"}]
+    steps += [
+        {"kind": "load", "client": "policy", "path": ads["A"], "tag": "v1"},
+        {"kind": "score", "client": "policy", "tag": "score_v1"},
+        {"kind": "load", "client": "policy", "path": ads["B"], "tag": "v2"},
+        {"kind": "score", "client": "policy", "tag": "score_v2"},
+    ]
     steps += [{"kind": "load", "client": "policy", "path": ads[b], "tag": f"bad_{b}"} for b in BAD]
     steps += [{"kind": "score", "client": "policy", "tag": "after_bad"}]
     return steps
@@ -91,7 +103,10 @@ def refs(k2):
     """float64 and bf16 ``kimi_core.reference`` of the checkpoint."""
     from kimi_core.reference import load_reference_model
 
-    return {"f64": load_reference_model(k2, dtype=torch.float64), "bf16": load_reference_model(k2, dtype=torch.bfloat16)}
+    return {
+        "f64": load_reference_model(k2, dtype=torch.float64),
+        "bf16": load_reference_model(k2, dtype=torch.bfloat16),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +127,16 @@ def runs(k2, tmp_path_factory):
 def stock(k2, tmp_path_factory):
     """Stock vLLM (``VLLM_PLUGINS=none``) on the same checkpoint: the base model's bf16 error to beat."""
     tmp = tmp_path_factory.mktemp("gpu_k2_stock")
-    return run_engine(tmp, k2, "bfloat16", False, [{"kind": "base"}],
-                      {"enforce_eager": True, "gpu_memory_utilization": 0.25}, plugins="none", prompts=PROMPTS)
+    return run_engine(
+        tmp,
+        k2,
+        "bfloat16",
+        False,
+        [{"kind": "base"}],
+        {"enforce_eager": True, "gpu_memory_utilization": 0.25},
+        plugins="none",
+        prompts=PROMPTS,
+    )
 
 
 def _lps(ref, prompt, adapter=None) -> torch.Tensor:
@@ -142,7 +165,9 @@ def test_gpu_path_ran(runs):
     info = s["info"]
     assert info["model_class"] == "KimiDeepseekV3ForCausalLM", info
     assert "PunicaWrapperGPU" in info["punica"], info
-    assert "FusedMoEWithLoRA" in info["lora_classes"] and "MergedColumnParallelLinearWithLoRA" in info["lora_classes"], info
+    assert (
+        "FusedMoEWithLoRA" in info["lora_classes"] and "MergedColumnParallelLinearWithLoRA" in info["lora_classes"]
+    ), info
     # with LoRA the Marlin method is wrapped in FusedMoEModularMethod: the wrapped method and its experts
     assert "CompressedTensorsWNA16MarlinMoEMethod" in info["moe_methods"], info["moe_methods"]
     assert "MarlinExperts" in info["moe_methods"], info["moe_methods"]
@@ -175,8 +200,10 @@ def test_adapter_within_bf16_reference(runs, refs, tag):
         bf16.append(_lps(refs["bf16"], p, ad) - want)
         shift = max(shift, (want - base).abs().max().item())
     e, b = _pooled(eng), _pooled(bf16)
-    print(f"k2 {tag}: engine {_fmt(e)} | bf16 reference {_fmt(b)} | adapter moves logprobs by up to {shift:.2f} "
-          f"({e['n']} positions)")
+    print(
+        f"k2 {tag}: engine {_fmt(e)} | bf16 reference {_fmt(b)} | adapter moves logprobs by up to {shift:.2f} "
+        f"({e['n']} positions)"
+    )
     _record(f"k2_adapter_{tag}", {"engine": e, "bf16_reference": b, "adapter_shift": shift})
     assert e["median"] <= 1.5 * b["median"] + 1e-3, (e, b)
 
@@ -204,9 +231,11 @@ def test_sublayers_replayed_on_engine_inputs(runs, refs, tag):
     assert len(eng) == len(floor) == 2 * refs["f64"].config.num_hidden_layers, sorted(caps)[:8]
     bad = []
     for e, b in zip(eng, floor):
-        print(f"k2 {tag} layer {e['layer']} {e['part']}: engine rel {e['rel_err']:.2e} bf16 reference rel {b:.2e}"
-              f" (worst token {e['worst_token']}: {e['worst_token_rel']:.2e}; engine routing replayed: "
-              f"{e['replayed_routing']})")
+        print(
+            f"k2 {tag} layer {e['layer']} {e['part']}: engine rel {e['rel_err']:.2e} bf16 reference rel {b:.2e}"
+            f" (worst token {e['worst_token']}: {e['worst_token_rel']:.2e}; engine routing replayed: "
+            f"{e['replayed_routing']})"
+        )
         if e["rel_err"] > 1.5 * b + 2e-3:
             bad.append((e["layer"], e["part"], e["rel_err"], b, e["worst_token"], e["worst_token_rel"]))
     _record(f"k2_sublayers_{tag}", [{**e, "bf16_reference": b} for e, b in zip(eng, floor)])
@@ -219,8 +248,11 @@ def _bf16_floor(refs, caps, adapter) -> list[float]:
     from kimi_core.reference.replay import replay_sublayers
 
     rows64 = replay_sublayers(refs["f64"], caps, adapter, keep_outputs=True)
-    against = {k: v.bfloat16() if k.startswith(("attn_in", "mlp_in")) else v for k, v in caps.items()
-               if not k.startswith(("attn_out", "mlp_out"))}
+    against = {
+        k: v.bfloat16() if k.startswith(("attn_in", "mlp_in")) else v
+        for k, v in caps.items()
+        if not k.startswith(("attn_out", "mlp_out"))
+    }
     against.update({f"{r['part']}_out.{r['layer']}": r["ref"] for r in rows64})
     return [r["rel_err"] for r in replay_sublayers(refs["bf16"], against, adapter)]
 
@@ -231,7 +263,6 @@ def test_lora_linears_replayed(runs, refs, tag):
     4x the rounding of the exact output to bf16 (+1e-3)."""
     from kimi_core.lora import load_adapter
     from kimi_core.reference.replay import replay_linear
-
     from kimi_vllm_plugin.mapping import hf_modules
 
     _, s = runs["plugin"]
@@ -239,7 +270,7 @@ def test_lora_linears_replayed(runs, refs, tag):
     ad = load_adapter(runs["ads"][tag], refs["f64"].config)
     bad, rows = [], {}
     for key in sorted(k for k in caps if k.startswith("lora_in.")):
-        name = key[len("lora_in."):]
+        name = key[len("lora_in.") :]
         mods = hf_modules(name)
         if not all(refs["f64"].weights.has(f"{m}.weight") for m in mods):
             continue
@@ -248,8 +279,10 @@ def test_lora_linears_replayed(runs, refs, tag):
         floor = r["dtype_floor"]
         rows[name] = r
         if "lora_rel_err" in r:
-            print(f"k2 {tag} {name}: rel {r['rel_err']:.2e} (bf16 floor {floor:.2e}), LoRA delta rel "
-                  f"{r['lora_rel_err']:.2e} at share {r['lora_share']:.2f}")
+            print(
+                f"k2 {tag} {name}: rel {r['rel_err']:.2e} (bf16 floor {floor:.2e}), LoRA delta rel "
+                f"{r['lora_rel_err']:.2e} at share {r['lora_share']:.2f}"
+            )
         if r["rel_err"] > 4 * floor + 1e-3:
             bad.append((name, r, floor))
     _record(f"k2_linears_{tag}", rows)
@@ -277,11 +310,16 @@ def test_mixed_batch_rows_get_their_own_adapter(runs):
     adapter alone (median |d| at most a fifth of its distance to any other adapter's result)."""
     _, s = runs["plugin"]
     solo = {"A": s["A"]["lps"][0], "B": s["B"]["lps"][0], None: s["base"]["lps"][0], "U": s["U"]["lps"][0]}
-    med = lambda x, y: (torch.tensor(x, dtype=torch.float64) - torch.tensor(y, dtype=torch.float64)).abs().median().item()
+    med = (
+        lambda x, y: (torch.tensor(x, dtype=torch.float64) - torch.tensor(y, dtype=torch.float64)).abs().median().item()
+    )
     for got, tag in zip(s["mixed"]["lps"], ["A", "B", None, "U"]):
         own = med(got, solo[tag])
         nearest_other = min(med(got, v) for k, v in solo.items() if k != tag)
-        print(f"mixed batch row {tag}: median |d| to its own solo result {own:.4f}, to the nearest other {nearest_other:.4f}")
+        print(
+            f"mixed batch row {tag}: median |d| to its own solo result {own:.4f}, "
+            f"to the nearest other {nearest_other:.4f}"
+        )
         _record(f"k2_mixed_{tag}", {"own": own, "nearest_other": nearest_other})
         assert own <= nearest_other / 5, (tag, own, nearest_other)
 
@@ -293,8 +331,10 @@ def test_hot_reload_and_bad_adapters(runs, refs):
     assert s["v1"]["name"] == "policy-v1" and s["v2"]["name"] == "policy-v2"
     p = PROMPTS[0]
     ref_a, ref_b = _lps(refs["f64"], p, runs["ads"]["A"]), _lps(refs["f64"], p, runs["ads"]["B"])
-    got = torch.tensor(s["score_v2"]["lps"][0], dtype=torch.float64) - torch.tensor(s["score_v1"]["lps"][0], dtype=torch.float64)
-    b16 = (_lps(refs["bf16"], p, runs["ads"]["B"]) - _lps(refs["bf16"], p, runs["ads"]["A"]))
+    got = torch.tensor(s["score_v2"]["lps"][0], dtype=torch.float64) - torch.tensor(
+        s["score_v1"]["lps"][0], dtype=torch.float64
+    )
+    b16 = _lps(refs["bf16"], p, runs["ads"]["B"]) - _lps(refs["bf16"], p, runs["ads"]["A"])
     err, floor = (got - (ref_b - ref_a)).abs().median().item(), (b16 - (ref_b - ref_a)).abs().median().item()
     print(f"hot reload v1 -> v2: change off by {err:.4f} (bf16 reference {floor:.4f})")
     assert err <= 1.5 * floor + 2e-3
@@ -313,10 +353,13 @@ def test_k25_text_only_with_adapter(tiny_ckpt, tmp_path_factory):
     k25 = tiny_ckpt("k25")
     tmp = tmp_path_factory.mktemp("gpu_k25")
     ads = write_all(load_config(k25), str(tmp / "adapters"))
-    steps = [{"kind": "model_info", "tag": "info"}, {"kind": "base"},
-             {"kind": "load", "client": "A", "path": ads["A"], "tag": "load_A"}, {"kind": "score", "client": "A", "tag": "A"}]
-    res, s = run_engine(tmp, k25, "bfloat16", True, steps, {**ENGINE, "language_model_only": True},
-                        prompts=PROMPTS)
+    steps = [
+        {"kind": "model_info", "tag": "info"},
+        {"kind": "base"},
+        {"kind": "load", "client": "A", "path": ads["A"], "tag": "load_A"},
+        {"kind": "score", "client": "A", "tag": "A"},
+    ]
+    res, s = run_engine(tmp, k25, "bfloat16", True, steps, {**ENGINE, "language_model_only": True}, prompts=PROMPTS)
     assert s["info"]["model_class"] == "KimiK25LoRAForConditionalGeneration", s["info"]
     m64, m16 = load_reference_model(k25, dtype=torch.float64), load_reference_model(k25, dtype=torch.bfloat16)
     rows = {}
@@ -342,8 +385,10 @@ def test_cuda_graphs_with_adapters(k2, refs, tmp_path_factory):
     ads = {**write_all(cfg, str(tmp / "adapters")), **write_families(cfg, str(tmp / "families"))}
     steps = [{"kind": "base"}]
     for tag in ("A", "U"):
-        steps += [{"kind": "load", "client": tag, "path": ads[tag], "tag": f"load_{tag}"},
-                  {"kind": "score", "client": tag, "tag": tag}]
+        steps += [
+            {"kind": "load", "client": tag, "path": ads[tag], "tag": f"load_{tag}"},
+            {"kind": "score", "client": tag, "tag": tag},
+        ]
     res, s = run_engine(tmp, k2, "bfloat16", True, steps, {**ENGINE, "enforce_eager": False}, prompts=PROMPTS)
     rows = {}
     for tag, ad in (("base", None), ("A", ads["A"]), ("U", ads["U"])):

@@ -11,8 +11,18 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_harness import (BF16_PROMPTS, FP32_TOL, PROMPTS, base_and_ab_steps, check_adapter, check_base,  # noqa: E402
-                            check_base_bf16, maxdiff, reference_scorer, run_engine)
+from engine_harness import (
+    BF16_PROMPTS,
+    FP32_TOL,
+    PROMPTS,
+    base_and_ab_steps,
+    check_adapter,
+    check_base,
+    check_base_bf16,
+    maxdiff,
+    reference_scorer,
+    run_engine,
+)
 
 TEXT_ONLY = {"language_model_only": True}
 

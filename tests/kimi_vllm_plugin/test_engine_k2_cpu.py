@@ -13,8 +13,18 @@ import torch
 
 pytest.importorskip("vllm")
 
-from engine_harness import (BF16_PROMPTS, FP32_TOL, PROMPTS, base_and_ab_steps, check_adapter, check_base,  # noqa: E402
-                            check_base_bf16, maxdiff, reference_scorer, run_engine)
+from engine_harness import (
+    BF16_PROMPTS,
+    FP32_TOL,
+    PROMPTS,
+    base_and_ab_steps,
+    check_adapter,
+    check_base,
+    check_base_bf16,
+    maxdiff,
+    reference_scorer,
+    run_engine,
+)
 
 BAD = ("rank32", "unknown", "nan", "missing", "kv_b")
 
@@ -58,7 +68,8 @@ def test_float32_engine_runs_cpu_mla(fp32_run):
 
 @pytest.mark.parametrize("tag", ["A", "B"])
 def test_adapter_logprobs_match_reference(fp32_run, reference, tag):
-    """Per-expert (A) and shared-outer (B) adapters with rank_pattern-normalised expert ranks give the reference's logprobs."""
+    """Per-expert (A) and shared-outer (B) adapters with rank_pattern-normalised expert ranks give the reference's
+    logprobs."""
     _, s, ads = fp32_run
     check_adapter(s, ads, reference, tag, "k2")
 
@@ -80,8 +91,16 @@ def test_second_version_changes_outputs_as_reference_predicts(fp32_run, referenc
     assert (got - want).abs().max().item() < 2 * FP32_TOL
 
 
-@pytest.mark.parametrize("bad,match", [("rank32", "rank 32 > max_rank 16"), ("unknown", "foo_proj.*unknown module"),
-                                       ("nan", "NaN"), ("missing", "not found"), ("kv_b", "kv_b_proj")])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ("rank32", "rank 32 > max_rank 16"),
+        ("unknown", "foo_proj.*unknown module"),
+        ("nan", "NaN"),
+        ("missing", "not found"),
+        ("kv_b", "kv_b_proj"),
+    ],
+)
 def test_bad_adapter_rejected_with_clear_error(fp32_run, bad, match):
     """Each bad adapter is refused by the client with an error naming the file/tensor and the reason."""
     import re
@@ -123,7 +142,7 @@ def test_probe_replays_every_sublayer_and_lora_linear(fp32_run, k2):
     for r in rows:
         assert r["rel_err"] < 1e-5, r
     ad = load_adapter(ads["B"], m.config)
-    linears = [k[len("lora_in."):] for k in caps if k.startswith("lora_in.")]
+    linears = [k[len("lora_in.") :] for k in caps if k.startswith("lora_in.")]
     checked = 0
     for name in linears:
         mods = hf_modules(name)

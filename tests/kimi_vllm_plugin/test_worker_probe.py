@@ -11,4 +11,3 @@ def test_modular_method_attributes_exist_in_vllm():
     init = inspect.getsource(FusedMoEModularMethod.__init__)
     assert "self.old_quant_method = old_quant_method" in init and "self.moe_kernel = moe_kernel" in init
     assert isinstance(inspect.getattr_static(FusedMoEKernel, "fused_experts"), property)
-

