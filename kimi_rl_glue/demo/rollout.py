@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -18,6 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from kimi_core.errors import KimiError
+
+
+log = logging.getLogger(__name__)
 
 
 class EngineDeadError(KimiError, RuntimeError):
@@ -84,6 +88,17 @@ class VllmRollout:
             if not p.is_alive():
                 return f"engine process {p.name} (pid {p.pid}) exited with code {p.exitcode}"
         return None
+
+    def close(self) -> None:
+        """Shut the engine down (its core process and workers); what survives is ended by the demo's
+        :class:`~kimi_rl_glue.demo.processes.ProcessLedger`."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        shutdown = getattr(core, "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception as e:  # noqa: BLE001 - a dead engine's shutdown may fail; the ledger ends its processes
+                log.debug("vLLM engine shutdown: %s", e)
 
     def check_alive(self) -> None:
         """Raise :class:`EngineDeadError` if the engine core is gone."""

@@ -37,12 +37,21 @@ class NumericsReport:
         return format_table(self.pairs, self.skipped)
 
     def as_dict(self) -> dict:
-        return {"pairs": [p.as_dict() for p in self.pairs], "skipped": self.skipped,
-                "per_position_abs_diff": self.per_position, "input_ids": self.input_ids.tolist()}
+        return {
+            "pairs": [p.as_dict() for p in self.pairs],
+            "skipped": self.skipped,
+            "per_position_abs_diff": self.per_position,
+            "input_ids": self.input_ids.tolist(),
+        }
 
 
-def compare_results(results: dict[str, EngineResult], mask: torch.Tensor, dtype: str = "bf16",
-                    tol_abs: float | None = None, layer_tol: float | None = None) -> list[PairStats]:
+def compare_results(
+    results: dict[str, EngineResult],
+    mask: torch.Tensor,
+    dtype: str = "bf16",
+    tol_abs: float | None = None,
+    layer_tol: float | None = None,
+) -> list[PairStats]:
     """Pair statistics of results a caller already has (e.g. the demo's trainer and engine logprobs).
 
     :param mask: ``[B, T-1]`` positions to compare (the sampled tokens).
@@ -50,8 +59,38 @@ def compare_results(results: dict[str, EngineResult], mask: torch.Tensor, dtype:
     tol_abs = DEFAULT_TOL_ABS[dtype] if tol_abs is None else tol_abs
     layer_tol = DEFAULT_LAYER_TOL[dtype] if layer_tol is None else layer_tol
     names = list(results)
-    return [compare_pair(a, results[a], b, results[b], mask, tol_abs, layer_tol)
-            for i, a in enumerate(names) for b in names[i + 1:]]
+    return [
+        compare_pair(a, results[a], b, results[b], mask, tol_abs, layer_tol)
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+    ]
+
+
+#: engines that score only in fp32 (the Megatron trainer builds its parameters in fp32)
+FP32_ONLY = ("megatron",)
+
+
+def default_engines(dtype: str) -> str:
+    """``--engines`` when none is given: every engine that scores in ``dtype``."""
+    return "reference,megatron,vllm" if dtype == "fp32" else "reference,vllm"
+
+
+def check_engines(engines, dtype: str, baseline: str = "reference") -> None:
+    """Refuse unknown engine names and an fp32-only engine asked for another dtype, before any work.
+
+    :raises ValueError: naming ``--engines`` or ``--dtype``.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+    for spec in engines:
+        name = spec.partition("@")[0]
+        if name not in ENGINES:
+            raise ValueError(f"--engines: unknown engine {name!r}; known: {sorted(ENGINES)}")
+        if name in FP32_ONLY and dtype != "fp32" and spec != baseline:
+            raise ValueError(
+                f"--engines {spec} with --dtype {dtype}: the {name} engine scores in fp32 only; pass "
+                f"--dtype fp32, or leave {name} out of --engines"
+            )
 
 
 def sample_sequences(model_dir: str, batch: int, prompt_len: int, tokens: int, seed: int, adapter=None) -> torch.Tensor:
@@ -70,33 +109,42 @@ def sample_sequences(model_dir: str, batch: int, prompt_len: int, tokens: int, s
     return ids
 
 
-def compare(model_dir: str, adapter=None, engines=("reference", "megatron", "vllm"), tokens: int = 32,
-            seed: int = 0, dtype: str = "bf16", out: str | None = None, batch: int = 2, prompt_len: int = 16,
-            baseline: str = "reference", tol_abs: float | None = None, layer_tol: float | None = None,
-            extra_results: dict[str, EngineResult] | None = None) -> NumericsReport:
+def compare(
+    model_dir: str,
+    adapter=None,
+    engines=("reference", "vllm"),
+    tokens: int = 32,
+    seed: int = 0,
+    dtype: str = "bf16",
+    out: str | None = None,
+    batch: int = 2,
+    prompt_len: int = 16,
+    baseline: str = "reference",
+    tol_abs: float | None = None,
+    layer_tol: float | None = None,
+    extra_results: dict[str, EngineResult] | None = None,
+) -> NumericsReport:
     """Compare engines on the same sampled sequences; write ``report.json`` and ``logprob_diff.png`` to ``out``.
 
     ``engines`` are names from :data:`ENGINES`, optionally ``name@DIR`` to run an engine on another
     checkpoint with the same config (a trained or re-exported copy, or a deliberately broken one).
 
     The baseline (the fp32 reference by default) is always computed in fp32; the other engines run
-    in ``dtype``. ``extra_results`` lets a caller add results it computed itself (the demo passes
-    its trainer and engine logprobs).
+    in ``dtype``; an engine that cannot (``megatron`` scores in fp32 only) is refused with ``dtype="bf16"``
+    before anything runs, as is an unknown engine name. ``extra_results`` lets a caller add results it
+    computed itself (the demo passes its trainer and engine logprobs).
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+    check_engines(engines, dtype, baseline)  # before the reference samples anything
     tol_abs = DEFAULT_TOL_ABS[dtype] if tol_abs is None else tol_abs
     layer_tol = DEFAULT_LAYER_TOL[dtype] if layer_tol is None else layer_tol
     ids = sample_sequences(model_dir, batch, prompt_len, tokens, seed, adapter)
     mask = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool)
-    mask[:, prompt_len - 1:] = True
+    mask[:, prompt_len - 1 :] = True
     results: dict[str, EngineResult] = {}
     skipped: dict[str, str] = {}
     for spec in engines:
         name, _, other_dir = spec.partition("@")  # "engine@DIR" runs the engine on another checkpoint
-        eng = ENGINES.get(name)
-        if eng is None:
-            raise ValueError(f"--engines: unknown engine {name!r}; known: {sorted(ENGINES)}")
+        eng = ENGINES[name]
         ok, why = eng.available()
         if not ok:
             skipped[spec] = why
@@ -104,13 +152,14 @@ def compare(model_dir: str, adapter=None, engines=("reference", "megatron", "vll
         is_base = spec == baseline
         key = f"{spec}-fp32" if is_base else spec
         log.info("running %s", key)
-        results[key] = eng.run(other_dir or model_dir, ids, adapter=adapter,
-                               dtype=torch.float32 if is_base else DTYPES[dtype])
+        results[key] = eng.run(
+            other_dir or model_dir, ids, adapter=adapter, dtype=torch.float32 if is_base else DTYPES[dtype]
+        )
     results.update(extra_results or {})
     pairs = compare_results(results, mask, dtype, tol_abs, layer_tol)
     per_pos = {}
     for p in pairs:
-        d = (results[p.a].logprobs.double() - results[p.b].logprobs.double()).abs()[:, prompt_len - 1:]
+        d = (results[p.a].logprobs.double() - results[p.b].logprobs.double()).abs()[:, prompt_len - 1 :]
         per_pos[f"{p.a} vs {p.b}"] = d.mean(0).tolist()
     rep = NumericsReport(pairs, skipped, per_pos, ids)
     if out:
