@@ -1,39 +1,48 @@
-"""The plugin manager: loads the ``kimi_rl.plugins`` entry points and answers the hooks as data.
+"""The plugin manager: the one place the glue loads the ``kimi_rl.plugins`` entry points and asks them what they
+provide, as data (hook specs: :mod:`kimi_core.plugin_hooks`).
 
-``get_plugin_manager()`` is cached per process (entry points are read once);
-``new_plugin_manager()`` builds a fresh one (tests, or after installing a plugin). Our own hooks
-(:class:`BuiltinPlugin`) are always registered first, so an installed plugin can override a
-``firstresult`` answer but never silently shadow one of our names in a dict hook.
+``get_plugin_manager()`` is cached per process (entry points are read once); ``new_plugin_manager()`` builds a
+fresh one (tests, or after installing a plugin). Our own hooks (:class:`BuiltinPlugin`: the glue's losses and
+sync transports) are always registered first. Callers ask through :func:`models`, :func:`adapter_preparation`,
+:func:`sync_transports` / :func:`sync_transport` and :func:`losses` instead of importing a plugin.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import inspect
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pluggy
 
-from kimi_core.errors import PluginError as _KimiPluginError
-from kimi_rl_glue.hookspecs import ENTRY_POINT_GROUP, HOSTS, PROJECT, KimiRLSpec, hookimpl
+from kimi_core.errors import PluginError
+from kimi_core.plugin_hooks import ENTRY_POINT_GROUP, HOSTS, PROJECT, KimiRLSpec, hookimpl
 
-__all__ = ["PluginError", "BuiltinPlugin", "get_plugin_manager", "new_plugin_manager", "collect", "resolve", "models", "losses",
-           "sync_transports"]
+__all__ = [
+    "BuiltinPlugin",
+    "PluginError",
+    "adapter_preparation",
+    "collect",
+    "collect_one",
+    "get_plugin_manager",
+    "losses",
+    "models",
+    "new_plugin_manager",
+    "resolve",
+    "sync_transport",
+    "sync_transports",
+]
 
 log = logging.getLogger(__name__)
 _PM: pluggy.PluginManager | None = None
 
 
-class PluginError(_KimiPluginError):
-    """A ``kimi_rl.plugins`` entry point failed to load, or two plugins claim the same name."""
-
-
 class BuiltinPlugin:
-    """Our own hook implementations: this package's losses, as lazy strings per host.
-
-    Model classes, adapter hooks and sync transports come from the packages that own them.
-    """
+    """Our own hook implementations: this package's losses and adapter-sync transports, as lazy strings per
+    host. Model classes and adapter preparation come from the plugins that own them (their ``rl_hooks``)."""
 
     name = "kimi_rl_glue"
     LOSSES = {
@@ -51,9 +60,22 @@ class BuiltinPlugin:
         },
     }
 
+    _DISK = "kimi_rl_glue.sync.disk:DiskAdapterSync"
+    _CUDA_IPC = "kimi_rl_glue.sync.cuda_ipc:CudaIpcAdapterSync"
+    SYNC_TRANSPORTS = {
+        "vllm": {"disk": _DISK},
+        "skyrl": {"disk": _DISK},
+        "sglang": {"sglang_tensors": "kimi_rl_glue.demo.sglang_rollout:SglangTensorSync"},
+        "miles": {"cuda_ipc": _CUDA_IPC},
+    }
+
     @hookimpl
     def kimi_rl_losses(self, host: str):
         return self.LOSSES.get(host)
+
+    @hookimpl
+    def kimi_rl_sync_transports(self, host: str):
+        return self.SYNC_TRANSPORTS.get(host)
 
 
 def _load_entry_points(pm: pluggy.PluginManager, group: str) -> list[str]:
@@ -63,11 +85,13 @@ def _load_entry_points(pm: pluggy.PluginManager, group: str) -> list[str]:
             continue
         try:
             obj = ep.load()
-        except Exception as e:  # noqa: BLE001 - re-raised with the entry point named
+        except Exception as e:
             dist = getattr(getattr(ep, "dist", None), "name", None) or "?"
-            raise PluginError(f"plugin entry point {ep.name!r} = {ep.value!r} (group {group!r}, distribution "
-                              f"{dist}) failed to import: {type(e).__name__}: {e}. Fix or uninstall that "
-                              f"package, or block it with get_plugin_manager().set_blocked({ep.name!r})") from e
+            raise PluginError(
+                f"plugin entry point {ep.name!r} = {ep.value!r} (group {group!r}, distribution "
+                f"{dist}) failed to import: {type(e).__name__}: {e}. Fix or uninstall that "
+                f"package, or block it with get_plugin_manager().set_blocked({ep.name!r})"
+            ) from e
         pm.register(obj, name=ep.name)
         loaded.append(ep.name)
     return loaded
@@ -116,16 +140,46 @@ def collect(hook_name: str, host: str, pm: pluggy.PluginManager | None = None) -
         if res is None:
             continue
         if not isinstance(res, dict):
-            raise PluginError(f"plugin {_plugin_name(pm, impl)!r}: {hook_name} must return a dict or None, "
-                              f"got {type(res).__name__}")
+            raise PluginError(
+                f"plugin {_plugin_name(pm, impl)!r}: {hook_name} must return a dict or None, got {type(res).__name__}"
+            )
         for k, v in res.items():
             if k in merged and merged[k] != v:
-                raise PluginError(f"{hook_name}(host={host!r}): name {k!r} is provided by both plugin "
-                                  f"{owner[k]!r} ({merged[k]}) and plugin {_plugin_name(pm, impl)!r} ({v}); "
-                                  "uninstall or block one of them")
+                raise PluginError(
+                    f"{hook_name}(host={host!r}): name {k!r} is provided by both plugin "
+                    f"{owner[k]!r} ({merged[k]}) and plugin {_plugin_name(pm, impl)!r} ({v}); "
+                    "uninstall or block one of them"
+                )
             merged[k] = v
             owner[k] = _plugin_name(pm, impl)
     return merged
+
+
+def collect_one(hook_name: str, host: str, pm: pluggy.PluginManager | None = None) -> str | None:
+    """The one answer every plugin gives to a single-valued hook for ``host`` (``None`` when none answers).
+
+    :raises PluginError: two plugins answer differently (the message names both plugins and their answers).
+    """
+    if host not in HOSTS:
+        raise ValueError(f"host={host!r}; expected one of {HOSTS}")
+    pm = pm or get_plugin_manager()
+    found: tuple[str, str] | None = None
+    for impl in getattr(pm.hook, hook_name).get_hookimpls():
+        res = impl.function(**{a: {"host": host}[a] for a in impl.argnames})
+        if res is None:
+            continue
+        if not isinstance(res, str):
+            raise PluginError(
+                f"plugin {_plugin_name(pm, impl)!r}: {hook_name} must return a 'module:attr' string or "
+                f"None, got {type(res).__name__}"
+            )
+        if found is not None and found[1] != res:
+            raise PluginError(
+                f"{hook_name}(host={host!r}) is answered by both plugin {found[0]!r} ({found[1]}) and "
+                f"plugin {_plugin_name(pm, impl)!r} ({res}); uninstall or block one of them"
+            )
+        found = (_plugin_name(pm, impl), res)
+    return None if found is None else found[1]
 
 
 def models(host: str, pm=None) -> dict[str, str]:
@@ -141,6 +195,40 @@ def losses(host: str, pm=None) -> dict[str, str]:
 def sync_transports(host: str, pm=None) -> dict[str, str]:
     """``{transport: "module:Class"}`` from every plugin for ``host``."""
     return collect("kimi_rl_sync_transports", host, pm)
+
+
+def adapter_preparation(host: str, pm=None) -> Callable:
+    """``prepare_adapter(adapter, config) -> Adapter`` of the plugin that serves ``host``, imported.
+
+    :raises PluginError: no installed plugin prepares adapters for ``host`` (names what to install), or two do.
+    """
+    target = collect_one("kimi_rl_adapter_preparation", host, pm)
+    if target is None:
+        raise PluginError(
+            f"no installed kimi_rl plugin prepares adapters for host {host!r} (hook "
+            f"kimi_rl_adapter_preparation); install the engine plugin, e.g. kimi-{host}-plugin"
+        )
+    return resolve(target)
+
+
+def sync_transport(host: str, name: str | None = None, pm=None, **options) -> Any:
+    """A new adapter-sync transport for ``host``: the one the plugins offer (``name`` picks one of several), built
+    with those of ``options`` its constructor takes (e.g. ``root=`` for the disk transport, ``config=`` for the
+    SGLang one), so a caller passes what it has and the transport takes what it needs.
+
+    :raises PluginError: ``host`` has no transport, ``name`` is not one of them, or several and no ``name``.
+    """
+    offered = sync_transports(host, pm)
+    if name is None and len(offered) == 1:
+        name = next(iter(offered))
+    if name not in offered:
+        raise PluginError(
+            f"adapter-sync transport {name!r} for host {host!r}: the installed plugins offer "
+            f"{sorted(offered) or 'none'}"
+        )
+    cls = resolve(offered[name])
+    params = inspect.signature(cls).parameters
+    return cls(**{k: v for k, v in options.items() if k in params})
 
 
 def resolve(target: str) -> Any:

@@ -247,7 +247,7 @@ def _run(args, con, ledger) -> int:
 
 def _train(args, con, recipe, cfg, trainer, rollout, spec, ckpt, out, fmt, size, device, top_k, t_start) -> int:
     from kimi_core.checkpoint.writer import atomic_write_text
-    from kimi_rl_glue.sync import DiskAdapterSync
+    from kimi_rl_glue import plugins
 
     task = TokenSetTask(rollout.config.vocab_size, seed=args.seed)
     pairs, table = step0_mismatch(trainer, rollout, task, cfg, ckpt)
@@ -258,12 +258,7 @@ def _train(args, con, recipe, cfg, trainer, rollout, spec, ckpt, out, fmt, size,
         "reference's routing replayed in the trainer (R3)"
     )
     adapters = os.path.join(out, "adapters")  # the run folder is fresh: versions 1..N are this run's
-    if recipe.engine == "sglang":
-        from kimi_rl_glue.demo.sglang_rollout import SglangTensorSync
-
-        sync = SglangTensorSync(trainer.config)
-    else:
-        sync = DiskAdapterSync(adapters)
+    sync = plugins.sync_transport(recipe.engine, root=adapters, config=trainer.config)  # the engine's transport
     try:
         records = run(cfg, task, rollout, trainer, sync, out, bar_file=con.err)
     except DemoError as e:

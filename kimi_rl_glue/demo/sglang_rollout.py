@@ -77,24 +77,25 @@ class TensorVersion:
 class SglangTensorSync:
     """The miles-k3 loop's transport (:class:`kimi_core.sync.AdapterTransport`).
 
-    ``publish(adapter, k)`` prepares the adapter for SGLang (:func:`kimi_sglang_plugin.adapters.prepare_adapter`),
-    flattens it into one checksummed
-    bucket where the trainer holds it (:func:`kimi_sglang_plugin.sync.build_payload`) and records the version's
-    :class:`~kimi_core.sync.AdapterManifest`. ``receive(k)`` refuses any version but the last published,
-    verifies the bucket SGLang will open against the manifest (block sums on the bucket's device) and hands
-    the payload over; SGLang's serializer sends a GPU bucket as CUDA-IPC handles. The bucket stays alive until
-    the next version is published."""
+    ``publish(adapter, k)`` prepares the adapter for SGLang with the preparation the installed plugins offer
+    for host ``sglang`` (:func:`kimi_rl_glue.plugins.adapter_preparation`: ``kimi_sglang_plugin.adapters``),
+    flattens it into one checksummed bucket where the trainer holds it (:func:`kimi_sglang_plugin.sync.build_payload`)
+    and records the version's :class:`~kimi_core.sync.AdapterManifest`. ``receive(k)`` refuses any version but the
+    last published, verifies the bucket SGLang will open against the manifest (block sums on the bucket's device)
+    and hands the payload over; SGLang's serializer sends a GPU bucket as CUDA-IPC handles. The bucket stays alive
+    until the next version is published.
+    """
 
     def __init__(self, config, base_name: str = "policy"):
         self.config, self.base_name = config, base_name
         self._last: tuple[int, TensorVersion] | None = None  # (version, what was sent): only the latest is held
 
     def publish(self, adapter, version: int) -> tuple[str, dict]:
-        from kimi_sglang_plugin.adapters import prepare_adapter
+        from kimi_rl_glue.plugins import adapter_preparation
         from kimi_sglang_plugin.sync import RankLayout, build_payload
 
         t = time.perf_counter()
-        served = prepare_adapter(adapter, self.config)
+        served = adapter_preparation("sglang")(adapter, self.config)
         name = f"{self.base_name}-v{version}"
         payload = build_payload(
             name, served.tensors, served.adapter_config, self.config, RankLayout(1, 1, 0), filter_experts=False
