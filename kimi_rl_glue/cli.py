@@ -122,7 +122,10 @@ def _check_numerics(a) -> int:
     from kimi_rl_glue.numerics.compare import check_engines, default_engines
 
     engines = [e for e in (a.engines or default_engines(a.dtype)).split(",") if e]
-    check_engines(engines, a.dtype)  # before the reference samples anything
+    try:
+        check_engines(engines, a.dtype)  # before the reference samples anything
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
     if not os.path.isdir(a.model):
         raise _UsageError(f"--model {a.model}: not a checkpoint folder")
     rep = compare(

@@ -35,7 +35,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from kimi_core.checkpoint.fingerprint import checkpoint_fingerprint, differences
+from kimi_core.checkpoint.fingerprint import checkpoint_fingerprint, differences, read_header
 from kimi_core.checkpoint.folders import FolderRefused, check_output_folder
 from kimi_core.checkpoint.reader import INDEX_NAME, CheckpointReader
 from kimi_core.checkpoint.writer import atomic_copy, atomic_write_text, is_temporary, save_shard
@@ -216,6 +216,42 @@ def _dequantize_shard(
     return weight_map, n_deq, n_copy, bad
 
 
+#: safetensors dtype names of the tensors a packed expert holds
+_ST_DTYPES = {
+    "I32": torch.int32,
+    "U8": torch.uint8,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "I64": torch.int64,
+    "I8": torch.int8,
+}
+
+
+def check_packed_layout(input_dir: str, shards: list[str], fmt: str | None) -> None:
+    """Check every packed expert's dtypes and shapes from the shard headers alone (no tensor is read).
+
+    :raises FormatError: naming the shard and the tensor, before any shard is dequantized.
+    """
+    for s in shards:
+        path = os.path.join(input_dir, s)
+        _, header = read_header(path)
+        for k, v in header.items():
+            if not k.endswith(".weight_packed"):
+                continue
+            mod = k[: -len(".weight_packed")]
+            if fmt is None:
+                raise FormatError(f"{path}: {k} is packed but config.json has no quantization_config")
+            sc = header.get(f"{mod}.weight_scale")
+            if sc is None:
+                raise FormatError(f"{path}: {k} has no {mod}.weight_scale in the same shard")
+
+            def meta(t):
+                return torch.empty(t["shape"], dtype=_ST_DTYPES.get(t["dtype"], torch.float64), device="meta")
+
+            weight_format(fmt).check(meta(v), meta(sc), where=f"{path}: {mod}")
+
+
 def check_settings(scale_divisor: float, q_min: int, workers: int) -> None:
     """Refuse settings no checkpoint can use, before any file is opened; errors name the flag."""
     if not scale_divisor > 0:
@@ -290,6 +326,7 @@ def dequantize_checkpoint(
         get_format(fmt)
     shards = reader.shards()
     fingerprint = checkpoint_fingerprint(input_dir, shards)  # also refuses a truncated shard, before any work
+    check_packed_layout(input_dir, shards, fmt)
     largest = max(fp["bytes"] for fp in fingerprint["shards"].values())
     part_bytes = part_bytes or max(largest // 8, 1 << 20)
     record = {

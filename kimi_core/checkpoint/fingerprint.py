@@ -20,8 +20,8 @@ from kimi_core.checkpoint.reader import CheckpointError
 MAX_HEADER_BYTES = 100 * 2**20
 
 
-def shard_fingerprint(path: str) -> dict:
-    """``{"bytes": file size, "header_sha256": hex}`` of one safetensors file, checked for truncation.
+def read_header(path: str) -> tuple[bytes, dict]:
+    """The raw safetensors header of ``path`` and its parsed JSON, checked for truncation.
 
     :raises CheckpointError: the file is shorter than its header says, or its header is not safetensors'.
     """
@@ -50,7 +50,13 @@ def shard_fingerprint(path: str) -> dict:
     need = 8 + n + max(ends, default=0)
     if size < need:
         raise CheckpointError(f"{path}: truncated ({size} bytes; its header describes {need})")
-    return {"bytes": size, "header_sha256": hashlib.sha256(raw).hexdigest()}
+    return raw, header
+
+
+def shard_fingerprint(path: str) -> dict:
+    """``{"bytes": file size, "header_sha256": hex}`` of one safetensors file (:func:`read_header` checks it)."""
+    raw, _ = read_header(path)
+    return {"bytes": os.path.getsize(path), "header_sha256": hashlib.sha256(raw).hexdigest()}
 
 
 def file_sha256(path: str) -> str:
