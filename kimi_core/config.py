@@ -19,9 +19,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from kimi_core.architectures import FAMILIES, K2_ALIAS
 from kimi_core.errors import KimiError
 from kimi_core.json_file import read_json_file
-from kimi_core.architectures import FAMILIES, K2_ALIAS
 from kimi_core.quant.formats import INT4, MXFP4
 
 __all__ = [
@@ -60,7 +60,7 @@ class QuantSpec:
     raw: dict = field(default_factory=dict, compare=False, hash=False)
 
     @classmethod
-    def from_hf(cls, qc: dict, where: str) -> "QuantSpec":
+    def from_hf(cls, qc: dict, where: str) -> QuantSpec:
         if qc.get("quant_method") != "compressed-tensors":
             raise ConfigError(
                 f"{where}: quantization_config.quant_method={qc.get('quant_method')!r}; only "
@@ -88,16 +88,20 @@ class QuantSpec:
             raise ConfigError(
                 f"{where}: quantization_config weights.type={weights.get('type')!r} contradicts format {fmt!r}"
             )
-        return cls(format=fmt, group_size=group_size, num_bits=num_bits,
-                   ignore=tuple(qc.get("ignore") or ()), raw=qc)
+        return cls(format=fmt, group_size=group_size, num_bits=num_bits, ignore=tuple(qc.get("ignore") or ()), raw=qc)
 
     def to_hf(self) -> dict:
         if self.raw:
             return self.raw
         is_fp = self.format == MXFP4_FORMAT
         weights = {
-            "num_bits": 4, "type": "float" if is_fp else "int", "strategy": "group",
-            "group_size": self.group_size, "symmetric": True, "dynamic": False, "actorder": None,
+            "num_bits": 4,
+            "type": "float" if is_fp else "int",
+            "strategy": "group",
+            "group_size": self.group_size,
+            "symmetric": True,
+            "dynamic": False,
+            "actorder": None,
             "observer": "minmax",
         }
         if is_fp:
@@ -106,9 +110,15 @@ class QuantSpec:
             "quant_method": "compressed-tensors",
             "format": self.format,
             "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": None, "output_activations": None,
-                                          "format": self.format}},
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": weights,
+                    "input_activations": None,
+                    "output_activations": None,
+                    "format": self.format,
+                }
+            },
             "ignore": list(self.ignore),
             "kv_cache_scheme": None,
         }
@@ -256,7 +266,7 @@ class KimiConfig:
 
     # ------------------------------------------------------------------ parsing
     @classmethod
-    def from_hf(cls, cfg: dict, where: str = "config.json") -> "KimiConfig":
+    def from_hf(cls, cfg: dict, where: str = "config.json") -> KimiConfig:
         """Parse a HF config dict. Raises :class:`ConfigError` naming the offending field."""
         if not isinstance(cfg, dict):
             raise ConfigError(f"{where}: expected a JSON object")
@@ -277,16 +287,21 @@ class KimiConfig:
         if family in ("k3", "k31") and text.get("model_type") != "kimi_linear":
             raise ConfigError(f"{tw}.model_type={text.get('model_type')!r}; K3 text configs have 'kimi_linear'")
 
-        g = lambda keys, default=dataclasses.MISSING: _first(text, keys, tw, default)  # noqa: E731
+        g = lambda keys, default=dataclasses.MISSING: _first(text, keys, tw, default)
         kw: dict[str, Any] = dict(
-            family=family, architecture=arch, model_type=cfg.get("model_type", ""),
-            vocab_size=_req(text, "vocab_size", tw), hidden_size=_req(text, "hidden_size", tw),
+            family=family,
+            architecture=arch,
+            model_type=cfg.get("model_type", ""),
+            vocab_size=_req(text, "vocab_size", tw),
+            hidden_size=_req(text, "hidden_size", tw),
             num_hidden_layers=_req(text, "num_hidden_layers", tw),
             rms_norm_eps=float(g(("rms_norm_eps",), 1e-6)),
             tie_word_embeddings=bool(text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
             num_attention_heads=_req(text, "num_attention_heads", tw),
-            q_lora_rank=text.get("q_lora_rank"), kv_lora_rank=_req(text, "kv_lora_rank", tw),
-            qk_nope_head_dim=_req(text, "qk_nope_head_dim", tw), qk_rope_head_dim=_req(text, "qk_rope_head_dim", tw),
+            q_lora_rank=text.get("q_lora_rank"),
+            kv_lora_rank=_req(text, "kv_lora_rank", tw),
+            qk_nope_head_dim=_req(text, "qk_nope_head_dim", tw),
+            qk_rope_head_dim=_req(text, "qk_rope_head_dim", tw),
             v_head_dim=_req(text, "v_head_dim", tw),
             mla_use_nope=bool(text.get("mla_use_nope", False)),
             mla_use_output_gate=bool(text.get("mla_use_output_gate", False)),
@@ -312,9 +327,11 @@ class KimiConfig:
             activation_situ_beta=float(text.get("activation_situ_beta", 4.0)),
             activation_situ_linear_beta=float(text.get("activation_situ_linear_beta", 25.0)),
             attn_res_block_size=text.get("attn_res_block_size"),
-            index_n_heads=text.get("index_n_heads"), index_head_dim=text.get("index_head_dim"),
+            index_n_heads=text.get("index_n_heads"),
+            index_head_dim=text.get("index_head_dim"),
             index_topk=text.get("index_topk"),
-            top=cfg, text=text,
+            top=cfg,
+            text=text,
         )
         lac = text.get("linear_attn_config")
         if lac is not None:
@@ -322,7 +339,8 @@ class KimiConfig:
             kw["linear_attn"] = LinearAttnConfig(
                 kda_layers=tuple(_req(lac, "kda_layers", lw, (list,))),
                 full_attn_layers=tuple(_req(lac, "full_attn_layers", lw, (list,))),
-                num_heads=_req(lac, "num_heads", lw), head_dim=_req(lac, "head_dim", lw),
+                num_heads=_req(lac, "num_heads", lw),
+                head_dim=_req(lac, "head_dim", lw),
                 short_conv_kernel_size=int(lac.get("short_conv_kernel_size", 4)),
                 gate_lower_bound=lac.get("gate_lower_bound"),
                 use_full_rank_gate=bool(lac.get("use_full_rank_gate", False)),
@@ -335,11 +353,19 @@ class KimiConfig:
         return out
 
     def _validate(self, tw: str) -> None:
-        def bad(field_name, msg):
+        def bad(field_name: str, msg: str):
             raise ConfigError(f"{tw}.{field_name}: {msg}")
 
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                     "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+        ):
             if getattr(self, name) <= 0:
                 bad(name, f"must be positive, got {getattr(self, name)}")
         if self.num_experts_per_tok > self.n_routed_experts:
@@ -370,8 +396,10 @@ class KimiConfig:
             if allset != set(range(1, L + 1)):
                 missing = sorted(set(range(1, L + 1)) - allset)
                 extra = sorted(allset - set(range(1, L + 1)))
-                bad("linear_attn_config",
-                    f"kda_layers + full_attn_layers must cover 1..{L} (1-based) exactly; missing {missing}, out of range {extra}")
+                bad(
+                    "linear_attn_config",
+                    f"kda_layers + full_attn_layers must cover 1..{L} (1-based) exactly; missing {missing}, out of range {extra}",
+                )
             if la.num_heads > la.head_dim and self.family != "k3":
                 pass  # A_log padding is to head_dim; nothing to check for tiny configs
         if self.family == "k31":

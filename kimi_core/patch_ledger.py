@@ -43,7 +43,7 @@ class PatchEntry:
     expect: str = "exists"
 
 
-def resolve_target(target: str, *, override=None):
+def resolve_target(target: str, *, override: object | None = None) -> object:
     """The object at dotted ``target`` (longest importable module prefix, then attributes).
 
     Raises :class:`PatchTargetError` naming the target and the first missing part.
@@ -76,8 +76,10 @@ def check_patch(entry: PatchEntry, release: str | None = None, *, target_obj=Non
         from packaging.specifiers import SpecifierSet
 
         if release not in SpecifierSet(entry.releases):
-            raise PatchTargetError(f"{where}: {entry.host} {release} is outside the checked releases "
-                                   f"{entry.releases}; re-check the target, then widen the ledger entry")
+            raise PatchTargetError(
+                f"{where}: {entry.host} {release} is outside the checked releases "
+                f"{entry.releases}; re-check the target, then widen the ledger entry"
+            )
     obj = resolve_target(entry.target, override=target_obj)
     kind, _, want = entry.expect.partition(":")
     if kind == "exists":

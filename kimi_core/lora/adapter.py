@@ -41,12 +41,16 @@ class Adapter:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def copy(self) -> "Adapter":
+    def copy(self) -> Adapter:
         return Adapter(dict(self.tensors), copy.deepcopy(self.adapter_config), self.source, dict(self.extra))
 
-    def to(self, dtype: torch.dtype) -> "Adapter":
-        return Adapter({k: v.to(dtype) for k, v in self.tensors.items()}, copy.deepcopy(self.adapter_config),
-                       self.source, dict(self.extra))
+    def to(self, dtype: torch.dtype) -> Adapter:
+        return Adapter(
+            {k: v.to(dtype) for k, v in self.tensors.items()},
+            copy.deepcopy(self.adapter_config),
+            self.source,
+            dict(self.extra),
+        )
 
     def save(self, directory: str | os.PathLike) -> str:
         """Write a PEFT adapter directory; returns its path. Existing files are replaced atomically."""
@@ -61,8 +65,11 @@ class Adapter:
             v = v.detach().cpu()
             # safetensors refuses views and tensors that share storage: give each its own copy.
             ptr = v.untyped_storage().data_ptr()
-            whole = v.is_contiguous() and v.storage_offset() == 0 and \
-                v.untyped_storage().nbytes() == v.numel() * v.element_size()
+            whole = (
+                v.is_contiguous()
+                and v.storage_offset() == 0
+                and v.untyped_storage().nbytes() == v.numel() * v.element_size()
+            )
             if not whole or ptr in seen:
                 v = v.clone()
             seen.add(v.untyped_storage().data_ptr())
@@ -95,7 +102,7 @@ class Adapter:
         return d
 
     @classmethod
-    def load(cls, directory: str | os.PathLike) -> "Adapter":
+    def load(cls, directory: str | os.PathLike) -> Adapter:
         """Read a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
         from safetensors.torch import load_file
 
@@ -108,7 +115,9 @@ class Adapter:
         path = os.path.join(d, SAFETENSORS_NAME)
         if not os.path.exists(path):
             others = [n for n in ("adapter_model.bin", "adapter_model.pt") if os.path.exists(os.path.join(d, n))]
-            hint = f"; found {others[0]}, which is pickled and not read here: convert it to safetensors" if others else ""
+            hint = (
+                f"; found {others[0]}, which is pickled and not read here: convert it to safetensors" if others else ""
+            )
             raise AdapterError(f"{path}: file not found{hint}")
         try:
             cfg = read_adapter_config(d)

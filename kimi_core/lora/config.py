@@ -25,10 +25,13 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kimi_core.errors import KimiError
 from kimi_core.json_file import read_json_file
+
+if TYPE_CHECKING:
+    from kimi_core.config import KimiConfig
 
 __all__ = [
     "AdapterConfigError",
@@ -96,8 +99,7 @@ class LoraSpec:
         if not (isinstance(self.alpha, (int, float)) and self.alpha > 0):
             raise AdapterConfigError(f"LoraSpec.alpha must be positive, got {self.alpha!r}")
         if self.expert_layout not in EXPERT_LAYOUTS:
-            raise AdapterConfigError(
-                f"LoraSpec.expert_layout={self.expert_layout!r}; expected one of {EXPERT_LAYOUTS}")
+            raise AdapterConfigError(f"LoraSpec.expert_layout={self.expert_layout!r}; expected one of {EXPERT_LAYOUTS}")
         if self.expert_alpha is not None and not self.expert_alpha > 0:
             raise AdapterConfigError(f"LoraSpec.expert_alpha must be positive, got {self.expert_alpha!r}")
 
@@ -109,7 +111,8 @@ class LoraSpec:
         if top_k <= 0 or self.rank % top_k:
             raise AdapterConfigError(
                 f"normalize_moe_lora: rank {self.rank} is not divisible by the router top-k {top_k} "
-                f"(num_experts_per_tok); pick a rank that is a multiple of {top_k}")
+                f"(num_experts_per_tok); pick a rank that is a multiple of {top_k}"
+            )
         return self.rank // top_k
 
     def expert_alpha_value(self) -> float:
@@ -119,7 +122,9 @@ class LoraSpec:
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
 
     # ------------------------------------------------------------------ PEFT dict
-    def to_adapter_config(self, config, layout: str | None = None, target_names: list[str] | None = None) -> dict:
+    def to_adapter_config(
+        self, config: KimiConfig, layout: str | None = None, target_names: list[str] | None = None
+    ) -> dict:
         """The PEFT ``adapter_config.json`` dict for ``config`` (a ``KimiConfig``) in file ``layout``.
 
         :param layout: one of :data:`FILE_LAYOUTS` (default: ``expert_layout``).
@@ -152,8 +157,10 @@ class LoraSpec:
             "r": self.rank,
             "lora_alpha": self.alpha,
             "target_modules": leaves,
-            "exclude_modules": (list(self.exclude_modules) if not isinstance(self.exclude_modules, str)
-                                else self.exclude_modules) or None,
+            "exclude_modules": (
+                list(self.exclude_modules) if not isinstance(self.exclude_modules, str) else self.exclude_modules
+            )
+            or None,
             "rank_pattern": rank_pattern,
             "alpha_pattern": alpha_pattern,
             "lora_dropout": 0.0,
@@ -172,8 +179,9 @@ class LoraSpec:
                 "file_layout": layout,
                 "normalize_moe_lora": self.normalize_moe_lora,
                 "expert_rank": r_e,
-                "spec_target_modules": (self.target_modules if isinstance(self.target_modules, str)
-                                        else list(self.target_modules)),
+                "spec_target_modules": (
+                    self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
+                ),
                 "num_experts": config.n_routed_experts,
                 "family": config.family,
             },
@@ -183,7 +191,7 @@ class LoraSpec:
         return out
 
     @classmethod
-    def from_adapter_config(cls, d: dict, where: str = "adapter_config.json") -> "LoraSpec":
+    def from_adapter_config(cls, d: dict, where: str = "adapter_config.json") -> LoraSpec:
         """Read a spec back from a PEFT dict (ours or anyone's; our ``kimi_rl`` block is optional)."""
         validate_adapter_config(d, where)
         meta = d.get(META_KEY) or {}
@@ -195,7 +203,8 @@ class LoraSpec:
             if len(vals) == 1:
                 expert_alpha = float(vals.pop())
         return cls(
-            rank=int(d["r"]), alpha=float(d["lora_alpha"]),
+            rank=int(d["r"]),
+            alpha=float(d["lora_alpha"]),
             target_modules=tm if isinstance(tm, str) else tuple(tm),
             exclude_modules=excl if isinstance(excl, str) else tuple(excl),
             expert_layout=meta.get("expert_layout", "per_expert"),
@@ -270,8 +279,11 @@ def write_adapter_config(d: dict, directory: str | os.PathLike) -> str:
 
 def read_adapter_config(directory: str | os.PathLike) -> dict:
     """Read and validate ``adapter_config.json`` from an adapter directory (or the file itself)."""
-    p, d = read_json_file(directory, "adapter_config.json", AdapterConfigError,
-                          "file not found (a PEFT adapter directory needs adapter_config.json)")
+    p, d = read_json_file(
+        directory,
+        "adapter_config.json",
+        AdapterConfigError,
+        "file not found (a PEFT adapter directory needs adapter_config.json)",
+    )
     validate_adapter_config(d, p)
     return d
-

@@ -64,7 +64,7 @@ def fold_pattern_scaling(adapter: Adapter) -> Adapter:
         key = name[: -len(".lora_B.weight")]
         if key not in ranks:
             raise AdapterError(f"{adapter.source}: {name} has no {key}.lora_A.weight; cannot resolve its scaling")
-        module = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+        module = key[len(PEFT_PREFIX) :] if key.startswith(PEFT_PREFIX) else key
         r_m, a_m = module_rank_alpha(cfg, module)
         ratio = scaling_for(cfg, r_m, a_m) / s_glob
         if ratio != 1.0:

@@ -38,15 +38,24 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kimi_core.lora.adapter import Adapter, AdapterError
 from kimi_core.lora.config import FILE_LAYOUTS, META_KEY, module_rank_alpha
 from kimi_core.lora.naming import (
-    PEFT_PREFIX, all_dense_targets, canonical_proj, expert_pattern_keys, expert_shapes, moe_modules,
+    PEFT_PREFIX,
+    all_dense_targets,
+    canonical_proj,
+    expert_pattern_keys,
+    expert_shapes,
+    moe_modules,
     parse_lora_name,
 )
+
+if TYPE_CHECKING:
+    from kimi_core.config import KimiConfig
 
 __all__ = ["Decomposed", "decompose", "compose", "convert_layout", "detect_layout", "expert_module_for_patterns"]
 
@@ -84,8 +93,14 @@ def _err(where: str, name: str, msg: str) -> AdapterError:
     return AdapterError(f"{where}: tensor {name!r}: {msg}")
 
 
-def decompose(tensors: dict, config, adapter_config: dict | None = None, where: str = "adapter",
-              expert_range: tuple[int, int] | None = None, max_rank: int | None = None) -> Decomposed:
+def decompose(
+    tensors: dict,
+    config: KimiConfig,
+    adapter_config: dict | None = None,
+    where: str = "adapter",
+    expert_range: tuple[int, int] | None = None,
+    max_rank: int | None = None,
+) -> Decomposed:
     """Parse and validate ``tensors`` (any layout) against ``config``.
 
     Raises :class:`AdapterError` naming ``where`` and the tensor for: a name that is not a LoRA
@@ -112,13 +127,20 @@ def decompose(tensors: dict, config, adapter_config: dict | None = None, where: 
             raise _err(where, name, "not a LoRA weight (expected '<module>.lora_A.weight' or '.lora_B.weight')")
         if p.form == "dense":
             if p.module not in dense_ok:
-                raise _err(where, name, f"module {p.module!r} is not a LoRA target of this {config.architecture} "
-                                        f"config (unknown module)")
+                raise _err(
+                    where,
+                    name,
+                    f"module {p.module!r} is not a LoRA target of this {config.architecture} config (unknown module)",
+                )
             pairs.setdefault(p.module, {})[p.ab] = (name, t)
             continue
         if p.moe not in moes:
-            raise _err(where, name, f"{p.moe!r} is not a MoE block of this {config.architecture} config "
-                                    f"(unknown module; MoE blocks look like {next(iter(moes), '-')!r})")
+            raise _err(
+                where,
+                name,
+                f"{p.moe!r} is not a MoE block of this {config.architecture} config "
+                f"(unknown module; MoE blocks look like {next(iter(moes), '-')!r})",
+            )
         prev = out.forms.setdefault(p.moe, p.form)
         if prev != p.form:
             raise _err(where, name, f"MoE block {p.moe!r} mixes expert forms {prev!r} and {p.form!r}")
@@ -128,8 +150,11 @@ def decompose(tensors: dict, config, adapter_config: dict | None = None, where: 
         try:
             proj = canonical_proj(config, p.proj)
         except KeyError:
-            raise _err(where, name, f"unknown expert projection {p.proj!r} (unknown module); "
-                                    f"expected one of {config.expert_names}") from None
+            raise _err(
+                where,
+                name,
+                f"unknown expert projection {p.proj!r} (unknown module); expected one of {config.expert_names}",
+            ) from None
         if p.proj != proj:
             raise _err(where, name, f"expert projection {p.proj!r} is not this family's name {proj!r}")
         if p.form == "expert_3d":
@@ -139,12 +164,12 @@ def decompose(tensors: dict, config, adapter_config: dict | None = None, where: 
                 raise _err(where, name, f"expert {p.expert} outside [{lo}, {hi}) (model has {E} experts)")
             per_expert.setdefault((p.moe, proj), {}).setdefault(p.expert, {})[p.ab] = (name, t)
 
-    def need_pair(key, pr):
+    def need_pair(key: str, pr):
         for ab, other in (("A", "B"), ("B", "A")):
             if ab in pr and other not in pr:
                 raise _err(where, pr[ab][0], f"lora_{ab} without lora_{other}")
 
-    def check_rank(key, name, r, module_for_patterns):
+    def check_rank(key: str, name: str, r: int, module_for_patterns):
         if max_rank is not None and r > max_rank:
             raise _err(where, name, f"rank {r} > max_rank {max_rank} (the engine's max_lora_rank)")
         if r <= 0:
@@ -152,11 +177,15 @@ def decompose(tensors: dict, config, adapter_config: dict | None = None, where: 
         if adapter_config is not None:
             r_cfg, alpha = module_rank_alpha(adapter_config, module_for_patterns)
             if r_cfg != r:
-                raise _err(where, name, f"rank {r} but adapter_config gives r={r_cfg} for {module_for_patterns!r} "
-                                        f"(r / rank_pattern); the scaling alpha/r would be wrong")
+                raise _err(
+                    where,
+                    name,
+                    f"rank {r} but adapter_config gives r={r_cfg} for {module_for_patterns!r} "
+                    f"(r / rank_pattern); the scaling alpha/r would be wrong",
+                )
             out.rank_alpha[key] = (r, alpha)
 
-    def check_finite(name, t):
+    def check_finite(name: str, t):
         if t.is_floating_point() and not torch.isfinite(t).all():
             bad = (~torch.isfinite(t)).sum().item()
             kind = "NaN" if torch.isnan(t).any() else "Inf"
@@ -172,8 +201,12 @@ def decompose(tensors: dict, config, adapter_config: dict | None = None, where: 
         if isinstance(key, str):  # dense
             fin, fout, _ = dense_ok[key]
             if A.ndim != 2 or B.ndim != 2 or A.shape[1] != fin or B.shape[0] != fout or A.shape[0] != B.shape[1]:
-                raise _err(where, na, f"shape mismatch: lora_A {tuple(A.shape)}, lora_B {tuple(B.shape)}; "
-                                      f"expected [r, {fin}] and [{fout}, r] for {key}")
+                raise _err(
+                    where,
+                    na,
+                    f"shape mismatch: lora_A {tuple(A.shape)}, lora_B {tuple(B.shape)}; "
+                    f"expected [r, {fin}] and [{fout}, r] for {key}",
+                )
             check_rank(key, na, A.shape[0], key)
             out.dense[key] = (A, B)
             out.names[key] = na
@@ -183,10 +216,20 @@ def decompose(tensors: dict, config, adapter_config: dict | None = None, where: 
             fin, fout = eshapes[g] if proj == "gate_up_proj" else eshapes[d]
             if proj == "gate_up_proj":
                 fout = 2 * fout
-            if A.ndim != 2 or B.ndim != 2 or A.shape[1] != fin or B.shape[0] != fout or A.shape[0] != B.shape[1] \
-                    or A.shape[0] % n:
-                raise _err(where, na, f"shape mismatch: stacked lora_A {tuple(A.shape)}, lora_B {tuple(B.shape)}; "
-                                      f"expected [{n}*r, {fin}] and [{fout}, r*{n}] ({n} experts)")
+            if (
+                A.ndim != 2
+                or B.ndim != 2
+                or A.shape[1] != fin
+                or B.shape[0] != fout
+                or A.shape[0] != B.shape[1]
+                or A.shape[0] % n
+            ):
+                raise _err(
+                    where,
+                    na,
+                    f"shape mismatch: stacked lora_A {tuple(A.shape)}, lora_B {tuple(B.shape)}; "
+                    f"expected [{n}*r, {fin}] and [{fout}, r*{n}] ({n} experts)",
+                )
             r = A.shape[0] // n
             check_rank(key, na, r, expert_module_for_patterns(moe, proj, "stacked"))
             A3 = A.reshape(n, r, fin)
@@ -200,8 +243,13 @@ def decompose(tensors: dict, config, adapter_config: dict | None = None, where: 
             half = fout // 2
             Bg, Bu = B3[:, :half], B3[:, half:]
             Ag = Au = A3
-            if r % 2 == 0 and not Bg[:, :, r // 2:].any() and not Bu[:, :, : r // 2].any() and \
-                    Bg[:, :, : r // 2].any() and Bu[:, :, r // 2:].any():
+            if (
+                r % 2 == 0
+                and not Bg[:, :, r // 2 :].any()
+                and not Bu[:, :, : r // 2].any()
+                and Bg[:, :, : r // 2].any()
+                and Bu[:, :, r // 2 :].any()
+            ):
                 # block-diagonal: the exact stacked form of different gate/up A (see module doc)
                 h = r // 2
                 Ag, Au, Bg, Bu = A3[:, :h], A3[:, h:], Bg[:, :, :h], Bu[:, :, h:]
@@ -216,10 +264,21 @@ def decompose(tensors: dict, config, adapter_config: dict | None = None, where: 
             continue
         # expert_3d
         fin, fout = eshapes[proj]
-        if A.ndim != 3 or B.ndim != 3 or A.shape[0] not in (1, n) or B.shape[0] not in (1, n) \
-                or A.shape[2] != fin or B.shape[1] != fout or A.shape[1] != B.shape[2]:
-            raise _err(where, na, f"shape mismatch: lora_A {tuple(A.shape)}, lora_B {tuple(B.shape)}; expected "
-                                  f"[{n} or 1, r, {fin}] and [{n} or 1, {fout}, r]")
+        if (
+            A.ndim != 3
+            or B.ndim != 3
+            or A.shape[0] not in (1, n)
+            or B.shape[0] not in (1, n)
+            or A.shape[2] != fin
+            or B.shape[1] != fout
+            or A.shape[1] != B.shape[2]
+        ):
+            raise _err(
+                where,
+                na,
+                f"shape mismatch: lora_A {tuple(A.shape)}, lora_B {tuple(B.shape)}; expected "
+                f"[{n} or 1, r, {fin}] and [{n} or 1, {fout}, r]",
+            )
         check_rank(key, na, A.shape[1], expert_module_for_patterns(moe, proj, "expert_3d"))
         out.experts[key] = (A, B)
         out.names[key] = na
@@ -231,8 +290,12 @@ def decompose(tensors: dict, config, adapter_config: dict | None = None, where: 
         if missing:
             ex = next(iter(by_e.values()))
             nm = (ex.get("A") or ex.get("B"))[0]
-            raise _err(where, nm, f"{len(missing)} experts of {moe}.experts.*.{proj} have no factors "
-                                  f"(first: expert {missing[0]}); a per-expert adapter needs every expert")
+            raise _err(
+                where,
+                nm,
+                f"{len(missing)} experts of {moe}.experts.*.{proj} have no factors "
+                f"(first: expert {missing[0]}); a per-expert adapter needs every expert",
+            )
         As, Bs = [], []
         for e in range(lo, hi):
             pr = by_e[e]
@@ -241,8 +304,12 @@ def decompose(tensors: dict, config, adapter_config: dict | None = None, where: 
             check_finite(na, A)
             check_finite(nb, B)
             if A.ndim != 2 or B.ndim != 2 or A.shape[1] != fin or B.shape[0] != fout or A.shape[0] != B.shape[1]:
-                raise _err(where, na, f"shape mismatch: lora_A {tuple(A.shape)}, lora_B {tuple(B.shape)}; "
-                                      f"expected [r, {fin}] and [{fout}, r]")
+                raise _err(
+                    where,
+                    na,
+                    f"shape mismatch: lora_A {tuple(A.shape)}, lora_B {tuple(B.shape)}; "
+                    f"expected [r, {fin}] and [{fout}, r]",
+                )
             if As and A.shape != As[0].shape:
                 raise _err(where, na, f"rank {A.shape[0]} differs from expert {lo}'s rank {As[0].shape[0]}")
             As.append(A)
@@ -253,12 +320,12 @@ def decompose(tensors: dict, config, adapter_config: dict | None = None, where: 
     return out
 
 
-def _scaling(adapter_config, r, alpha):
+def _scaling(adapter_config, r: int, alpha: float):
     rs = bool(adapter_config and adapter_config.get("use_rslora"))
     return alpha / math.sqrt(r) if rs else alpha / r
 
 
-def _alpha_for(adapter_config, r_old, alpha_old, r_new):
+def _alpha_for(adapter_config, r_old: int, alpha_old: float, r_new: int):
     """Alpha that gives rank ``r_new`` the scaling ``(r_old, alpha_old)`` has."""
     s = _scaling(adapter_config, r_old, alpha_old)
     rs = bool(adapter_config and adapter_config.get("use_rslora"))
@@ -291,7 +358,7 @@ def _shared(t: torch.Tensor) -> torch.Tensor | None:
     return t[:1] if bool((t == t[:1]).all()) else None
 
 
-def compose(dec: Decomposed, config, layout: str, adapter_config: dict) -> Adapter:
+def compose(dec: Decomposed, config: KimiConfig, layout: str, adapter_config: dict) -> Adapter:
     """Write ``dec`` in file ``layout``; returns a new :class:`Adapter` whose ``adapter_config``
     has expert ``rank_pattern``/``alpha_pattern`` keys for that layout (other keys are kept).
 
@@ -311,10 +378,10 @@ def compose(dec: Decomposed, config, layout: str, adapter_config: dict) -> Adapt
     # (pattern proj) -> set of (r, alpha) seen across layers
     want: dict[str, set] = {}
 
-    def note(proj, r, alpha):
+    def note(proj, r: int, alpha: float):
         want.setdefault(proj, set()).add((int(r), float(alpha)))
 
-    def ra(key, r):
+    def ra(key: str, r: int):
         # decomposed without an adapter config: keep the global scaling at the tensor's rank
         return dec.rank_alpha.get(key, (r, _alpha_for(adapter_config, r0, a0, r)))
 
@@ -340,14 +407,18 @@ def compose(dec: Decomposed, config, layout: str, adapter_config: dict) -> Adapt
                 if proj in (g, u):
                     As = _shared(A)
                     if As is None:
-                        raise AdapterError(f"{dec.names.get((moe, proj), moe)}: lora_A of {moe}.experts.*.{proj} "
-                                           "differs between experts; the shared-outer layout needs one shared A")
+                        raise AdapterError(
+                            f"{dec.names.get((moe, proj), moe)}: lora_A of {moe}.experts.*.{proj} "
+                            "differs between experts; the shared-outer layout needs one shared A"
+                        )
                     A, B = As, _expand(B, n)
                 else:
                     Bs = _shared(B)
                     if Bs is None:
-                        raise AdapterError(f"{dec.names.get((moe, proj), moe)}: lora_B of {moe}.experts.*.{proj} "
-                                           "differs between experts; the shared-outer layout needs one shared B")
+                        raise AdapterError(
+                            f"{dec.names.get((moe, proj), moe)}: lora_B of {moe}.experts.*.{proj} "
+                            "differs between experts; the shared-outer layout needs one shared B"
+                        )
                     A, B = _expand(A, n), Bs
                 t[f"{base}.{proj}.lora_A.weight"] = A.contiguous()
                 t[f"{base}.{proj}.lora_B.weight"] = B.contiguous()
@@ -380,7 +451,7 @@ def compose(dec: Decomposed, config, layout: str, adapter_config: dict) -> Adapt
                 A3 = torch.cat([Ag, Au], dim=1)
                 B3 = torch.zeros(n, Bg.shape[1] + Bu.shape[1], r, dtype=Bg.dtype)
                 B3[:, : Bg.shape[1], :rg] = Bg
-                B3[:, Bg.shape[1]:, rg:] = Bu
+                B3[:, Bg.shape[1] :, rg:] = Bu
             t[f"{base}.base_layer.lora_A.weight"] = A3.reshape(n * r, A3.shape[2]).contiguous()
             t[f"{base}.base_layer.lora_B.weight"] = B3.permute(1, 2, 0).reshape(B3.shape[1], r * n).contiguous()
             note("gate_up_proj", r, _alpha_for(adapter_config, rg, ag, r))
@@ -393,8 +464,10 @@ def compose(dec: Decomposed, config, layout: str, adapter_config: dict) -> Adapt
     rp, ap = {}, {}
     for proj, vals in want.items():
         if len(vals) > 1:
-            raise AdapterError(f"expert projection {proj}: different (rank, alpha) across layers {sorted(vals)}; "
-                               "rank_pattern keys are per projection")
+            raise AdapterError(
+                f"expert projection {proj}: different (rank, alpha) across layers {sorted(vals)}; "
+                "rank_pattern keys are per projection"
+            )
         r, alpha = vals.pop()
         if r != r0 or alpha != a0:
             rp[keys[proj]] = r
@@ -425,7 +498,7 @@ def compose(dec: Decomposed, config, layout: str, adapter_config: dict) -> Adapt
     return Adapter(t, cfg)
 
 
-def convert_layout(adapter: Adapter, config, layout: str) -> Adapter:
+def convert_layout(adapter: Adapter, config: KimiConfig, layout: str) -> Adapter:
     """``adapter`` (any layout) rewritten in ``layout``; the LoRA delta of every module and every
     expert is unchanged (bit-exact factors, except that ``stacked`` folds experts into the rank).
 
@@ -433,8 +506,9 @@ def convert_layout(adapter: Adapter, config, layout: str) -> Adapter:
     only when gate/up ``lora_A`` and down ``lora_B`` are the same for every expert.
     """
     rng = (adapter.adapter_config.get(META_KEY) or {}).get("expert_range")
-    dec = decompose(adapter.tensors, config, adapter.adapter_config, where=adapter.source,
-                    expert_range=tuple(rng) if rng else None)
+    dec = decompose(
+        adapter.tensors, config, adapter.adapter_config, where=adapter.source, expert_range=tuple(rng) if rng else None
+    )
     out = compose(dec, config, layout, adapter.adapter_config)
     out.source = adapter.source
     return out

@@ -33,10 +33,14 @@ per (layer, projection), by testing the name of expert 0.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING
 
 from kimi_core.lora.config import ALL_LINEAR, LoraSpec
+
+if TYPE_CHECKING:
+    from kimi_core.config import KimiConfig
 
 __all__ = [
     "PEFT_PREFIX",
@@ -100,7 +104,7 @@ class TargetGroup:
 
 
 # ---------------------------------------------------------------------------------------- shapes
-def _attention(config, layer: int) -> dict[str, tuple[int, int, str]]:
+def _attention(config: KimiConfig, layer: int) -> dict[str, tuple[int, int, str]]:
     """``{local name: (in, out, kind)}`` of the attention block of ``layer``."""
     H = config.hidden_size
     out: dict[str, tuple[int, int, str]] = {}
@@ -139,7 +143,7 @@ def _attention(config, layer: int) -> dict[str, tuple[int, int, str]]:
     return out
 
 
-def _mlp(config, layer: int) -> dict[str, tuple[int, int, str]]:
+def _mlp(config: KimiConfig, layer: int) -> dict[str, tuple[int, int, str]]:
     """``{local name: (in, out, kind)}`` of the non-routed MLP parts of ``layer``."""
     H = config.hidden_size
     out: dict[str, tuple[int, int, str]] = {}
@@ -162,13 +166,13 @@ def _mlp(config, layer: int) -> dict[str, tuple[int, int, str]]:
     return out
 
 
-def dense_targets(config, layer: int) -> dict[str, tuple[int, int, str]]:
+def dense_targets(config: KimiConfig, layer: int) -> dict[str, tuple[int, int, str]]:
     """Every non-expert LoRA-able module of ``layer``: ``{full HF module name: (in, out, kind)}``."""
     pre = config.layer_prefix(layer)
     return {pre + k: v for k, v in {**_attention(config, layer), **_mlp(config, layer)}.items()}
 
 
-def all_dense_targets(config) -> dict[str, tuple[int, int, str]]:
+def all_dense_targets(config: KimiConfig) -> dict[str, tuple[int, int, str]]:
     """:func:`dense_targets` of every layer."""
     out: dict[str, tuple[int, int, str]] = {}
     for layer in range(config.num_hidden_layers):
@@ -176,19 +180,19 @@ def all_dense_targets(config) -> dict[str, tuple[int, int, str]]:
     return out
 
 
-def expert_shapes(config) -> dict[str, tuple[int, int]]:
+def expert_shapes(config: KimiConfig) -> dict[str, tuple[int, int]]:
     """``{HF expert projection: (in, out)}``: gate/up read the expert width (latent on K3)."""
     g, u, d = config.expert_names
     w, inter = config.expert_in_size, config.moe_intermediate_size
     return {g: (w, inter), u: (w, inter), d: (inter, w)}
 
 
-def moe_module(config, layer: int) -> str:
+def moe_module(config: KimiConfig, layer: int) -> str:
     """Full HF name of the MoE block of ``layer`` (``...layers.{l}.mlp`` / ``.block_sparse_moe``)."""
     return f"{config.layer_prefix(layer)}{config.moe_prefix}"
 
 
-def moe_modules(config) -> dict[str, int]:
+def moe_modules(config: KimiConfig) -> dict[str, int]:
     """``{moe module name: layer}`` of every MoE layer."""
     return {moe_module(config, layer): layer for layer in range(config.num_hidden_layers) if config.is_moe_layer(layer)}
 
@@ -196,7 +200,7 @@ def moe_modules(config) -> dict[str, int]:
 _GATE_UP_DOWN = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}
 
 
-def canonical_proj(config, proj: str) -> str:
+def canonical_proj(config: KimiConfig, proj: str) -> str:
     """Map an expert projection name of either family (``gate_proj``/``w1``...) to ``config``'s."""
     if proj in config.expert_names:
         return proj
@@ -228,7 +232,7 @@ def is_selected(spec: LoraSpec, module: str, kind: str) -> bool:
     return True
 
 
-def iter_target_groups(config, spec: LoraSpec | None = None) -> Iterator[TargetGroup]:
+def iter_target_groups(config: KimiConfig, spec: LoraSpec | None = None) -> Iterator[TargetGroup]:
     """Every selected target, experts grouped per (layer, projection). ``spec=None`` selects all
     LoRA-able modules (indexer included) at rank 1 (used for validation)."""
     r = spec.rank if spec else 1
@@ -243,22 +247,39 @@ def iter_target_groups(config, spec: LoraSpec | None = None) -> Iterator[TargetG
         moe = moe_module(config, layer)
         for proj, (fin, fout) in shapes.items():
             if spec is None or is_selected(spec, f"{moe}.experts.0.{proj}", "expert"):
-                yield TargetGroup(f"{moe}.experts.{{e}}.{proj}", fin, fout, r_e, "expert", layer,
-                                  count=config.n_routed_experts, moe=moe, proj=proj)
+                yield TargetGroup(
+                    f"{moe}.experts.{{e}}.{proj}",
+                    fin,
+                    fout,
+                    r_e,
+                    "expert",
+                    layer,
+                    count=config.n_routed_experts,
+                    moe=moe,
+                    proj=proj,
+                )
 
 
-def iter_targets(config, spec: LoraSpec) -> Iterator[Target]:
+def iter_targets(config: KimiConfig, spec: LoraSpec) -> Iterator[Target]:
     """Every selected target, one per expert (K3 real config: ~250k entries)."""
     for g in iter_target_groups(config, spec):
         if g.kind != "expert":
             yield Target(g.module, g.in_features, g.out_features, g.rank, g.kind, g.layer)
             continue
         for e in range(g.count):
-            yield Target(f"{g.moe}.experts.{e}.{g.proj}", g.in_features, g.out_features, g.rank, "expert",
-                         g.layer, expert=e, proj=g.proj)
+            yield Target(
+                f"{g.moe}.experts.{e}.{g.proj}",
+                g.in_features,
+                g.out_features,
+                g.rank,
+                "expert",
+                g.layer,
+                expert=e,
+                proj=g.proj,
+            )
 
 
-def target_shapes(config, spec: LoraSpec) -> dict[str, tuple[int, int, int, bool]]:
+def target_shapes(config: KimiConfig, spec: LoraSpec) -> dict[str, tuple[int, int, int, bool]]:
     """``{HF module name: (in, out, rank, is_expert)}`` for every target ``spec`` selects on ``config``.
 
     ``lora_A`` of a module is ``[rank, in]`` and ``lora_B`` is ``[out, rank]``.
@@ -266,7 +287,7 @@ def target_shapes(config, spec: LoraSpec) -> dict[str, tuple[int, int, int, bool
     return {t.module: (t.in_features, t.out_features, t.rank, t.is_expert) for t in iter_targets(config, spec)}
 
 
-def selected_leaves(config, spec: LoraSpec) -> set[str]:
+def selected_leaves(config: KimiConfig, spec: LoraSpec) -> set[str]:
     """Last name components of the selected modules: PEFT's ``target_modules`` list."""
     return {g.module.rsplit(".", 1)[-1] for g in iter_target_groups(config, spec)}
 
@@ -277,7 +298,7 @@ def lora_names(module: str, peft_prefix: bool = True) -> tuple[str, str]:
     return f"{pre}{module}.lora_A.weight", f"{pre}{module}.lora_B.weight"
 
 
-def expert_pattern_keys(config, layout: str) -> dict[str, str]:
+def expert_pattern_keys(config: KimiConfig, layout: str) -> dict[str, str]:
     """``{projection: rank_pattern key}`` matching routed experts (only) in file ``layout``.
 
     ``stacked`` has two projections, ``gate_up_proj`` and ``down_proj``, as vLLM names them when
@@ -312,19 +333,19 @@ class ParsedName:
     proj: str | None = None  # HF projection, or "gate_up_proj"/"down_proj" for stacked
 
 
-def normalize_module(config, module: str) -> str:
+def normalize_module(config: KimiConfig, module: str) -> str:
     """Strip ``base_model.model.``; add or drop ``language_model.`` to match ``config.lm_prefix``."""
     if module.startswith(PEFT_PREFIX):
-        module = module[len(PEFT_PREFIX):]
+        module = module[len(PEFT_PREFIX) :]
     pre = config.lm_prefix
     if pre and module.startswith("model.layers."):
         module = pre + module
     elif not pre and module.startswith("language_model.model.layers."):
-        module = module[len("language_model."):]
+        module = module[len("language_model.") :]
     return module
 
 
-def parse_lora_name(config, name: str) -> ParsedName | None:
+def parse_lora_name(config: KimiConfig, name: str) -> ParsedName | None:
     """Classify one tensor name; ``None`` if it is not a ``lora_A``/``lora_B`` weight name."""
     m = _LORA_RE.match(name)
     if not m:

@@ -6,6 +6,8 @@ and a wrong name, rank fold or scaling shows up in the numbers.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kimi_core.lora.adapter import Adapter
@@ -13,12 +15,21 @@ from kimi_core.lora.config import LoraSpec
 from kimi_core.lora.layouts import Decomposed, compose
 from kimi_core.lora.naming import iter_target_groups
 
+if TYPE_CHECKING:
+    from kimi_core.config import KimiConfig
+
 __all__ = ["random_adapter"]
 
 
-def random_adapter(config, spec: LoraSpec, seed: int = 0, layout: str | None = None,
-                   dtype: torch.dtype = torch.float32, tie_gate_up_a: bool = False,
-                   b_std: float = 0.5) -> Adapter:
+def random_adapter(
+    config: KimiConfig,
+    spec: LoraSpec,
+    seed: int = 0,
+    layout: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    tie_gate_up_a: bool = False,
+    b_std: float = 0.5,
+) -> Adapter:
     """A random adapter for ``config`` with the targets, ranks and expert layout of ``spec``.
 
     :param layout: file layout (default ``spec.expert_layout``); ``per_expert`` and ``stacked``
@@ -31,7 +42,7 @@ def random_adapter(config, spec: LoraSpec, seed: int = 0, layout: str | None = N
     layout = layout or spec.expert_layout
     gen = torch.Generator().manual_seed(seed)
 
-    def rnd(*shape, std):
+    def rnd(*shape, std: float):
         return (torch.randn(*shape, generator=gen) * std).to(dtype)
 
     dec = Decomposed(expert_range=(0, config.n_routed_experts))
@@ -40,15 +51,15 @@ def random_adapter(config, spec: LoraSpec, seed: int = 0, layout: str | None = N
     for grp in iter_target_groups(config, spec):
         r, fin, fout = grp.rank, grp.in_features, grp.out_features
         if grp.kind != "expert":
-            dec.dense[grp.module] = (rnd(r, fin, std=fin ** -0.5), rnd(fout, r, std=b_std * r ** -0.5))
+            dec.dense[grp.module] = (rnd(r, fin, std=fin**-0.5), rnd(fout, r, std=b_std * r**-0.5))
             continue
         E = grp.count
         nA = 1 if shared and grp.proj in (g, u) else E
         nB = 1 if shared and grp.proj == d else E
-        A = rnd(nA, r, fin, std=fin ** -0.5)
+        A = rnd(nA, r, fin, std=fin**-0.5)
         if tie_gate_up_a and grp.proj == u and (grp.moe, g) in dec.experts:
             A = dec.experts[(grp.moe, g)][0]
-        dec.experts[(grp.moe, grp.proj)] = (A, rnd(nB, fout, r, std=b_std * r ** -0.5))
+        dec.experts[(grp.moe, grp.proj)] = (A, rnd(nB, fout, r, std=b_std * r**-0.5))
     base = spec.to_adapter_config(config, "per_expert_3d")
     # rank/alpha of every group, as the spec defines them
     r_e, a_e = spec.expert_rank(config.num_experts_per_tok), spec.expert_alpha_value()

@@ -14,8 +14,9 @@ module, shape mismatch against the config, NaN/Inf, ``lora_A`` without ``lora_B`
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -23,6 +24,9 @@ from kimi_core.lora.adapter import Adapter, AdapterError
 from kimi_core.lora.config import META_KEY, AdapterConfigError, scaling_for, validate_adapter_config
 from kimi_core.lora.layouts import Decomposed, decompose, detect_layout
 from kimi_core.lora.naming import canonical_proj, normalize_module
+
+if TYPE_CHECKING:
+    from kimi_core.config import KimiConfig
 
 __all__ = ["LoraFactors", "ExpertStack", "ResolvedAdapter", "load_adapter"]
 
@@ -62,6 +66,18 @@ class ExpertStack:
     expert_range: tuple[int, int]
 
 
+class AdapterLookup(Protocol):
+    """What the reference modules ask of an adapter: the factors of one dense module or one routed expert.
+
+    :class:`ResolvedAdapter` (a loaded PEFT adapter) and :class:`kimi_core.lora.trainable.TrainableAdapter`
+    (trainable parameters) both provide it.
+    """
+
+    def dense(self, module: str) -> LoraFactors | None: ...
+
+    def expert(self, moe_module: str, expert: int, proj: str) -> LoraFactors | None: ...
+
+
 class ResolvedAdapter:
     """A validated adapter, resolved to fp32 factors per module and per expert.
 
@@ -72,15 +88,17 @@ class ResolvedAdapter:
     :ivar source: file (or ``<memory>``) it came from.
     """
 
-    def __init__(self, dec: Decomposed, config, adapter_config: dict, source: str):
+    def __init__(self, dec: Decomposed, config: KimiConfig, adapter_config: dict, source: str):
         self.config = config
         self.adapter_config = adapter_config
         self.source = source
         self.layout = detect_layout(dec)
         self.expert_range = dec.expert_range
         f32 = torch.float32
-        self._dense = {m: LoraFactors(A.to(f32).contiguous(), B.to(f32).contiguous(), self._scaling(m, A.shape[0], dec))
-                       for m, (A, B) in dec.dense.items()}
+        self._dense = {
+            m: LoraFactors(A.to(f32).contiguous(), B.to(f32).contiguous(), self._scaling(m, A.shape[0], dec))
+            for m, (A, B) in dec.dense.items()
+        }
         self._experts: dict[tuple[str, str], ExpertStack] = {}
         cache: dict[int, torch.Tensor] = {}  # gate/up share A objects in the stacked form: convert once
 
@@ -93,7 +111,7 @@ class ResolvedAdapter:
         for key, (A, B) in dec.experts.items():
             self._experts[key] = ExpertStack(f32c(A), f32c(B), self._scaling(key, A.shape[1], dec), dec.expert_range)
 
-    def _scaling(self, key, r: int, dec: Decomposed) -> float:
+    def _scaling(self, key: str, r: int, dec: Decomposed) -> float:
         rr, alpha = dec.rank_alpha.get(key, (r, float(self.adapter_config["lora_alpha"])))
         return scaling_for(self.adapter_config, rr, alpha)
 
@@ -138,12 +156,20 @@ class ResolvedAdapter:
         return max(ranks, default=0)
 
     def __repr__(self) -> str:
-        return (f"ResolvedAdapter({self.source!r}, layout={self.layout}, dense={len(self._dense)}, "
-                f"expert_groups={len(self._experts)}, max_rank={self.max_rank})")
+        return (
+            f"ResolvedAdapter({self.source!r}, layout={self.layout}, dense={len(self._dense)}, "
+            f"expert_groups={len(self._experts)}, max_rank={self.max_rank})"
+        )
 
 
-def load_adapter(path_or_dict, config, *, max_rank: int | None = None, adapter_config: dict | None = None,
-                 expert_range: tuple[int, int] | None = None) -> ResolvedAdapter:
+def load_adapter(
+    path_or_dict,
+    config: KimiConfig,
+    *,
+    max_rank: int | None = None,
+    adapter_config: dict | None = None,
+    expert_range: tuple[int, int] | None = None,
+) -> ResolvedAdapter:
     """Load, validate and resolve an adapter.
 
     :param path_or_dict: a PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``),
@@ -162,15 +188,22 @@ def load_adapter(path_or_dict, config, *, max_rank: int | None = None, adapter_c
         ad = path_or_dict
     elif isinstance(path_or_dict, Mapping):
         if "tensors" in path_or_dict and "adapter_config" in path_or_dict:
-            ad = Adapter(dict(path_or_dict["tensors"]), path_or_dict["adapter_config"],
-                         source=path_or_dict.get("source", "<memory>"))
+            ad = Adapter(
+                dict(path_or_dict["tensors"]),
+                path_or_dict["adapter_config"],
+                source=path_or_dict.get("source", "<memory>"),
+            )
         else:
             if adapter_config is None:
-                raise AdapterError("load_adapter: a plain tensor dict needs adapter_config= (the PEFT dict with "
-                                   "r and lora_alpha), or pass {'adapter_config': ..., 'tensors': ...}")
+                raise AdapterError(
+                    "load_adapter: a plain tensor dict needs adapter_config= (the PEFT dict with "
+                    "r and lora_alpha), or pass {'adapter_config': ..., 'tensors': ...}"
+                )
             ad = Adapter(dict(path_or_dict), adapter_config)
     else:
-        raise AdapterError(f"load_adapter: expected a directory path, an Adapter or a dict, got {type(path_or_dict).__name__}")
+        raise AdapterError(
+            f"load_adapter: expected a directory path, an Adapter or a dict, got {type(path_or_dict).__name__}"
+        )
     if adapter_config is not None:
         ad = Adapter(ad.tensors, adapter_config, ad.source)
     try:
@@ -182,6 +215,7 @@ def load_adapter(path_or_dict, config, *, max_rank: int | None = None, adapter_c
     if expert_range is None:
         rng = (ad.adapter_config.get(META_KEY) or {}).get("expert_range")
         expert_range = tuple(rng) if rng else None
-    dec = decompose(ad.tensors, config, ad.adapter_config, where=ad.source, expert_range=expert_range,
-                    max_rank=max_rank)
+    dec = decompose(
+        ad.tensors, config, ad.adapter_config, where=ad.source, expert_range=expert_range, max_rank=max_rank
+    )
     return ResolvedAdapter(dec, config, ad.adapter_config, ad.source)

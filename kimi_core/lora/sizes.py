@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kimi_core.lora.config import LoraSpec
 from kimi_core.lora.naming import iter_target_groups
 
+if TYPE_CHECKING:
+    from kimi_core.config import KimiConfig
+
 __all__ = ["adapter_nbytes", "adapter_numel_by_kind"]
 
 
-def adapter_numel_by_kind(config, spec: LoraSpec, layout: str | None = None,
-                          tie_gate_up_a: bool = True) -> dict[str, int]:
+def adapter_numel_by_kind(
+    config: KimiConfig, spec: LoraSpec, layout: str | None = None, tie_gate_up_a: bool = True
+) -> dict[str, int]:
     """Parameter count per target kind (``mla``, ``kda``, ``mlp``, ``shared_expert``, ``latent``,
     ``expert``, ``indexer``) for ``spec`` on ``config`` in file ``layout``.
 
@@ -41,8 +47,13 @@ def adapter_numel_by_kind(config, spec: LoraSpec, layout: str | None = None,
     return out
 
 
-def adapter_nbytes(config, spec: LoraSpec, layout: str | None = None, dtype: torch.dtype = torch.bfloat16,
-                   tie_gate_up_a: bool = True) -> int:
+def adapter_nbytes(
+    config: KimiConfig,
+    spec: LoraSpec,
+    layout: str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    tie_gate_up_a: bool = True,
+) -> int:
     """Bytes of the adapter tensors (``adapter_model.safetensors`` payload, headers excluded)."""
     size = torch.empty((), dtype=dtype).element_size()
     return size * sum(adapter_numel_by_kind(config, spec, layout, tie_gate_up_a).values())

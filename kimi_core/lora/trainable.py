@@ -11,12 +11,17 @@ the base model.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kimi_core.lora.adapter import Adapter
 from kimi_core.lora.config import LoraSpec
 from kimi_core.lora.naming import iter_targets, lora_names
 from kimi_core.lora.resolve import LoraFactors
+
+if TYPE_CHECKING:
+    from kimi_core.config import KimiConfig
 
 
 class TrainableAdapter(torch.nn.Module):
@@ -26,10 +31,12 @@ class TrainableAdapter(torch.nn.Module):
     :param spec: :class:`LoraSpec` (``expert_layout`` must be ``per_expert``).
     """
 
-    def __init__(self, config, spec: LoraSpec, seed: int = 0):
+    def __init__(self, config: KimiConfig, spec: LoraSpec, seed: int = 0):
         super().__init__()
         if spec.expert_layout != "per_expert":
-            raise ValueError(f"TrainableAdapter trains per-expert factors; LoraSpec.expert_layout={spec.expert_layout!r}")
+            raise ValueError(
+                f"TrainableAdapter trains per-expert factors; LoraSpec.expert_layout={spec.expert_layout!r}"
+            )
         self.config, self.spec = config, spec
         g = torch.Generator().manual_seed(seed)
         self.params = torch.nn.ParameterDict()
@@ -38,7 +45,7 @@ class TrainableAdapter(torch.nn.Module):
         for t in iter_targets(config, spec):
             a_name, b_name = lora_names(t.module)
             ka, kb = a_name.replace(".", "/"), b_name.replace(".", "/")  # ParameterDict keys may not contain '.'
-            self.params[ka] = torch.nn.Parameter(torch.randn(t.rank, t.in_features, generator=g) * t.in_features ** -0.5)
+            self.params[ka] = torch.nn.Parameter(torch.randn(t.rank, t.in_features, generator=g) * t.in_features**-0.5)
             self.params[kb] = torch.nn.Parameter(torch.zeros(t.out_features, t.rank))
             alpha = spec.expert_alpha_value() if t.is_expert else float(spec.alpha)
             self._keys[t.module] = (ka, kb, spec.scaling(r_e if t.is_expert else spec.rank, alpha))

@@ -14,21 +14,21 @@ from kimi_core.quant import int4, mxfp4
 
 class _FakeInt4(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, w, scale_divisor, q_min):
+    def forward(ctx, w: torch.Tensor, scale_divisor: float, q_min: int):
         return int4.fake_quant_value(w, scale_divisor, q_min).to(w.dtype)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g: torch.Tensor):
         return g, None, None
 
 
 class _FakeMxfp4(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, w):
+    def forward(ctx, w: torch.Tensor):
         return mxfp4.fake_quant_value(w)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g: torch.Tensor):
         return g
 
 

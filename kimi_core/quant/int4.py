@@ -58,8 +58,9 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return (nib.to(torch.int8) - 8).reshape(*packed.shape[:-1], packed.shape[-1] * 8)
 
 
-def dequantize(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
-               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize(
+    weight_packed: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """Exact dequantization ``[..., N, K]`` = ``q * scale`` in fp32, then cast to ``dtype``.
 
     The fp32 product of a 4-bit code and a bf16 scale is exact, so the bf16 result equals
@@ -71,7 +72,7 @@ def dequantize(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
     return ungroup(w).to(dtype)
 
 
-def quantize_codes(w: torch.Tensor, scale_divisor: float = 7.0, q_min: int = -7):
+def quantize_codes(w: torch.Tensor, scale_divisor: float = 7.0, q_min: int = -7) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and scales of ``w`` ``[..., N, K]`` under a convention (see module docstring).
 
     :returns: ``(q int8 [..., N, K], scale bf16 [..., N, K/32])``
@@ -89,8 +90,11 @@ def quantize_codes(w: torch.Tensor, scale_divisor: float = 7.0, q_min: int = -7)
 def quantize(w: torch.Tensor, scale_divisor: float = 7.0, q_min: int = -7) -> dict[str, torch.Tensor]:
     """Quantize ``[..., N, K]`` to on-disk tensors ``weight_packed``, ``weight_scale``, ``weight_shape``."""
     q, scale = quantize_codes(w, scale_divisor, q_min)
-    return {"weight_packed": pack(q), "weight_scale": scale,
-            "weight_shape": torch.tensor(list(w.shape[-2:]), dtype=torch.int64)}
+    return {
+        "weight_packed": pack(q),
+        "weight_scale": scale,
+        "weight_shape": torch.tensor(list(w.shape[-2:]), dtype=torch.int64),
+    }
 
 
 def fake_quant_value(w: torch.Tensor, scale_divisor: float = 7.0, q_min: int = -7) -> torch.Tensor:

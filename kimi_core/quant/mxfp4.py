@@ -29,7 +29,7 @@ _BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 _TIE_GOES_UP = torch.tensor([False, True, False, True, False, True, False])
 
 
-def e2m1_table(device=None, dtype=torch.float32) -> torch.Tensor:
+def e2m1_table(device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The 16 code values, index = 4-bit code (sign bit 3)."""
     t = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
     return torch.cat([t, -t])
@@ -57,8 +57,9 @@ def scale_values(weight_scale: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(weight_scale, dtype=torch.float32), weight_scale.to(torch.int32) - 127)
 
 
-def dequantize(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
-               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize(
+    weight_packed: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """Exact dequantization ``[..., N, K]``: E2M1 value times a power of two, cast to ``dtype``."""
     codes = unpack(weight_packed)
     check_grouped("MXFP4 weight_scale", codes, weight_scale, GROUP)

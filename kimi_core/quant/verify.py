@@ -28,8 +28,13 @@ class FixedPointReport:
         return self.bad_scales == 0 and self.bad_codes == 0
 
 
-def check_int4(weight_packed, weight_scale, scale_divisor: float = 7.0, q_min: int = -7,
-               dequantized: torch.Tensor | None = None) -> FixedPointReport:
+def check_int4(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    scale_divisor: float = 7.0,
+    q_min: int = -7,
+    dequantized: torch.Tensor | None = None,
+) -> FixedPointReport:
     """Re-quantize the bf16 dequantization of an INT4 tensor and count changed scales and codes.
 
     :param dequantized: the bf16 dequantization if the caller already has it (saves recomputing it).
@@ -40,7 +45,9 @@ def check_int4(weight_packed, weight_scale, scale_divisor: float = 7.0, q_min: i
     return FixedPointReport(int((s_new != weight_scale).sum()), int((q_new != q_old).sum()), weight_scale.numel())
 
 
-def check_mxfp4(weight_packed, weight_scale, dequantized: torch.Tensor | None = None) -> FixedPointReport:
+def check_mxfp4(
+    weight_packed: torch.Tensor, weight_scale: torch.Tensor, dequantized: torch.Tensor | None = None
+) -> FixedPointReport:
     """Re-quantize the bf16 dequantization of an MXFP4 tensor and count changed scales and codes.
 
     Codes are compared by value (``+0`` and ``-0`` are the same weight), scales bytewise, except

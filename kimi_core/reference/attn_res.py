@@ -30,8 +30,14 @@ from kimi_core.reference.ops import acc_dtype, rms_norm
 __all__ = ["attn_res_aggregate", "ResidualBank"]
 
 
-def attn_res_aggregate(prefix: torch.Tensor, bank: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor,
-                       eps: float, out_norm_w: torch.Tensor | None = None) -> torch.Tensor:
+def attn_res_aggregate(
+    prefix: torch.Tensor,
+    bank: list[torch.Tensor],
+    norm_w: torch.Tensor,
+    proj_w: torch.Tensor,
+    eps: float,
+    out_norm_w: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Depth-softmax mix of ``bank + [prefix]``, then the optional RMSNorm ``out_norm_w``.
 
     :param prefix: ``[..., H]`` current partial block sum; ``bank``: N tensors ``[..., H]``.
@@ -59,7 +65,9 @@ class ResidualBank:
         self.block = block_size
         self.eps = eps
 
-    def attn_input(self, layer: int, res_norm_w, res_proj_w, pre_norm_w) -> torch.Tensor:
+    def attn_input(
+        self, layer: int, res_norm_w: torch.Tensor, res_proj_w: torch.Tensor, pre_norm_w: torch.Tensor
+    ) -> torch.Tensor:
         if self.bank:
             x = attn_res_aggregate(self.prefix, self.bank, res_norm_w, res_proj_w, self.eps, pre_norm_w)
         else:
@@ -71,11 +79,11 @@ class ResidualBank:
     def add_attn(self, layer: int, a: torch.Tensor) -> None:
         self.prefix = a if layer % self.block == 0 else self.prefix + a
 
-    def mlp_input(self, res_norm_w, res_proj_w, pre_norm_w) -> torch.Tensor:
+    def mlp_input(self, res_norm_w: torch.Tensor, res_proj_w: torch.Tensor, pre_norm_w: torch.Tensor) -> torch.Tensor:
         return attn_res_aggregate(self.prefix, self.bank, res_norm_w, res_proj_w, self.eps, pre_norm_w)
 
     def add_mlp(self, m: torch.Tensor) -> None:
         self.prefix = self.prefix + m
 
-    def output(self, res_norm_w, res_proj_w) -> torch.Tensor:
+    def output(self, res_norm_w: torch.Tensor, res_proj_w: torch.Tensor) -> torch.Tensor:
         return attn_res_aggregate(self.prefix, self.bank, res_norm_w, res_proj_w, self.eps, None)

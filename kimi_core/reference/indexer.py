@@ -20,9 +20,16 @@ and the indexer gets no gradient.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kimi_core.reference.ops import acc_dtype, layer_norm
+
+if TYPE_CHECKING:
+    from kimi_core.config import KimiConfig
+    from kimi_core.lora.resolve import AdapterLookup
+    from kimi_core.reference.weights import Weights
 
 __all__ = ["INDEXER_K_NORM_EPS", "Indexer", "index_keys", "index_scores", "topk_mask"]
 
@@ -44,7 +51,7 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> tor
     """
     a = acc_dtype(q.dtype)
     nh, d = q.shape[-2], q.shape[-1]
-    wts = weights.to(a) * (nh ** -0.5) * (d ** -0.5)
+    wts = weights.to(a) * (nh**-0.5) * (d**-0.5)
     rel = torch.relu(torch.einsum("bthd,bsd->bths", q.to(a), k.to(a)))
     return torch.einsum("bth,bths->bts", wts, rel)
 
@@ -67,12 +74,14 @@ def topk_mask(scores: torch.Tensor, causal: torch.Tensor, topk: int) -> torch.Te
 class Indexer:
     """The indexer of one MLA layer; ``prefix`` ends with ``self_attn``. Cache key: ``idx_k [B, S, d]``."""
 
-    def __init__(self, config, weights, prefix: str):
+    def __init__(self, config: KimiConfig, weights: Weights, prefix: str):
         self.cfg, self.w, self.p = config, weights, f"{prefix}.indexer"
         self.nh, self.d, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
 
     @torch.no_grad()
-    def scores(self, x: torch.Tensor, qr: torch.Tensor, cache: dict, adapter=None) -> torch.Tensor:
+    def scores(
+        self, x: torch.Tensor, qr: torch.Tensor, cache: dict, adapter: AdapterLookup | None = None
+    ) -> torch.Tensor:
         """Index scores ``I [B, T, S]`` (fp32) of the T new queries against all S cached+new keys.
 
         :param x: ``[B, T, hidden]`` normed attention input; ``qr``: ``[B, T, q_lora_rank]``.
@@ -82,13 +91,16 @@ class Indexer:
         B, T, _ = x.shape
         a = acc_dtype(x.dtype)
         q = w.linear(qr, f"{p}.wq_b", adapter).to(a).view(B, T, self.nh, self.d)
-        k = index_keys(w.linear(x, f"{p}.wk", adapter), w.tensor(f"{p}.k_norm.weight", a),
-                       w.tensor(f"{p}.k_norm.bias", a))
+        k = index_keys(
+            w.linear(x, f"{p}.wk", adapter), w.tensor(f"{p}.k_norm.weight", a), w.tensor(f"{p}.k_norm.bias", a)
+        )
         if "idx_k" in cache:
             k = torch.cat([cache["idx_k"], k], dim=1)
         cache["idx_k"] = k
         return index_scores(q, k, w.linear(x, f"{p}.weights_proj", adapter))
 
-    def mask(self, x, qr, cache: dict, causal: torch.Tensor, adapter=None) -> torch.Tensor:
+    def mask(
+        self, x: torch.Tensor, qr: torch.Tensor, cache: dict, causal: torch.Tensor, adapter: AdapterLookup | None = None
+    ) -> torch.Tensor:
         """Boolean keep-mask ``[B, T, S]`` (see :func:`topk_mask`)."""
         return topk_mask(self.scores(x, qr, cache, adapter), causal, self.topk)

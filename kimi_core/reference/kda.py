@@ -25,14 +25,27 @@ which is the recurrence unrolled over the chunk (derived here, not ported).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from kimi_core.reference.ops import acc_dtype, l2norm, rms_norm
 
+if TYPE_CHECKING:
+    from kimi_core.config import KimiConfig
+    from kimi_core.lora.resolve import AdapterLookup
+    from kimi_core.reference.weights import Weights
+
 __all__ = [
-    "kda_gate", "softplus_gate", "lower_bound_gate", "recurrent_kda", "chunk_kda",
-    "causal_conv", "KDALayer", "unpad_a_log",
+    "kda_gate",
+    "softplus_gate",
+    "lower_bound_gate",
+    "recurrent_kda",
+    "chunk_kda",
+    "causal_conv",
+    "KDALayer",
+    "unpad_a_log",
 ]
 
 
@@ -60,7 +73,7 @@ def lower_bound_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
     return lower_bound * torch.sigmoid(A_log.to(a).exp().view(H, 1) * z)
 
 
-def kda_gate(f, A_log, dt_bias, lower_bound: float | None):
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
     """The gate of a config: lower-bound sigmoid when ``lower_bound`` is set (K3), softplus otherwise."""
     if lower_bound is None:
         return softplus_gate(f, A_log, dt_bias)
@@ -83,7 +96,7 @@ def unpad_a_log(A_log: torch.Tensor, num_heads: int, where: str = "A_log") -> to
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-def _check(q, k, v, g, beta):
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
     B, T, H, K = q.shape
     if k.shape != q.shape or g.shape != q.shape:
         raise ValueError(f"KDA: q {tuple(q.shape)}, k {tuple(k.shape)}, g {tuple(g.shape)} must all be [B, T, H, K]")
@@ -91,7 +104,16 @@ def _check(q, k, v, g, beta):
         raise ValueError(f"KDA: v {tuple(v.shape)} must be [B, T, H, V] and beta {tuple(beta.shape)} [B, T, H]")
 
 
-def recurrent_kda(q, k, v, g, beta, scale: float | None = None, initial_state=None, output_final_state: bool = False):
+def recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Step-loop KDA (the ground truth), same signature as fla's ``naive_recurrent_kda``.
 
     :param q, k: ``[B, T, H, K]`` (already L2-normalised by the caller if wanted).
@@ -103,7 +125,7 @@ def recurrent_kda(q, k, v, g, beta, scale: float | None = None, initial_state=No
     _check(q, k, v, g, beta)
     B, T, H, K = q.shape
     a = acc_dtype(v.dtype)
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     q, k, v, g, beta = (t.to(a) for t in (q, k, v, g, beta))
     S = torch.zeros(B, H, K, v.shape[-1], dtype=a, device=q.device)
     if initial_state is not None:
@@ -118,8 +140,17 @@ def recurrent_kda(q, k, v, g, beta, scale: float | None = None, initial_state=No
     return o.to(v.dtype), (S if output_final_state else None)
 
 
-def chunk_kda(q, k, v, g, beta, scale: float | None = None, initial_state=None, output_final_state: bool = False,
-              chunk_size: int = 64):
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA (module docstring), same signature and results as :func:`recurrent_kda`.
 
     ``T`` need not be a multiple of ``chunk_size``: the tail is padded with ``k = beta = g = 0``,
@@ -130,14 +161,16 @@ def chunk_kda(q, k, v, g, beta, scale: float | None = None, initial_state=None, 
     V = v.shape[-1]
     a = acc_dtype(v.dtype)
     C = chunk_size
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     pad = (-T) % C
+
     # -> [B, H, N, C, *]
     def prep(t):
         t = t.to(a).transpose(1, 2)
         if pad:
             t = F.pad(t, (0, 0, 0, pad)) if t.dim() == 4 else F.pad(t, (0, pad))
         return t.reshape(B, H, -1, C, *t.shape[3:])
+
     q, k, v, g, beta = prep(q) * scale, prep(k), prep(v), prep(g), prep(beta)
     N = q.shape[2]
     G = g.cumsum(-2)
@@ -165,7 +198,7 @@ def chunk_kda(q, k, v, g, beta, scale: float | None = None, initial_state=None, 
     return o.to(v.dtype), (S if output_final_state else None)
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None):
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU (fla ``ShortConvolution``, no bias), with a carried input state.
 
     :param x: ``[B, T, P]`` new inputs; ``weight``: ``[P, 1, W]`` (fp32 in the releases).
@@ -179,7 +212,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | Non
         state = torch.zeros(B, W - 1, P, dtype=a, device=x.device)
     xs = torch.cat([state.to(a), x.to(a)], dim=1)  # [B, W-1+T, P]
     y = F.conv1d(xs.transpose(1, 2), weight.to(a).reshape(P, 1, W), groups=P)  # [B, P, T]
-    return F.silu(y.transpose(1, 2)), xs[:, xs.shape[1] - (W - 1):]
+    return F.silu(y.transpose(1, 2)), xs[:, xs.shape[1] - (W - 1) :]
 
 
 # ---------------------------------------------------------------------------------------------- layer
@@ -194,7 +227,7 @@ class KDALayer:
     Cache (per layer, dict): ``conv_q/conv_k/conv_v [B, W-1, P]`` and ``S [B, heads, K, V]`` fp32.
     """
 
-    def __init__(self, config, weights, prefix: str, mode: str = "chunk"):
+    def __init__(self, config: KimiConfig, weights: Weights, prefix: str, mode: str = "chunk"):
         la = config.linear_attn
         self.cfg, self.w, self.p, self.mode = config, weights, prefix, mode
         self.H, self.D = la.num_heads, la.head_dim
@@ -202,7 +235,9 @@ class KDALayer:
         self.full_rank_gate = la.use_full_rank_gate
         self.eps = config.rms_norm_eps
 
-    def __call__(self, x: torch.Tensor, cache: dict | None = None, adapter=None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, cache: dict | None = None, adapter: AdapterLookup | None = None
+    ) -> torch.Tensor:
         """``x [B, T, hidden]`` (normed attention input) -> ``[B, T, hidden]``; updates ``cache`` in place."""
         w, p, H, D = self.w, self.p, self.H, self.D
         B, T, _ = x.shape

@@ -22,14 +22,19 @@ The cache holds the normalised latent ``c [B, S, kv_lora_rank]`` and the rotated
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from kimi_core.reference.indexer import Indexer
 from kimi_core.reference.ops import acc_dtype, rms_norm
 
-__all__ = ["MLA_LATENT_NORM_EPS", "MLALayer", "latent_norm_eps", "rope_tables", "apply_rope_interleaved",
-           "yarn_mscale"]
+if TYPE_CHECKING:
+    from kimi_core.config import KimiConfig
+    from kimi_core.lora.resolve import AdapterLookup
+    from kimi_core.reference.weights import Weights
+
+__all__ = ["MLA_LATENT_NORM_EPS", "MLALayer", "latent_norm_eps", "rope_tables", "apply_rope_interleaved", "yarn_mscale"]
 
 # Eps of the two MLA latent norms (q_a_layernorm, kv_a_layernorm). None = use config.rms_norm_eps,
 # the vLLM / SGLang convention (the engines we must match). transformers' DeepseekV3 and
@@ -37,7 +42,7 @@ __all__ = ["MLA_LATENT_NORM_EPS", "MLALayer", "latent_norm_eps", "rope_tables", 
 MLA_LATENT_NORM_EPS: float | None = None
 
 
-def latent_norm_eps(config, override: float | None = None) -> float:
+def latent_norm_eps(config: KimiConfig, override: float | None = None) -> float:
     """The latent-norm eps in use: ``override``, else :data:`MLA_LATENT_NORM_EPS`, else ``rms_norm_eps``."""
     if override is not None:
         return override
@@ -55,7 +60,7 @@ def _rope_type(rs: dict | None) -> str:
     return rs.get("rope_type") or rs.get("type") or "default"
 
 
-def rope_tables(config, positions: torch.Tensor):
+def rope_tables(config: KimiConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     """``(cos, sin)`` of shape ``[T, rope/2]`` (fp64) for the K2.x rotary part, and the softmax-scale factor.
 
     YaRN per the DeepSeek-V3 / transformers ``_compute_yarn_parameters`` formulas: per-frequency
@@ -68,7 +73,7 @@ def rope_tables(config, positions: torch.Tensor):
     base = config.rope_theta
     rs = config.rope_scaling
     exps = torch.arange(0, d, 2, dtype=torch.float64) / d
-    inv = 1.0 / base ** exps
+    inv = 1.0 / base**exps
     cos_scale, score_scale = 1.0, 1.0
     kind = _rope_type(rs)
     if kind == "yarn":
@@ -77,7 +82,7 @@ def rope_tables(config, positions: torch.Tensor):
         bf, bs = float(rs.get("beta_fast") or 32), float(rs.get("beta_slow") or 1)
         ms, msa = rs.get("mscale"), rs.get("mscale_all_dim")
 
-        def corr_dim(rot):
+        def corr_dim(rot: torch.Tensor):
             return d * math.log(omax / (rot * 2 * math.pi)) / (2 * math.log(base))
 
         lo, hi = max(math.floor(corr_dim(bf)), 0), min(math.ceil(corr_dim(bs)), d - 1)
@@ -112,7 +117,7 @@ class MLALayer:
     indexer's ``idx_k`` for K3.1.
     """
 
-    def __init__(self, config, weights, prefix: str, latent_eps: float | None = None):
+    def __init__(self, config: KimiConfig, weights: Weights, prefix: str, latent_eps: float | None = None):
         self.cfg, self.w, self.p = config, weights, prefix
         self.nh = config.num_attention_heads
         self.dn, self.dr, self.dv = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
@@ -120,7 +125,9 @@ class MLALayer:
         self.use_rope = not config.mla_use_nope
         self.indexer = Indexer(config, weights, prefix) if config.has_indexer else None
 
-    def __call__(self, x: torch.Tensor, cache: dict | None = None, adapter=None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, cache: dict | None = None, adapter: AdapterLookup | None = None
+    ) -> torch.Tensor:
         """``x [B, T, hidden]`` (normed attention input) -> ``[B, T, hidden]``; extends ``cache``."""
         cfg, w, p = self.cfg, self.w, self.p
         B, T, _ = x.shape
@@ -139,18 +146,20 @@ class MLALayer:
         score_scale = 1.0
         if self.use_rope:
             cos, sin, score_scale = rope_tables(cfg, torch.arange(p0, p0 + T, device=x.device))
-            q = torch.cat([q[..., :self.dn], apply_rope_interleaved(q[..., self.dn:], cos, sin)], dim=-1)
+            q = torch.cat([q[..., : self.dn], apply_rope_interleaved(q[..., self.dn :], cos, sin)], dim=-1)
             k_pe = apply_rope_interleaved(k_pe, cos, sin)
         if "c" in cache:
             c, k_pe = torch.cat([cache["c"], c], 1), torch.cat([cache["k_pe"], k_pe], 1)
         cache["c"], cache["k_pe"], cache["pos"] = c, k_pe, p0 + T
         S = c.shape[1]
         kv = w.linear(c, f"{p}.kv_b_proj", adapter).view(B, S, self.nh, self.dn + self.dv).transpose(1, 2)
-        k = torch.cat([kv[..., :self.dn], k_pe[:, None].expand(B, self.nh, S, self.dr)], dim=-1)
-        v = kv[..., self.dn:]
+        k = torch.cat([kv[..., : self.dn], k_pe[:, None].expand(B, self.nh, S, self.dr)], dim=-1)
+        v = kv[..., self.dn :]
         scale = (self.dn + self.dr) ** -0.5 * score_scale
         logits = (q @ k.transpose(-1, -2)).to(acc_dtype(dt)) * scale  # [B, nh, T, S]
-        causal = torch.arange(S, device=x.device)[None, :] <= torch.arange(p0, p0 + T, device=x.device)[:, None]  # [T, S]
+        causal = (
+            torch.arange(S, device=x.device)[None, :] <= torch.arange(p0, p0 + T, device=x.device)[:, None]
+        )  # [T, S]
         keep = causal
         if self.indexer is not None:
             keep = self.indexer.mask(x, qr, cache, causal, adapter)[:, None]  # [B, 1, T, S]

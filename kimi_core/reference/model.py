@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +30,12 @@ from kimi_core.config import KimiConfig
 from kimi_core.reference.attn_res import ResidualBank
 from kimi_core.reference.kda import KDALayer
 from kimi_core.reference.mla import MLALayer
-from kimi_core.reference.moe import MoE, DenseMLP
+from kimi_core.reference.moe import DenseMLP, MoE
 from kimi_core.reference.ops import acc_dtype, rms_norm
 from kimi_core.reference.weights import StateDictSource, Weights
+
+if TYPE_CHECKING:
+    from kimi_core.lora.resolve import AdapterLookup
 
 __all__ = ["DecodeState", "KimiReferenceModel", "load_reference_model"]
 
@@ -63,8 +67,15 @@ class KimiReferenceModel:
     :param mla_latent_eps: override of the MLA latent-norm eps (default: :data:`~kimi_core.reference.mla.MLA_LATENT_NORM_EPS`).
     """
 
-    def __init__(self, config: KimiConfig, source, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", kda_mode: str = "chunk", mla_latent_eps: float | None = None):
+    def __init__(
+        self,
+        config: KimiConfig,
+        source,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        kda_mode: str = "chunk",
+        mla_latent_eps: float | None = None,
+    ):
         if kda_mode not in ("chunk", "recurrent"):
             raise ValueError(f"kda_mode={kda_mode!r}: expected 'chunk' or 'recurrent'")
         self.config = config
@@ -89,13 +100,13 @@ class KimiReferenceModel:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_state_dict(cls, config: KimiConfig | dict, tensors: dict[str, torch.Tensor], **kw) -> "KimiReferenceModel":
+    def from_state_dict(cls, config: KimiConfig | dict, tensors: dict[str, torch.Tensor], **kw) -> KimiReferenceModel:
         """Build from an HF config (dict or parsed) and an HF-named tensor dict (tests)."""
         cfg = config if isinstance(config, KimiConfig) else KimiConfig.from_hf(config)
         src = StateDictSource(tensors, cfg.quant.format if cfg.quant else None)
         return cls(cfg, src, **kw)
 
-    def resolve_adapter(self, adapter):
+    def resolve_adapter(self, adapter: AdapterLookup | str | os.PathLike | dict | None) -> AdapterLookup | None:
         """``None``, an object with ``dense``/``expert`` methods, or a PEFT dir / dict for ``kimi_core.lora.load_adapter``."""
         if adapter is None or (hasattr(adapter, "dense") and hasattr(adapter, "expert")):
             return adapter
@@ -104,7 +115,7 @@ class KimiReferenceModel:
         return load_adapter(adapter, self.config)
 
     # ------------------------------------------------------------------ core
-    def _layers(self, h: torch.Tensor, caches: list[dict], adapter, hidden: list | None):
+    def _layers(self, h: torch.Tensor, caches: list[dict], adapter: AdapterLookup, hidden: list | None):
         """Run all layers on ``h [B, T, H]`` (embeddings) with ``caches``; returns (final stream, bank)."""
         cfg, w = self.config, self.weights
         eps = cfg.rms_norm_eps
@@ -112,11 +123,18 @@ class KimiReferenceModel:
             rb = ResidualBank(h, cfg.attn_res_block_size, eps)
             for i in range(cfg.num_hidden_layers):
                 lp = cfg.layer_prefix(i)
-                x = rb.attn_input(i, w.weight(f"{lp}self_attention_res_norm"), w.weight(f"{lp}self_attention_res_proj"),
-                                  w.weight(f"{lp}input_layernorm"))
+                x = rb.attn_input(
+                    i,
+                    w.weight(f"{lp}self_attention_res_norm"),
+                    w.weight(f"{lp}self_attention_res_proj"),
+                    w.weight(f"{lp}input_layernorm"),
+                )
                 rb.add_attn(i, self.attn[i](x, caches[i], adapter))
-                x = rb.mlp_input(w.weight(f"{lp}mlp_res_norm"), w.weight(f"{lp}mlp_res_proj"),
-                                 w.weight(f"{lp}post_attention_layernorm"))
+                x = rb.mlp_input(
+                    w.weight(f"{lp}mlp_res_norm"),
+                    w.weight(f"{lp}mlp_res_proj"),
+                    w.weight(f"{lp}post_attention_layernorm"),
+                )
                 rb.add_mlp(self.mlp[i](x, adapter))
                 if hidden is not None:
                     hidden.append(rb.prefix)
@@ -131,7 +149,7 @@ class KimiReferenceModel:
                 hidden.append(h)
         return h, []
 
-    def _run(self, input_ids: torch.Tensor, caches: list[dict], adapter, hidden: list | None):
+    def _run(self, input_ids: torch.Tensor, caches: list[dict], adapter: AdapterLookup, hidden: list | None):
         ids = input_ids.to(self.device)
         if ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(ids.shape)}")
@@ -141,12 +159,21 @@ class KimiReferenceModel:
             hidden.append(h)
         h, bank = self._layers(h, caches, adapter, hidden)
         h = rms_norm(h, w.weight(self.norm_name), self.config.rms_norm_eps)
-        head = self.head_name if w.has(f"{self.head_name}.weight") or not self.config.tie_word_embeddings else self.embed_name
+        head = (
+            self.head_name
+            if w.has(f"{self.head_name}.weight") or not self.config.tie_word_embeddings
+            else self.embed_name
+        )
         return w.linear(h, head, adapter), bank
 
     # ------------------------------------------------------------------ public API
-    def forward(self, input_ids: torch.Tensor, adapter=None, return_hidden: bool = False,
-                routed_experts: torch.Tensor | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        adapter: AdapterLookup | None = None,
+        return_hidden: bool = False,
+        routed_experts: torch.Tensor | None = None,
+    ):
         """Logits ``[B, T, vocab]`` (model dtype) of ``input_ids [B, T]``.
 
         Weights never require grad, so no graph is built unless adapter factors do: then the
@@ -167,8 +194,10 @@ class KimiReferenceModel:
         if routed_experts is not None:
             want = (*input_ids.shape, self.config.num_hidden_layers, self.config.num_experts_per_tok)
             if tuple(routed_experts.shape) != want:
-                raise ValueError(f"routed_experts has shape {tuple(routed_experts.shape)}, expected {want} "
-                                 "(batch, tokens, num_hidden_layers, num_experts_per_tok)")
+                raise ValueError(
+                    f"routed_experts has shape {tuple(routed_experts.shape)}, expected {want} "
+                    "(batch, tokens, num_hidden_layers, num_experts_per_tok)"
+                )
             for i, m in moes:
                 m.replay = routed_experts[:, :, i].reshape(-1, want[-1])
         try:
@@ -193,8 +222,13 @@ class KimiReferenceModel:
 
     __call__ = forward
 
-    def logprobs(self, input_ids: torch.Tensor, target_ids: torch.Tensor, adapter=None,
-                 routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+    def logprobs(
+        self,
+        input_ids: torch.Tensor,
+        target_ids: torch.Tensor,
+        adapter: AdapterLookup | None = None,
+        routed_experts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``log p(target_ids[b, t] | input_ids[b, :t+1])`` ``[B, T]`` in fp32 (fp64 for an fp64 model).
 
         ``target_ids`` are usually ``input_ids`` shifted by one; ``routed_experts``: as in :meth:`forward`.
@@ -204,7 +238,7 @@ class KimiReferenceModel:
         return torch.log_softmax(logits, -1).gather(-1, target_ids.to(logits.device).unsqueeze(-1)).squeeze(-1)
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, adapter=None) -> DecodeState:
+    def prefill(self, input_ids: torch.Tensor, adapter: AdapterLookup | None = None) -> DecodeState:
         """Process a prompt ``[B, T]`` and return the state for :meth:`step` (``state.logits`` = last position)."""
         ad = self.resolve_adapter(adapter)
         state = DecodeState(caches=[{} for _ in range(self.config.num_hidden_layers)], adapter=ad)
@@ -225,8 +259,9 @@ class KimiReferenceModel:
         return state
 
 
-def load_reference_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                         **kw) -> KimiReferenceModel:
+def load_reference_model(
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu", **kw
+) -> KimiReferenceModel:
     """Open a Kimi checkpoint directory (``kimi-rl make-tiny`` output or a real release) as the oracle.
 
     Example::

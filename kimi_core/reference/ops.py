@@ -11,14 +11,26 @@ a LoRA delta is added uniformly to every projection of every model.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
+if TYPE_CHECKING:
+    from kimi_core.config import KimiConfig
+
 __all__ = [
-    "LoraLike", "acc_dtype", "linear", "lora_delta", "rms_norm", "layer_norm", "l2norm",
-    "silu_glu", "situ_glu", "glu", "L2NORM_EPS",
+    "LoraLike",
+    "acc_dtype",
+    "linear",
+    "lora_delta",
+    "rms_norm",
+    "layer_norm",
+    "l2norm",
+    "silu_glu",
+    "situ_glu",
+    "glu",
+    "L2NORM_EPS",
 ]
 
 # fla's l2norm: x * rsqrt(sum(x^2) + 1e-6) [I] (kimi_arch.md 1.2; transformers' KimiLinear uses the same value).
@@ -105,7 +117,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, beta_lin: 
     return y.to(gate.dtype)
 
 
-def glu(config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def glu(config: KimiConfig, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The gated activation named by ``config.hidden_act`` (``silu`` or ``situ``).
 
     K3 applies SiTU to the dense layer-0 MLP and the shared experts as well as the routed experts;

@@ -16,7 +16,13 @@ one sequence at positions ``0..T-1``. Errors are relative RMS (:func:`rel_rms_er
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from kimi_core.lora.resolve import AdapterLookup
+    from kimi_core.reference.weights import Weights
 
 __all__ = ["rel_rms_error", "replay_sublayers", "replay_linear"]
 
@@ -30,7 +36,9 @@ def rel_rms_error(ref: torch.Tensor, got: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def replay_sublayers(model, caps: dict[str, torch.Tensor], adapter=None, keep_outputs: bool = False) -> list[dict]:
+def replay_sublayers(
+    model, caps: dict[str, torch.Tensor], adapter: AdapterLookup | None = None, keep_outputs: bool = False
+) -> list[dict]:
     """Each recorded sublayer of a K2.x-style model against the oracle on the engine's own input.
 
     :param model: a :class:`~kimi_core.reference.KimiReferenceModel` (its dtype is the replay dtype).
@@ -48,7 +56,10 @@ def replay_sublayers(model, caps: dict[str, torch.Tensor], adapter=None, keep_ou
     ad = model.resolve_adapter(adapter)
     rows = []
     for i in range(model.config.num_hidden_layers):
-        for part, fn in (("attn", lambda x, i=i: model.attn[i](x, {}, ad)), ("mlp", lambda x, i=i: model.mlp[i](x, ad))):
+        for part, fn in (
+            ("attn", lambda x, i=i: model.attn[i](x, {}, ad)),
+            ("mlp", lambda x, i=i: model.mlp[i](x, ad)),
+        ):
             x, y = caps.get(f"{part}_in.{i}"), caps.get(f"{part}_out.{i}")
             if x is None or y is None:
                 continue
@@ -61,15 +72,25 @@ def replay_sublayers(model, caps: dict[str, torch.Tensor], adapter=None, keep_ou
                 if topk is not None:
                     model.mlp[i].replay = None
             per_tok = (y.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1).clamp_min(1e-30)
-            rows.append({"layer": i, "part": part, "rel_err": rel_rms_error(ref, y),
-                         "max_abs": (y.double() - ref.double()).abs().max().item(),
-                         "worst_token": int(per_tok.argmax()), "worst_token_rel": per_tok.max().item(),
-                         "replayed_routing": topk is not None, **({"ref": ref} if keep_outputs else {})})
+            rows.append(
+                {
+                    "layer": i,
+                    "part": part,
+                    "rel_err": rel_rms_error(ref, y),
+                    "max_abs": (y.double() - ref.double()).abs().max().item(),
+                    "worst_token": int(per_tok.argmax()),
+                    "worst_token_rel": per_tok.max().item(),
+                    "replayed_routing": topk is not None,
+                    **({"ref": ref} if keep_outputs else {}),
+                }
+            )
     return rows
 
 
 @torch.no_grad()
-def replay_linear(weights, adapter, modules: list[str], x: torch.Tensor, y: torch.Tensor) -> dict:
+def replay_linear(
+    weights: Weights, adapter: AdapterLookup, modules: list[str], x: torch.Tensor, y: torch.Tensor
+) -> dict:
     """One (packed) linear of an engine against ``x W^T + LoRA`` of the HF ``modules`` it concatenates.
 
     :param weights: :class:`~kimi_core.reference.weights.Weights` (dense, unquantized modules).

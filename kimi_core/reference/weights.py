@@ -13,10 +13,15 @@ the router picked.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kimi_core.quant import get_format
 from kimi_core.reference.ops import linear as _linear
+
+if TYPE_CHECKING:
+    from kimi_core.lora.resolve import AdapterLookup
 
 __all__ = ["StateDictSource", "Weights"]
 
@@ -33,7 +38,7 @@ class StateDictSource:
         self.quant_format = quant_format
         self.where = where
 
-    def keys(self):
+    def keys(self) -> list[str]:
         return list(self.tensors)
 
     def has(self, name: str) -> bool:
@@ -50,7 +55,8 @@ class StateDictSource:
             if self.quant_format is None:
                 raise KeyError(f"{self.where}: {module} is packed but no quantization format was given")
             w = get_format(self.quant_format).dequantize(
-                self.tensors[f"{module}.weight_packed"], self.tensors[f"{module}.weight_scale"], dtype)
+                self.tensors[f"{module}.weight_packed"], self.tensors[f"{module}.weight_scale"], dtype
+            )
         else:
             w = self.get(f"{module}.weight").to(dtype)
         if shape is not None and tuple(w.shape) != tuple(shape):
@@ -99,7 +105,9 @@ class Weights:
         """A routed expert's weight, dequantized now and not cached (experts stay packed)."""
         return self.source.get_weight(module, self.dtype).to(self.device)
 
-    def linear(self, x: torch.Tensor, module: str, adapter=None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, module: str, adapter: AdapterLookup | None = None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """``x @ W(module).T`` plus ``adapter.dense(module)``'s delta; ``module`` is the full HF name."""
         lora = adapter.dense(module) if adapter is not None else None
         return _linear(x, self.weight(module, dtype), lora)
