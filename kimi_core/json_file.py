@@ -6,7 +6,9 @@ import json
 import os
 
 
-def read_json_file(path: str | os.PathLike, filename: str, error: type[Exception], missing: str = "not found") -> tuple[str, dict]:
+def read_json_file(
+    path: str | os.PathLike, filename: str, error: type[Exception], missing: str = "not found"
+) -> tuple[str, dict]:
     """``(file path, parsed JSON)`` of ``path`` (a directory holding ``filename``, or the file itself).
 
     :param error: the exception class raised (message starts with the file path).

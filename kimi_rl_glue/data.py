@@ -71,8 +71,10 @@ def read_rows(path: str) -> Iterator[dict]:
         try:
             import pyarrow.parquet as pq
         except ImportError as e:
-            raise ImportError(f"--input {path}: reading parquet needs pyarrow (pip install pyarrow), "
-                              "or convert the file to JSONL first") from e
+            raise ImportError(
+                f"--input {path}: reading parquet needs pyarrow (pip install pyarrow), "
+                "or convert the file to JSONL first"
+            ) from e
         for batch in pq.ParquetFile(path).iter_batches():
             yield from batch.to_pylist()
     else:
@@ -123,8 +125,9 @@ def convert_row(row: dict, task: str, index: int, add_boxed_instruction: bool = 
     return {"prompt": prompt, "label": str(label).strip(), "metadata": meta}
 
 
-def prepare_data(task: str, input_path: str, output_path: str, *, limit: int | None = None,
-                 add_boxed_instruction: bool = False) -> PrepareReport:
+def prepare_data(
+    task: str, input_path: str, output_path: str, *, limit: int | None = None, add_boxed_instruction: bool = False
+) -> PrepareReport:
     """Convert ``input_path`` to miles JSONL at ``output_path`` (atomic: temp file + ``os.replace``).
 
     Rows without a label or prompt are skipped and listed in the report; a file where every row is

@@ -11,8 +11,7 @@ import sys
 import torch
 from safetensors.torch import load_file, save_file
 
-
-from kimi_core.reference.replay import rel_rms_error  # noqa: E402,F401 - the one definition, re-exported for tests
+from kimi_core.reference.replay import rel_rms_error
 
 
 def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, ratio: float) -> float:
@@ -56,13 +55,18 @@ def skyrl_dry_run_overrides(script: str = SKYRL_K2_SCRIPT, **knobs) -> list[str]
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k not in ("EXPERT_WEIGHTS", "QAT_MODE")}
-    r = subprocess.run(["bash", os.path.join(repo, script)], env={**env, "DRY_RUN": "1", **knobs},
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        ["bash", os.path.join(repo, script)],
+        env={**env, "DRY_RUN": "1", **knobs},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     argv = shlex.split(lines[lines.index("# command:") + 1])
     i = next(i for i, t in enumerate(argv) if t.endswith("skyrl.train.entrypoints.main_base"))
-    return argv[i + 1:]
+    return argv[i + 1 :]
 
 
 def load_benchmark(name: str):

@@ -36,11 +36,17 @@ OUT = HERE / "miles_flags.txt"
 # Flags our scripts need that appeared in radixark/miles main after the commit this list is built
 # from. Each names where it is documented; rebuild from a newer checkout to drop this section.
 NEWER_MAIN = {
-    "--lora-provider-path": ("1", "newer main: miles/utils/arguments.py (module with wrap_model_provider_with_lora, "
-                                  "load_lora_adapter_hf, export_lora_hf_named; shared/reference/miles.md section 2)"),
-    "--rollout-top-logprobs-num": ("1", "newer main: miles/utils/arguments.py (sampler top-K candidates for score "
-                                        "centering; shared/reference/miles.md sections 5-6; parsed in miles' "
-                                        "tests/fast/utils/test_arguments.py of newer main)"),
+    "--lora-provider-path": (
+        "1",
+        "newer main: miles/utils/arguments.py (module with wrap_model_provider_with_lora, "
+        "load_lora_adapter_hf, export_lora_hf_named; shared/reference/miles.md section 2)",
+    ),
+    "--rollout-top-logprobs-num": (
+        "1",
+        "newer main: miles/utils/arguments.py (sampler top-K candidates for score "
+        "centering; shared/reference/miles.md sections 5-6; parsed in miles' "
+        "tests/fast/utils/test_arguments.py of newer main)",
+    ),
 }
 
 
@@ -74,7 +80,7 @@ def _collect(miles: Path, megatron: Path, stubs: list[str]) -> dict:
         frame, where = sys._getframe(1), "argparse (built in)"
         while frame is not None:
             fn = os.path.abspath(frame.f_code.co_filename)
-            hit = [tag + fn[len(root):] for root, tag in roots if fn.startswith(root)]
+            hit = [tag + fn[len(root) :] for root, tag in roots if fn.startswith(root)]
             if hit:
                 where = hit[0]
                 break
@@ -104,8 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--miles-ref", required=True, help='written into the header, e.g. "radixark/miles@31f1ca9"')
     p.add_argument("--megatron-ref", required=True, help="written into the header")
     p.add_argument("--out", type=Path, default=OUT)
-    p.add_argument("--stub", default="six,sglang,sglang_router,polars,ray",
-                   help="comma list of top-level modules replaced by stand-ins")
+    p.add_argument(
+        "--stub",
+        default="six,sglang,sglang_router,polars,ray",
+        help="comma list of top-level modules replaced by stand-ins",
+    )
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     stubs = [s for s in a.stub.split(",") if s]
@@ -114,8 +123,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # A child process per attempt: a module missing on this machine is stubbed and the import retried.
     for _ in range(20):
-        cmd = [sys.executable, __file__, "--miles", str(a.miles), "--megatron", str(a.megatron), "--miles-ref",
-               a.miles_ref, "--megatron-ref", a.megatron_ref, "--stub", ",".join(stubs), "--_child"]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--miles",
+            str(a.miles),
+            "--megatron",
+            str(a.megatron),
+            "--miles-ref",
+            a.miles_ref,
+            "--megatron-ref",
+            a.megatron_ref,
+            "--stub",
+            ",".join(stubs),
+            "--_child",
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode == 0:
             found = json.loads(r.stdout.strip().splitlines()[-1])

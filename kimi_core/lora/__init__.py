@@ -4,17 +4,34 @@ checksums, and size accounting. Used by ``kimi_core.reference``, the engine plug
 """
 
 from kimi_core.lora.adapter import Adapter, AdapterError
-from kimi_core.sync.buckets import Bucket, BucketChecksumError, assemble, filter_experts, iter_buckets
 from kimi_core.lora.config import ALL_LINEAR, AdapterConfigError, LoraSpec, read_adapter_config, write_adapter_config
 from kimi_core.lora.layouts import convert_layout
 from kimi_core.lora.naming import iter_targets, target_shapes
 from kimi_core.lora.random_adapter import random_adapter
 from kimi_core.lora.resolve import ExpertStack, LoraFactors, ResolvedAdapter, load_adapter
 from kimi_core.lora.sizes import adapter_nbytes
+from kimi_core.sync.buckets import Bucket, BucketChecksumError, assemble, filter_experts, iter_buckets
 
 __all__ = [
-    "ALL_LINEAR", "Adapter", "AdapterConfigError", "AdapterError", "Bucket", "BucketChecksumError", "ExpertStack",
-    "LoraFactors", "LoraSpec", "ResolvedAdapter", "adapter_nbytes", "assemble", "convert_layout", "filter_experts",
-    "iter_buckets", "iter_targets", "load_adapter", "random_adapter", "read_adapter_config", "target_shapes",
+    "ALL_LINEAR",
+    "Adapter",
+    "AdapterConfigError",
+    "AdapterError",
+    "Bucket",
+    "BucketChecksumError",
+    "ExpertStack",
+    "LoraFactors",
+    "LoraSpec",
+    "ResolvedAdapter",
+    "adapter_nbytes",
+    "assemble",
+    "convert_layout",
+    "filter_experts",
+    "iter_buckets",
+    "iter_targets",
+    "load_adapter",
+    "random_adapter",
+    "read_adapter_config",
+    "target_shapes",
     "write_adapter_config",
 ]

@@ -28,4 +28,14 @@ def dequantize(fmt: str, weight_packed, weight_scale, dtype=None):
     return get_format(fmt).dequantize(weight_packed, weight_scale, dtype or torch.bfloat16)
 
 
-__all__ = ["FORMATS", "FormatError", "PACKED_SUFFIXES", "dequantize", "fake_int4", "fake_mxfp4", "get_format", "int4", "mxfp4"]
+__all__ = [
+    "FORMATS",
+    "FormatError",
+    "PACKED_SUFFIXES",
+    "dequantize",
+    "fake_int4",
+    "fake_mxfp4",
+    "get_format",
+    "int4",
+    "mxfp4",
+]

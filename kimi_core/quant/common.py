@@ -14,7 +14,9 @@ class FormatError(KimiError, ValueError):
 def group_view(x: torch.Tensor, group: int, what: str = "tensor") -> torch.Tensor:
     """``[..., K]`` -> ``[..., K/group, group]``; raises :class:`FormatError` if ``group`` does not divide ``K``."""
     if x.dim() < 2:
-        raise FormatError(f"{what}: expected a 2-D [out, in] or 3-D [experts, out, in] tensor, got shape {tuple(x.shape)}")
+        raise FormatError(
+            f"{what}: expected a 2-D [out, in] or 3-D [experts, out, in] tensor, got shape {tuple(x.shape)}"
+        )
     k = x.shape[-1]
     if k % group:
         raise FormatError(f"{what}: input dim {k} is not a multiple of the group size {group} (shape {tuple(x.shape)})")
@@ -28,4 +30,6 @@ def ungroup(x: torch.Tensor) -> torch.Tensor:
 def check_grouped(what: str, codes: torch.Tensor, scale: torch.Tensor, group: int) -> None:
     want = (*codes.shape[:-1], codes.shape[-1] // group)
     if tuple(scale.shape) != want:
-        raise FormatError(f"{what}: shape {tuple(scale.shape)} does not match weight codes {tuple(codes.shape)}; expected {want}")
+        raise FormatError(
+            f"{what}: shape {tuple(scale.shape)} does not match weight codes {tuple(codes.shape)}; expected {want}"
+        )

@@ -24,8 +24,23 @@ from kimi_rl_glue.losses.score_centering import importance_weight, score_centeri
 from kimi_rl_glue.losses.tis import apply_tis, tis_weights
 
 __all__ = [
-    "apply_overlong_penalty", "apply_tis", "clipped_pg_token_loss", "dynamic_sampling_keep", "group_advantages",
-    "group_ids_from_size", "importance_weight", "keep_group", "kl_estimate", "masked_mean", "mismatch_metrics",
-    "overlong_penalty", "policy_loss", "reduce_tokens", "score_centering_from_logits", "score_centering_loss",
-    "tis_weights", "train_rollout_kl", "train_rollout_logprob_abs_diff",
+    "apply_overlong_penalty",
+    "apply_tis",
+    "clipped_pg_token_loss",
+    "dynamic_sampling_keep",
+    "group_advantages",
+    "group_ids_from_size",
+    "importance_weight",
+    "keep_group",
+    "kl_estimate",
+    "masked_mean",
+    "mismatch_metrics",
+    "overlong_penalty",
+    "policy_loss",
+    "reduce_tokens",
+    "score_centering_from_logits",
+    "score_centering_loss",
+    "tis_weights",
+    "train_rollout_kl",
+    "train_rollout_logprob_abs_diff",
 ]

@@ -62,8 +62,9 @@ def group_advantages(
         idx = torch.tensor(members)
         x = r[idx]
         if x.numel() == 1:
-            mean, std = (torch.zeros((), dtype=r.dtype), torch.ones((), dtype=r.dtype)) if style == "skyrl" \
-                else (x[0], None)
+            mean, std = (
+                (torch.zeros((), dtype=r.dtype), torch.ones((), dtype=r.dtype)) if style == "skyrl" else (x[0], None)
+            )
         else:
             mean, std = x.mean(), x.std()
         a = x - mean

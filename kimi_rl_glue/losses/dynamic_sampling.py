@@ -25,8 +25,9 @@ def keep_group(rewards: Sequence[float] | torch.Tensor, tol: float = STD_TOL) ->
     return bool(r.std() > tol)
 
 
-def dynamic_sampling_keep(rewards: torch.Tensor, group_ids: torch.Tensor | Sequence,
-                          tol: float = STD_TOL) -> torch.Tensor:
+def dynamic_sampling_keep(
+    rewards: torch.Tensor, group_ids: torch.Tensor | Sequence, tol: float = STD_TOL
+) -> torch.Tensor:
     """Per-sample keep mask: ``[N]`` bool, True for samples whose group passes :func:`keep_group`.
 
     :param rewards: ``[N]`` scalar rewards. :param group_ids: ``[N]`` prompt-group id per sample.

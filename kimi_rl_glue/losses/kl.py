@@ -41,16 +41,24 @@ def kl_estimate(log_probs: torch.Tensor, log_probs_base: torch.Tensor, kind: str
     return kl.clamp(-10.0, 10.0) if kind == "low_var_kl" else kl
 
 
-def train_rollout_kl(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
-                     mask: torch.Tensor | None = None, reduction: str = "token_mean") -> torch.Tensor:
+def train_rollout_kl(
+    train_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    reduction: str = "token_mean",
+) -> torch.Tensor:
     """miles' ``train_rollout_kl``: reduced ``low_var_kl(rollout, train)``; 0-d, detached."""
     with torch.no_grad():
         kl = kl_estimate(rollout_log_probs.detach(), train_log_probs.detach(), "low_var_kl")
         return reduce_tokens(torch.nan_to_num(kl, nan=0.0, posinf=0.0, neginf=0.0), mask, reduction)
 
 
-def train_rollout_logprob_abs_diff(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
-                                   mask: torch.Tensor | None = None, reduction: str = "token_mean") -> torch.Tensor:
+def train_rollout_logprob_abs_diff(
+    train_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    reduction: str = "token_mean",
+) -> torch.Tensor:
     """miles' ``train_rollout_logprob_abs_diff``: reduced ``|train - rollout|``; 0-d, detached."""
     check_same_shape("train_log_probs", train_log_probs, rollout_log_probs=rollout_log_probs)
     with torch.no_grad():
@@ -58,10 +66,13 @@ def train_rollout_logprob_abs_diff(train_log_probs: torch.Tensor, rollout_log_pr
         return reduce_tokens(torch.nan_to_num(d, nan=0.0, posinf=0.0, neginf=0.0), mask, reduction)
 
 
-def mismatch_metrics(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
-                     mask: torch.Tensor | None = None) -> dict[str, float]:
+def mismatch_metrics(
+    train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor | None = None
+) -> dict[str, float]:
     """Both metrics as floats under miles' names (token mean)."""
     return {
-        "train_rollout_logprob_abs_diff": float(train_rollout_logprob_abs_diff(train_log_probs, rollout_log_probs, mask)),
+        "train_rollout_logprob_abs_diff": float(
+            train_rollout_logprob_abs_diff(train_log_probs, rollout_log_probs, mask)
+        ),
         "train_rollout_kl": float(train_rollout_kl(train_log_probs, rollout_log_probs, mask)),
     }

@@ -22,12 +22,12 @@ __all__ = ["overlong_penalty", "apply_overlong_penalty"]
 
 def _check(max_response_length: int, buffer_len: int) -> None:
     if buffer_len <= 0 or buffer_len > max_response_length:
-        raise ValueError(f"overlong_buffer_len={buffer_len} must be in [1, max_generate_length="
-                         f"{max_response_length}]")
+        raise ValueError(f"overlong_buffer_len={buffer_len} must be in [1, max_generate_length={max_response_length}]")
 
 
-def overlong_penalty(response_lengths: torch.Tensor, max_response_length: int, buffer_len: int,
-                     penalty_factor: float = 1.0) -> torch.Tensor:
+def overlong_penalty(
+    response_lengths: torch.Tensor, max_response_length: int, buffer_len: int, penalty_factor: float = 1.0
+) -> torch.Tensor:
     """The penalty subtracted inside the buffer: ``[N]`` float64, 0 outside ``(L_max - L_buf, L_max]``."""
     _check(max_response_length, buffer_len)
     n = torch.as_tensor(response_lengths).to(torch.float64)
@@ -36,8 +36,13 @@ def overlong_penalty(response_lengths: torch.Tensor, max_response_length: int, b
     return torch.where(inside, (n - start) / buffer_len * penalty_factor, torch.zeros_like(n))
 
 
-def apply_overlong_penalty(rewards: torch.Tensor | Sequence[float], response_lengths: torch.Tensor | Sequence[int],
-                           max_response_length: int, buffer_len: int, penalty_factor: float = 1.0) -> torch.Tensor:
+def apply_overlong_penalty(
+    rewards: torch.Tensor | Sequence[float],
+    response_lengths: torch.Tensor | Sequence[int],
+    max_response_length: int,
+    buffer_len: int,
+    penalty_factor: float = 1.0,
+) -> torch.Tensor:
     """Rewards after DAPO's soft overlong punishment.
 
     :param rewards: ``[N]`` scalar rewards.

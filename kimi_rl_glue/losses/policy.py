@@ -86,16 +86,19 @@ def policy_loss(
         surrogate was taken), ``dual_clip_ratio``, ``ppo_kl`` (masked mean of ``old - log p``) and the
         TIS metrics.
     """
-    loss, clipped, dual = clipped_pg_token_loss(log_probs, old_log_probs, advantages, eps_low=eps_low,
-                                                eps_high=eps_high, clip_ratio_c=clip_ratio_c)
-    loss, tis_metrics = apply_tis(loss, old_log_probs, rollout_log_probs, mask, tis_type,
-                                  token_cap=token_tis_cap, sequence_cap=sequence_tis_cap)
+    loss, clipped, dual = clipped_pg_token_loss(
+        log_probs, old_log_probs, advantages, eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c
+    )
+    loss, tis_metrics = apply_tis(
+        loss, old_log_probs, rollout_log_probs, mask, tis_type, token_cap=token_tis_cap, sequence_cap=sequence_tis_cap
+    )
     with torch.no_grad():
         metrics = {
             "clip_ratio": float(masked_mean(clipped.float(), None if mask is None else mask.float())),
             "dual_clip_ratio": float(masked_mean(dual.float(), None if mask is None else mask.float())),
-            "ppo_kl": float(masked_mean((old_log_probs - log_probs).detach().float(),
-                                        None if mask is None else mask.float())),
+            "ppo_kl": float(
+                masked_mean((old_log_probs - log_probs).detach().float(), None if mask is None else mask.float())
+            ),
         }
     metrics.update(tis_metrics)
     return reduce_tokens(loss, mask, reduction), metrics

@@ -22,7 +22,9 @@ def check_same_shape(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | 
     """Raise ``ValueError`` naming the tensor whose shape differs from ``ref``'s."""
     for name, t in others.items():
         if t is not None and tuple(t.shape) != tuple(ref.shape):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(ref.shape)} (the shape of {ref_name})")
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}, expected {tuple(ref.shape)} (the shape of {ref_name})"
+            )
 
 
 def _mask_like(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -36,16 +36,18 @@ IMPORTANCE_MODES = ("none", "tis", "mis")
 
 def _check_mode(mode: str, tis_clip: float, mis_low: float, mis_high: float) -> None:
     if mode not in IMPORTANCE_MODES:
-        raise ValueError(f"score_centering importance={mode!r}; expected one of {IMPORTANCE_MODES} "
-                         "(miles flag --score-centering-is)")
+        raise ValueError(
+            f"score_centering importance={mode!r}; expected one of {IMPORTANCE_MODES} (miles flag --score-centering-is)"
+        )
     if mode == "tis" and not tis_clip > 0:
         raise ValueError(f"score_centering tis_clip={tis_clip} must be > 0")
     if mode == "mis" and not 0 < mis_low <= mis_high:
         raise ValueError(f"score_centering needs 0 < mis_low <= mis_high, got {mis_low}, {mis_high}")
 
 
-def importance_weight(log_ratio: torch.Tensor, mode: str, *, tis_clip: float = 2.0, mis_low: float = 0.5,
-                      mis_high: float = 5.0) -> torch.Tensor:
+def importance_weight(
+    log_ratio: torch.Tensor, mode: str, *, tis_clip: float = 2.0, mis_low: float = 0.5, mis_high: float = 5.0
+) -> torch.Tensor:
     """``f(exp(log_ratio))`` without exponentiating an unbounded ratio.
 
     :param log_ratio: any shape, float; ``log p - log q``.
@@ -96,11 +98,14 @@ def score_centering_loss(
     """
     _check_mode(importance, tis_clip, mis_low, mis_high)
     check_same_shape("log_probs", log_probs, rollout_log_probs=rollout_log_probs, advantages=advantages)
-    check_same_shape("head_log_probs", head_log_probs, rollout_head_log_probs=rollout_head_log_probs,
-                     head_mask=head_mask)
+    check_same_shape(
+        "head_log_probs", head_log_probs, rollout_head_log_probs=rollout_head_log_probs, head_mask=head_mask
+    )
     if tuple(head_log_probs.shape[:-1]) != tuple(log_probs.shape):
-        raise ValueError(f"head_log_probs has shape {tuple(head_log_probs.shape)}; expected "
-                         f"{tuple(log_probs.shape)} + [K] (log_probs' shape plus the candidate dim)")
+        raise ValueError(
+            f"head_log_probs has shape {tuple(head_log_probs.shape)}; expected "
+            f"{tuple(log_probs.shape)} + [K] (log_probs' shape plus the candidate dim)"
+        )
     dt = torch.float64 if log_probs.dtype == torch.float64 else torch.float32
     lp, hlp = log_probs.to(dt), head_log_probs.to(dt)
     rlp, rhlp = rollout_log_probs.detach().to(dt), rollout_head_log_probs.detach().to(dt)
@@ -124,8 +129,7 @@ def score_centering_loss(
             weighted_q = torch.where(inside, p, torch.zeros_like(p))
             alpha = ((rho >= 1 / mis_high) & (rho <= 1 / mis_low)).to(dt)
         residual = weighted_q - alpha.unsqueeze(-1) * p
-        weight = importance_weight(lp.detach() - rlp, importance, tis_clip=tis_clip, mis_low=mis_low,
-                                   mis_high=mis_high)
+        weight = importance_weight(lp.detach() - rlp, importance, tis_clip=tis_clip, mis_low=mis_low, mis_high=mis_high)
     correction = (residual * hlp).sum(-1)
     loss = -advantages.detach().to(dt) * (weight * lp - correction)
     metrics = {
@@ -174,6 +178,7 @@ def score_centering_from_logits(
     lp = logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
     mask = topk_ids >= 0
     hlp = logp.gather(-1, topk_ids.long().clamp(min=0))
-    loss, metrics = score_centering_loss(lp, hlp, rollout_log_probs, rollout_topk_log_probs, advantages,
-                                         head_mask=mask, **kwargs)
+    loss, metrics = score_centering_loss(
+        lp, hlp, rollout_log_probs, rollout_topk_log_probs, advantages, head_mask=mask, **kwargs
+    )
     return loss, metrics, lp

@@ -54,7 +54,9 @@ def tis_weights(
         raise ValueError(f"tis_ratio_type={tis_type!r}; expected one of {TIS_TYPES} or None (off)")
     check_same_shape("old_log_probs", old_log_probs, rollout_log_probs=rollout_log_probs, mask=mask)
     with torch.no_grad():
-        delta = old_log_probs.detach().double() if old_log_probs.dtype == torch.float64 else old_log_probs.detach().float()
+        delta = (
+            old_log_probs.detach().double() if old_log_probs.dtype == torch.float64 else old_log_probs.detach().float()
+        )
         delta = delta - rollout_log_probs.detach().to(delta.dtype)
         m = torch.ones_like(delta) if mask is None else mask.to(delta.dtype)
         ratio = safe_exp(delta)
@@ -72,13 +74,22 @@ def tis_weights(
         # Padding is zeroed first so NaN/inf there never reaches the product.
         seq_log = torch.where(m > 0, delta, torch.zeros_like(delta)).mul(m).sum(-1, keepdim=True)
         seq_ratio = safe_exp(seq_log)
-        metrics["tis_seq_clip_high_ratio"] = float((seq_ratio > sequence_cap).float().mean()) if seq_ratio.numel() else 0.0
+        metrics["tis_seq_clip_high_ratio"] = (
+            float((seq_ratio > sequence_cap).float().mean()) if seq_ratio.numel() else 0.0
+        )
         return seq_ratio.clamp(max=sequence_cap), metrics
 
 
-def apply_tis(pg_loss: torch.Tensor, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor | None,
-              mask: torch.Tensor | None, tis_type: str | None, *, token_cap: float = 2.0,
-              sequence_cap: float = 5.0) -> tuple[torch.Tensor, dict[str, float]]:
+def apply_tis(
+    pg_loss: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    tis_type: str | None,
+    *,
+    token_cap: float = 2.0,
+    sequence_cap: float = 5.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Multiply a per-token ``pg_loss [B, T]`` by the TIS weight; identity when ``tis_type`` is None.
 
     :raises ValueError: TIS is on but ``rollout_log_probs`` is missing.
@@ -86,8 +97,11 @@ def apply_tis(pg_loss: torch.Tensor, old_log_probs: torch.Tensor, rollout_log_pr
     if tis_type is None:
         return pg_loss, {}
     if rollout_log_probs is None:
-        raise ValueError(f"tis_ratio_type={tis_type!r} needs rollout_log_probs (the inference engine's "
-                         "log-probs of the sampled tokens); the batch has none")
-    w, metrics = tis_weights(old_log_probs, rollout_log_probs, mask, tis_type=tis_type, token_cap=token_cap,
-                             sequence_cap=sequence_cap)
+        raise ValueError(
+            f"tis_ratio_type={tis_type!r} needs rollout_log_probs (the inference engine's "
+            "log-probs of the sampled tokens); the batch has none"
+        )
+    w, metrics = tis_weights(
+        old_log_probs, rollout_log_probs, mask, tis_type=tis_type, token_cap=token_cap, sequence_cap=sequence_cap
+    )
     return pg_loss * w.to(pg_loss.dtype), metrics

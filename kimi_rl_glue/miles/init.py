@@ -55,8 +55,10 @@ def init(args) -> dict:
         done["bridge"] = bridge.register()
         log.info("kimi_rl_glue.miles.init: Megatron-Bridge architectures registered: %s", sorted(done["bridge"]))
     else:
-        log.info("kimi_rl_glue.miles.init: megatron.bridge is not installed; Bridge registration skipped "
-                 "(raw mode: --spec kimi_megatron_plugin.spec get_spec and kimi_megatron_plugin.checkpoint)")
+        log.info(
+            "kimi_rl_glue.miles.init: megatron.bridge is not installed; Bridge registration skipped "
+            "(raw mode: --spec kimi_megatron_plugin.spec get_spec and kimi_megatron_plugin.checkpoint)"
+        )
     from kimi_rl_glue import plugins
 
     for arch, target in plugins.models("megatron").items():

@@ -43,8 +43,14 @@ from kimi_core.errors import KimiError
 from kimi_core.lora import ALL_LINEAR, Adapter, LoraSpec
 from kimi_core.lora.naming import PEFT_PREFIX
 
-__all__ = ["SLOT", "LoraProviderError", "lora_spec_from_args", "wrap_model_provider_with_lora",
-           "load_lora_adapter_hf", "export_lora_hf_named"]
+__all__ = [
+    "SLOT",
+    "LoraProviderError",
+    "lora_spec_from_args",
+    "wrap_model_provider_with_lora",
+    "load_lora_adapter_hf",
+    "export_lora_hf_named",
+]
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +59,14 @@ SLOT = "kimi_lora_params"
 
 # Megatron leaf -> HF leaves; expert projections in both Kimi families (gate/up/down and K3's w1/w3/w2)
 _MEGATRON_TO_HF = {
-    "linear_q_down_proj": ("q_a_proj",), "linear_q_up_proj": ("q_b_proj",), "linear_q_proj": ("q_proj",),
-    "linear_kv_down_proj": ("kv_a_proj_with_mqa",), "linear_kv_up_proj": ("kv_b_proj",),
-    "linear_proj": ("o_proj",), "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",),
+    "linear_q_down_proj": ("q_a_proj",),
+    "linear_q_up_proj": ("q_b_proj",),
+    "linear_q_proj": ("q_proj",),
+    "linear_kv_down_proj": ("kv_a_proj_with_mqa",),
+    "linear_kv_up_proj": ("kv_b_proj",),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
 }
 _FAMILY_ALIASES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _FAMILY_ALIASES.update({v: k for k, v in _FAMILY_ALIASES.items()})
@@ -90,19 +101,24 @@ def lora_spec_from_args(args) -> LoraSpec:
     if rank <= 0:
         raise LoraProviderError(f"--lora-rank is {rank}; the Kimi LoRA provider needs --lora-rank > 0")
     if float(getattr(args, "lora_dropout", 0.0) or 0.0) != 0.0:
-        raise LoraProviderError(f"--lora-dropout {args.lora_dropout}: kimi_megatron_plugin LoRA has no dropout; "
-                                "use --lora-dropout 0")
+        raise LoraProviderError(
+            f"--lora-dropout {args.lora_dropout}: kimi_megatron_plugin LoRA has no dropout; use --lora-dropout 0"
+        )
     targets = _names(getattr(args, "target_modules", None))
     if not targets:
-        raise LoraProviderError("--target-modules is empty; give HF leaves (q_a_proj,o_proj,gate_proj,...), "
-                                "Megatron leaves (linear_proj,linear_fc1,...) or all-linear")
+        raise LoraProviderError(
+            "--target-modules is empty; give HF leaves (q_a_proj,o_proj,gate_proj,...), "
+            "Megatron leaves (linear_proj,linear_fc1,...) or all-linear"
+        )
     return LoraSpec(
-        rank=rank, alpha=float(getattr(args, "lora_alpha", 16)),
+        rank=rank,
+        alpha=float(getattr(args, "lora_alpha", 16)),
         target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else _hf_leaves(targets),
         exclude_modules=_hf_leaves(_names(getattr(args, "exclude_modules", None))),
         expert_layout="shared_outer" if getattr(args, "experts_shared_outer_loras", False) else "per_expert",
         normalize_moe_lora=bool(getattr(args, "kimi_normalize_moe_lora", False)),
-        base_model_name_or_path=getattr(args, "hf_checkpoint", None) or "")
+        base_model_name_or_path=getattr(args, "hf_checkpoint", None) or "",
+    )
 
 
 class _Slot(torch.nn.Module):
@@ -141,8 +157,10 @@ def _attach(model, spec: LoraSpec, seed: int, hf_checkpoint: str | None):
         inner.kimi_config = load_config(hf_checkpoint)
     lora = apply_lora(inner, spec, seed=seed)
     if not len(lora.dense) and not len(lora.experts):  # legal on a pipeline stage without targets
-        log.warning("kimi_rl_glue.miles.lora_provider: --target-modules %s selects no module of this model chunk",
-                    spec.target_modules)
+        log.warning(
+            "kimi_rl_glue.miles.lora_provider: --target-modules %s selects no module of this model chunk",
+            spec.target_modules,
+        )
     del inner.__dict__["kimi_lora"]  # apply_lora's plain attribute; the slot makes it a real child
     inner.add_module(SLOT, _Slot(lora))
     object.__setattr__(inner, "kimi_lora", lora)
@@ -173,8 +191,10 @@ def _chunks(model_chunks) -> list:
 def _lora_of(chunk):
     lora = getattr(_unwrap(chunk), "kimi_lora", None)
     if lora is None:
-        raise LoraProviderError("model chunk has no Kimi LoRA: build it through wrap_model_provider_with_lora "
-                                "(--lora-provider-path kimi_rl_glue.miles.lora_provider with --lora-rank > 0)")
+        raise LoraProviderError(
+            "model chunk has no Kimi LoRA: build it through wrap_model_provider_with_lora "
+            "(--lora-provider-path kimi_rl_glue.miles.lora_provider with --lora-rank > 0)"
+        )
     return lora
 
 
@@ -208,7 +228,7 @@ def export_lora_hf_named(model_chunks) -> list[tuple[str, torch.Tensor]]:
         lora = _lora_of(chunk)
         ad = export_adapter(lora, layout=lora.spec.expert_layout, dtype=torch.bfloat16, gather_pipeline=False)
         for name, t in ad.tensors.items():
-            name = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
+            name = name[len(PEFT_PREFIX) :] if name.startswith(PEFT_PREFIX) else name
             if name not in seen:
                 seen.add(name)
                 out.append((name, t.contiguous()))

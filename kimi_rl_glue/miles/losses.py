@@ -40,8 +40,12 @@ def _where(active: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.where(active, torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0), torch.zeros_like(x))
 
 
-def _mismatch(train_lp: torch.Tensor, rollout_lp: torch.Tensor, active: torch.Tensor,
-              reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+def _mismatch(
+    train_lp: torch.Tensor,
+    rollout_lp: torch.Tensor,
+    active: torch.Tensor,
+    reduce: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[str, torch.Tensor]:
     dt = torch.float64 if train_lp.dtype == torch.float64 else torch.float32
     train_lp, rollout_lp = train_lp.detach().to(dt), rollout_lp.detach().to(dt)
     return {
@@ -50,8 +54,9 @@ def _mismatch(train_lp: torch.Tensor, rollout_lp: torch.Tensor, active: torch.Te
     }
 
 
-def score_centering_loss(args, batch: dict, logits: torch.Tensor,
-                         sum_of_sample_mean: Callable[[torch.Tensor], torch.Tensor]):
+def score_centering_loss(
+    args, batch: dict, logits: torch.Tensor, sum_of_sample_mean: Callable[[torch.Tensor], torch.Tensor]
+):
     """Score centering (``kimi_rl_glue.losses.score_centering``) as a miles custom loss.
 
     Batch keys: ``unconcat_tokens``, ``total_lengths``, ``response_lengths``, ``loss_masks``,
@@ -63,8 +68,10 @@ def score_centering_loss(args, batch: dict, logits: torch.Tensor,
     check_unsharded("kimi_rl_glue.miles.losses.score_centering_loss")
     for key in ("rollout_topk_token_ids", "rollout_topk_log_probs", "rollout_log_probs", "advantages"):
         if batch.get(key) is None:
-            raise KeyError(f"score_centering_loss needs batch[{key!r}]; run miles with "
-                           "--rollout-top-logprobs-num K and --use-rollout-logprobs")
+            raise KeyError(
+                f"score_centering_loss needs batch[{key!r}]; run miles with "
+                "--rollout-top-logprobs-num K and --use-rollout-logprobs"
+            )
     dev = logits.device
     dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     losses, lps, metric_parts = [], [], {}
@@ -72,15 +79,21 @@ def score_centering_loss(args, batch: dict, logits: torch.Tensor,
         ids = torch.as_tensor(batch["rollout_topk_token_ids"][i]).to(dev).long()
         head = torch.as_tensor(batch["rollout_topk_log_probs"][i]).to(dev, dt)
         if ids.shape[0] != tokens.shape[0]:
-            raise ValueError(f"sample {i}: rollout_topk_token_ids has {ids.shape[0]} rows, the response has "
-                             f"{tokens.shape[0]} tokens")
+            raise ValueError(
+                f"sample {i}: rollout_topk_token_ids has {ids.shape[0]} rows, the response has {tokens.shape[0]} tokens"
+            )
         loss_i, m_i, lp_i = score_centering_from_logits(
-            chunk, tokens, ids, torch.as_tensor(batch["rollout_log_probs"][i]).to(dev, dt), head,
+            chunk,
+            tokens,
+            ids,
+            torch.as_tensor(batch["rollout_log_probs"][i]).to(dev, dt),
+            head,
             torch.as_tensor(batch["advantages"][i]).to(dev, dt),
             importance=getattr(args, "score_centering_is", "none") or "none",
             tis_clip=float(getattr(args, "score_centering_tis_clip", 2.0)),
             mis_low=float(getattr(args, "score_centering_mis_low", 0.5)),
-            mis_high=float(getattr(args, "score_centering_mis_high", 5.0)))
+            mis_high=float(getattr(args, "score_centering_mis_high", 5.0)),
+        )
         losses.append(loss_i)
         lps.append(lp_i)
         for k, v in m_i.items():
@@ -106,16 +119,27 @@ def _log_probs(args, batch: dict, logits: torch.Tensor) -> tuple[torch.Tensor, t
         get_log_probs_and_entropy = None
     if get_log_probs_and_entropy is not None:
         # miles' own helper handles vocab-parallel logits and context parallelism.
-        out = get_log_probs_and_entropy(logits, args=args, unconcat_tokens=batch["unconcat_tokens"],
-                                        total_lengths=batch["total_lengths"],
-                                        response_lengths=batch["response_lengths"],
-                                        max_seq_lens=batch.get("max_seq_lens"))
-        masks = get_local_response_loss_masks(batch["total_lengths"], batch["response_lengths"], batch["loss_masks"],
-                                              args.qkv_format, batch.get("max_seq_lens"))
+        out = get_log_probs_and_entropy(
+            logits,
+            args=args,
+            unconcat_tokens=batch["unconcat_tokens"],
+            total_lengths=batch["total_lengths"],
+            response_lengths=batch["response_lengths"],
+            max_seq_lens=batch.get("max_seq_lens"),
+        )
+        masks = get_local_response_loss_masks(
+            batch["total_lengths"],
+            batch["response_lengths"],
+            batch["loss_masks"],
+            args.qkv_format,
+            batch.get("max_seq_lens"),
+        )
         return torch.cat(out["log_probs"]), torch.cat(masks).to(logits.device).bool()
     dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    lps = [torch.log_softmax(c.to(dt), -1).gather(-1, t[:, None]).squeeze(-1)
-           for c, t in iter_response_logits(args, batch, logits)]
+    lps = [
+        torch.log_softmax(c.to(dt), -1).gather(-1, t[:, None]).squeeze(-1)
+        for c, t in iter_response_logits(args, batch, logits)
+    ]
     return (torch.cat(lps) if lps else logits.new_zeros(0)), _active(batch, logits.device)
 
 
@@ -129,22 +153,30 @@ def dapo_loss(args, batch: dict, logits: torch.Tensor, sum_of_sample_mean: Calla
     ``train_rollout_logprob_abs_diff`` / ``train_rollout_kl`` when rollout log-probs are present.
     """
     if getattr(args, "use_tis", False) and getattr(args, "tis_ratio_type", None) is None:
-        raise ValueError("--use-tis is miles' built-in TIS and is not read by kimi_rl_glue.miles.losses.dapo_loss; "
-                         "set tis_ratio_type: token|sequence (and token_tis_ratio_clip_high / "
-                         "sequence_tis_ratio_clip_high) in --custom-config-path instead")
+        raise ValueError(
+            "--use-tis is miles' built-in TIS and is not read by kimi_rl_glue.miles.losses.dapo_loss; "
+            "set tis_ratio_type: token|sequence (and token_tis_ratio_clip_high / "
+            "sequence_tis_ratio_clip_high) in --custom-config-path instead"
+        )
     dev = logits.device
     dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     log_probs, active = _log_probs(args, batch, logits)
-    rollout = (cat_field(batch, "rollout_log_probs", device=dev, dtype=dt)
-               if batch.get("rollout_log_probs") is not None else None)
+    rollout = (
+        cat_field(batch, "rollout_log_probs", device=dev, dtype=dt)
+        if batch.get("rollout_log_probs") is not None
+        else None
+    )
     if getattr(args, "use_rollout_logprobs", False):
         if rollout is None:
             raise KeyError("--use-rollout-logprobs is set but the batch has no 'rollout_log_probs'")
         old = rollout
     else:
         old = cat_field(batch, "log_probs", device=dev, dtype=dt)
-    trainer_scored = (cat_field(batch, "log_probs", device=dev, dtype=dt)
-                      if batch.get("log_probs") is not None else log_probs.detach().to(dt))
+    trainer_scored = (
+        cat_field(batch, "log_probs", device=dev, dtype=dt)
+        if batch.get("log_probs") is not None
+        else log_probs.detach().to(dt)
+    )
     adv = cat_field(batch, "advantages", device=dev, dtype=dt)
     for name, t in (("log_probs", old), ("advantages", adv), ("loss_masks", active)):
         if t.shape != log_probs.shape:
@@ -152,9 +184,14 @@ def dapo_loss(args, batch: dict, logits: torch.Tensor, sum_of_sample_mean: Calla
     eps = float(getattr(args, "eps_clip", 0.2))
     eps_high = getattr(args, "eps_clip_high", None)
     c = getattr(args, "eps_clip_c", None)
-    loss, clipped, dual = clipped_pg_token_loss(log_probs, old, _where(active, adv), eps_low=eps,
-                                                eps_high=eps if eps_high is None else float(eps_high),
-                                                clip_ratio_c=None if c is None else float(c))
+    loss, clipped, dual = clipped_pg_token_loss(
+        log_probs,
+        old,
+        _where(active, adv),
+        eps_low=eps,
+        eps_high=eps if eps_high is None else float(eps_high),
+        clip_ratio_c=None if c is None else float(c),
+    )
     tis_type = getattr(args, "tis_ratio_type", None)
     metrics: dict[str, torch.Tensor] = {}
     if tis_type is not None:
@@ -166,16 +203,23 @@ def dapo_loss(args, batch: dict, logits: torch.Tensor, sum_of_sample_mean: Calla
         po, _ = pad_ragged(trainer_scored, lengths)
         pr, _ = pad_ragged(rollout, lengths)
         pa, _ = pad_ragged(active.float(), lengths)
-        pl, tis_m = apply_tis(pl, po, pr, pa, tis_type,
-                              token_cap=float(getattr(args, "token_tis_ratio_clip_high", 2.0)),
-                              sequence_cap=float(getattr(args, "sequence_tis_ratio_clip_high", 5.0)))
+        pl, tis_m = apply_tis(
+            pl,
+            po,
+            pr,
+            pa,
+            tis_type,
+            token_cap=float(getattr(args, "token_tis_ratio_clip_high", 2.0)),
+            sequence_cap=float(getattr(args, "sequence_tis_ratio_clip_high", 5.0)),
+        )
         loss = unpad(pl, pm)
         metrics.update({k: torch.tensor(v) for k, v in tis_m.items()})
     pg_loss = sum_of_sample_mean(_where(active, loss))
     if log_probs.numel() == 0:
         pg_loss = pg_loss + 0 * logits.sum()
     metrics.update(
-        loss=pg_loss.detach(), pg_loss=pg_loss.detach(),
+        loss=pg_loss.detach(),
+        pg_loss=pg_loss.detach(),
         pg_clipfrac=sum_of_sample_mean(_where(active, clipped.float())).detach(),
         dual_clipfrac=sum_of_sample_mean(_where(active, dual.float())).detach(),
         ppo_kl=sum_of_sample_mean(_where(active, (old - log_probs.detach()).to(dt))).detach(),

@@ -29,13 +29,14 @@ def check_unsharded(what: str) -> None:
     try:
         ps = get_parallel_state()
         tp, cp = ps.tp.size, ps.cp.size
-    except Exception:  # noqa: BLE001 - parallel state not initialised: single process
+    except Exception:
         return
     if tp > 1 or cp > 1:
         raise NotImplementedError(
             f"{what} slices full-vocabulary logits itself and supports --tensor-model-parallel-size 1 and "
             f"--context-parallel-size 1 only (got TP={tp}, CP={cp}); with TP/CP use miles' built-in "
-            "--loss-type score_centering (newer miles) or kimi_rl_glue.miles.losses.dapo_loss")
+            "--loss-type score_centering (newer miles) or kimi_rl_glue.miles.losses.dapo_loss"
+        )
 
 
 def iter_response_logits(args, batch: dict, logits: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -60,17 +61,20 @@ def iter_response_logits(args, batch: dict, logits: torch.Tensor) -> Iterator[tu
         raise ValueError(f"qkv_format={qkv!r}; expected 'thd' or 'bshd'")
     temp = float(getattr(args, "rollout_temperature", 1.0) or 1.0)
     end = 0
-    for i, (tokens, total, resp) in enumerate(zip(batch["unconcat_tokens"], batch["total_lengths"],
-                                                   batch["response_lengths"], strict=True)):
+    for i, (tokens, total, resp) in enumerate(
+        zip(batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"], strict=True)
+    ):
         if qkv == "thd":
             end += total
         else:
             end = batch["max_seq_lens"][i] * i + total
         start = end - resp
         if start < 1 or end > flat.shape[0]:
-            raise ValueError(f"sample {i}: response [{start}, {end}) does not fit logits with {flat.shape[0]} "
-                             "positions (check total_lengths / response_lengths)")
-        chunk = flat[start - 1:end - 1]
+            raise ValueError(
+                f"sample {i}: response [{start}, {end}) does not fit logits with {flat.shape[0]} "
+                "positions (check total_lengths / response_lengths)"
+            )
+        chunk = flat[start - 1 : end - 1]
         if temp != 1.0:
             chunk = chunk / temp
         yield chunk, torch.as_tensor(tokens)[-resp:].long().to(chunk.device)
@@ -89,8 +93,8 @@ def pad_ragged(flat: torch.Tensor, lengths: list[int], fill: float = 0.0) -> tup
     out = flat.new_full((B, R, *flat.shape[1:]), fill)
     mask = torch.zeros(B, R, dtype=torch.bool, device=flat.device)
     for i, piece in enumerate(flat.split(list(lengths))):
-        out[i, :piece.shape[0]] = piece
-        mask[i, :piece.shape[0]] = True
+        out[i, : piece.shape[0]] = piece
+        mask[i, : piece.shape[0]] = True
     return out, mask
 
 

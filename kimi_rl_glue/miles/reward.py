@@ -17,8 +17,15 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["THINK_END_MARKERS", "extract_boxed", "solution_text", "normalize_answer", "answers_equivalent",
-           "math_reward", "math_rm"]
+__all__ = [
+    "THINK_END_MARKERS",
+    "extract_boxed",
+    "solution_text",
+    "normalize_answer",
+    "answers_equivalent",
+    "math_reward",
+    "math_rm",
+]
 
 THINK_END_MARKERS = ("</think>", "###Response")
 _MAX_SYMBOLIC_LEN = 120
@@ -36,7 +43,7 @@ def extract_boxed(text: str) -> str | None:
                 elif text[k] == "}":
                     depth -= 1
                     if depth == 0:
-                        return text[j + 1:k]
+                        return text[j + 1 : k]
             continue  # unbalanced: try an earlier box
         if m.group(1) == "boxed" and text.startswith(" ", j):
             rest = text[j:].split("$")[0].split()
@@ -45,7 +52,9 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
-def solution_text(response: str, require_think: bool = True, markers: tuple[str, ...] = THINK_END_MARKERS) -> str | None:
+def solution_text(
+    response: str, require_think: bool = True, markers: tuple[str, ...] = THINK_END_MARKERS
+) -> str | None:
     """The part of ``response`` after the last end-of-thinking marker; None when required and absent."""
     best = -1
     cut = None
@@ -73,10 +82,27 @@ def normalize_answer(ans: str) -> str:
     """Canonical string form of a math answer (units-free spacing, LaTeX spelling variants, ``x=``)."""
     s = str(ans).strip()
     s = _strip_text_cmd(s)
-    for a, b in (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\left", ""), ("\\right", ""), ("\\!", ""),
-                 ("\\,", ""), ("\\;", ""), ("\\:", ""), ("\\displaystyle", ""), ("^{\\circ}", ""), ("^\\circ", ""),
-                 ("\\%", ""), ("%", ""), ("$", ""), ("\\$", ""), ("\n", ""), ("\\infty", "oo"), ("\\le", "<="),
-                 ("\\ge", ">=")):
+    for a, b in (
+        ("\\dfrac", "\\frac"),
+        ("\\tfrac", "\\frac"),
+        ("\\left", ""),
+        ("\\right", ""),
+        ("\\!", ""),
+        ("\\,", ""),
+        ("\\;", ""),
+        ("\\:", ""),
+        ("\\displaystyle", ""),
+        ("^{\\circ}", ""),
+        ("^\\circ", ""),
+        ("\\%", ""),
+        ("%", ""),
+        ("$", ""),
+        ("\\$", ""),
+        ("\n", ""),
+        ("\\infty", "oo"),
+        ("\\le", "<="),
+        ("\\ge", ">="),
+    ):
         s = s.replace(a, b)
     s = s.replace(" ", "")
     s = s.rstrip(".")
@@ -135,7 +161,7 @@ def _sympy_equal(a: str, b: str) -> bool:
             xa, xb = (xa if isinstance(xa, tuple) else (xa,)), (xb if isinstance(xb, tuple) else (xb,))
             return len(xa) == len(xb) and all(_expr_equal(sympy, u, v) for u, v in zip(xa, xb))
         return _expr_equal(sympy, xa, xb)
-    except Exception:  # noqa: BLE001 - anything unparsable is simply "not equal"
+    except Exception:
         return False
 
 

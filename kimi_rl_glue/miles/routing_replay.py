@@ -34,9 +34,11 @@ def routed_experts_array(flat, num_tokens: int, num_layers: int, topk: int) -> t
     t = torch.as_tensor(np.asarray(flat)).long()
     want = (num_tokens - 1, num_layers, topk)
     if t.numel() != want[0] * want[1] * want[2]:
-        raise ValueError(f"rollout_routed_experts has {t.numel()} entries, expected {want} = "
-                         f"{want[0] * want[1] * want[2]} (num_tokens - 1, num_layers, topk); was the engine "
-                         "started with the same model and --use-rollout-routing-replay?")
+        raise ValueError(
+            f"rollout_routed_experts has {t.numel()} entries, expected {want} = "
+            f"{want[0] * want[1] * want[2]} (num_tokens - 1, num_layers, topk); was the engine "
+            "started with the same model and --use-rollout-routing-replay?"
+        )
     return t.reshape(want)
 
 

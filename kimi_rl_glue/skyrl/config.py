@@ -33,8 +33,10 @@ class KimiModelOptions:
 
     def __post_init__(self):
         if self.expert_weights not in EXPERT_WEIGHTS:
-            raise ValueError(f"trainer.policy.model.kimi.expert_weights={self.expert_weights!r}; "
-                             f"expected one of {'|'.join(EXPERT_WEIGHTS)}")
+            raise ValueError(
+                f"trainer.policy.model.kimi.expert_weights={self.expert_weights!r}; "
+                f"expected one of {'|'.join(EXPERT_WEIGHTS)}"
+            )
 
 
 def build_config(skyrl_config):
@@ -46,20 +48,23 @@ def build_config(skyrl_config):
     m = skyrl_config
     algorithm = dataclasses.make_dataclass(
         "KimiAlgorithmConfig",
-        [("overlong_buffer_len", int, field(default=0)),
-         ("overlong_buffer_penalty_factor", float, field(default=1.0))],
-        bases=(m.AlgorithmConfig,))
+        [("overlong_buffer_len", int, field(default=0)), ("overlong_buffer_penalty_factor", float, field(default=1.0))],
+        bases=(m.AlgorithmConfig,),
+    )
     model = dataclasses.make_dataclass(
-        "KimiModelConfig", [("kimi", KimiModelOptions, field(default_factory=KimiModelOptions))],
-        bases=(m.ModelConfig,))
+        "KimiModelConfig", [("kimi", KimiModelOptions, field(default_factory=KimiModelOptions))], bases=(m.ModelConfig,)
+    )
     default_path = m.PolicyConfig().model.path
     policy = dataclasses.make_dataclass(
-        "KimiPolicyConfig", [("model", model, field(default_factory=lambda: model(path=default_path)))],
-        bases=(m.PolicyConfig,))
+        "KimiPolicyConfig",
+        [("model", model, field(default_factory=lambda: model(path=default_path)))],
+        bases=(m.PolicyConfig,),
+    )
     trainer = dataclasses.make_dataclass(
         "KimiTrainerConfig",
         [("algorithm", algorithm, field(default_factory=algorithm)), ("policy", policy, field(default_factory=policy))],
-        bases=(m.TrainerConfig,))
+        bases=(m.TrainerConfig,),
+    )
     return m.make_config(trainer_cls=trainer)
 
 
@@ -68,8 +73,12 @@ def check_config(cfg) -> None:
     model = cfg.trainer.policy.model
     qat = model.fake_int4_qat
     if model.kimi.expert_weights == "int4" and qat.enabled:
-        raise ValueError("trainer.policy.model.kimi.expert_weights=int4 keeps the served INT4 experts in the trainer; "
-                         "set trainer.policy.model.fake_int4_qat.enabled=false (there is nothing to fake-quantize)")
+        raise ValueError(
+            "trainer.policy.model.kimi.expert_weights=int4 keeps the served INT4 experts in the trainer; "
+            "set trainer.policy.model.fake_int4_qat.enabled=false (there is nothing to fake-quantize)"
+        )
     if model.kimi.expert_weights == "bf16" and not qat.bf16_base_path:
-        raise ValueError("trainer.policy.model.kimi.expert_weights=bf16 needs "
-                         "trainer.policy.model.fake_int4_qat.bf16_base_path (BF16 masters from `kimi-rl dequantize`)")
+        raise ValueError(
+            "trainer.policy.model.kimi.expert_weights=bf16 needs "
+            "trainer.policy.model.fake_int4_qat.bf16_base_path (BF16 masters from `kimi-rl dequantize`)"
+        )

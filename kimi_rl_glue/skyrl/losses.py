@@ -23,8 +23,13 @@ from kimi_rl_glue.losses.policy import policy_loss
 __all__ = ["kimi_dapo_policy_loss", "kimi_grpo_policy_loss", "UNSUPPORTED_CORRECTIONS"]
 
 # off_policy_correction keys whose features are SkyRL's own (masks), not implemented by these losses.
-UNSUPPORTED_CORRECTIONS = ("sequence_mask_metric", "outlier_token_is_threshold_low", "outlier_token_is_threshold_high",
-                           "token_mask_is_threshold_low", "token_mask_is_threshold_high")
+UNSUPPORTED_CORRECTIONS = (
+    "sequence_mask_metric",
+    "outlier_token_is_threshold_low",
+    "outlier_token_is_threshold_high",
+    "token_mask_is_threshold_low",
+    "token_mask_is_threshold_high",
+)
 
 
 def _get(cfg, key, default=None):
@@ -39,24 +44,41 @@ def _loss(log_probs, old_log_probs, advantages, config, loss_mask, rollout_logpr
     opc = _get(config, "off_policy_correction")
     for key in UNSUPPORTED_CORRECTIONS:
         if _get(opc, key) is not None:
-            raise ValueError(f"trainer.algorithm.off_policy_correction.{key} is set but policy_loss_type={name} "
-                             "implements only TIS (tis_ratio_type); unset it or use a built-in SkyRL loss")
+            raise ValueError(
+                f"trainer.algorithm.off_policy_correction.{key} is set but policy_loss_type={name} "
+                "implements only TIS (tis_ratio_type); unset it or use a built-in SkyRL loss"
+            )
     if _get(config, "use_tis", False):
-        raise ValueError(f"trainer.algorithm.use_tis is deprecated in SkyRL and not read by {name}; set "
-                         "trainer.algorithm.off_policy_correction.tis_ratio_type=token instead")
+        raise ValueError(
+            f"trainer.algorithm.use_tis is deprecated in SkyRL and not read by {name}; set "
+            "trainer.algorithm.off_policy_correction.tis_ratio_type=token instead"
+        )
     c = _get(config, "clip_ratio_c", 3.0) if dual_clip else None
     loss, metrics = policy_loss(
-        log_probs, old_log_probs, advantages, loss_mask, rollout_logprobs,
-        eps_low=float(_get(config, "eps_clip_low", 0.2)), eps_high=float(_get(config, "eps_clip_high", 0.2)),
-        clip_ratio_c=None if c is None else float(c), reduction="sum",
+        log_probs,
+        old_log_probs,
+        advantages,
+        loss_mask,
+        rollout_logprobs,
+        eps_low=float(_get(config, "eps_clip_low", 0.2)),
+        eps_high=float(_get(config, "eps_clip_high", 0.2)),
+        clip_ratio_c=None if c is None else float(c),
+        reduction="sum",
         tis_type=_get(opc, "tis_ratio_type"),
         token_tis_cap=float(_get(opc, "token_tis_ratio_clip_high", 2.0)),
-        sequence_tis_cap=float(_get(opc, "sequence_tis_ratio_clip_high", 5.0)))
+        sequence_tis_cap=float(_get(opc, "sequence_tis_ratio_clip_high", 5.0)),
+    )
     return loss, metrics
 
 
-def kimi_dapo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, config,
-                          loss_mask: torch.Tensor | None = None, rollout_logprobs: torch.Tensor | None = None):
+def kimi_dapo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    config,
+    loss_mask: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+):
     """DAPO: clip-higher ``[1 - eps_clip_low, 1 + eps_clip_high]``, dual-clip ``clip_ratio_c``, TIS.
 
     :param log_probs, old_log_probs, advantages, loss_mask, rollout_logprobs: ``[B, T]``.
@@ -65,7 +87,13 @@ def kimi_dapo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, 
     return _loss(log_probs, old_log_probs, advantages, config, loss_mask, rollout_logprobs, True, "kimi_dapo")
 
 
-def kimi_grpo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, config,
-                          loss_mask: torch.Tensor | None = None, rollout_logprobs: torch.Tensor | None = None):
+def kimi_grpo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    config,
+    loss_mask: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+):
     """GRPO with clip-higher and TIS, without dual-clip (same contract as :func:`kimi_dapo_policy_loss`)."""
     return _loss(log_probs, old_log_probs, advantages, config, loss_mask, rollout_logprobs, False, "kimi_grpo")

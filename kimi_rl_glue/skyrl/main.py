@@ -28,8 +28,9 @@ def strip_override_arg(argv: list[str]) -> list[str]:
     return [a for a in argv if not a.startswith(OVERRIDE_PREFIX)]
 
 
-def shape_rewards(rewards: list, response_lengths: list[int], max_generate_length: int, buffer_len: int,
-                  penalty_factor: float) -> list:
+def shape_rewards(
+    rewards: list, response_lengths: list[int], max_generate_length: int, buffer_len: int, penalty_factor: float
+) -> list:
     """DAPO soft overlong punishment on SkyRL's per-response scalar rewards (unchanged if ``buffer_len`` is 0).
 
     :raises ValueError: token-level (list) rewards, which the punishment is not defined for.
@@ -37,8 +38,10 @@ def shape_rewards(rewards: list, response_lengths: list[int], max_generate_lengt
     if buffer_len <= 0:
         return rewards
     if any(isinstance(r, (list, tuple)) for r in rewards):
-        raise ValueError("trainer.algorithm.overlong_buffer_len > 0 needs one scalar reward per response; "
-                         "the generator returned token-level rewards")
+        raise ValueError(
+            "trainer.algorithm.overlong_buffer_len > 0 needs one scalar reward per response; "
+            "the generator returned token-level rewards"
+        )
     return apply_overlong_penalty(rewards, response_lengths, max_generate_length, buffer_len, penalty_factor).tolist()
 
 
@@ -63,8 +66,9 @@ def build_classes():
 
     class KimiTrainer(RayPPOTrainer):
         @torch.no_grad()
-        def postprocess_generator_output(self, generator_output, uids, metrics_generator_output=None,
-                                         metrics_uids=None):
+        def postprocess_generator_output(
+            self, generator_output, uids, metrics_generator_output=None, metrics_uids=None
+        ):
             # skyrl 0.4.0 signature: the fully-async trainer passes a kept+dropped superset for metrics
             # by keyword; it gets the same shaping so the reported rewards are the trained ones
             alg = self.cfg.trainer.algorithm
@@ -74,11 +78,13 @@ def build_classes():
             if alg.overlong_buffer_len > 0:
                 for out in outs:
                     out["rewards"] = shape_rewards(
-                        out["rewards"], [len(r) for r in out["response_ids"]],
-                        self.cfg.generator.sampling_params.max_generate_length, alg.overlong_buffer_len,
-                        alg.overlong_buffer_penalty_factor)
-            return super().postprocess_generator_output(generator_output, uids, metrics_generator_output,
-                                                        metrics_uids)
+                        out["rewards"],
+                        [len(r) for r in out["response_ids"]],
+                        self.cfg.generator.sampling_params.max_generate_length,
+                        alg.overlong_buffer_len,
+                        alg.overlong_buffer_penalty_factor,
+                    )
+            return super().postprocess_generator_output(generator_output, uids, metrics_generator_output, metrics_uids)
 
     class KimiExp(BasePPOExp):
         def get_trainer(self, *args, **kwargs):

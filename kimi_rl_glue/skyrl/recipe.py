@@ -74,7 +74,7 @@ class K2xRecipe:
     overlong_buffer_penalty_factor: float = 1.0
 
     @classmethod
-    def from_checkpoint(cls, model_path: str, **kw) -> "K2xRecipe":
+    def from_checkpoint(cls, model_path: str, **kw) -> K2xRecipe:
         """Fill ``moe_router_topk`` and check the expert format from ``<model_path>/config.json``.
 
         :raises RecipeError: the checkpoint is not a K2.x INT4 ``pack-quantized`` release.
@@ -86,8 +86,10 @@ class K2xRecipe:
             raise RecipeError(f"{model_path}: {cfg.family} is a K3-family model; the K2.x SkyRL recipe needs K2/K2.5")
         if cfg.quant is None or cfg.quant.format != INT4_FORMAT:
             have = None if cfg.quant is None else cfg.quant.format
-            raise RecipeError(f"{model_path}: experts are {have!r}, the recipe serves INT4 {INT4_FORMAT!r} "
-                              "(trainer.policy.model.fake_int4_qat)")
+            raise RecipeError(
+                f"{model_path}: experts are {have!r}, the recipe serves INT4 {INT4_FORMAT!r} "
+                "(trainer.policy.model.fake_int4_qat)"
+            )
         kw.setdefault("group_size", cfg.quant.group_size)
         return cls(model_path=model_path, moe_router_topk=cfg.num_experts_per_tok, **kw)
 
@@ -96,20 +98,28 @@ class K2xRecipe:
         if self.convention not in CONVENTIONS:
             raise RecipeError(f"fake_int4_qat convention={self.convention!r}; expected one of {tuple(CONVENTIONS)}")
         if self.lora_rank <= 0:
-            raise RecipeError("trainer.policy.model.lora.rank must be > 0: the recipe syncs only the adapter "
-                              "(merge_lora=false) and fake_int4_qat requires LoRA")
+            raise RecipeError(
+                "trainer.policy.model.lora.rank must be > 0: the recipe syncs only the adapter "
+                "(merge_lora=false) and fake_int4_qat requires LoRA"
+            )
         if self.qat and not self.bf16_base_path:
-            raise RecipeError("trainer.policy.model.fake_int4_qat.bf16_base_path is required with QAT: "
-                              "Megatron-Bridge cannot load the INT4 release; write masters with `kimi-rl dequantize`")
+            raise RecipeError(
+                "trainer.policy.model.fake_int4_qat.bf16_base_path is required with QAT: "
+                "Megatron-Bridge cannot load the INT4 release; write masters with `kimi-rl dequantize`"
+            )
         if self.group_size != 32:
             raise RecipeError(f"trainer.policy.model.fake_int4_qat.group_size={self.group_size}; Kimi INT4 uses 32")
         if self.normalize_moe_lora:
             if not self.moe_router_topk:
-                raise RecipeError("normalize_moe_lora needs moe_router_topk (num_experts_per_tok); "
-                                  "use K2xRecipe.from_checkpoint(model_path)")
+                raise RecipeError(
+                    "normalize_moe_lora needs moe_router_topk (num_experts_per_tok); "
+                    "use K2xRecipe.from_checkpoint(model_path)"
+                )
             if self.lora_rank % self.moe_router_topk:
-                raise RecipeError(f"trainer.policy.megatron_config.lora_config.normalize_moe_lora: lora.rank "
-                                  f"{self.lora_rank} must be divisible by moe_router_topk {self.moe_router_topk}")
+                raise RecipeError(
+                    f"trainer.policy.megatron_config.lora_config.normalize_moe_lora: lora.rank "
+                    f"{self.lora_rank} must be divisible by moe_router_topk {self.moe_router_topk}"
+                )
         if self.tis_ratio_type not in (None, "token", "sequence"):
             raise RecipeError(f"trainer.algorithm.off_policy_correction.tis_ratio_type={self.tis_ratio_type!r}")
         if self.clip_ratio_c <= 1:
@@ -152,14 +162,16 @@ class K2xRecipe:
             "generator.apply_overlong_filtering": False,
         }
         if self.qat:
-            o.update({
-                "trainer.policy.model.fake_int4_qat.enabled": True,
-                "trainer.policy.model.fake_int4_qat.group_size": self.group_size,
-                "trainer.policy.model.fake_int4_qat.symmetric": True,
-                "trainer.policy.model.fake_int4_qat.scale_divisor": sd,
-                "trainer.policy.model.fake_int4_qat.q_min": qmin,
-                "trainer.policy.model.fake_int4_qat.bf16_base_path": self.bf16_base_path,
-            })
+            o.update(
+                {
+                    "trainer.policy.model.fake_int4_qat.enabled": True,
+                    "trainer.policy.model.fake_int4_qat.group_size": self.group_size,
+                    "trainer.policy.model.fake_int4_qat.symmetric": True,
+                    "trainer.policy.model.fake_int4_qat.scale_divisor": sd,
+                    "trainer.policy.model.fake_int4_qat.q_min": qmin,
+                    "trainer.policy.model.fake_int4_qat.bf16_base_path": self.bf16_base_path,
+                }
+            )
         if self.tis_ratio_type is not None:
             o["trainer.algorithm.off_policy_correction.tis_ratio_type"] = self.tis_ratio_type
             o["trainer.algorithm.off_policy_correction.token_tis_ratio_clip_high"] = self.token_tis_ratio_clip_high
@@ -168,5 +180,7 @@ class K2xRecipe:
     def env(self) -> dict[str, str]:
         """Environment for every node, exported **before** ``ray start`` (SkyRL forwards only some
         variables through the Ray runtime env): select our vLLM plugin in the engines."""
-        return {"VLLM_PLUGINS": "kimi", "SKYRL_FROZEN_OFFLOAD_DIR": os.environ.get("SKYRL_FROZEN_OFFLOAD_DIR",
-                                                                                  "/data/skyrl/frozen-offload")}
+        return {
+            "VLLM_PLUGINS": "kimi",
+            "SKYRL_FROZEN_OFFLOAD_DIR": os.environ.get("SKYRL_FROZEN_OFFLOAD_DIR", "/data/skyrl/frozen-offload"),
+        }

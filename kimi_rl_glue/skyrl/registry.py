@@ -15,8 +15,10 @@ from kimi_rl_glue.skyrl.losses import kimi_dapo_policy_loss, kimi_grpo_policy_lo
 __all__ = ["SKYRL_LOSSES", "load_policy_loss_registry", "register_skyrl_losses"]
 
 SKYRL_LOSSES: dict[str, Callable] = {"kimi_dapo": kimi_dapo_policy_loss, "kimi_grpo": kimi_grpo_policy_loss}
-INSTALL_HINT = ("SkyRL is not installed: pip install 'kimi-rl-plugins[skyrl]' on Python >= 3.12 "
-                "(pin a SkyRL commit after NovaSky-AI/SkyRL#2064 for the Kimi K2.x recipe)")
+INSTALL_HINT = (
+    "SkyRL is not installed: pip install 'kimi-rl-plugins[skyrl]' on Python >= 3.12 "
+    "(pin a SkyRL commit after NovaSky-AI/SkyRL#2064 for the Kimi K2.x recipe)"
+)
 
 
 def load_policy_loss_registry():
@@ -30,8 +32,10 @@ def load_policy_loss_registry():
 
 def _same(a: Callable, b: Callable) -> bool:
     # Functions may come back from a Ray actor via cloudpickle: compare by qualified name.
-    return (getattr(a, "__module__", None), getattr(a, "__qualname__", None)) == \
-        (getattr(b, "__module__", None), getattr(b, "__qualname__", None))
+    return (getattr(a, "__module__", None), getattr(a, "__qualname__", None)) == (
+        getattr(b, "__module__", None),
+        getattr(b, "__qualname__", None),
+    )
 
 
 def register_skyrl_losses(registry=None, losses: dict[str, Callable] | None = None) -> list[str]:
@@ -49,9 +53,11 @@ def register_skyrl_losses(registry=None, losses: dict[str, Callable] | None = No
         if name in available:
             have = registry.get(name)
             if not _same(have, fn):
-                raise ValueError(f"SkyRL policy loss {name!r} is already registered to "
-                                 f"{getattr(have, '__module__', '?')}.{getattr(have, '__qualname__', have)}, "
-                                 f"not {fn.__module__}.{fn.__qualname__}")
+                raise ValueError(
+                    f"SkyRL policy loss {name!r} is already registered to "
+                    f"{getattr(have, '__module__', '?')}.{getattr(have, '__qualname__', have)}, "
+                    f"not {fn.__module__}.{fn.__qualname__}"
+                )
             continue
         registry.register(name, fn)
         added.append(name)

@@ -31,8 +31,10 @@ MILES_SCRIPTS = [pytest.param(s, id=Path(s).stem) for s in (K3, K31_H200, K31_B3
 ALL_SCRIPTS = MILES_SCRIPTS + [pytest.param(SKYRL, id=Path(SKYRL).stem)]
 
 # Environment knobs a user might have set that would change the defaults under test.
-_KNOBS = re.compile(r"^(NUM_NODES|GPUS_PER_NODE|TP|PP|CP|EP|ROLLOUT_.*|LORA_.*|DRY_RUN|MEGATRON_.*|QAT_MODE|"
-                    r"EXPERT_WEIGHTS|EXTRA_ARGS|HF_CHECKPOINT|MODEL_.*|DATA_DIR|SAVE_DIR|K3_.*|K31_.*)$")
+_KNOBS = re.compile(
+    r"^(NUM_NODES|GPUS_PER_NODE|TP|PP|CP|EP|ROLLOUT_.*|LORA_.*|DRY_RUN|MEGATRON_.*|QAT_MODE|"
+    r"EXPERT_WEIGHTS|EXTRA_ARGS|HF_CHECKPOINT|MODEL_.*|DATA_DIR|SAVE_DIR|K3_.*|K31_.*)$"
+)
 
 
 class DryRun:
@@ -44,7 +46,7 @@ class DryRun:
         self.env = {}
         for ln in lines:
             if ln.startswith("export "):
-                k, _, v = ln[len("export "):].partition("=")
+                k, _, v = ln[len("export ") :].partition("=")
                 self.env[k] = shlex.split(v)[0] if v else ""
         cmd = lines[lines.index("# command:") + 1]
         self.argv = shlex.split(cmd)
@@ -52,7 +54,7 @@ class DryRun:
     def after(self, token_suffix: str) -> list[str]:
         """The arguments after the first token ending with ``token_suffix`` (e.g. ``train.py``)."""
         i = next(i for i, t in enumerate(self.argv) if t.endswith(token_suffix))
-        return self.argv[i + 1:]
+        return self.argv[i + 1 :]
 
 
 def dry_run(script: str, **env: str) -> DryRun:
@@ -64,8 +66,9 @@ def dry_run(script: str, **env: str) -> DryRun:
 
 def _run(script: str, **env: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not _KNOBS.match(k)}
-    return subprocess.run(["bash", str(REPO / script)], env={**base, "DRY_RUN": "1", **env},
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["bash", str(REPO / script)], env={**base, "DRY_RUN": "1", **env}, capture_output=True, text=True, timeout=60
+    )
 
 
 def split_flags(args: list[str]) -> list[tuple[str, list[str]]]:
@@ -199,9 +202,11 @@ def test_miles_flags_exist_with_the_right_arity(script):
 
 def _sglang_server_flags() -> set[str] | None:
     """Option strings of SGLang's ``ServerArgs.add_cli_args``, in-process or via .venv-sglang; None if unavailable."""
-    code = ("import argparse, json\nfrom sglang.srt.server_args import ServerArgs\n"
-            "p = argparse.ArgumentParser()\nServerArgs.add_cli_args(p)\n"
-            "print(json.dumps(sorted({s for a in p._actions for s in a.option_strings})))\n")
+    code = (
+        "import argparse, json\nfrom sglang.srt.server_args import ServerArgs\n"
+        "p = argparse.ArgumentParser()\nServerArgs.add_cli_args(p)\n"
+        "print(json.dumps(sorted({s for a in p._actions for s in a.option_strings})))\n"
+    )
     if importlib.util.find_spec("sglang") is not None:
         ns: dict = {}
         try:
@@ -212,7 +217,7 @@ def _sglang_server_flags() -> set[str] | None:
             with contextlib.redirect_stdout(buf):
                 exec(code, ns)
             return set(json.loads(buf.getvalue().strip().splitlines()[-1]))
-        except Exception:  # noqa: BLE001 - an sglang that cannot import is reported as a skip below
+        except Exception:
             pass
     if SGLANG_PY.exists():
         r = subprocess.run([str(SGLANG_PY), "-c", code], capture_output=True, text=True, timeout=120)
@@ -266,15 +271,30 @@ def test_miles_uses_our_entry_points_and_no_kimi_branch(script):
 def test_k3_defaults_are_the_seed():
     """run_kimi_k3_lora.sh defaults reproduce seed 000: 16x4 GPUs, TP4 PP8 CP2 EP8, rollout TP16, rank 32/64, 8x8 prompts, AIME every 10."""
     d = dry_run(K3)
-    expect = {"--actor-num-nodes": ["16"], "--actor-num-gpus-per-node": ["4"], "--tensor-model-parallel-size": ["4"],
-              "--pipeline-model-parallel-size": ["8"], "--context-parallel-size": ["2"],
-              "--expert-model-parallel-size": ["8"], "--sglang-tp-size": ["16"], "--lora-rank": ["32"],
-              "--lora-alpha": ["64"], "--rollout-batch-size": ["8"], "--n-samples-per-prompt": ["8"],
-              "--global-batch-size": ["64"], "--rollout-max-response-len": ["4096"],
-              "--sglang-max-total-tokens": ["65536"], "--sglang-max-running-requests": ["8"],
-              "--max-tokens-per-gpu": ["8192"], "--eval-interval": ["10"], "--num-rollout": ["1000"],
-              "--lr": ["1e-5"], "--decoder-first-pipeline-num-layers": ["12"],
-              "--decoder-last-pipeline-num-layers": ["9"], "--distributed-timeout-minutes": ["60"]}
+    expect = {
+        "--actor-num-nodes": ["16"],
+        "--actor-num-gpus-per-node": ["4"],
+        "--tensor-model-parallel-size": ["4"],
+        "--pipeline-model-parallel-size": ["8"],
+        "--context-parallel-size": ["2"],
+        "--expert-model-parallel-size": ["8"],
+        "--sglang-tp-size": ["16"],
+        "--lora-rank": ["32"],
+        "--lora-alpha": ["64"],
+        "--rollout-batch-size": ["8"],
+        "--n-samples-per-prompt": ["8"],
+        "--global-batch-size": ["64"],
+        "--rollout-max-response-len": ["4096"],
+        "--sglang-max-total-tokens": ["65536"],
+        "--sglang-max-running-requests": ["8"],
+        "--max-tokens-per-gpu": ["8192"],
+        "--eval-interval": ["10"],
+        "--num-rollout": ["1000"],
+        "--lr": ["1e-5"],
+        "--decoder-first-pipeline-num-layers": ["12"],
+        "--decoder-last-pipeline-num-layers": ["9"],
+        "--distributed-timeout-minutes": ["60"],
+    }
     assert {k: values(d, k) for k in expect} == expect
     assert values(d, "--lora-base-cpu-backup") == []
 
@@ -282,17 +302,37 @@ def test_k3_defaults_are_the_seed():
 def test_k31_h200_defaults_are_the_seed():
     """The 32xH200 script reproduces seed 001: TP4 PP4 CP2 EP8 (24/21 layers), score centering on top-128, 32x16, saves every 5."""
     d = dry_run(K31_H200)
-    expect = {"--actor-num-nodes": ["4"], "--actor-num-gpus-per-node": ["8"], "--tensor-model-parallel-size": ["4"],
-              "--pipeline-model-parallel-size": ["4"], "--context-parallel-size": ["2"],
-              "--expert-model-parallel-size": ["8"], "--decoder-first-pipeline-num-layers": ["24"],
-              "--decoder-last-pipeline-num-layers": ["21"], "--sglang-tp-size": ["32"], "--sglang-ep-size": ["32"],
-              "--sglang-attn-dp-size": ["4"], "--sglang-max-total-tokens": ["262144"],
-              "--rollout-batch-size": ["32"], "--n-samples-per-prompt": ["16"], "--global-batch-size": ["512"],
-              "--rollout-max-response-len": ["3072"], "--rollout-top-logprobs-num": ["128"],
-              "--loss-type": ["custom_loss"], "--save-interval": ["5"], "--sglang-kv-cache-dtype": ["bfloat16"]}
+    expect = {
+        "--actor-num-nodes": ["4"],
+        "--actor-num-gpus-per-node": ["8"],
+        "--tensor-model-parallel-size": ["4"],
+        "--pipeline-model-parallel-size": ["4"],
+        "--context-parallel-size": ["2"],
+        "--expert-model-parallel-size": ["8"],
+        "--decoder-first-pipeline-num-layers": ["24"],
+        "--decoder-last-pipeline-num-layers": ["21"],
+        "--sglang-tp-size": ["32"],
+        "--sglang-ep-size": ["32"],
+        "--sglang-attn-dp-size": ["4"],
+        "--sglang-max-total-tokens": ["262144"],
+        "--rollout-batch-size": ["32"],
+        "--n-samples-per-prompt": ["16"],
+        "--global-batch-size": ["512"],
+        "--rollout-max-response-len": ["3072"],
+        "--rollout-top-logprobs-num": ["128"],
+        "--loss-type": ["custom_loss"],
+        "--save-interval": ["5"],
+        "--sglang-kv-cache-dtype": ["bfloat16"],
+    }
     assert {k: values(d, k) for k in expect} == expect
-    for switch in ("--lora-base-cpu-backup", "--use-rollout-routing-replay", "--disable-grpo-std-normalization",
-                   "--use-rollout-logprobs", "--calculate-per-token-loss", "--experts-shared-outer-loras"):
+    for switch in (
+        "--lora-base-cpu-backup",
+        "--use-rollout-routing-replay",
+        "--disable-grpo-std-normalization",
+        "--use-rollout-logprobs",
+        "--calculate-per-token-loss",
+        "--experts-shared-outer-loras",
+    ):
         assert values(d, switch) == [], switch
     assert "--check-lora-weight-equal" not in d.argv
     assert d.env["NCCL_RAS_ENABLE"] == "0" and d.env["SGLANG_DSA_TOPK_BROADCAST"] == "1"
@@ -302,11 +342,19 @@ def test_k31_b300_defaults_are_the_seed():
     """The 16xB300 script: PP2 (47/46), one TP16/EP16 engine with attention DP 2, 16x16 with the dynamic filter, base re-sent each sync."""
     d = dry_run(K31_B300)
     assert d.text.startswith("# DRY_RUN=1: examples/miles/run_kimi_k31_w4a16_lora_16xb300.sh")
-    expect = {"--actor-num-nodes": ["2"], "--pipeline-model-parallel-size": ["2"],
-              "--decoder-first-pipeline-num-layers": ["47"], "--decoder-last-pipeline-num-layers": ["46"],
-              "--sglang-tp-size": ["16"], "--sglang-ep-size": ["16"], "--sglang-attn-dp-size": ["2"],
-              "--sglang-max-total-tokens": ["524288"], "--rollout-batch-size": ["16"], "--global-batch-size": ["256"],
-              "--over-sampling-batch-size": ["4"]}
+    expect = {
+        "--actor-num-nodes": ["2"],
+        "--pipeline-model-parallel-size": ["2"],
+        "--decoder-first-pipeline-num-layers": ["47"],
+        "--decoder-last-pipeline-num-layers": ["46"],
+        "--sglang-tp-size": ["16"],
+        "--sglang-ep-size": ["16"],
+        "--sglang-attn-dp-size": ["2"],
+        "--sglang-max-total-tokens": ["524288"],
+        "--rollout-batch-size": ["16"],
+        "--global-batch-size": ["256"],
+        "--over-sampling-batch-size": ["4"],
+    }
     assert {k: values(d, k) for k in expect} == expect
     assert "--dynamic-sampling-filter-path" in d.argv
     assert "--lora-base-cpu-backup" not in d.argv
@@ -330,23 +378,45 @@ def test_model_args_match_the_release_config(script, release):
     cfg = getattr(release_configs, f"{release}_release_config")()
     t = cfg["text_config"]
     d = dry_run(script)
-    got = {k: int(values(d, k)[0]) for k in ("--num-layers", "--hidden-size", "--ffn-hidden-size",
-                                            "--num-attention-heads", "--vocab-size", "--q-lora-rank",
-                                            "--kv-lora-rank", "--num-experts", "--moe-router-topk",
-                                            "--moe-ffn-hidden-size", "--moe-latent-size",
-                                            "--moe-shared-expert-intermediate-size")}
-    assert got == {"--num-layers": t["num_hidden_layers"], "--hidden-size": t["hidden_size"],
-                   "--ffn-hidden-size": t["intermediate_size"], "--num-attention-heads": t["num_attention_heads"],
-                   "--vocab-size": t["vocab_size"], "--q-lora-rank": t["q_lora_rank"],
-                   "--kv-lora-rank": t["kv_lora_rank"], "--num-experts": t["num_experts"],
-                   "--moe-router-topk": t["num_experts_per_token"], "--moe-ffn-hidden-size": t["moe_intermediate_size"],
-                   "--moe-latent-size": t["routed_expert_hidden_size"],
-                   "--moe-shared-expert-intermediate-size": t["num_shared_experts"] * t["moe_intermediate_size"]}
+    got = {
+        k: int(values(d, k)[0])
+        for k in (
+            "--num-layers",
+            "--hidden-size",
+            "--ffn-hidden-size",
+            "--num-attention-heads",
+            "--vocab-size",
+            "--q-lora-rank",
+            "--kv-lora-rank",
+            "--num-experts",
+            "--moe-router-topk",
+            "--moe-ffn-hidden-size",
+            "--moe-latent-size",
+            "--moe-shared-expert-intermediate-size",
+        )
+    }
+    assert got == {
+        "--num-layers": t["num_hidden_layers"],
+        "--hidden-size": t["hidden_size"],
+        "--ffn-hidden-size": t["intermediate_size"],
+        "--num-attention-heads": t["num_attention_heads"],
+        "--vocab-size": t["vocab_size"],
+        "--q-lora-rank": t["q_lora_rank"],
+        "--kv-lora-rank": t["kv_lora_rank"],
+        "--num-experts": t["num_experts"],
+        "--moe-router-topk": t["num_experts_per_token"],
+        "--moe-ffn-hidden-size": t["moe_intermediate_size"],
+        "--moe-latent-size": t["routed_expert_hidden_size"],
+        "--moe-shared-expert-intermediate-size": t["num_shared_experts"] * t["moe_intermediate_size"],
+    }
     freq = eval(values(d, "--moe-layer-freq")[0], {"__builtins__": {}})  # Megatron evaluates it the same way
-    assert len(freq) == t["num_hidden_layers"] and freq[: t["first_k_dense_replace"]] == [0] * t["first_k_dense_replace"]
+    assert (
+        len(freq) == t["num_hidden_layers"] and freq[: t["first_k_dense_replace"]] == [0] * t["first_k_dense_replace"]
+    )
     if release == "k31":
-        assert [int(values(d, f)[0]) for f in ("--dsa-indexer-n-heads", "--dsa-indexer-head-dim", "--dsa-indexer-topk")] \
-            == [t["index_n_heads"], t["index_head_dim"], t["index_topk"]]
+        assert [
+            int(values(d, f)[0]) for f in ("--dsa-indexer-n-heads", "--dsa-indexer-head-dim", "--dsa-indexer-topk")
+        ] == [t["index_n_heads"], t["index_head_dim"], t["index_topk"]]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -367,20 +437,28 @@ def test_skyrl_defaults_are_the_seed_with_our_entrypoint():
     o = skyrl_overrides(d)
     assert d.after("skyrl.train.entrypoints.main_base")[0] == "trainer.override_entrypoint=kimi_rl_glue.skyrl.main"
     assert d.env["VLLM_PLUGINS"] == "kimi"
-    expect = {"trainer.placement.policy_num_nodes": "2", "trainer.placement.policy_num_gpus_per_node": "8",
-              "generator.inference_engine.num_engines": "2", "generator.inference_engine.tensor_parallel_size": "8",
-              "trainer.policy.megatron_config.tensor_model_parallel_size": "2",
-              "trainer.policy.megatron_config.context_parallel_size": "8",
-              "trainer.policy.megatron_config.expert_model_parallel_size": "16",
-              "trainer.policy.megatron_config.expert_tensor_parallel_size": "1",
-              "trainer.policy.megatron_config.pipeline_model_parallel_size": "1",
-              "trainer.max_prompt_length": "8192", "generator.sampling_params.max_generate_length": str(262144 - 8192),
-              "trainer.algorithm.policy_loss_type": "dual_clip", "trainer.algorithm.eps_clip_high": "0.28",
-              "trainer.algorithm.off_policy_correction.tis_ratio_type": "token",
-              "trainer.policy.megatron_config.lora_config.merge_lora": "false",
-              "trainer.policy.megatron_config.lora_config.normalize_moe_lora": "true",
-              "trainer.policy.language_model_only": "true", "generator.inference_engine.language_model_only": "true",
-              "trainer.policy.model.lora.rank": "32", "trainer.policy.model.path": "moonshotai/Kimi-K2.7-Code"}
+    expect = {
+        "trainer.placement.policy_num_nodes": "2",
+        "trainer.placement.policy_num_gpus_per_node": "8",
+        "generator.inference_engine.num_engines": "2",
+        "generator.inference_engine.tensor_parallel_size": "8",
+        "trainer.policy.megatron_config.tensor_model_parallel_size": "2",
+        "trainer.policy.megatron_config.context_parallel_size": "8",
+        "trainer.policy.megatron_config.expert_model_parallel_size": "16",
+        "trainer.policy.megatron_config.expert_tensor_parallel_size": "1",
+        "trainer.policy.megatron_config.pipeline_model_parallel_size": "1",
+        "trainer.max_prompt_length": "8192",
+        "generator.sampling_params.max_generate_length": str(262144 - 8192),
+        "trainer.algorithm.policy_loss_type": "dual_clip",
+        "trainer.algorithm.eps_clip_high": "0.28",
+        "trainer.algorithm.off_policy_correction.tis_ratio_type": "token",
+        "trainer.policy.megatron_config.lora_config.merge_lora": "false",
+        "trainer.policy.megatron_config.lora_config.normalize_moe_lora": "true",
+        "trainer.policy.language_model_only": "true",
+        "generator.inference_engine.language_model_only": "true",
+        "trainer.policy.model.lora.rank": "32",
+        "trainer.policy.model.path": "moonshotai/Kimi-K2.7-Code",
+    }
     assert {k: o[k] for k in expect} == expect
     assert json.loads(o["generator.inference_engine.engine_init_kwargs"])["max_model_len"] == 262144
 
@@ -392,7 +470,10 @@ def test_skyrl_expert_weights_modes():
     assert "trainer.policy.model.fake_int4_qat.bf16_base_path" not in o
     o = skyrl_overrides(dry_run(SKYRL, EXPERT_WEIGHTS="bf16"))
     assert o["trainer.policy.model.fake_int4_qat.enabled"] == "true"
-    assert (o["trainer.policy.model.fake_int4_qat.scale_divisor"], o["trainer.policy.model.fake_int4_qat.q_min"]) == ("7.0", "-7")
+    assert (o["trainer.policy.model.fake_int4_qat.scale_divisor"], o["trainer.policy.model.fake_int4_qat.q_min"]) == (
+        "7.0",
+        "-7",
+    )
     o = skyrl_overrides(dry_run(SKYRL, EXPERT_WEIGHTS="bf16", QAT_MODE="off"))
     assert o["trainer.policy.model.fake_int4_qat.enabled"] == "false"
     assert o["trainer.algorithm.off_policy_correction.tis_ratio_type"] == "null"
@@ -413,7 +494,9 @@ def skyrl_vllm_engine_kwargs(o: dict[str, str]) -> dict:
         "enforce_eager": o[ie + "enforce_eager"] == "true",
         "distributed_executor_backend": o[ie + "distributed_executor_backend"],
         "language_model_only": o[ie + "language_model_only"] == "true",
-        "enable_lora": True, "max_lora_rank": int(o["trainer.policy.model.lora.rank"]), "max_loras": 1,
+        "enable_lora": True,
+        "max_lora_rank": int(o["trainer.policy.model.lora.rank"]),
+        "max_loras": 1,
         "fully_sharded_loras": False,
     }
     kw.update(json.loads(o[ie + "engine_init_kwargs"]))
@@ -445,11 +528,25 @@ def vllm_engine_args():
     return EngineArgs, EngineArgs.add_cli_args(FlexibleArgumentParser())
 
 
-@pytest.mark.parametrize("knobs", [pytest.param({}, id="seed"),
-                                   pytest.param({"NUM_NODES": "1", "NUM_INFERENCE_ENGINES": "4",
-                                                 "INFERENCE_ENGINE_TENSOR_PARALLEL_SIZE": "2", "MEGATRON_CP": "1",
-                                                 "MEGATRON_EP": "8", "MAX_MODEL_LEN": "4096",
-                                                 "MAX_PROMPT_LENGTH": "512", "LORA_RANK": "8"}, id="smoke")])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        pytest.param({}, id="seed"),
+        pytest.param(
+            {
+                "NUM_NODES": "1",
+                "NUM_INFERENCE_ENGINES": "4",
+                "INFERENCE_ENGINE_TENSOR_PARALLEL_SIZE": "2",
+                "MEGATRON_CP": "1",
+                "MEGATRON_EP": "8",
+                "MAX_MODEL_LEN": "4096",
+                "MAX_PROMPT_LENGTH": "512",
+                "LORA_RANK": "8",
+            },
+            id="smoke",
+        ),
+    ],
+)
 def test_skyrl_vllm_engine_args_parse(knobs, vllm_engine_args):
     """The vLLM engine SkyRL would start from these overrides is valid for vLLM's EngineArgs: field names and the real CLI parser (types, choices, nested configs)."""
     import dataclasses

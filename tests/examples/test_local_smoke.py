@@ -32,8 +32,16 @@ def runs(tmp_path_factory):
     procs = {}
     for name, script in SCRIPTS.items():
         out = tmp_path_factory.mktemp(name)
-        procs[name] = (subprocess.Popen(["bash", str(REPO / script)], env={**env, **SHORTEST, "OUT": str(out)},
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), time.time())
+        procs[name] = (
+            subprocess.Popen(
+                ["bash", str(REPO / script)],
+                env={**env, **SHORTEST, "OUT": str(out)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            ),
+            time.time(),
+        )
     done = {}
     for name, (p, t0) in procs.items():
         text, _ = p.communicate(timeout=300)

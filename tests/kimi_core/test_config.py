@@ -33,16 +33,20 @@ def test_tiny_configs_parse(model):
     assert c.has_indexer == (model == "k31")
 
 
-@pytest.mark.parametrize("mutate, field", [
-    (lambda c: c["text_config"].pop("attn_res_block_size"), "attn_res_block_size"),
-    (lambda c: c["text_config"]["linear_attn_config"]["kda_layers"].remove(1), "linear_attn_config"),
-    (lambda c: c["text_config"].update(hidden_act="silu"), "hidden_act"),
-    (lambda c: c["text_config"].update(num_experts_per_token=1000), "num_experts_per_tok"),
-    (lambda c: c["text_config"].update(hidden_size="7168"), "hidden_size"),
-    (lambda c: c["quantization_config"].update(format="nvfp4-pack-quantized"), "format"),
-    (lambda c: c["text_config"].update(model_type="deepseek_v3"), "model_type"),
-    (lambda c: c.update(architectures=["LlamaForCausalLM"]), "architectures"),
-], ids=["no-block-size", "layer-gap", "act", "topk", "type", "quant-format", "text-type", "arch"])
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda c: c["text_config"].pop("attn_res_block_size"), "attn_res_block_size"),
+        (lambda c: c["text_config"]["linear_attn_config"]["kda_layers"].remove(1), "linear_attn_config"),
+        (lambda c: c["text_config"].update(hidden_act="silu"), "hidden_act"),
+        (lambda c: c["text_config"].update(num_experts_per_token=1000), "num_experts_per_tok"),
+        (lambda c: c["text_config"].update(hidden_size="7168"), "hidden_size"),
+        (lambda c: c["quantization_config"].update(format="nvfp4-pack-quantized"), "format"),
+        (lambda c: c["text_config"].update(model_type="deepseek_v3"), "model_type"),
+        (lambda c: c.update(architectures=["LlamaForCausalLM"]), "architectures"),
+    ],
+    ids=["no-block-size", "layer-gap", "act", "topk", "type", "quant-format", "text-type", "arch"],
+)
 def test_invalid_config_names_field(mutate, field):
     """An invalid or inconsistent K3 config raises ConfigError naming the field."""
     cfg = copy.deepcopy(k3_release_config())

@@ -43,8 +43,13 @@ def test_every_error_class_is_a_kimi_error():
         return name not in seen and any(reaches(b, seen | {name}) for _, bases in classes.get(name, []) for b in bases)
 
     assert len(classes) >= 20, sorted(classes)  # the scan sees the classes (ConfigError, PluginError, ...)
-    bad = [f"{where} class {name}({', '.join(bases)})" for name, rows in classes.items() if name != "KimiError"
-           for where, bases in rows if not any(reaches(b, frozenset({name})) for b in bases)]
+    bad = [
+        f"{where} class {name}({', '.join(bases)})"
+        for name, rows in classes.items()
+        if name != "KimiError"
+        for where, bases in rows
+        if not any(reaches(b, frozenset({name})) for b in bases)
+    ]
     assert not bad, "exception classes outside the kimi_core.errors family:\n" + "\n".join(bad)
 
 

@@ -6,9 +6,9 @@ import statistics
 
 import pytest
 import torch
+from utils import assert_close
 
 from kimi_rl_glue.losses.advantages import group_advantages, group_ids_from_size
-from utils import assert_close
 
 
 def _loop(rewards, ids, norm, eps, style):

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+from utils import assert_close
 
 from kimi_rl_glue.losses.kl import kl_estimate, mismatch_metrics, train_rollout_kl, train_rollout_logprob_abs_diff
-from utils import assert_close
 
 
 def test_estimators_match_closed_forms():
@@ -18,7 +18,9 @@ def test_estimators_match_closed_forms():
     d = (a - b).tolist()
     assert_close("k1", torch.tensor(d, dtype=torch.float64), kl_estimate(a, b, "k1"), 1e-15)
     assert_close("k2", torch.tensor([x * x / 2 for x in d], dtype=torch.float64), kl_estimate(a, b, "k2"), 1e-15)
-    assert_close("k3", torch.tensor([math.exp(-x) - 1 + x for x in d], dtype=torch.float64), kl_estimate(a, b, "k3"), 1e-15)
+    assert_close(
+        "k3", torch.tensor([math.exp(-x) - 1 + x for x in d], dtype=torch.float64), kl_estimate(a, b, "k3"), 1e-15
+    )
     lv = [min(max(math.exp(min(-x, 20)) - 1 - min(-x, 20), -10), 10) for x in d]
     assert_close("low_var_kl", torch.tensor(lv, dtype=torch.float64), kl_estimate(a, b, "low_var_kl"), 1e-15)
 

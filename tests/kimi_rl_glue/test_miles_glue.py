@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install '.[megatron]')")
 
-from kimi_core.lora import Adapter, random_adapter  # noqa: E402
-from kimi_rl_glue.miles import lora_provider as lp  # noqa: E402
+from kimi_core.lora import Adapter, random_adapter
+from kimi_rl_glue.miles import lora_provider as lp
 
 
 def _miles_load_function(path: str):
@@ -22,8 +22,16 @@ def _miles_load_function(path: str):
 
 
 def _args(path, **kw):
-    base = dict(lora_rank=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", exclude_modules=None,
-                experts_shared_outer_loras=False, hf_checkpoint=path, seed=0)
+    base = dict(
+        lora_rank=8,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        target_modules="all-linear",
+        exclude_modules=None,
+        experts_shared_outer_loras=False,
+        hf_checkpoint=path,
+        seed=0,
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -42,8 +50,14 @@ def test_init_resolves_as_miles_does_and_logs_missing_bridge(caplog):
 
 def test_spec_from_miles_flags():
     """HF and Megatron leaf names, both expert families, exclusions; bad flags are named."""
-    s = lp.lora_spec_from_args(_args("", target_modules=["linear_proj", "linear_fc1"], exclude_modules="linear_fc2",
-                                     experts_shared_outer_loras=True))
+    s = lp.lora_spec_from_args(
+        _args(
+            "",
+            target_modules=["linear_proj", "linear_fc1"],
+            exclude_modules="linear_fc2",
+            experts_shared_outer_loras=True,
+        )
+    )
     assert s.target_modules == ("o_proj", "gate_proj", "w1", "up_proj", "w3")
     assert s.exclude_modules == ("down_proj", "w2") and s.expert_layout == "shared_outer"
     assert lp.lora_spec_from_args(_args("")).target_modules == "all-linear"
@@ -62,8 +76,9 @@ def test_provider_load_export_round_trip(mcore_world, tiny_ckpt, tmp_path):
     path = tiny_ckpt("k2", layers=2)
 
     def miles_provider(pre_process=True, post_process=True, vp_stage=None):
-        m = provider.build_model_from_hf(path, pre_process=pre_process, post_process=post_process,
-                                         vp_stage=vp_stage, perform_initialization=False)
+        m = provider.build_model_from_hf(
+            path, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, perform_initialization=False
+        )
         del m.kimi_config  # a model built from miles' --spec has no kimi_config: the wrapper reads --hf-checkpoint
         return m
 

@@ -12,27 +12,47 @@ from kimi_rl_glue.miles.filters import reward_nonzero_std
 from kimi_rl_glue.miles.reward import answers_equivalent, extract_boxed, math_reward, math_rm
 
 
-@pytest.mark.parametrize("text,want", [
-    (r"a \boxed{1} then \boxed{\frac{1}{2}}", r"\frac{1}{2}"),
-    (r"\boxed{\{1,2\}}", r"\{1,2\}"),
-    (r"\boxed{a^{2}+b^{2}}", "a^{2}+b^{2}"),
-    (r"\fbox{7}", "7"),
-    (r"\boxed 42$", "42"),
-    (r"\boxed{3} and \boxed{unclosed", "3"),
-    ("no box at all", None),
-], ids=["last-wins", "escaped-braces", "nested", "fbox", "space-form", "unbalanced-last", "none"])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        (r"a \boxed{1} then \boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+        (r"\boxed{\{1,2\}}", r"\{1,2\}"),
+        (r"\boxed{a^{2}+b^{2}}", "a^{2}+b^{2}"),
+        (r"\fbox{7}", "7"),
+        (r"\boxed 42$", "42"),
+        (r"\boxed{3} and \boxed{unclosed", "3"),
+        ("no box at all", None),
+    ],
+    ids=["last-wins", "escaped-braces", "nested", "fbox", "space-form", "unbalanced-last", "none"],
+)
 def test_extract_boxed(text, want):
     """The last balanced \\boxed{}/\\fbox{} (or '\\boxed x') is extracted; None when there is none."""
     assert extract_boxed(text) == want
 
 
-@pytest.mark.parametrize("a,b,eq", [
-    ("0.5", r"\frac{1}{2}", True), (r"\dfrac{3}{4}", "0.75", True), ("x=7", "7", True), ("1,000", "1000", True),
-    (r"2\sqrt{2}", r"\sqrt{8}", True), (r"\frac{\pi}{2}", r"\pi/2", True), ("(1,2)", "(1, 2)", True),
-    ("2x+1", "1+2x", True), (r"90^\circ", "90", True), (r"\text{5}", "5", True), ("2.50", "2.5", True),
-    ("3", "4", False), ("x+1", "x+2", False), ("(1,2)", "(2,1)", False), (r"10^{99999}", "1", False),
-    ("__import__('os')", "0", False), ("", "0", False),
-], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "a,b,eq",
+    [
+        ("0.5", r"\frac{1}{2}", True),
+        (r"\dfrac{3}{4}", "0.75", True),
+        ("x=7", "7", True),
+        ("1,000", "1000", True),
+        (r"2\sqrt{2}", r"\sqrt{8}", True),
+        (r"\frac{\pi}{2}", r"\pi/2", True),
+        ("(1,2)", "(1, 2)", True),
+        ("2x+1", "1+2x", True),
+        (r"90^\circ", "90", True),
+        (r"\text{5}", "5", True),
+        ("2.50", "2.5", True),
+        ("3", "4", False),
+        ("x+1", "x+2", False),
+        ("(1,2)", "(2,1)", False),
+        (r"10^{99999}", "1", False),
+        ("__import__('os')", "0", False),
+        ("", "0", False),
+    ],
+    ids=lambda v: str(v),
+)
 def test_equivalence(a, b, eq):
     """Equivalent spellings match, different values do not, and unsafe or huge inputs are simply unequal."""
     assert answers_equivalent(a, b) is eq

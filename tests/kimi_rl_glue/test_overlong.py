@@ -4,15 +4,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kimi_rl_glue.losses.overlong import apply_overlong_penalty
 from utils import assert_close
 
+from kimi_rl_glue.losses.overlong import apply_overlong_penalty
 
-@pytest.mark.parametrize("L_max,L_buf,factor", [(100, 20, 1.0), (4096 * 2, 4096, 0.5)], ids=["100-20-f1", "8192-4096-f0.5"])
+
+@pytest.mark.parametrize(
+    "L_max,L_buf,factor", [(100, 20, 1.0), (4096 * 2, 4096, 0.5)], ids=["100-20-f1", "8192-4096-f0.5"]
+)
 def test_matches_formula(L_max, L_buf, factor):
     """Inside (L_max - L_buf, L_max] the reward loses (len - (L_max - L_buf)) / L_buf * factor; beyond L_max it is 0."""
-    lens = [1, L_max - L_buf - 1, L_max - L_buf, L_max - L_buf + 1, L_max - L_buf // 2, L_max - 1, L_max, L_max + 1, 3 * L_max]
+    lens = [
+        1,
+        L_max - L_buf - 1,
+        L_max - L_buf,
+        L_max - L_buf + 1,
+        L_max - L_buf // 2,
+        L_max - 1,
+        L_max,
+        L_max + 1,
+        3 * L_max,
+    ]
     rewards = [1.0, 0.0, 1.0, 1.0, 0.5, 1.0, 1.0, 1.0, -0.5]
     ref = []
     for r, n in zip(rewards, lens):

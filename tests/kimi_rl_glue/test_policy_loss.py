@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+from utils import assert_close
 
 from kimi_rl_glue.losses.policy import clipped_pg_token_loss, policy_loss
-from utils import assert_close
 
 
 def _batch(seed: int, B: int, T: int, spread: float = 0.6):
@@ -60,7 +60,9 @@ def test_loss_and_gradient_match_loop(eps_low, eps_high, c, reduction, B, T):
     """Loss value and d/d log_probs equal the clip-higher/dual-clip formula evaluated token by token."""
     lp, old, _, adv, mask = _batch(B * 31 + T, B, T, spread=0.8 if c == 1.5 else 0.6)
     x = lp.clone().requires_grad_(True)
-    got, metrics = policy_loss(x, old, adv, mask, eps_low=eps_low, eps_high=eps_high, clip_ratio_c=c, reduction=reduction)
+    got, metrics = policy_loss(
+        x, old, adv, mask, eps_low=eps_low, eps_high=eps_high, clip_ratio_c=c, reduction=reduction
+    )
     got.backward()
     ref, ref_grad = _loop(lp, old, adv, mask, eps_low, eps_high, c, reduction)
     assert_close("pg loss", ref.reshape(1), got.detach().reshape(1), 1e-12)

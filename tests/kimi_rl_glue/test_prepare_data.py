@@ -39,8 +39,14 @@ def test_cli_converts_both_tasks_to_miles_keys(tmp_path, capsys):
 def test_boxed_instruction_and_skips(tmp_path):
     """--add-boxed-instruction appends the instruction once; rows without a label are skipped and reported."""
     src = tmp_path / "in.jsonl"
-    src.write_text(json.dumps({"prompt": "What is 1+1?", "label": "2"}) + "\n" + json.dumps({"problem": "x"}) + "\n"
-                   + json.dumps({"prompt": r"Put it in \boxed{}: 2+2?", "answer": 4}) + "\n")
+    src.write_text(
+        json.dumps({"prompt": "What is 1+1?", "label": "2"})
+        + "\n"
+        + json.dumps({"problem": "x"})
+        + "\n"
+        + json.dumps({"prompt": r"Put it in \boxed{}: 2+2?", "answer": 4})
+        + "\n"
+    )
     rep = prepare_data("dapo-math", str(src), str(tmp_path / "o.jsonl"), add_boxed_instruction=True)
     rows = _rows(tmp_path / "o.jsonl")
     assert rep.rows == 2 and [i for i, _ in rep.skipped] == [1]

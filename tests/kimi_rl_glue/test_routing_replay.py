@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from utils import assert_close
 
 from kimi_core.checkpoint.tiny import tiny_config
 from kimi_core.config import KimiConfig
 from kimi_core.reference.moe import route
-from kimi_rl_glue.miles.routing_replay import (layer_replay_indices, moe_layer_ids, replay_overlap, replay_route,
-                                               routed_experts_array)
-from utils import assert_close
+from kimi_rl_glue.miles.routing_replay import (
+    layer_replay_indices,
+    moe_layer_ids,
+    replay_overlap,
+    replay_route,
+    routed_experts_array,
+)
 
 
 @pytest.fixture(scope="module")

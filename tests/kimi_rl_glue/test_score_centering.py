@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+from utils import assert_close
 
 from kimi_rl_glue.losses.score_centering import importance_weight, score_centering_from_logits, score_centering_loss
-from utils import assert_close
 
 EPS = 1e-6
 
@@ -31,7 +31,9 @@ def _problem(seed: int, N: int, V: int, K: int, pad_rows: int = 1):
         ids[i, -1] = -1
     tokens = torch.randint(0, V, (N,), generator=g)
     adv = torch.randn(N, generator=g, dtype=torch.float64)
-    q_head = torch.where(ids >= 0, q.gather(1, ids.clamp(min=0)).log(), torch.full(ids.shape, -math.inf, dtype=torch.float64))
+    q_head = torch.where(
+        ids >= 0, q.gather(1, ids.clamp(min=0)).log(), torch.full(ids.shape, -math.inf, dtype=torch.float64)
+    )
     q_tok = q.gather(1, tokens[:, None]).squeeze(1).log()
     return z, q, ids, tokens, adv, q_head, q_tok
 
@@ -60,7 +62,7 @@ def _analytic_grad(z, ids, tokens, adv, q_head, q_tok, mode, c, lo, hi):
     for i in range(N):
         p = torch.softmax(z[i], -1)
         eye = torch.eye(V, dtype=torch.float64)
-        s = eye - p[None, :]                       # s[v] = d log p_v / d z
+        s = eye - p[None, :]  # s[v] = d log p_v / d z
         H = {int(v): math.exp(float(lq)) for v, lq in zip(ids[i], q_head[i]) if int(v) >= 0}
         pH, qH = sum(float(p[v]) for v in H), sum(H.values())
         rho = max(1 - qH, EPS) / max(1 - pH, EPS)
@@ -75,8 +77,11 @@ def _analytic_grad(z, ids, tokens, adv, q_head, q_tok, mode, c, lo, hi):
     return grad
 
 
-MODES = [pytest.param("none", 2.0, 0.5, 5.0, id="none"), pytest.param("tis", 1.3, 0.5, 5.0, id="tis-c1.3"),
-         pytest.param("mis", 2.0, 0.7, 1.6, id="mis-0.7-1.6")]
+MODES = [
+    pytest.param("none", 2.0, 0.5, 5.0, id="none"),
+    pytest.param("tis", 1.3, 0.5, 5.0, id="tis-c1.3"),
+    pytest.param("mis", 2.0, 0.7, 1.6, id="mis-0.7-1.6"),
+]
 SHAPES = [pytest.param(6, 7, 3, id="N6-V7-K3"), pytest.param(13, 11, 5, id="N13-V11-K5")]
 
 
@@ -85,12 +90,18 @@ SHAPES = [pytest.param(6, 7, 3, id="N6-V7-K3"), pytest.param(13, 11, 5, id="N13-
 def test_loss_matches_float64_loop(mode, c, lo, hi, N, V, K):
     """The per-token loss equals the section-6 formula evaluated candidate by candidate in float64."""
     z, q, ids, tokens, adv, q_head, q_tok = _problem(0, N, V, K)
-    got, metrics, _ = score_centering_from_logits(z, tokens, ids, q_tok, q_head, adv, importance=mode, tis_clip=c,
-                                                  mis_low=lo, mis_high=hi)
+    got, metrics, _ = score_centering_from_logits(
+        z, tokens, ids, q_tok, q_head, adv, importance=mode, tis_clip=c, mis_low=lo, mis_high=hi
+    )
     ref = _loop_loss(z, ids, tokens, adv, q_head, q_tok, mode, c, lo, hi)
     assert_close("sc loss", ref, got, 1e-12)
-    assert set(metrics) == {"sc_correction", "sc_train_head_mass", "sc_rollout_head_mass", "sc_tail_ratio",
-                            "sc_importance_weight"}
+    assert set(metrics) == {
+        "sc_correction",
+        "sc_train_head_mass",
+        "sc_rollout_head_mass",
+        "sc_tail_ratio",
+        "sc_importance_weight",
+    }
 
 
 @pytest.mark.parametrize("mode,c,lo,hi", MODES)
@@ -99,8 +110,9 @@ def test_gradient_is_centered_score(mode, c, lo, hi, N, V, K):
     """Autograd of the loss w.r.t. the logits equals -A (w_a s_a - E_{q_hat}[w s]) on a small vocabulary."""
     z, q, ids, tokens, adv, q_head, q_tok = _problem(1, N, V, K)
     z = z.clone().requires_grad_(True)
-    loss, _, _ = score_centering_from_logits(z, tokens, ids, q_tok, q_head, adv, importance=mode, tis_clip=c,
-                                             mis_low=lo, mis_high=hi)
+    loss, _, _ = score_centering_from_logits(
+        z, tokens, ids, q_tok, q_head, adv, importance=mode, tis_clip=c, mis_low=lo, mis_high=hi
+    )
     loss.sum().backward()
     ref = _analytic_grad(z.detach(), ids, tokens, adv, q_head, q_tok, mode, c, lo, hi)
     assert_close("sc grad", ref, z.grad, 1e-10)
@@ -122,11 +134,20 @@ def test_centered_gradient_has_zero_mean_for_constant_advantage(mode, c, lo, hi)
     for a in range(V):
         zz = z.clone().requires_grad_(True)
         tok = torch.full((N,), a)
-        loss, _, _ = score_centering_from_logits(zz, tok, ids, q.gather(1, tok[:, None]).squeeze(1).log(), q_head,
-                                                 torch.ones(N, dtype=torch.float64), importance=mode, tis_clip=c,
-                                                 mis_low=lo, mis_high=hi)
+        loss, _, _ = score_centering_from_logits(
+            zz,
+            tok,
+            ids,
+            q.gather(1, tok[:, None]).squeeze(1).log(),
+            q_head,
+            torch.ones(N, dtype=torch.float64),
+            importance=mode,
+            tis_clip=c,
+            mis_low=lo,
+            mis_high=hi,
+        )
         loss.sum().backward()
-        total += q[:, a:a + 1] * zz.grad
+        total += q[:, a : a + 1] * zz.grad
     assert total.abs().max().item() < 1e-12, f"expected zero drift, got max |E grad| {total.abs().max().item():.3e}"
 
 
@@ -149,7 +170,9 @@ def test_importance_weight_closed_forms():
     lr = torch.tensor([-3.0, -0.5, 0.0, 0.4, 1.0, 800.0], dtype=torch.float64)
     x = [math.exp(v) if v < 700 else math.inf for v in lr.tolist()]
     assert importance_weight(lr, "none").tolist() == [1.0] * 6
-    assert_close("tis", torch.tensor([min(v, 2.0) for v in x], dtype=torch.float64), importance_weight(lr, "tis"), 1e-15)
+    assert_close(
+        "tis", torch.tensor([min(v, 2.0) for v in x], dtype=torch.float64), importance_weight(lr, "tis"), 1e-15
+    )
     ref = torch.tensor([v if 0.5 <= v <= 5.0 else 0.0 for v in x], dtype=torch.float64)
     assert_close("mis", ref, importance_weight(lr, "mis"), 1e-15)
 

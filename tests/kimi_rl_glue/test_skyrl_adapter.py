@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from utils import assert_close
 
 from kimi_core.checkpoint.tiny import tiny_config
 from kimi_rl_glue.losses.policy import policy_loss
@@ -14,14 +15,19 @@ from kimi_rl_glue.skyrl.losses import kimi_dapo_policy_loss, kimi_grpo_policy_lo
 from kimi_rl_glue.skyrl.main import shape_rewards, strip_override_arg
 from kimi_rl_glue.skyrl.recipe import K2xRecipe, RecipeError
 from kimi_rl_glue.skyrl.registry import SKYRL_LOSSES, register_skyrl_losses
-from utils import assert_close
 
 
 def _config(tis=None, **kw):
-    opc = SimpleNamespace(tis_ratio_type=tis, token_tis_ratio_clip_high=2.0, sequence_tis_ratio_clip_high=5.0,
-                          sequence_mask_metric=None, outlier_token_is_threshold_low=None,
-                          outlier_token_is_threshold_high=None, token_mask_is_threshold_low=None,
-                          token_mask_is_threshold_high=None)
+    opc = SimpleNamespace(
+        tis_ratio_type=tis,
+        token_tis_ratio_clip_high=2.0,
+        sequence_tis_ratio_clip_high=5.0,
+        sequence_mask_metric=None,
+        outlier_token_is_threshold_low=None,
+        outlier_token_is_threshold_high=None,
+        token_mask_is_threshold_low=None,
+        token_mask_is_threshold_high=None,
+    )
     base = dict(eps_clip_low=0.2, eps_clip_high=0.28, clip_ratio_c=10.0, off_policy_correction=opc, use_tis=False)
     base.update(kw)
     return SimpleNamespace(**base)
@@ -42,12 +48,14 @@ def test_skyrl_losses_are_masked_sums_of_the_plain_loss(tis):
     """kimi_dapo/kimi_grpo return the plain loss with reduction 'sum' (SkyRL pre-scales advantages) and float metrics."""
     lp, old, adv, mask, roll = _tensors()
     got, metrics = kimi_dapo_policy_loss(lp, old, adv, _config(tis), mask, roll)
-    ref, _ = policy_loss(lp, old, adv, mask, roll, eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0, reduction="sum",
-                         tis_type=tis)
+    ref, _ = policy_loss(
+        lp, old, adv, mask, roll, eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0, reduction="sum", tis_type=tis
+    )
     assert_close("skyrl dapo", ref.reshape(1), got.reshape(1), 1e-7)
     got2, _ = kimi_grpo_policy_loss(lp, old, adv, _config(tis), mask, roll)
-    ref2, _ = policy_loss(lp, old, adv, mask, roll, eps_low=0.2, eps_high=0.28, clip_ratio_c=None, reduction="sum",
-                          tis_type=tis)
+    ref2, _ = policy_loss(
+        lp, old, adv, mask, roll, eps_low=0.2, eps_high=0.28, clip_ratio_c=None, reduction="sum", tis_type=tis
+    )
     assert_close("skyrl grpo", ref2.reshape(1), got2.reshape(1), 1e-7)
     assert all(isinstance(v, float) for v in metrics.values())
 
@@ -102,7 +110,10 @@ def test_recipe_from_checkpoint_maps_k2x_settings(tmp_path):
     rec = K2xRecipe.from_checkpoint(str(tmp_path), bf16_base_path="/masters", lora_rank=4 * topk)
     o = dict(x.split("=", 1) for x in rec.overrides())
     assert o["trainer.policy.model.fake_int4_qat.enabled"] == "true"
-    assert (o["trainer.policy.model.fake_int4_qat.scale_divisor"], o["trainer.policy.model.fake_int4_qat.q_min"]) == ("7.0", "-7")
+    assert (o["trainer.policy.model.fake_int4_qat.scale_divisor"], o["trainer.policy.model.fake_int4_qat.q_min"]) == (
+        "7.0",
+        "-7",
+    )
     assert o["trainer.policy.model.fake_int4_qat.bf16_base_path"] == "/masters"
     assert o["trainer.policy.megatron_config.lora_config.merge_lora"] == "false"
     assert o["trainer.policy.megatron_config.lora_config.normalize_moe_lora"] == "true"

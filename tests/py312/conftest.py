@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 
-
 _HERE = os.path.dirname(__file__)
 _ROOT = os.path.dirname(os.path.dirname(_HERE))
 for p in (_ROOT, _HERE, os.path.dirname(_HERE)):  # the package, py312_lane, tests/utils.py
@@ -20,5 +19,3 @@ for p in (_ROOT, _HERE, os.path.dirname(_HERE)):  # the package, py312_lane, tes
 
 def pytest_report_header(config):
     return f"py312 lane: Python {sys.version.split()[0]}"
-
-

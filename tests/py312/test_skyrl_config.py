@@ -15,19 +15,18 @@ import typing
 
 import pytest
 import torch
-
 from py312_lane import require
 from utils import skyrl_dry_run_overrides
 
 skyrl_config = require("skyrl.train.config", "skyrl==0.4.0")
-import skyrl.train.utils as skyrl_utils  # noqa: E402
-from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry  # noqa: E402
-from skyrl.train.entrypoints import main_base  # noqa: E402
+import skyrl.train.utils as skyrl_utils
+from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
+from skyrl.train.entrypoints import main_base
 
-from kimi_rl_glue.skyrl.config import build_config, check_config  # noqa: E402
-from kimi_rl_glue.skyrl.main import build_classes, strip_override_arg  # noqa: E402
-from kimi_rl_glue.skyrl.recipe import K2xRecipe  # noqa: E402
-from kimi_rl_glue.skyrl.registry import SKYRL_LOSSES, register_skyrl_losses  # noqa: E402
+from kimi_rl_glue.skyrl.config import build_config, check_config
+from kimi_rl_glue.skyrl.main import build_classes, strip_override_arg
+from kimi_rl_glue.skyrl.recipe import K2xRecipe
+from kimi_rl_glue.skyrl.registry import SKYRL_LOSSES, register_skyrl_losses
 
 OURS = ("trainer.override_entrypoint", "trainer.policy.model.kimi.", "trainer.algorithm.overlong_")
 RECIPES = {"qat": dict(qat=True, bf16_base_path="/ckpt/k2-bf16"), "int4": dict(qat=False)}
@@ -56,10 +55,12 @@ PASS_THROUGH = {"optimizer_config_kwargs": _optimizer_config, "transformer_confi
 @pytest.fixture
 def no_kimi_losses():
     """SkyRL's process-global registry without our losses before and after the test."""
+
     def drop():
         for name in SKYRL_LOSSES:
             if name in PolicyLossRegistry.list_available():
                 PolicyLossRegistry.unregister(name)
+
     drop()
     yield
     drop()
@@ -80,11 +81,11 @@ def _type_ok(value, t) -> bool:
         return value is None
     if origin is typing.Literal:
         return value in typing.get_args(t)
-    if origin in (list, typing.List):
+    if origin in (list, list):
         (a,) = typing.get_args(t) or (typing.Any,)
         seq = isinstance(value, (list, tuple)) or (hasattr(value, "__iter__") and not isinstance(value, (str, dict)))
         return seq and all(_type_ok(v, a) for v in value)
-    if origin in (dict, typing.Dict):
+    if origin in (dict, dict):
         return hasattr(value, "keys")
     if t is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -111,8 +112,9 @@ def _check_keys(cfg, overrides: list[str]) -> int:
             assert _type_ok(node[leaf], t), f"{key}={node[leaf]!r} does not match {target.__name__}.{leaf}: {t}"
             n += 1
             continue
-        assert dataclasses.is_dataclass(node) and leaf in {f.name for f in dataclasses.fields(node)}, \
+        assert dataclasses.is_dataclass(node) and leaf in {f.name for f in dataclasses.fields(node)}, (
             f"{key}: not a field of {type(node).__name__}"
+        )
         t = LOOSE.get(key) or _field_type(node, leaf)
         v = getattr(node, leaf)
         assert _type_ok(v, t), f"{key}={v!r} ({type(v).__name__}) does not match SkyRL's declared type {t}"
@@ -140,8 +142,13 @@ def test_recipe_overrides_fit_skyrl_schema(mode):
     assert (alg.eps_clip_low, alg.eps_clip_high, alg.policy_loss_type) == (0.2, 0.28, "kimi_dapo")
     if mode == "qat":
         q = m.fake_int4_qat
-        assert (q.enabled, q.group_size, q.scale_divisor, q.q_min, q.bf16_base_path) == (True, 32, 7.0, -7,
-                                                                                         "/ckpt/k2-bf16")
+        assert (q.enabled, q.group_size, q.scale_divisor, q.q_min, q.bf16_base_path) == (
+            True,
+            32,
+            7.0,
+            -7,
+            "/ckpt/k2-bf16",
+        )
         assert m.kimi.expert_weights == "bf16"
     else:
         assert not m.fake_int4_qat.enabled and m.kimi.expert_weights == "int4"
@@ -153,7 +160,8 @@ def test_validate_cfg_needs_our_registration(no_kimi_losses, monkeypatch):
     """SkyRL's validate_cfg rejects policy_loss_type=kimi_dapo until register_skyrl_losses() ran, then accepts the recipe."""
     monkeypatch.setenv("WANDB_API_KEY", "unused")
     cfg = build_config(skyrl_config).from_cli_overrides(
-        strip_override_arg(K2xRecipe(model_path="/m", bf16_base_path="/b", moe_router_topk=8).overrides()))
+        strip_override_arg(K2xRecipe(model_path="/m", bf16_base_path="/b", moe_router_topk=8).overrides())
+    )
     with pytest.raises(Exception, match="kimi_dapo"):
         skyrl_utils.validate_cfg(cfg)
     register_skyrl_losses()
@@ -192,10 +200,14 @@ def test_trainer_override_keeps_skyrl_signature(monkeypatch):
     theirs = inspect.signature(RayPPOTrainer.postprocess_generator_output).parameters
     assert list(ours) == list(theirs)
     seen = {}
-    monkeypatch.setattr(RayPPOTrainer, "postprocess_generator_output",
-                        lambda self, g, u, m=None, mu=None: seen.setdefault("args", (g, u, m, mu)))
-    cfg = build_config(skyrl_config).from_cli_overrides(["trainer.algorithm.overlong_buffer_len=4",
-                                                          "generator.sampling_params.max_generate_length=10"])
+    monkeypatch.setattr(
+        RayPPOTrainer,
+        "postprocess_generator_output",
+        lambda self, g, u, m=None, mu=None: seen.setdefault("args", (g, u, m, mu)),
+    )
+    cfg = build_config(skyrl_config).from_cli_overrides(
+        ["trainer.algorithm.overlong_buffer_len=4", "generator.sampling_params.max_generate_length=10"]
+    )
     trainer = object.__new__(KimiTrainer)
     trainer.cfg = cfg
     lengths = [3, 6, 7, 10, 12]
@@ -212,8 +224,14 @@ def test_trainer_override_keeps_skyrl_signature(monkeypatch):
     assert issubclass(KimiExp, main_base.BasePPOExp)
 
 
-@pytest.mark.parametrize("knobs", [pytest.param({}, id="int4"), pytest.param({"EXPERT_WEIGHTS": "bf16"}, id="bf16"),
-                                   pytest.param({"EXPERT_WEIGHTS": "bf16", "QAT_MODE": "off"}, id="bf16-noqat")])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        pytest.param({}, id="int4"),
+        pytest.param({"EXPERT_WEIGHTS": "bf16"}, id="bf16"),
+        pytest.param({"EXPERT_WEIGHTS": "bf16", "QAT_MODE": "off"}, id="bf16-noqat"),
+    ],
+)
 def test_example_script_dry_run_parses_and_validates(knobs, no_kimi_losses, monkeypatch):
     """examples/skyrl DRY_RUN=1 command: SkyRL's strict parser (extended by ours) accepts every key with its declared type; check_config and SkyRL's validate_cfg pass."""
     monkeypatch.setenv("WANDB_API_KEY", "unused")

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from py312_lane import require
 
 ppo = require("skyrl.backends.skyrl_train.utils.ppo_utils", "skyrl==0.4.0")
-from skyrl.train.config import AlgorithmConfig, OffPolicyCorrectionConfig  # noqa: E402
+from skyrl.train.config import AlgorithmConfig, OffPolicyCorrectionConfig
+from utils import assert_close
 
-from kimi_rl_glue.skyrl.losses import kimi_dapo_policy_loss, kimi_grpo_policy_loss  # noqa: E402
-from kimi_rl_glue.skyrl.registry import SKYRL_LOSSES, register_skyrl_losses  # noqa: E402
-from utils import assert_close  # noqa: E402
+from kimi_rl_glue.skyrl.losses import kimi_dapo_policy_loss, kimi_grpo_policy_loss
+from kimi_rl_glue.skyrl.registry import SKYRL_LOSSES, register_skyrl_losses
 
 R = ppo.PolicyLossRegistry
 
@@ -43,10 +42,15 @@ def _inputs(B=5, T=11, seed=0):
 
 
 def _cfg(loss_type: str, tis: str | None) -> AlgorithmConfig:
-    return AlgorithmConfig(policy_loss_type=loss_type, eps_clip_low=0.2, eps_clip_high=0.28, clip_ratio_c=10.0,
-                           off_policy_correction=OffPolicyCorrectionConfig(tis_ratio_type=tis,
-                                                                           token_tis_ratio_clip_high=2.0,
-                                                                           sequence_tis_ratio_clip_high=5.0))
+    return AlgorithmConfig(
+        policy_loss_type=loss_type,
+        eps_clip_low=0.2,
+        eps_clip_high=0.28,
+        clip_ratio_c=10.0,
+        off_policy_correction=OffPolicyCorrectionConfig(
+            tis_ratio_type=tis, token_tis_ratio_clip_high=2.0, sequence_tis_ratio_clip_high=5.0
+        ),
+    )
 
 
 def _float64(lp, old, adv, mask, roll, cfg: AlgorithmConfig, dual: bool) -> float:

@@ -14,11 +14,25 @@ from kimi_core.release_configs import k3_release_config as k3_real_dict
 
 def k2_tiny_dict(family: str = "k2") -> dict:
     text = {
-        "model_type": "kimi_k2", "hidden_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2,
-        "vocab_size": 128, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
-        "v_head_dim": 8, "n_routed_experts": 6, "n_shared_experts": 1, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 20, "intermediate_size": 40, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-        "hidden_act": "silu", "rms_norm_eps": 1e-5,
+        "model_type": "kimi_k2",
+        "hidden_size": 48,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 2,
+        "vocab_size": 128,
+        "q_lora_rank": 24,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 8,
+        "n_routed_experts": 6,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 20,
+        "intermediate_size": 40,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
     }
     if family == "k2":
         return {"architectures": ["DeepseekV3ForCausalLM"], **text}
@@ -28,10 +42,25 @@ def k2_tiny_dict(family: str = "k2") -> dict:
 def k3_tiny_dict(family: str = "k3") -> dict:
     d = copy.deepcopy(k3_real_dict())
     t = d["text_config"]
-    t.update(hidden_size=40, num_hidden_layers=4, intermediate_size=36, num_experts=5, num_experts_per_token=2,
-             num_shared_experts=2, moe_intermediate_size=12, routed_expert_hidden_size=24, num_attention_heads=2,
-             num_key_value_heads=2, q_lora_rank=20, kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4,
-             v_head_dim=6, attn_res_block_size=2, vocab_size=64)
+    t.update(
+        hidden_size=40,
+        num_hidden_layers=4,
+        intermediate_size=36,
+        num_experts=5,
+        num_experts_per_token=2,
+        num_shared_experts=2,
+        moe_intermediate_size=12,
+        routed_expert_hidden_size=24,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=20,
+        kv_lora_rank=12,
+        qk_nope_head_dim=6,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        attn_res_block_size=2,
+        vocab_size=64,
+    )
     t["linear_attn_config"].update(num_heads=2, head_dim=8, full_attn_layers=[2, 4], kda_layers=[1, 3])
     if family == "k31":
         d["architectures"] = ["KimiK31ForConditionalGeneration"]

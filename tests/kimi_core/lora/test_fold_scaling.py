@@ -19,7 +19,7 @@ def _global_rule_deltas(adapter) -> dict[str, torch.Tensor]:
         if name.endswith(".lora_A.weight"):
             key = name[: -len(".lora_A.weight")]
             b = adapter.tensors[f"{key}.lora_B.weight"]
-            out[key[len(PEFT_PREFIX):]] = s * b.double() @ a.double()
+            out[key[len(PEFT_PREFIX) :]] = s * b.double() @ a.double()
     return out
 
 
@@ -28,8 +28,14 @@ def _global_rule_deltas(adapter) -> dict[str, torch.Tensor]:
 def test_folded_adapter_under_global_scaling_equals_peft_rules(k2_tiny, layout, dtype):
     """Capacity-normalised experts (rank 8 // top-2 = 4, alpha 16): every module's global-rule delta of
     the folded adapter equals the PEFT-rule delta of the original (load_adapter), bit for bit in float64."""
-    ad = random_adapter(k2_tiny, LoraSpec(rank=8, alpha=16.0, expert_layout=layout, normalize_moe_lora=True),
-                        seed=3, layout="per_expert", dtype=dtype, b_std=0.3)
+    ad = random_adapter(
+        k2_tiny,
+        LoraSpec(rank=8, alpha=16.0, expert_layout=layout, normalize_moe_lora=True),
+        seed=3,
+        layout="per_expert",
+        dtype=dtype,
+        b_std=0.3,
+    )
     assert ad.adapter_config["rank_pattern"], "the test needs an adapter with patterns"
     folded = fold_pattern_scaling(ad)
     assert folded.adapter_config["rank_pattern"] == {} and folded.adapter_config["alpha_pattern"] == {}

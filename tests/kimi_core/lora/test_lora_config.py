@@ -40,19 +40,33 @@ def test_normalized_expert_rank_divides_or_raises(k2_tiny):
 @pytest.mark.parametrize("layout", ["per_expert", "per_expert_3d", "shared_outer", "stacked"])
 def test_adapter_config_fields_and_patterns(k3_tiny, layout):
     """The PEFT dict has the required fields, and PEFT's pattern rule gives experts rank r//k, others r."""
-    spec = LoraSpec(rank=8, alpha=16, normalize_moe_lora=True, expert_layout="shared_outer",
-                    base_model_name_or_path="moonshotai/Kimi-K3")
+    spec = LoraSpec(
+        rank=8,
+        alpha=16,
+        normalize_moe_lora=True,
+        expert_layout="shared_outer",
+        base_model_name_or_path="moonshotai/Kimi-K3",
+    )
     d = spec.to_adapter_config(k3_tiny, layout)
     assert d["peft_type"] == "LORA" and d["bias"] == "none" and d["r"] == 8 and d["lora_alpha"] == 16
     assert d["base_model_name_or_path"] == "moonshotai/Kimi-K3"
-    assert {"q_a_proj", "kv_a_proj_with_mqa", "o_proj", "routed_expert_down_proj", "f_a_proj"} <= set(d["target_modules"])
+    assert {"q_a_proj", "kv_a_proj_with_mqa", "o_proj", "routed_expert_down_proj", "f_a_proj"} <= set(
+        d["target_modules"]
+    )
     moe = "language_model.model.layers.1.block_sparse_moe"
-    expert_name = {"per_expert": f"{moe}.experts.3.w1", "per_expert_3d": f"{moe}.experts.w1",
-                   "shared_outer": f"{moe}.experts.w2", "stacked": f"{moe}.experts.gate_up_proj"}[layout]
+    expert_name = {
+        "per_expert": f"{moe}.experts.3.w1",
+        "per_expert_3d": f"{moe}.experts.w1",
+        "shared_outer": f"{moe}.experts.w2",
+        "stacked": f"{moe}.experts.gate_up_proj",
+    }[layout]
     assert _peft_lookup(d["rank_pattern"], expert_name) == 4
     assert _peft_lookup(d["alpha_pattern"], expert_name) == 16
-    for other in (f"{moe}.shared_experts.gate_proj", "language_model.model.layers.1.self_attn.q_a_proj",
-                  f"{moe}.routed_expert_up_proj"):
+    for other in (
+        f"{moe}.shared_experts.gate_proj",
+        "language_model.model.layers.1.self_attn.q_a_proj",
+        f"{moe}.routed_expert_up_proj",
+    ):
         assert _peft_lookup(d["rank_pattern"], other) is None, other
         assert module_rank_alpha(d, other) == (8, 16.0)
     if layout == "stacked":
@@ -64,8 +78,13 @@ def test_adapter_config_fields_and_patterns(k3_tiny, layout):
 
 def test_adapter_config_file_round_trip(tmp_path, k2_tiny):
     """write_adapter_config is atomic JSON that read_adapter_config and from_adapter_config read back."""
-    spec = LoraSpec(rank=8, alpha=4, normalize_moe_lora=True, exclude_modules=("kv_b_proj",),
-                    base_model_name_or_path="moonshotai/Kimi-K2.6")
+    spec = LoraSpec(
+        rank=8,
+        alpha=4,
+        normalize_moe_lora=True,
+        exclude_modules=("kv_b_proj",),
+        base_model_name_or_path="moonshotai/Kimi-K2.6",
+    )
     path = write_adapter_config(spec.to_adapter_config(k2_tiny), tmp_path)
     assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
     d = read_adapter_config(tmp_path)

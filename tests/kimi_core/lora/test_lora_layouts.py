@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from utils import assert_close
 
 from kimi_core.lora import AdapterError, LoraSpec, convert_layout, load_adapter, random_adapter
 from kimi_core.lora.config import module_rank_alpha, scaling_for
-from utils import assert_close
 
 P = "base_model.model."
 
@@ -37,7 +37,9 @@ def test_stacked_fold_order_matches_vllm_reading(k2_tiny, tie):
         stem = f"{moe}.experts" + (f".{fused}" if fused else "")
         A = st.tensors[f"{P}{stem}.lora_A.weight"].double()
         B = st.tensors[f"{P}{stem}.lora_B.weight"].double()
-        r_cfg, alpha = module_rank_alpha(st.adapter_config, f"{moe}.experts." + ("gate_up_proj" if fused else "down_proj"))
+        r_cfg, alpha = module_rank_alpha(
+            st.adapter_config, f"{moe}.experts." + ("gate_up_proj" if fused else "down_proj")
+        )
         # vLLM: A.reshape(E, -1, in); B.reshape(out, -1, E).permute(2, 0, 1)
         A3 = A.reshape(E, -1, A.shape[-1])
         B3 = B.reshape(B.shape[0], -1, E).permute(2, 0, 1)
@@ -96,8 +98,8 @@ def test_expert_outputs_equal_bruteforce_for_every_layout(k3_tiny, spec_layout, 
     spec = LoraSpec(rank=4, alpha=3, expert_layout=spec_layout, normalize_moe_lora=normalize)
     src = random_adapter(c, spec, seed=5, layout="per_expert")
     gen = torch.Generator().manual_seed(0)
-    Wg, Wu = torch.randn(E, I, W, generator=gen) / W ** 0.5, torch.randn(E, I, W, generator=gen) / W ** 0.5
-    Wd = torch.randn(E, W, I, generator=gen) / I ** 0.5
+    Wg, Wu = torch.randn(E, I, W, generator=gen) / W**0.5, torch.randn(E, I, W, generator=gen) / W**0.5
+    Wd = torch.randn(E, W, I, generator=gen) / I**0.5
     T, k = 7, c.num_experts_per_tok
     x = torch.randn(T, W, generator=gen)
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
@@ -108,9 +110,11 @@ def test_expert_outputs_equal_bruteforce_for_every_layout(k3_tiny, spec_layout, 
     for t in range(T):
         for j in range(k):
             e = int(ids[t, j])
+
             def lin(v, Wm, proj):
                 A, B, s = _per_expert_ref(src, c, moe, e, proj)
                 return v @ Wm[e].double().T + s * (v @ A.T) @ B.T
+
             xt = x[t].double()
             h = _glu(lin(xt, Wg, g_), lin(xt, Wu, u_))
             ref[t] += wts[t, j].double() * lin(h, Wd, d_)

@@ -57,7 +57,10 @@ def test_k3_real_config_shapes(k3_real):
     ts = {t.module: t for t in iter_targets(k3_real, spec) if t.kind != "expert"}
     p = "language_model.model.layers."
     assert (ts[p + "3.self_attn.q_b_proj"].out_features, ts[p + "3.self_attn.q_b_proj"].in_features) == (96 * 192, 1536)
-    assert (ts[p + "92.self_attn.kv_b_proj"].out_features, ts[p + "92.self_attn.kv_b_proj"].in_features) == (96 * 256, 512)
+    assert (ts[p + "92.self_attn.kv_b_proj"].out_features, ts[p + "92.self_attn.kv_b_proj"].in_features) == (
+        96 * 256,
+        512,
+    )
     assert (ts[p + "0.self_attn.f_b_proj"].out_features, ts[p + "0.self_attn.f_b_proj"].in_features) == (12288, 128)
     assert ts[p + "3.self_attn.g_proj"].out_features == 96 * 128
     mla = {t.layer for t in ts.values() if t.kind == "mla"}
@@ -87,8 +90,13 @@ def test_parse_names_all_forms(k25_tiny):
     c = k25_tiny
     a, b = lora_names("language_model.model.layers.1.mlp.experts.3.up_proj")
     pa = parse_lora_name(c, a)
-    assert (pa.form, pa.moe, pa.expert, pa.proj, pa.ab) == ("per_expert", "language_model.model.layers.1.mlp", 3,
-                                                             "up_proj", "A")
+    assert (pa.form, pa.moe, pa.expert, pa.proj, pa.ab) == (
+        "per_expert",
+        "language_model.model.layers.1.mlp",
+        3,
+        "up_proj",
+        "A",
+    )
     assert parse_lora_name(c, b).ab == "B"
     p3 = parse_lora_name(c, "model.layers.2.mlp.experts.down_proj.lora_B.weight")  # no lm prefix, no PEFT prefix
     assert (p3.form, p3.moe, p3.proj) == ("expert_3d", "language_model.model.layers.2.mlp", "down_proj")

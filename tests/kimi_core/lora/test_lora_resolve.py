@@ -45,11 +45,13 @@ def test_input_forms_agree(k2_tiny):
     ad = random_adapter(k2_tiny, LoraSpec(rank=2), seed=4, layout="stacked")
     a = load_adapter(ad, k2_tiny)
     b = load_adapter({"adapter_config": ad.adapter_config, "tensors": ad.tensors}, k2_tiny)
-    stripped = {k[len(P):]: v for k, v in ad.tensors.items()}  # names without base_model.model.
+    stripped = {k[len(P) :]: v for k, v in ad.tensors.items()}  # names without base_model.model.
     c = load_adapter(stripped, k2_tiny, adapter_config=ad.adapter_config)
     for r in (b, c):
         assert r.layout == a.layout == "stacked"
-        assert torch.equal(r.expert("model.layers.1.mlp", 5, "down_proj").B, a.expert("model.layers.1.mlp", 5, "down_proj").B)
+        assert torch.equal(
+            r.expert("model.layers.1.mlp", 5, "down_proj").B, a.expert("model.layers.1.mlp", 5, "down_proj").B
+        )
     with pytest.raises(AdapterError, match="adapter_config="):
         load_adapter(stripped, k2_tiny)
 
@@ -70,18 +72,29 @@ QB = f"{P}model.layers.1.self_attn.q_a_proj.lora_B.weight"
 EA = f"{P}model.layers.2.mlp.experts.4.down_proj.lora_A.weight"
 
 BAD = {
-    "unknown module": (lambda t, n: t.update({f"{P}model.layers.1.self_attn.q_proj.lora_A.weight": t[QA],
-                                              f"{P}model.layers.1.self_attn.q_proj.lora_B.weight": t[QB]}),
-                       "q_proj.lora_A.weight'.*unknown module"),
-    "unknown layer": (lambda t, n: t.update({f"{P}model.layers.9.self_attn.q_a_proj.lora_A.weight": t[QA]}),
-                      "layers.9.*unknown module"),
+    "unknown module": (
+        lambda t, n: t.update(
+            {
+                f"{P}model.layers.1.self_attn.q_proj.lora_A.weight": t[QA],
+                f"{P}model.layers.1.self_attn.q_proj.lora_B.weight": t[QB],
+            }
+        ),
+        "q_proj.lora_A.weight'.*unknown module",
+    ),
+    "unknown layer": (
+        lambda t, n: t.update({f"{P}model.layers.9.self_attn.q_a_proj.lora_A.weight": t[QA]}),
+        "layers.9.*unknown module",
+    ),
     "expert out of range": (lambda t, n: t.update({EA.replace(".4.", ".6."): t[EA]}), r"expert 6 outside \[0, 6\)"),
     "shape mismatch": (lambda t, n: t.update({QB: torch.zeros(7, 4)}), r"q_a_proj.lora_A.weight'.*shape mismatch"),
     "nan": (lambda t, n: t[QB].view(-1).__setitem__(3, float("nan")), r"q_a_proj.lora_B.weight'.*NaN"),
     "inf": (lambda t, n: t.update({EA: t[EA].clone().fill_(float("inf"))}), r"experts.4.down_proj.lora_A.weight'.*Inf"),
     "A without B": (lambda t, n: t.pop(QB), r"q_a_proj.lora_A.weight'.*lora_A without lora_B"),
     "B without A": (lambda t, n: t.pop(QA), r"q_a_proj.lora_B.weight'.*lora_B without lora_A"),
-    "rank vs config": (lambda t, n: t.update({QA: t[QA][:2], QB: t[QB][:, :2]}), r"rank 2 but adapter_config gives r=4"),
+    "rank vs config": (
+        lambda t, n: t.update({QA: t[QA][:2], QB: t[QB][:, :2]}),
+        r"rank 2 but adapter_config gives r=4",
+    ),
     "not a lora name": (lambda t, n: t.update({"model.layers.1.mlp.gate.weight": t[QA]}), "not a LoRA weight"),
 }
 

@@ -28,10 +28,17 @@ def test_k3_shared_outer_rank32_is_46_to_48_gib(k3_real):
     assert per_expert == pytest.approx(92 * 896 * 3 * 32 * (3584 + 3072) * 2, rel=0.02)
 
 
-@pytest.mark.parametrize("spec_layout,layout,tie", [
-    ("per_expert", "per_expert", False), ("per_expert", "per_expert_3d", False), ("per_expert", "stacked", False),
-    ("per_expert", "stacked", True), ("shared_outer", "shared_outer", False), ("shared_outer", "per_expert", False),
-])
+@pytest.mark.parametrize(
+    "spec_layout,layout,tie",
+    [
+        ("per_expert", "per_expert", False),
+        ("per_expert", "per_expert_3d", False),
+        ("per_expert", "stacked", False),
+        ("per_expert", "stacked", True),
+        ("shared_outer", "shared_outer", False),
+        ("shared_outer", "per_expert", False),
+    ],
+)
 def test_nbytes_equals_real_tensors(tiny, spec_layout, layout, tie):
     """On tiny configs the formula equals the bytes of a random adapter built in that layout."""
     spec = LoraSpec(rank=4, expert_layout=spec_layout, normalize_moe_lora=True)

@@ -16,13 +16,16 @@ SEEDS = [0, 1, 2]
 
 
 def _int4_scheme():
-    return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
-        num_bits=4, type="int", symmetric=True, strategy="group", group_size=32))
+    return QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32),
+    )
 
 
 def _mx_args():
-    return QuantizationArgs(num_bits=4, type="float", symmetric=True, strategy="group", group_size=32,
-                            scale_dtype=torch.uint8)
+    return QuantizationArgs(
+        num_bits=4, type="float", symmetric=True, strategy="group", group_size=32, scale_dtype=torch.uint8
+    )
 
 
 def _weights(shape, seed):
@@ -76,7 +79,9 @@ def test_mxfp4_quantize_matches_compressor(shape, seed):
     assert torch.equal(ours_scale[nz], scale[nz])
     scheme = QuantizationScheme(targets=["Linear"], weights=_mx_args())
     ref = MXFP4PackedCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
-    assert torch.equal(ours["weight_packed"][nz.repeat_interleave(16, -1)], ref["weight_packed"][nz.repeat_interleave(16, -1)])
+    assert torch.equal(
+        ours["weight_packed"][nz.repeat_interleave(16, -1)], ref["weight_packed"][nz.repeat_interleave(16, -1)]
+    )
     assert torch.equal(ours["weight_scale"][nz], ref["weight_scale"][nz])
 
 
@@ -113,8 +118,10 @@ def test_3d_stacks_match_per_expert(fmt):
         te = mod.quantize(w[e])
         assert torch.equal(t["weight_packed"][e], te["weight_packed"])
         assert torch.equal(t["weight_scale"][e], te["weight_scale"])
-        assert torch.equal(mod.dequantize(t["weight_packed"], t["weight_scale"])[e],
-                           mod.dequantize(te["weight_packed"], te["weight_scale"]))
+        assert torch.equal(
+            mod.dequantize(t["weight_packed"], t["weight_scale"])[e],
+            mod.dequantize(te["weight_packed"], te["weight_scale"]),
+        )
 
 
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # `from ref_helpers import ...`
 warnings.filterwarnings("ignore", message=".*[Tt]riton.*")
 
-from ref_helpers import tiny  # noqa: E402
+from ref_helpers import tiny
 
 
 @pytest.fixture(scope="session")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-
 from ref_helpers import tiny
 from utils import assert_close
+
 from kimi_core.reference import KimiReferenceModel
 from kimi_core.reference.ops import rms_norm
 
@@ -34,28 +34,29 @@ def test_small_topk_equals_brute_force_masked_attention():
     # fp32 top-k against the float64 loop would flip one key on some unseeded draws
     got = layer(x)
 
-    W = lambda n: sd[f"{p}.{n}.weight"].double()  # noqa: E731
+    W = lambda n: sd[f"{p}.{n}.weight"].double()
     xd = x[0].double()
     eps = c.rms_norm_eps
     qr = rms_norm(xd @ W("q_a_proj").T, W("q_a_layernorm"), eps)
     q = (qr @ W("q_b_proj").T).view(13, c.num_attention_heads, -1)
     ckv = xd @ W("kv_a_proj_with_mqa").T
-    lat, kpe = rms_norm(ckv[:, :c.kv_lora_rank], W("kv_a_layernorm"), eps), ckv[:, c.kv_lora_rank:]
+    lat, kpe = rms_norm(ckv[:, : c.kv_lora_rank], W("kv_a_layernorm"), eps), ckv[:, c.kv_lora_rank :]
     kv = (lat @ W("kv_b_proj").T).view(13, c.num_attention_heads, -1)
     nh, d = c.index_n_heads, c.index_head_dim
     iq = (qr @ W("indexer.wq_b").T).view(13, nh, d)
-    ik = torch.nn.functional.layer_norm(xd @ W("indexer.wk").T, (d,), W("indexer.k_norm"),
-                                        sd[f"{p}.indexer.k_norm.bias"].double(), 1e-6)
-    iw = (xd @ W("indexer.weights_proj").T) * nh ** -0.5 * d ** -0.5
+    ik = torch.nn.functional.layer_norm(
+        xd @ W("indexer.wk").T, (d,), W("indexer.k_norm"), sd[f"{p}.indexer.k_norm.bias"].double(), 1e-6
+    )
+    iw = (xd @ W("indexer.weights_proj").T) * nh**-0.5 * d**-0.5
     out = torch.zeros(13, c.num_attention_heads * c.v_head_dim, dtype=torch.float64)
     for t in range(13):
         score = {s: sum(iw[t, h] * torch.relu(iq[t, h] @ ik[s]) for h in range(nh)).item() for s in range(t + 1)}
         keep = sorted(score, key=lambda s: -score[s])[:5]
         for h in range(c.num_attention_heads):
-            k = torch.stack([torch.cat([kv[s, h, :c.qk_nope_head_dim], kpe[s]]) for s in keep])
-            v = torch.stack([kv[s, h, c.qk_nope_head_dim:] for s in keep])
-            a = torch.softmax((k @ q[t, h]) * (c.qk_head_dim ** -0.5), 0)
-            out[t, h * c.v_head_dim:(h + 1) * c.v_head_dim] = a @ v
+            k = torch.stack([torch.cat([kv[s, h, : c.qk_nope_head_dim], kpe[s]]) for s in keep])
+            v = torch.stack([kv[s, h, c.qk_nope_head_dim :] for s in keep])
+            a = torch.softmax((k @ q[t, h]) * (c.qk_head_dim**-0.5), 0)
+            out[t, h * c.v_head_dim : (h + 1) * c.v_head_dim] = a @ v
     out = out * torch.sigmoid(xd @ W("g_proj").T)
     ref = out @ W("o_proj").T
     assert_close("indexed MLA vs brute force", ref[None], got, 1e-5)

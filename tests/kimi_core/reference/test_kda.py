@@ -6,11 +6,19 @@ import warnings
 
 import pytest
 import torch
-
 from utils import assert_close
+
 from kimi_core.config import LinearAttnConfig
-from kimi_core.reference.kda import (KDALayer, causal_conv, chunk_kda, kda_gate, lower_bound_gate, recurrent_kda,
-                                     softplus_gate, unpad_a_log)
+from kimi_core.reference.kda import (
+    KDALayer,
+    causal_conv,
+    chunk_kda,
+    kda_gate,
+    lower_bound_gate,
+    recurrent_kda,
+    softplus_gate,
+    unpad_a_log,
+)
 from kimi_core.reference.ops import l2norm
 from kimi_core.reference.weights import StateDictSource, Weights
 
@@ -19,7 +27,7 @@ warnings.filterwarnings("ignore", message=".*[Tt]riton.*")
 
 def _inputs(B, T, H, K, V, gate, seed=0, with_h0=True):
     g_ = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g_)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g_)
     q, k, v = l2norm(r(B, T, H, K)), l2norm(r(B, T, H, K)), r(B, T, H, V)
     A_log = torch.log(1 + 15 * torch.rand(H, generator=g_))
     dt = 0.1 * r(H * K)
@@ -77,8 +85,9 @@ def test_split_sequence_equals_whole():
     o_all, s_all = chunk_kda(q, k, v, g, beta, output_final_state=True)
     cut = 37
     o1, s1 = chunk_kda(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], output_final_state=True)
-    o2, s2 = recurrent_kda(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], initial_state=s1,
-                           output_final_state=True)
+    o2, s2 = recurrent_kda(
+        q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], initial_state=s1, output_final_state=True
+    )
     assert_close("o", o_all, torch.cat([o1, o2], 1), 1e-5)
     assert_close("state", s_all, s2, 1e-5)
 
@@ -106,8 +115,9 @@ def test_conv_state_split():
     y1, st = causal_conv(x[:, :4], w, None)
     y2, _ = causal_conv(x[:, 4:], w, st)
     assert_close("conv", y_all, torch.cat([y1, y2], 1), 1e-6)
-    manual = torch.nn.functional.silu(sum(w[None, None, :, 0, j] * torch.nn.functional.pad(x, (0, 0, 3, 0))[:, j:j + 11]
-                                          for j in range(4)))
+    manual = torch.nn.functional.silu(
+        sum(w[None, None, :, 0, j] * torch.nn.functional.pad(x, (0, 0, 3, 0))[:, j : j + 11] for j in range(4))
+    )
     assert_close("conv vs formula", manual, y_all, 1e-6)
 
 
@@ -122,29 +132,36 @@ def test_a_log_padding():
 
 def _kda_weights(hidden, H, D, W, full_rank, seed=0):
     g_ = torch.Generator().manual_seed(seed)
-    r = lambda *s, std=1.0: torch.randn(*s, generator=g_) * std  # noqa: E731
+    r = lambda *s, std=1.0: torch.randn(*s, generator=g_) * std
     P, p = H * D, "l.self_attn"
-    sd = {f"{p}.{n}_proj.weight": r(P, hidden, std=hidden ** -0.5) for n in "qkv"}
+    sd = {f"{p}.{n}_proj.weight": r(P, hidden, std=hidden**-0.5) for n in "qkv"}
     sd.update({f"{p}.{n}_conv1d.weight": r(P, 1, W, std=0.5) for n in "qkv"})
-    sd[f"{p}.f_a_proj.weight"] = r(D, hidden, std=hidden ** -0.5)
-    sd[f"{p}.f_b_proj.weight"] = r(P, D, std=D ** -0.5)
-    sd[f"{p}.b_proj.weight"] = r(H, hidden, std=hidden ** -0.5)
+    sd[f"{p}.f_a_proj.weight"] = r(D, hidden, std=hidden**-0.5)
+    sd[f"{p}.f_b_proj.weight"] = r(P, D, std=D**-0.5)
+    sd[f"{p}.b_proj.weight"] = r(H, hidden, std=hidden**-0.5)
     if full_rank:
-        sd[f"{p}.g_proj.weight"] = r(P, hidden, std=hidden ** -0.5)
+        sd[f"{p}.g_proj.weight"] = r(P, hidden, std=hidden**-0.5)
     else:
-        sd[f"{p}.g_a_proj.weight"] = r(D, hidden, std=hidden ** -0.5)
-        sd[f"{p}.g_b_proj.weight"] = r(P, D, std=D ** -0.5)
+        sd[f"{p}.g_a_proj.weight"] = r(D, hidden, std=hidden**-0.5)
+        sd[f"{p}.g_b_proj.weight"] = r(P, D, std=D**-0.5)
     sd[f"{p}.A_log"] = torch.cat([torch.log(1 + 15 * torch.rand(H, generator=g_)), torch.zeros(max(D - H, 0))])
     sd[f"{p}.dt_bias"] = r(P, std=0.5)
     sd[f"{p}.o_norm.weight"] = 1 + r(D, std=0.1)
-    sd[f"{p}.o_proj.weight"] = r(hidden, P, std=P ** -0.5)
+    sd[f"{p}.o_proj.weight"] = r(hidden, P, std=P**-0.5)
     return sd
 
 
 class _Cfg:
     def __init__(self, H, D, W, lb, full_rank, eps=1e-5):
-        self.linear_attn = LinearAttnConfig(kda_layers=(1,), full_attn_layers=(), num_heads=H, head_dim=D,
-                                            short_conv_kernel_size=W, gate_lower_bound=lb, use_full_rank_gate=full_rank)
+        self.linear_attn = LinearAttnConfig(
+            kda_layers=(1,),
+            full_attn_layers=(),
+            num_heads=H,
+            head_dim=D,
+            short_conv_kernel_size=W,
+            gate_lower_bound=lb,
+            use_full_rank_gate=full_rank,
+        )
         self.rms_norm_eps = eps
 
 
@@ -161,9 +178,22 @@ def test_kda_layer_matches_transformers_kimi_linear(monkeypatch):
 
     hidden, H, D, W, T = 64, 4, 16, 4, 70
     sd = _kda_weights(hidden, H, D, W, full_rank=False)
-    hf_cfg = KimiLinearConfig(hidden_size=hidden, num_hidden_layers=1, linear_attn_config={
-        "num_heads": H, "head_dim": D, "short_conv_kernel_size": W, "kda_layers": [1], "full_attn_layers": []},
-        hidden_act="silu", rms_norm_eps=1e-5, vocab_size=32, num_local_experts=4, num_experts_per_tok=2)
+    hf_cfg = KimiLinearConfig(
+        hidden_size=hidden,
+        num_hidden_layers=1,
+        linear_attn_config={
+            "num_heads": H,
+            "head_dim": D,
+            "short_conv_kernel_size": W,
+            "kda_layers": [1],
+            "full_attn_layers": [],
+        },
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        vocab_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
     layer = tkl.KimiLinearDeltaAttention(hf_cfg, 0).eval()
     p = "l.self_attn"
     with torch.no_grad():
@@ -181,8 +211,9 @@ def test_kda_layer_matches_transformers_kimi_linear(monkeypatch):
     assert_close("kda layer vs transformers", ref, ours(x), 1e-5)
 
 
-@pytest.mark.parametrize("lb,full_rank", [pytest.param(None, False, id="kimi-linear"),
-                                          pytest.param(-5.0, True, id="k3")])
+@pytest.mark.parametrize(
+    "lb,full_rank", [pytest.param(None, False, id="kimi-linear"), pytest.param(-5.0, True, id="k3")]
+)
 def test_kda_layer_decode_equals_full(lb, full_rank):
     """KDALayer fed token by token (conv + recurrent state in the cache) equals the chunked full pass."""
     hidden, H, D, W, T = 48, 3, 16, 4, 20
@@ -191,5 +222,5 @@ def test_kda_layer_decode_equals_full(lb, full_rank):
     x = torch.randn(2, T, hidden)
     full = layer(x)
     cache: dict = {}
-    steps = [layer(x[:, :7], cache)] + [layer(x[:, t:t + 1], cache) for t in range(7, T)]
+    steps = [layer(x[:, :7], cache)] + [layer(x[:, t : t + 1], cache) for t in range(7, T)]
     assert_close("decode", full, torch.cat(steps, 1), 1e-5)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from ref_helpers import DictAdapter, Factors, tiny
 from utils import assert_close, rel_rms_error
+
 from kimi_core.reference import KimiReferenceModel
 
 MODELS = [pytest.param(m, id=m) for m in ("k2", "k3", "k31")]
+
+
 def _targets(sd: dict, cfg):
     """(dense module names, expert (moe, e, proj) triples) of every linear in the tiny checkpoint."""
     dense, experts = [], []
@@ -34,7 +36,7 @@ def _adapter(model, dense, experts, r=4, zero_b=False, seed=0):
 
     def make(W):
         out_f, in_f = W.shape
-        A = torch.randn(r, in_f, generator=g) / in_f ** 0.5
+        A = torch.randn(r, in_f, generator=g) / in_f**0.5
         B = torch.zeros(out_f, r) if zero_b else torch.randn(out_f, r, generator=g) * 0.05
         return Factors(A, B, scaling=2.0)
 
@@ -90,11 +92,14 @@ def _merged_model(cfg, sd, m, ad, dense, experts):
     return KimiReferenceModel.from_state_dict(cfg_plain, merged)
 
 
-@pytest.mark.parametrize("model,layout", [
-    pytest.param("k2", "per_expert", id="k2-per_expert"),
-    pytest.param("k3", "shared_outer", id="k3-shared_outer"),
-    pytest.param("k31", "stacked", id="k31-stacked"),
-])
+@pytest.mark.parametrize(
+    "model,layout",
+    [
+        pytest.param("k2", "per_expert", id="k2-per_expert"),
+        pytest.param("k3", "shared_outer", id="k3-shared_outer"),
+        pytest.param("k31", "stacked", id="k31-stacked"),
+    ],
+)
 def test_peft_adapter_through_kimi_core_lora(model, layout, tiny_models):
     """A PEFT-format adapter (kimi_core.lora.random_adapter, any layout) passed to forward equals merging its resolved factors."""
     from kimi_core import lora
@@ -111,7 +116,9 @@ def test_peft_adapter_through_kimi_core_lora(model, layout, tiny_models):
     assert {moe for moe, e, p in experts if resolved.expert(moe, e, p) is not None} == set(resolved.moe_modules())
     ids = torch.randint(0, 1024, (2, 11), generator=torch.Generator().manual_seed(4))
     got = m(ids, adapter=peft)  # resolved inside forward through kimi_core.lora.load_adapter
-    assert_close(f"{model} {layout} adapter vs merged", _merged_model(cfg, sd, m, resolved, dense, experts)(ids), got, 1e-5)
+    assert_close(
+        f"{model} {layout} adapter vs merged", _merged_model(cfg, sd, m, resolved, dense, experts)(ids), got, 1e-5
+    )
     assert rel_rms_error(m(ids), got) > 1e-3, "the adapter must change the logits"
 
 

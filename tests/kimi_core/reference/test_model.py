@@ -8,9 +8,9 @@ import time
 
 import pytest
 import torch
-
 from ref_helpers import tiny
 from utils import assert_close, rel_rms_error
+
 from kimi_core.reference import KimiReferenceModel, load_reference_model
 
 MODELS = [pytest.param(m, id=m) for m in ("k2", "k25", "k3", "k31")]
@@ -49,15 +49,21 @@ def test_k2_matches_transformers_deepseek_v3(tiny_ckpt, tmp_path):
 
     ckpt = tiny_ckpt("k2")
     hf_dir = _dequantized_hf_dir(ckpt, str(tmp_path / "hf"))
-    hf, info = DeepseekV3ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager",
-                                                     output_loading_info=True)
+    hf, info = DeepseekV3ForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     hf.eval()
     ids = torch.randint(0, 1024, (2, 48), generator=torch.Generator().manual_seed(0))
     ours = load_reference_model(ckpt)
     with torch.no_grad():
         ref_1e6 = hf(ids).logits
-        assert_close("k2 vs transformers (latent eps 1e-6 both)", ref_1e6, load_reference_model(ckpt, mla_latent_eps=1e-6)(ids), 1e-5)
+        assert_close(
+            "k2 vs transformers (latent eps 1e-6 both)",
+            ref_1e6,
+            load_reference_model(ckpt, mla_latent_eps=1e-6)(ids),
+            1e-5,
+        )
         eps = ours.config.rms_norm_eps
         for layer in hf.model.layers:
             layer.self_attn.q_a_layernorm.variance_epsilon = eps
@@ -79,11 +85,22 @@ def test_small_k2_matches_transformers_deepseek_v3(tmp_path):
     ckpt = make_tiny("k2", str(tmp_path / "small"), size="small", layers=3, max_shard_bytes=256 * 2**20)
     cfg = json.load(open(os.path.join(ckpt, "config.json")))
     release = k2_release_config()
-    for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_experts_per_tok"):
+    for k in (
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "num_experts_per_tok",
+    ):
         assert cfg[k] == release[k], k
     assert cfg["hidden_size"] >= 1024 and cfg["n_routed_experts"] >= 64
-    hf, info = DeepseekV3ForCausalLM.from_pretrained(_dequantized_hf_dir(ckpt, str(tmp_path / "hf")), dtype=torch.float32,
-                                                     attn_implementation="eager", output_loading_info=True)
+    hf, info = DeepseekV3ForCausalLM.from_pretrained(
+        _dequantized_hf_dir(ckpt, str(tmp_path / "hf")),
+        dtype=torch.float32,
+        attn_implementation="eager",
+        output_loading_info=True,
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     hf.eval()
     ours = load_reference_model(ckpt)

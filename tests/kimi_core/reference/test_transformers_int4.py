@@ -25,8 +25,8 @@ import os
 
 import pytest
 import torch
-
 from utils import assert_close, rel_rms_error
+
 from kimi_core.reference import KimiReferenceModel, load_reference_model
 
 pytest.importorskip("compressed_tensors")
@@ -35,7 +35,7 @@ pytest.importorskip("transformers")
 # transformers' MLA latent norms (q_a_layernorm, kv_a_layernorm) use eps 1e-6 whatever rms_norm_eps
 # says; the reference is run with the same eps here so that only the expert weights differ.
 TRANSFORMERS_LATENT_EPS = 1e-6
-BF16_UNIT_ROUNDOFF = 2.0 ** -8  # relative error bound of one round-to-nearest to bfloat16
+BF16_UNIT_ROUNDOFF = 2.0**-8  # relative error bound of one round-to-nearest to bfloat16
 
 
 def load_transformers_int4(ckpt: str):
@@ -47,8 +47,9 @@ def load_transformers_int4(ckpt: str):
 
     cfg = DeepseekV3Config.from_pretrained(ckpt)
     cfg.model_type = DeepseekV3Config.model_type  # "kimi_k2" has no weight-conversion mapping (module docstring)
-    model, info = DeepseekV3ForCausalLM.from_pretrained(ckpt, config=cfg, dtype=torch.float32,
-                                                        attn_implementation="eager", output_loading_info=True)
+    model, info = DeepseekV3ForCausalLM.from_pretrained(
+        ckpt, config=cfg, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
     return model.eval(), info
 
 
@@ -94,8 +95,9 @@ def test_k2_matches_transformers_loaded_from_int4(tiny_ckpt):
     n_exp = cfg["n_routed_experts"]
     for i in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
         ex, p = hf.model.layers[i].mlp.experts, f"model.layers.{i}.mlp.experts"
-        gate_up = torch.stack([torch.cat([bf16[f"{p}.{e}.gate_proj.weight"], bf16[f"{p}.{e}.up_proj.weight"]])
-                               for e in range(n_exp)])
+        gate_up = torch.stack(
+            [torch.cat([bf16[f"{p}.{e}.gate_proj.weight"], bf16[f"{p}.{e}.up_proj.weight"]]) for e in range(n_exp)]
+        )
         down = torch.stack([bf16[f"{p}.{e}.down_proj.weight"] for e in range(n_exp)])
         assert ex.gate_up_proj.dtype == torch.bfloat16 and ex.down_proj.dtype == torch.bfloat16
         assert torch.equal(ex.gate_up_proj.data, gate_up), f"layer {i}: gate_up_proj != bf16(dequant)"
