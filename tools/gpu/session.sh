@@ -5,11 +5,11 @@
 #
 #   bash tools/gpu/session.sh sglang   # carry .gpu/sglang1 (+ .gpu/sglang_jit, .gpu/triton): SGLang 0.5.17 GPU lane
 #   bash tools/gpu/session.sh sglang_bench  # benchmarks/serving.py sglang (K3 real-width slice), after sglang
-#   bash tools/gpu/session.sh w4a16    # kernels GPU tests + benchmarks/w4a16_grouped_gemm.py
-#   bash tools/gpu/session.sh gluon    # the experimental Gluon W4A16 fwd + dgrad (#21): GPU test, then table
-#   bash tools/gpu/session.sh w4a16_profile  # Nsight Compute of W4A16 vs BF16 GEMM calls (#21's gap)
-#   bash tools/gpu/session.sh w4a16_sweep    # the fused kernels' tile configs vs BF16 at 8 tok/exp (#21)
-#   bash tools/gpu/session.sh w4a16_clocks   # SM clock and power, BF16 vs W4A16 at 2048 tok/exp (#21)
+#   bash tools/gpu/session.sh w4a16    # kernels GPU tests + benchmarks/w4a16.py table
+#   bash tools/gpu/session.sh gluon    # the Gluon W4A16 kernels: their GPU tests, then w4a16.py gluon's configs
+#   bash tools/gpu/session.sh w4a16_profile  # Nsight Compute of W4A16 vs BF16 GEMM calls (w4a16.py profile)
+#   bash tools/gpu/session.sh w4a16_sweep    # the fused kernels' tile configs vs BF16 (w4a16.py sweep)
+#   bash tools/gpu/session.sh w4a16_clocks   # SM clock and power, BF16 vs W4A16 (w4a16.py clocks)
 #   bash tools/gpu/session.sh vllm1    # carry .gpu/vllm1: stash part 1
 #   bash tools/gpu/session.sh vllm2    # carry .gpu/vllm2: stash part 2
 #   bash tools/gpu/session.sh vllm3    # carry .gpu/vllm3 (+ .gpu/sglang1): unstage vLLM 0.26.0, the vLLM GPU lane
@@ -20,7 +20,7 @@
 #   bash tools/gpu/session.sh miles_demo  # carry .gpu/sglang1 .gpu/sglang_jit .gpu/megatron (+ .gpu/triton):
 #                                              # kimi-rl demo --recipe miles-k3 --device cuda --size small
 #   bash tools/gpu/session.sh megatron_bench  # carry .gpu/megatron: benchmarks/megatron_trainer.py single's real-width K3
-#                                              # slice with MXFP4 (W4A16, auto and Gluon) and BF16 experts (#21)
+#                                              # slice with MXFP4 (W4A16, auto and Gluon) and BF16 experts
 #
 # The SGLang lane runs in groups (base engines, MoE LoRA + hot load, K3.1, K2 INT4); a group that ran
 # leaves /tmp/kimi_gpu_done/<group>, so a second `sglang` call goes on where the first stopped. Each
@@ -104,7 +104,7 @@ run_sglang() {
 
 run_w4a16() {
   export PYTHONPATH=$PWD
-  # issue #21's must-show: the whole kernels GPU suite (Triton, chunked and Gluon paths), then the W4A16 table
+  # the whole kernels GPU suite (fused, chunked and Gluon paths), then the W4A16 table
   # (W4A16_BENCH_ARGS: e.g. --quick for K3 fc1 only; W4A16_TESTS=0: the table alone, W4A16_BENCH=0: the tests alone,
   # so the two can go to different calls of one lease)
   if [ "${W4A16_TESTS:-1}" = 1 ]; then
@@ -115,39 +115,38 @@ run_w4a16() {
     echo "kernels rc=$? $(tail -1 "$OUT/pytest_kernels.log")"
   fi
   [ "${W4A16_BENCH:-1}" = 1 ] || return 0
-  timeout "$(left)" python3 benchmarks/w4a16_grouped_gemm.py --no-append --json "$OUT/w4a16.json" --out "$OUT/w4a16.md" \
-    ${W4A16_BENCH_ARGS:-} > "$OUT/w4a16_bench.log" 2>&1
-  echo "bench rc=$?"; cat "$OUT/w4a16.md" 2>/dev/null | head -80
+  timeout "$(left)" python3 benchmarks/w4a16.py table --json "$OUT/w4a16.json" ${W4A16_BENCH_ARGS:-} \
+    > "$OUT/w4a16_bench.log" 2>&1
+  echo "bench rc=$?"; grep '^|' "$OUT/w4a16_bench.log" | head -80
 }
 
-# the fused kernels' tile configs next to BF16 (issue #21's 8 tok/exp rows; SWEEP_TOKENS, default 8; SWEEP_SHAPES, e.g.
-# "K2 fc1,K2 fc2", default all; SWEEP_OPS, e.g. fwd, default fwd,dgrad; SWEEP_FUSED_OPTIONS, e.g. {"fold_scales":
-# false}, default the shipped FUSED_OPTIONS; SWEEP_CONFIGS, e.g. "maxnreg,w8": only configs whose label contains one):
-# each timing in w4a16_sweep.log, the best config per row in w4a16_sweep.md
+# the fused kernels' tile configs next to BF16 (SWEEP_TOKENS, default 8; SWEEP_SHAPES, e.g. "K2 fc1,K2 fc2", default
+# all; SWEEP_OPS, e.g. fwd, default fwd,dgrad; SWEEP_FUSED_OPTIONS, e.g. {"fold_scales": false}, default the shipped
+# FUSED_OPTIONS; SWEEP_CONFIGS, e.g. "maxnreg,w8": only configs whose label contains one): w4a16_sweep.log
 run_w4a16_sweep() {
   export PYTHONPATH=$PWD
-  timeout "$(left)" python3 benchmarks/w4a16_grouped_gemm.py --sweep --tokens "${SWEEP_TOKENS:-8}" \
-    ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ${SWEEP_OPS:+--sweep-ops "$SWEEP_OPS"} --out "$OUT/w4a16_sweep.md" \
-    ${SWEEP_CONFIGS:+--sweep-configs "$SWEEP_CONFIGS"} \
+  timeout "$(left)" python3 benchmarks/w4a16.py sweep --tokens "${SWEEP_TOKENS:-8}" --json "$OUT/w4a16_sweep.json" \
+    ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ${SWEEP_OPS:+--ops "$SWEEP_OPS"} \
+    ${SWEEP_CONFIGS:+--configs "$SWEEP_CONFIGS"} \
     ${SWEEP_FUSED_OPTIONS:+--fused-options "$SWEEP_FUSED_OPTIONS"} \
     > "$OUT/w4a16_sweep.log" 2>&1
-  echo "sweep rc=$?"; cat "$OUT/w4a16_sweep.md" 2>/dev/null
+  echo "sweep rc=$?"; grep '^|' "$OUT/w4a16_sweep.log"
 }
 
-# SM clock and power while BF16 and the W4A16 path run back to back (issue #21's 2048 tok/exp forwards: lost cycles or a
+# SM clock and power while BF16 and the W4A16 path run back to back (the 2048 tok/exp forwards: lost cycles or a
 # lower clock?); CLOCK_SHAPES (default "K3 fc1,K2 fc1"), CLOCK_FORMATS (mxfp4,int4), CLOCK_TOKENS (2048), CLOCK_OPS
 # (fwd), CLOCK_SECONDS (3) per phase, CLOCK_ROUNDS (2)
 run_w4a16_clocks() {
   export PYTHONPATH=$PWD
-  timeout "$(left)" python3 benchmarks/w4a16_clocks.py --no-append --out "$OUT/w4a16_clocks.md" \
+  timeout "$(left)" python3 benchmarks/w4a16.py clocks --json "$OUT/w4a16_clocks.json" \
     --shapes "${CLOCK_SHAPES:-K3 fc1,K2 fc1}" --formats "${CLOCK_FORMATS:-mxfp4,int4}" \
     --tokens "${CLOCK_TOKENS:-2048}" --ops "${CLOCK_OPS:-fwd}" --seconds "${CLOCK_SECONDS:-3}" \
     --rounds "${CLOCK_ROUNDS:-2}" \
     > "$OUT/w4a16_clocks.log" 2>&1
-  echo "clocks rc=$?"; cat "$OUT/w4a16_clocks.md" 2>/dev/null || tail -20 "$OUT/w4a16_clocks.log"
+  echo "clocks rc=$?"; tail -30 "$OUT/w4a16_clocks.log"
 }
 
-# issue #21's profile: Nsight Compute on one call of each case (benchmarks/w4a16_ncu_profile.py), W4A16 next to BF16;
+# Nsight Compute on one call of each case (benchmarks/w4a16.py profile run), W4A16 next to BF16;
 # the CSVs come back and are summarized into one table (PROFILE_CASES: "shape;tokens;fmt;op;path,..." comma-separated)
 run_w4a16_profile() {
   export PYTHONPATH=$PWD
@@ -156,7 +155,7 @@ run_w4a16_profile() {
   local extra=()  # NCU_EXTRA_SECTIONS: more Nsight Compute sections, e.g. MemoryWorkloadAnalysis (shared / L1 / L2)
   local sec; for sec in ${NCU_EXTRA_SECTIONS:-}; do extra+=(--section "$sec"); done
   # the tensor pipe's busy share, under the name this ncu lists for the GPU
-  local tensor; tensor=$("$ncu" --query-metrics 2>/dev/null | python3 benchmarks/w4a16_ncu_profile.py tensor-metric)
+  local tensor; tensor=$("$ncu" --query-metrics 2>/dev/null | python3 benchmarks/w4a16.py profile tensor-metric)
   echo "tensor pipe metric: ${tensor:-none listed}"; [ -n "$tensor" ] && extra+=(--metrics "$tensor")
   local cases=${PROFILE_CASES:-"K3 fc1;2048;mxfp4;fwd;gluon,K3 fc1;2048;mxfp4;fwd;bf16,K3 fc1;2048;mxfp4;dgrad;gluon,K3 fc1;2048;mxfp4;dgrad;bf16,K3 fc1;8;mxfp4;fwd;fused,K3 fc1;8;mxfp4;fwd;bf16"}
   local IFS=','
@@ -167,30 +166,26 @@ run_w4a16_profile() {
     timeout $(( $(left) < 120 ? $(left) : 120 )) "$ncu" --nvtx --nvtx-include "profile/" --section SpeedOfLight \
       --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats ${extra[@]+"${extra[@]}"} \
       --print-details all \
-      --csv --page details python3 benchmarks/w4a16_ncu_profile.py run --shape "$shape" --tokens "$tok" --fmt "$fmt" \
+      --csv --page details python3 benchmarks/w4a16.py profile run --shape "$shape" --tokens "$tok" --fmt "$fmt" \
       --op "$op" --path "$path" > "$OUT/ncu/$tag.csv" 2> "$OUT/ncu/$tag.err"
     echo "$tag rc=$? $(grep -c '' "$OUT/ncu/$tag.csv") lines; $(grep -m1 -i 'err' "$OUT/ncu/$tag.err")"
   done
-  python3 benchmarks/w4a16_ncu_profile.py summarize "$OUT"/ncu/*.csv | tee "$OUT/ncu_summary.md"
+  python3 benchmarks/w4a16.py profile summarize "$OUT"/ncu/*.csv | tee "$OUT/ncu_summary.md"
 }
 
-# the experimental Gluon kernels (issue #21) alone: the probe (each variant in its own process under a timeout: a barrier
-# bug hangs rather than fails), their GPU tests (GLUON_TESTS=0 skips them), then their table next to BF16 (every shape;
-# GLUON_BENCH_ARGS=--quick: K3 fc1)
+# the Gluon kernels alone: their GPU tests (GLUON_TESTS=0 skips them), then their table next to BF16 in each config
+# (every shape; GLUON_BENCH_ARGS=--quick: K3 fc1)
 run_gluon() {
   export PYTHONPATH=$PWD
-  # each variant alone on a small case in its own process first: a hang in one leaves the others' numbers
-  GLUON_PROBE_TIMEOUT=50 timeout 300 python3 tools/kernels/gluon_probe.py 2>&1 | tee "$OUT/gluon_probe.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gluon probe failed: no test or table"; return; }
-  if [ "${GLUON_TESTS:-1}" = 1 ]; then  # GLUON_TESTS=0: the probe and the table's rel err vs BF16 only
-    timeout 400 python3 -m pytest -q -m gpu -rfE -p no:cacheprovider tests/kimi_core/kernels/test_gluon_w4a16_gpu.py \
+  if [ "${GLUON_TESTS:-1}" = 1 ]; then
+    timeout 400 python3 -m pytest -q -m gpu -rfE -p no:cacheprovider tests/kimi_core/kernels/w4a16/test_gluon_gpu.py \
       > "$OUT/pytest_gluon.log" 2>&1
     local rc=$?; echo "gluon tests rc=$rc $(tail -1 "$OUT/pytest_gluon.log")"
     [ $rc -eq 0 ] || { tail -30 "$OUT/pytest_gluon.log"; return; }
   fi
   # every benchmark shape, BF16 and the Gluon kernel alone, in each tile config (GLUON_BENCH_ARGS: e.g. --quick)
-  timeout "$(left)" python3 benchmarks/w4a16_grouped_gemm.py --gluon-only --gluon-configs "${GLUON_CONFIGS:-auto,autop,auton256p,128x4s4,128x8p,rs,rsp}" \
-    ${GLUON_BENCH_ARGS:-} --no-append --json "$OUT/gluon.json" --out "$OUT/gluon.md" 2>&1 | tee "$OUT/gluon_bench.log" | grep '^|'
+  timeout "$(left)" python3 benchmarks/w4a16.py gluon ${GLUON_CONFIGS:+--configs "$GLUON_CONFIGS"} \
+    ${GLUON_BENCH_ARGS:-} --json "$OUT/gluon.json" 2>&1 | tee "$OUT/gluon_bench.log" | grep '^|'
   echo "bench rc=${PIPESTATUS[0]}"
 }
 
