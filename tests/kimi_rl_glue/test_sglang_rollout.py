@@ -17,9 +17,11 @@ from kimi_rl_glue.demo.sglang_rollout import samples_from_outputs
 def _answer(prompt, toks, lps, top, layers, k, seed):
     rng = np.random.default_rng(seed)
     routed = rng.integers(0, 16, size=(len(prompt) + len(toks) - 1, layers, k)).astype(np.int32)
-    meta = {"output_token_logprobs": [(lp, t, None) for lp, t in zip(lps, toks)],
-            "output_top_logprobs": [[(v, i, None) for v, i in row] for row in top],
-            "routed_experts": base64.b64encode(routed.tobytes()).decode()}
+    meta = {
+        "output_token_logprobs": [(lp, t, None) for lp, t in zip(lps, toks)],
+        "output_top_logprobs": [[(v, i, None) for v, i in row] for row in top],
+        "routed_experts": base64.b64encode(routed.tobytes()).decode(),
+    }
     return {"meta_info": meta}, routed
 
 
@@ -38,7 +40,9 @@ def test_samples_from_sglang_answers():
     for s, (g, p, toks, r) in zip(samples, want):
         assert (s.group, s.prompt, s.tokens) == (g, p, toks)
         assert torch.equal(s.logprobs, torch.tensor([-0.5, -1.0, -1.5]))
-        assert s.topk_ids.tolist() == [[t, 99] for t in toks] and torch.equal(s.topk_logprobs[0], torch.tensor([-0.1, -2.5]))
+        assert s.topk_ids.tolist() == [[t, 99] for t in toks] and torch.equal(
+            s.topk_logprobs[0], torch.tensor([-0.1, -2.5])
+        )
         assert np.array_equal(np.array(s.routed), r) and np.array(s.routed).shape == (len(p) + 2, 3, 2)
 
 
@@ -78,11 +82,21 @@ def test_train_step_replays_the_samples_routing(tmp_path):
     def run(routed):
         tr = ReferenceTrainer(ckpt, spec, lr=1e-3, seed=0)
         tr.opt.zero_grad()
-        samples = [Sample(prompts[i].tolist(), tokens[i].tolist(), torch.full((3,), -5.0),
-                          tokens[i, :, None].clone(), torch.full((3, 1), -5.0), i // 2,
-                          routed=None if routed is None else routed[i].tolist()) for i in range(4)]
-        rec = train_step(tr, samples, torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=torch.float64),
-                         LoopConfig(loss="grpo_tis"), topk=1)
+        samples = [
+            Sample(
+                prompts[i].tolist(),
+                tokens[i].tolist(),
+                torch.full((3,), -5.0),
+                tokens[i, :, None].clone(),
+                torch.full((3, 1), -5.0),
+                i // 2,
+                routed=None if routed is None else routed[i].tolist(),
+            )
+            for i in range(4)
+        ]
+        rec = train_step(
+            tr, samples, torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=torch.float64), LoopConfig(loss="grpo_tis"), topk=1
+        )
         return rec["train/loss"], rec["train/train_rollout_logprob_abs_diff"]
 
     plain, replayed, wrong = run(None), run(own), run(other)
@@ -91,7 +105,9 @@ def test_train_step_replays_the_samples_routing(tmp_path):
 
 
 def test_miles_recipe_refuses_the_cpu(tmp_path, capsys):
+    """``kimi-rl demo --recipe miles-k3`` without a GPU exits 2 with one line naming the missing CPU path."""
     from kimi_rl_glue.cli import main
 
     assert main(["demo", "--recipe", "miles-k3", "--out", str(tmp_path / "m")]) == 2
-    assert "no CPU path; run it with --device cuda" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "no CPU path; run it with --device cuda" in captured.out + captured.err
