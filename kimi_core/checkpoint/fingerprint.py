@@ -1,11 +1,12 @@
-"""What a checkpoint folder holds, cheaply: shard names, sizes and a hash of each safetensors header.
+"""What a checkpoint folder holds, cheaply: shard names, sizes, a hash of each safetensors header and of a sample.
 
 A safetensors file is ``[8-byte little-endian header length n][n bytes of JSON header][data]``; the header
 lists every tensor's name, dtype, shape and byte range, so its hash changes with any renamed, reshaped or
-added tensor, and the byte ranges tell whether the file was cut short. Reading it costs ``8 + n`` bytes a
-shard, not the shard (a 595 GB release is fingerprinted in seconds). ``kimi-rl dequantize`` records the
-fingerprint of its input in the output folder and resumes only into a folder made from the same input.
-"""
+added tensor, and the byte ranges tell whether the file was cut short. A hash of the first and last MiB of
+the data tells apart two checkpoints of one layout (another seed, a retrained copy). Reading costs about
+two MiB a shard, not the shard (a 595 GB release is fingerprinted in seconds). ``kimi-rl dequantize``
+records the fingerprint of its input in the output folder and resumes only into a folder made from the
+same input."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from kimi_core.checkpoint.reader import CheckpointError
 
 #: a header larger than this is not a safetensors header (the format caps it at 100 MB)
 MAX_HEADER_BYTES = 100 * 2**20
+#: bytes hashed at each end of a shard's data (two reads a shard, whatever its size)
+SAMPLE_BYTES = 2**20
 
 
 def read_header(path: str) -> tuple[bytes, dict]:
@@ -54,9 +57,21 @@ def read_header(path: str) -> tuple[bytes, dict]:
 
 
 def shard_fingerprint(path: str) -> dict:
-    """``{"bytes": file size, "header_sha256": hex}`` of one safetensors file (:func:`read_header` checks it)."""
+    """``{"bytes", "header_sha256", "sample_sha256"}`` of one safetensors file (:func:`read_header` checks it).
+
+    ``sample_sha256`` hashes the first and last :data:`SAMPLE_BYTES` of the data: two checkpoints of the same
+    layout (same header) but other weights, such as another seed or a retrained copy, differ there.
+    """
     raw, _ = read_header(path)
-    return {"bytes": os.path.getsize(path), "header_sha256": hashlib.sha256(raw).hexdigest()}
+    size = os.path.getsize(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        start = 8 + len(raw)
+        f.seek(start)
+        h.update(f.read(SAMPLE_BYTES))
+        f.seek(max(start, size - SAMPLE_BYTES))
+        h.update(f.read(SAMPLE_BYTES))
+    return {"bytes": size, "header_sha256": hashlib.sha256(raw).hexdigest(), "sample_sha256": h.hexdigest()}
 
 
 def file_sha256(path: str) -> str:
@@ -84,6 +99,12 @@ def differences(recorded: dict, now: dict) -> list[str]:
         out.append(f"shard {s} is new in the input")
     for s in sorted(set(a) & set(b)):
         if a[s] != b[s]:
-            what = "size" if a[s].get("bytes") != b[s].get("bytes") else "header"
+            what = (
+                "size"
+                if a[s].get("bytes") != b[s].get("bytes")
+                else "header"
+                if a[s].get("header_sha256") != b[s].get("header_sha256")
+                else "data"
+            )
             out.append(f"shard {s}: {what} differs")
     return out

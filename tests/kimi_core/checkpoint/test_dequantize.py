@@ -107,10 +107,16 @@ def test_dequantize_peak_memory_under_twice_largest_shard(tmp_path):
     shards = [f for f in os.listdir(tmp_path / "A") if f.endswith(".safetensors")]
     largest = max(os.path.getsize(tmp_path / "A" / f) for f in shards)
     assert len(shards) >= 3
-    out = subprocess.run([sys.executable, "-c", _MEM_SCRIPT, str(tmp_path / "A"), str(tmp_path / "B")],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _MEM_SCRIPT, str(tmp_path / "A"), str(tmp_path / "B")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     m = json.loads(out.stdout.strip().splitlines()[-1])
     growth = m["peak"] - m["base"]
-    print(f"largest shard {largest / 2**20:.1f} MiB, peak RSS growth {growth / 2**20:.1f} MiB "
-          f"({growth / largest:.2f}x); output is {4 * 1.0:.0f}x larger than the input")
+    print(
+        f"largest shard {largest / 2**20:.1f} MiB, peak RSS growth {growth / 2**20:.1f} MiB "
+        f"({growth / largest:.2f}x); output is {4 * 1.0:.0f}x larger than the input"
+    )
     assert growth < 2 * largest

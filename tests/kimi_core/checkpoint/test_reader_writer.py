@@ -28,7 +28,9 @@ def test_get_weight_dequantizes_exactly(tiny_ckpt):
     r = CheckpointReader(tiny_ckpt("k2"))
     m = "model.layers.2.mlp.experts.5.down_proj"
     raw = {k: r.get(f"{m}.{k}") for k in ("weight_packed", "weight_scale")}
-    assert torch.equal(r.get_weight(m, torch.float32), int4.dequantize(raw["weight_packed"], raw["weight_scale"], torch.float32))
+    assert torch.equal(
+        r.get_weight(m, torch.float32), int4.dequantize(raw["weight_packed"], raw["weight_scale"], torch.float32)
+    )
 
 
 def test_tiny_is_deterministic_and_seeded(tmp_path):
@@ -49,7 +51,7 @@ def test_tiny_k3_release_quirks(tiny_ckpt):
     c = r.config
     a = r.get("language_model.model.layers.0.self_attn.A_log")
     assert a.dtype == torch.float32 and a.shape == (c.linear_attn.head_dim,)
-    assert (a[c.linear_attn.num_heads:] == 0).all() and (a[: c.linear_attn.num_heads] != 0).all()
+    assert (a[c.linear_attn.num_heads :] == 0).all() and (a[: c.linear_attn.num_heads] != 0).all()
     assert r.get("language_model.model.layers.0.self_attn.q_conv1d.weight").dtype == torch.float32
     last = c.num_hidden_layers - 1
     assert r.has(f"language_model.model.layers.{last}.self_attn.kv_a_proj_with_mqa.weight")
@@ -106,10 +108,11 @@ def test_wrong_format_names_tensor(tiny_ckpt, tmp_path):
     json.dump(cfg, open(d / "config.json", "w"))
     r = CheckpointReader(d)
     with pytest.raises(Exception, match="pack-quantized"):
-        r.config  # K3 experts must be MXFP4: the config itself is inconsistent
+        _ = r.config  # K3 experts must be MXFP4: the config itself is inconsistent
     m = "language_model.model.layers.1.block_sparse_moe.experts.0.w1"
     r._config = __import__("kimi_core.config", fromlist=["KimiConfig"]).KimiConfig.from_hf(
-        json.load(open(tiny_ckpt("k2") + "/config.json")))
+        json.load(open(tiny_ckpt("k2") + "/config.json"))
+    )
     with pytest.raises(FormatError, match=f"{m}.weight_packed"):
         r.get_weight(m)
 
