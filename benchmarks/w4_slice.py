@@ -14,7 +14,8 @@ MXFP4: E2M1 codes uniform over all 16, one E8M0 scale per group of 32: a power o
 random, ``p`` the power of two nearest ``std / (rms(E2M1 values) * sqrt(2.5))`` (2.5 = mean of 1 and 4), so
 the dequantized std is ``std`` within the sqrt(2) of rounding to a power of two.
 
-Used by ``benchmarks/vllm_serving.py`` (K2) and ``benchmarks/sglang_serving.py`` (K3).
+Used by ``benchmarks/vllm_serving.py`` (K2) and ``benchmarks/sglang_serving.py`` (K3); on the command line:
+``python benchmarks/w4a16.py slice CONFIG_JSON OUT_DIR``.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ _CODE_RMS = math.sqrt(2 * sum(k * k for k in range(1, 8)) / 15)
 _E2M1_RMS = math.sqrt(sum(v * v for v in mxfp4.E2M1_VALUES) / len(mxfp4.E2M1_VALUES))
 
 
-def random_int4_experts(n: int, out_features: int, in_features: int, std: float, seed: int,
-                        device: str = "cpu", chunk: int = 32) -> Iterator[dict[str, torch.Tensor]]:
+def random_int4_experts(
+    n: int, out_features: int, in_features: int, std: float, seed: int, device: str = "cpu", chunk: int = 32
+) -> Iterator[dict[str, torch.Tensor]]:
     """Yield ``n`` random INT4 expert linears ``[out, in]`` in on-disk form, one CPU dict per expert:
     ``weight_packed`` int32 ``[out, in/8]``, ``weight_scale`` bf16 ``[out, in/32]``, ``weight_shape`` int64 ``[2]``.
 
@@ -63,13 +65,17 @@ def random_int4_experts(n: int, out_features: int, in_features: int, std: float,
         u = torch.rand(c, out_features, in_features // g, device=device, generator=gen)
         scale = ((0.75 + 0.5 * u) * (std / _CODE_RMS)).to(torch.bfloat16)
         for i in range(c):  # one storage per tensor: safetensors refuses tensors that share one
-            yield {"weight_packed": packed[i].to("cpu", copy=True), "weight_scale": scale[i].to("cpu", copy=True),
-                   "weight_shape": shape.clone()}
+            yield {
+                "weight_packed": packed[i].to("cpu", copy=True),
+                "weight_scale": scale[i].to("cpu", copy=True),
+                "weight_shape": shape.clone(),
+            }
         del packed, scale
 
 
-def random_mxfp4_experts(n: int, out_features: int, in_features: int, std: float, seed: int,
-                         device: str = "cpu", chunk: int = 32) -> Iterator[dict[str, torch.Tensor]]:
+def random_mxfp4_experts(
+    n: int, out_features: int, in_features: int, std: float, seed: int, device: str = "cpu", chunk: int = 32
+) -> Iterator[dict[str, torch.Tensor]]:
     """Yield ``n`` random MXFP4 expert linears ``[out, in]`` in on-disk form, one CPU dict per expert:
     ``weight_packed`` uint8 ``[out, in/2]`` (two E2M1 codes, even element low), ``weight_scale`` uint8
     E8M0 ``[out, in/32]``.
@@ -86,8 +92,9 @@ def random_mxfp4_experts(n: int, out_features: int, in_features: int, std: float
         codes = torch.randint(0, 16, (c, out_features, in_features), dtype=torch.uint8, device=device, generator=gen)
         packed = mxfp4.pack(codes)
         del codes
-        scale = (base + torch.randint(0, 2, (c, out_features, in_features // g), device=device, generator=gen)
-                 ).to(torch.uint8)
+        scale = (base + torch.randint(0, 2, (c, out_features, in_features // g), device=device, generator=gen)).to(
+            torch.uint8
+        )
         for i in range(c):  # one storage per tensor: safetensors refuses tensors that share one
             yield {"weight_packed": packed[i].to("cpu", copy=True), "weight_scale": scale[i].to("cpu", copy=True)}
         del packed, scale
@@ -98,7 +105,7 @@ def slice_state_dict(config: dict, seed: int = 0, device: str = "cpu") -> dict[s
     (K2.x INT4, K3 / K3.1 MXFP4; experts read ``routed_expert_hidden_size`` where the config has it), keyed by
     HF names."""
     cfg = KimiConfig.from_hf(config, where="w4 slice config")
-    E, H, I, L = cfg.n_routed_experts, cfg.expert_in_size, cfg.moe_intermediate_size, cfg.num_hidden_layers
+    E, H, inter, L = cfg.n_routed_experts, cfg.expert_in_size, cfg.moe_intermediate_size, cfg.num_hidden_layers
     draw = random_mxfp4_experts if cfg.is_k3_family else random_int4_experts
     small = copy.deepcopy(config)
     small.get("text_config", small)["n_routed_experts"] = cfg.num_experts_per_tok
@@ -115,16 +122,18 @@ def slice_state_dict(config: dict, seed: int = 0, device: str = "cpu") -> dict[s
         hidden = cfg.hidden_size  # the router reads the full hidden state, the experts the latent one
         out[f"{moe}.gate.weight"] = (torch.randn(E, hidden, generator=gen) / math.sqrt(hidden)).to(torch.bfloat16)
         out[f"{moe}.gate.e_score_correction_bias"] = torch.randn(E, generator=gen) * 0.05
-        for j, (name, (o, i, std)) in enumerate(((gate_n, (I, H, H ** -0.5)), (up_n, (I, H, H ** -0.5)),
-                                                 (down_n, (H, I, I ** -0.5 * resid)))):
+        for j, (name, (o, i, std)) in enumerate(
+            ((gate_n, (inter, H, H**-0.5)), (up_n, (inter, H, H**-0.5)), (down_n, (H, inter, inter**-0.5 * resid)))
+        ):
             experts = draw(E, o, i, std, seed=seed * 1000 + layer * 3 + j, device=device)
             for e, tensors in enumerate(experts):
                 out.update({f"{moe}.experts.{e}.{name}.{k}": v for k, v in tensors.items()})
     return out
 
 
-def ensure_slice(out_dir: str, config: dict, seed: int = 0, device: str = "cpu",
-                 max_shard_bytes: int = 4 << 30) -> dict:
+def ensure_slice(
+    out_dir: str, config: dict, seed: int = 0, device: str = "cpu", max_shard_bytes: int = 4 << 30
+) -> dict:
     """Write the slice of :func:`slice_state_dict` to ``out_dir`` unless it is already there with the
     same config and seed (a stamp file says so). Written to ``<out_dir>.partial``, then renamed.
 

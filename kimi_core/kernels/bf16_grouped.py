@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kimi_core.kernels import _capability
+from kimi_core.kernels.device import device_capability
 from kimi_core.kernels.host_ints import host_offsets, int32_on
 
 __all__ = ["bf16_grouped_linear", "uses_grouped_mm"]
@@ -27,7 +27,7 @@ def uses_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     if w.shape[-1] % 8 or w.shape[-2] % 8:
         return False
     if x.device.type == "cuda":
-        return _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())[0] >= 9
+        return device_capability(x.device)[0] >= 9
     return x.device.type == "cpu"
 
 
@@ -35,11 +35,18 @@ def bf16_grouped_linear(x: torch.Tensor, w: torch.Tensor, m_splits) -> torch.Ten
     """``[T, N]``: each expert's rows of ``x`` ``[T, K]`` times its ``w[e]`` ``[N, K]`` transposed (see the module
     docstring)."""
     splits = [int(v) for v in (m_splits.tolist() if torch.is_tensor(m_splits) else m_splits)]
-    if w.dim() != 3 or x.dim() != 2 or len(splits) != w.shape[0] or x.shape[1] != w.shape[2] \
-            or sum(splits) != x.shape[0]:
-        raise ValueError(f"kimi_core.kernels.bf16_grouped_linear: x {tuple(x.shape)}, w {tuple(w.shape)} and "
-                         f"m_splits ({len(splits)} experts, {sum(splits)} rows) do not match ([T, K], [E, N, K], E "
-                         "counts summing to T)")
+    if (
+        w.dim() != 3
+        or x.dim() != 2
+        or len(splits) != w.shape[0]
+        or x.shape[1] != w.shape[2]
+        or sum(splits) != x.shape[0]
+    ):
+        raise ValueError(
+            f"kimi_core.kernels.bf16_grouped_linear: x {tuple(x.shape)}, w {tuple(w.shape)} and "
+            f"m_splits ({len(splits)} experts, {sum(splits)} rows) do not match ([T, K], [E, N, K], E "
+            "counts summing to T)"
+        )
     if x.shape[0] == 0:  # no rows: an empty product that still reaches w in the graph (zero gradient), no reduction
         return F.linear(x, w[0]) if w.shape[0] else x.new_zeros(0, w.shape[1])
     if uses_grouped_mm(x, w):

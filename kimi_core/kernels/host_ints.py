@@ -1,10 +1,8 @@
 """Small integer tables built on the host (expert offsets, tile tables) moved to the kernels' device.
 
 A CUDA copy from ordinary (pageable) host memory holds the host until the GPU has finished every kernel queued before
-it, a hidden device sync per call: measured on an H100 (benchmarks/RESULTS.md, 2026-12-06), the Gluon W4A16 call's
-host time was the GPU's own (1.2-1.6 ms at K3 fc1, 128 tokens per expert) until its tile table went through here
-(0.27-0.29 ms). From pinned memory the copy is queued like a kernel and the host runs on; the caching host allocator
-keeps the pinned buffer until the copy has run.
+it, a hidden device sync per call (docs/performance.md#w4a16-grouped-gemm). From pinned memory the copy is queued
+like a kernel and the host runs on; the caching host allocator keeps the pinned buffer until the copy has run.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Programs of a compiled Triton kernel that one streaming multiprocessor holds at once, as the CUDA driver counts them.
 
-A launcher that balances its last wave of programs (:func:`kimi_core.kernels.triton_w4a16.tail_pieces`) needs the
+A launcher that balances its last wave of programs (:func:`kimi_core.kernels.w4a16.fused.plans.tail_pieces`) needs the
 number of programs resident per SM. That number follows from the compiled kernel's registers, shared memory and warps
 by the hardware's allocation rules; rather than restate those rules, this asks the driver
 (``cuOccupancyMaxActiveBlocksPerMultiprocessor``) for the kernel Triton loaded, with the block size and dynamic shared
@@ -29,9 +29,14 @@ def resident_programs(compiled) -> int:
     Raises ``RuntimeError`` naming the kernel and the driver's ``CUresult`` if the query fails."""
     _ = compiled.run  # loads the binary on the current device: compiled.function is its CUfunction from here on
     blocks = ctypes.c_int(0)
-    err = _occupancy_query()(ctypes.byref(blocks), ctypes.c_void_p(compiled.function),
-                             compiled.metadata.num_warps * 32, compiled.metadata.shared)
+    err = _occupancy_query()(
+        ctypes.byref(blocks),
+        ctypes.c_void_p(compiled.function),
+        compiled.metadata.num_warps * 32,
+        compiled.metadata.shared,
+    )
     if err != 0:
-        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed for Triton kernel {compiled.name} "
-                           f"(CUresult {err})")
+        raise RuntimeError(
+            f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed for Triton kernel {compiled.name} (CUresult {err})"
+        )
     return blocks.value

@@ -13,7 +13,7 @@ def test_grouped_linear_matches_float64_per_expert(splits):
     g = torch.Generator().manual_seed(sum(splits))
     E, N, K = len(splits), 24, 40
     x = torch.randn(sum(splits), K, generator=g).bfloat16().requires_grad_()
-    w = (torch.randn(E, N, K, generator=g) / K ** 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(E, N, K, generator=g) / K**0.5).bfloat16().requires_grad_()
     dy = torch.randn(sum(splits), N, generator=g).bfloat16()
     y = bf16_grouped_linear(x, w, splits)
     y.backward(dy)

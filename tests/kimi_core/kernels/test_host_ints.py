@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kimi_core.kernels.gluon_w4a16 import tile_table
 from kimi_core.kernels.host_ints import host_offsets, int32_on
+from kimi_core.kernels.w4a16.gluon.tiles import tile_table
 
 
 def test_offsets_and_tables_keep_their_values():

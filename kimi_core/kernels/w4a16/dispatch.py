@@ -1,0 +1,104 @@
+"""Which backend runs a W4A16 grouped GEMM: the dispatch tables, as data, and :func:`choose_path`, which reads them.
+
+Paths: ``"fused"`` (:mod:`.fused`, the weights decoded in registers; off CUDA the naive twin :mod:`.naive`),
+``"chunked"`` (:mod:`.chunked`, a few experts decoded into a bounded bf16 workspace, then ``torch._grouped_mm``)
+and ``"gluon"`` (:mod:`.gluon`, Hopper only, the weights decoded into the wgmma's register fragment). The tables are
+keyed per op (``"fwd"``, ``"dgrad"``); an ``(N, K)`` weight-shape key overrides ``"default"``.
+``benchmarks/w4a16.py table`` measures every path on the benchmark shapes and regenerates them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kimi_core.kernels.device import device_capability
+from kimi_core.kernels.w4a16.chunked import fits as chunked_fits
+
+__all__ = [
+    "FUSED_OPTIONS",
+    "GLUON_OPTIONS",
+    "MEASURED_SHAPES",
+    "PATHS",
+    "PATH_ENV",
+    "W4A16_CROSSOVER",
+    "W4A16_GLUON",
+    "choose_path",
+    "forced_path",
+    "gluon_fits",
+]
+
+PATH_ENV = "KIMI_W4A16_PATH"
+PATHS = ("fused", "chunked", "gluon", "auto")
+
+# (N, K) of the expert weights the tables were measured on: K3 fc1, K3 fc2, K2 fc1, K2 fc2
+MEASURED_SHAPES = ((6144, 3584), (3584, 3072), (4096, 7168), (7168, 2048))
+
+#: From this mean number of tokens per expert (``T / E``) on, ``"chunked"`` is chosen over ``"fused"``.
+# measured: docs/performance.md#w4a16-dispatch
+W4A16_CROSSOVER: dict[str, dict] = {"fwd": {"default": 512}, "dgrad": {"default": 512}}
+
+#: Where auto picks ``"gluon"``: a half-open range ``(from, to)`` of mean tokens per expert (``to`` None: no upper
+#: end), or None (never). Shapes not listed keep the fused / chunked table.
+# measured: docs/performance.md#w4a16-dispatch
+W4A16_GLUON: dict[str, dict] = {
+    op: {"default": None, **{shape: (128, None) for shape in MEASURED_SHAPES}} for op in ("fwd", "dgrad")
+}
+
+#: Keyword arguments the ``"gluon"`` path passes to :func:`.gluon.grouped_gemm` / :func:`.gluon.grouped_gemm_dgrad`.
+# measured: docs/performance.md#w4a16-launch-plans
+GLUON_OPTIONS: dict[str, dict] = {
+    op: {"persistent": True, "decode_ahead": "auto", "fold_scales": True} for op in ("fwd", "dgrad")
+}
+
+#: Keyword arguments the ``"fused"`` path passes to :func:`.fused.grouped_gemm` / :func:`.fused.grouped_gemm_dgrad`.
+# measured: docs/performance.md#w4a16-launch-plans
+FUSED_OPTIONS: dict[str, dict] = {op: {"fold_scales": True} for op in ("fwd", "dgrad")}
+
+
+def forced_path(path: str | None) -> str:
+    """``path`` if given, else ``$KIMI_W4A16_PATH``, else ``"auto"``; refuses anything outside :data:`PATHS`."""
+    chosen = path if path is not None else (os.environ.get(PATH_ENV, "").strip() or "auto")
+    if chosen not in PATHS:
+        src = "path" if path is not None else PATH_ENV
+        raise ValueError(f"kimi_core/kernels/w4a16: {src} must be one of {', '.join(PATHS)}, got {chosen!r}")
+    return chosen
+
+
+def gluon_fits(N: int, K: int) -> bool:
+    """Whether the Gluon kernels take ``[N, K]`` experts in either format (MXFP4's 1-byte scales, the strictest)
+    and this Triton has Gluon to run them."""
+    from kimi_core.kernels.w4a16.gluon.pipeline import HAVE_GLUON
+    from kimi_core.kernels.w4a16.gluon.tiles import shape_fits
+
+    return HAVE_GLUON and shape_fits(N, K)
+
+
+def choose_path(op: str, T: int, E: int, N: int, K: int, device, path: str | None = None) -> str:
+    """``"fused"``, ``"chunked"`` or ``"gluon"`` for one grouped GEMM of ``T`` rows over ``E`` experts of
+    ``[N, K]``.
+
+    :param op: ``"fwd"`` or ``"dgrad"`` (rows of :data:`W4A16_CROSSOVER` and :data:`W4A16_GLUON`).
+    :param device: where the operands live; ``"fused"`` on a CPU means the naive twin.
+    :param path: ``"fused"`` / ``"chunked"`` / ``"gluon"`` forces a path; ``"auto"`` or ``None`` (then
+        ``$KIMI_W4A16_PATH``, default ``auto``) asks the tables, on a CUDA device of compute capability 9.0+ only:
+        ``"gluon"`` where ``T / E`` lies in :data:`W4A16_GLUON`'s range for ``(N, K)`` and the shape suits the
+        Gluon kernels, else ``"chunked"`` when one expert fits the workspace bound and ``T / E`` reaches
+        :data:`W4A16_CROSSOVER`, else ``"fused"``.
+    """
+    forced = forced_path(path)
+    if forced != "auto":
+        return forced
+    device = torch.device(device)
+    if device.type != "cuda" or E == 0:
+        return "fused"
+    if device_capability(device)[0] < 9:
+        return "fused"
+    gluon = W4A16_GLUON[op].get((N, K), W4A16_GLUON[op]["default"])
+    if gluon is not None and gluon_fits(N, K) and gluon[0] <= T / E and (gluon[1] is None or T / E < gluon[1]):
+        return "gluon"
+    if not chunked_fits(N, K, op):
+        return "fused"
+    table = W4A16_CROSSOVER[op]
+    return "chunked" if T / E >= table.get((N, K), table["default"]) else "fused"
