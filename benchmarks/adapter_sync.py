@@ -324,8 +324,8 @@ def tune_launch(nbytes: int = 512 << 20) -> tuple[tuple[int, int, bool], list[di
     for chunk, warps, hints in itertools.product((1024, 2048, 4096), (4, 8, 16), (False, True)):
         kw = dict(src_base=buf.data_ptr(), aligned=True, chunk_words=chunk, num_warps=warps, stream_hints=hints)
 
-        def run(**more):
-            return _gpu_ms(lambda: block_sums.copy_sum_blocks(table, BLOCK_WORDS, **kw, **more), 20)  # noqa: B023
+        def run(kw=kw, **more):
+            return _gpu_ms(lambda: block_sums.copy_sum_blocks(table, BLOCK_WORDS, **kw, **more), 20)
 
         rec = dict(
             chunk_words=chunk,
