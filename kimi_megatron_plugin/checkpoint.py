@@ -25,7 +25,7 @@ from kimi_core.quant import FormatError, get_format
 from kimi_core.quant.formats import INT4, WEIGHT_FORMATS, weight_format
 from kimi_megatron_plugin import mapping
 
-__all__ = ["ShardReader", "load_hf_checkpoint", "export_hf_state_dict", "unwrap_model"]
+__all__ = ["ShardReader", "load_hf_checkpoint", "export_hf_state_dict", "unwrap_model", "all_gather_cat", "gather_tp"]
 
 
 class ShardReader:
@@ -225,7 +225,9 @@ def load_hf_checkpoint(model, path_or_reader, strict: bool = True) -> ShardReade
 
 
 # ---------------------------------------------------------------------------------------------- export
-def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+def all_gather_cat(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's ``t`` of ``group`` concatenated along ``dim`` in rank order (``t`` itself without a group
+    of more than one process); every rank of ``group`` must call it."""
     size = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
     if size == 1:
         return t
@@ -239,11 +241,11 @@ def gather_tp(v: torch.Tensor, split: str, tp_group) -> list[torch.Tensor]:
     ``[full]`` for ``col`` (dim 0), ``row`` (dim 1) and unsplit parameters; ``[gate, up]`` for ``glu``
     (the local ``[gate; up]`` halves, each gathered on dim 0)."""
     if split == "col":
-        return [_gather(v, 0, tp_group)]
+        return [all_gather_cat(v, 0, tp_group)]
     if split == "row":
-        return [_gather(v, 1, tp_group)]
+        return [all_gather_cat(v, 1, tp_group)]
     if split == "glu":
-        return [_gather(half, 0, tp_group) for half in v.chunk(2, dim=0)]
+        return [all_gather_cat(half, 0, tp_group) for half in v.chunk(2, dim=0)]
     return [v]
 
 
@@ -290,7 +292,7 @@ def export_hf_state_dict(model) -> dict[str, torch.Tensor]:
                     e_local = {k: v for k, v in tensors.items()}
                     # gather every rank's local experts (equal shapes) over EP
                     for k in ("weight_packed", "weight_scale"):
-                        allv = _gather(e_local[k].unsqueeze(0), 0, ep_group)
+                        allv = all_gather_cat(e_local[k].unsqueeze(0), 0, ep_group)
                         for r in range(allv.shape[0]):
                             e = r * experts.E + i
                             base = f"{kimi.lm_prefix}model.layers.{layer}.{kimi.moe_prefix}.experts.{e}"

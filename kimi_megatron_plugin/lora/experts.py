@@ -118,12 +118,12 @@ class LoraExperts(torch.nn.Module):
     def full(self, proj: str, ep_group=None, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """All experts' ``(A [E or 1, r, in], B [E or 1, out, r])`` (``grad``: their gradients);
         collective over EP."""
-        from kimi_megatron_plugin.checkpoint import _gather
-        from kimi_megatron_plugin.lora.layers import _value
+        from kimi_megatron_plugin.checkpoint import all_gather_cat
+        from kimi_megatron_plugin.lora.layers import factor_value
 
-        A, B = (_value(t, grad) for t in self.factors(proj))
+        A, B = (factor_value(t, grad) for t in self.factors(proj))
         sA, sB = self.shared[proj]
-        return (A if sA else _gather(A, 0, ep_group)), (B if sB else _gather(B, 0, ep_group))
+        return (A if sA else all_gather_cat(A, 0, ep_group)), (B if sB else all_gather_cat(B, 0, ep_group))
 
     # ------------------------------------------------------------------ maths
     def delta(self, x: torch.Tensor, proj: str, splits: list[int]) -> torch.Tensor | None:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from kimi_core.reference.ops import acc_dtype
 
-__all__ = ["LoraLinear", "copy_to_group", "reduce_from_group", "group_size", "add_delta"]
+__all__ = ["LoraLinear", "copy_to_group", "reduce_from_group", "group_size", "add_delta", "factor_value"]
 
 
 def group_size(group) -> int:
@@ -87,7 +87,8 @@ def add_delta(y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return (y.to(a) + delta).to(y.dtype)
 
 
-def _value(p: torch.nn.Parameter, grad: bool) -> torch.Tensor:
+def factor_value(p: torch.nn.Parameter, grad: bool) -> torch.Tensor:
+    """A LoRA factor's detached value, or its gradient (zeros before any backward) when ``grad``."""
     if not grad:
         return p.detach()
     return p.grad.detach() if p.grad is not None else torch.zeros_like(p.detach())
@@ -154,13 +155,13 @@ class LoraLinear(torch.nn.Module):
     def full(self, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Full ``(A, B)`` (``grad``: their gradients, zeros if none); collective over TP for
         ``col``/``row``, so every TP rank must call it."""
-        from kimi_megatron_plugin.checkpoint import _gather
+        from kimi_megatron_plugin.checkpoint import all_gather_cat
 
-        A, B = (_value(self.A, grad), _value(self.B, grad))
+        A, B = (factor_value(self.A, grad), factor_value(self.B, grad))
         if self.kind == "col":
-            B = _gather(B, 0, self.tp_group)
+            B = all_gather_cat(B, 0, self.tp_group)
         elif self.kind == "row":
-            A = _gather(A, 1, self.tp_group)
+            A = all_gather_cat(A, 1, self.tp_group)
         return A, B
 
     # ------------------------------------------------------------------ maths

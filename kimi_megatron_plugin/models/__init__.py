@@ -4,9 +4,11 @@
 module                  role
 ======================  =======================================================================================
 ``spec``                per-layer ``ModuleSpec`` of this pipeline stage (``get_block_spec``, miles' ``get_spec``)
-``layers``              norms, MLA core attention, ``KimiMLA``, indexer, ``KimiKDA``, MLP, router, MoE layer,
-                        attention-residual layer and output norm
+``layers``              norms, MLA core attention, ``KimiMLA``, the K3.1 indexer, ``KimiKDA``
+``mlp``                 dense GLU MLP, shared experts, ``KimiRouter``, ``KimiMoELayer`` (latent MoE)
 ``experts``             ``KimiExperts``: ``w4a16`` (packed 4-bit buffers), ``qat`` (fake-quant masters), ``dense``
+``attn_res``            K3's attention-residual layer and output norm
+``parameters``          the compute device and megatron's tensor-parallel parameter attributes
 ``pipeline``            the attention-residual bank packed into one ``[S, B, (N+1)*H]`` tensor between stages
 ``provider``            ``KimiConfig`` -> ``MLATransformerConfig``; ``build_model``, ``KimiModelProvider``
 ======================  =======================================================================================

@@ -1,6 +1,6 @@
 """Routed experts of Kimi on Megatron-Core: W4A16 (packed 4-bit, frozen) or BF16 master with fake-quant QAT.
 
-:class:`KimiExperts` is the ``experts`` module of :class:`kimi_megatron_plugin.models.layers.KimiMoELayer`
+:class:`KimiExperts` is the ``experts`` module of :class:`kimi_megatron_plugin.models.mlp.KimiMoELayer`
 (megatron's experts contract: ``forward(permuted_tokens [T, D], tokens_per_expert [E_local],
 permuted_probs [T]) -> (out [T, D], None)``, tokens sorted by local expert). Modes:
 
@@ -34,15 +34,12 @@ from megatron.core.transformer.module import MegatronModule
 from kimi_core.quant import get_format
 from kimi_core.quant.formats import INT4, WeightFormat, weight_format
 from kimi_core.reference.ops import acc_dtype, glu
+from kimi_megatron_plugin.models.parameters import compute_device
 
 __all__ = ["KimiExperts", "EXPERT_MODES", "PROJ"]
 
 EXPERT_MODES = ("w4a16", "qat", "dense")
 PROJ = ("gate", "up", "down")  # megatron-side names of HF (gate_proj|w1, up_proj|w3, down_proj|w2)
-
-
-def _device():
-    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
 
 
 def packed_shapes(
@@ -97,10 +94,10 @@ class KimiExperts(MegatronModule):
         for p, (o, i) in self.shapes.items():
             if mode == "w4a16":
                 ps, ss, pd, sd = packed_shapes(self.fmt, o, i)
-                self.register_buffer(f"{p}_packed", torch.zeros(self.E, *ps, dtype=pd, device=_device()))
-                self.register_buffer(f"{p}_scale", torch.zeros(self.E, *ss, dtype=sd, device=_device()))
+                self.register_buffer(f"{p}_packed", torch.zeros(self.E, *ps, dtype=pd, device=compute_device()))
+                self.register_buffer(f"{p}_scale", torch.zeros(self.E, *ss, dtype=sd, device=compute_device()))
             else:
-                w = torch.nn.Parameter(torch.empty(self.E, o, i, dtype=config.params_dtype, device=_device()))
+                w = torch.nn.Parameter(torch.empty(self.E, o, i, dtype=config.params_dtype, device=compute_device()))
                 if config.perform_initialization:
                     for e in range(self.E):
                         config.init_method(w.data[e])

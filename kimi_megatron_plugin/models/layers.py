@@ -1,4 +1,4 @@
-"""Megatron-Core modules of Kimi K2.x / K3 / K3.1 (everything except the routed experts).
+"""Megatron-Core attention modules and norms of Kimi K2.x / K3 / K3.1.
 
 Each class is a Megatron module that slots into a megatron-core spec; the maths comes from
 :mod:`kimi_core.reference` (the oracle), never rewritten here:
@@ -13,12 +13,10 @@ Each class is a Megatron module that slots into a megatron-core spec; the maths 
 * :class:`KimiIndexer` - the K3.1 lightning indexer; scores come from ``kimi_core.reference.indexer``.
 * :class:`KimiKDA` - Kimi Delta Attention with TP over heads; CPU runs the reference
   ``chunk_kda``, CUDA runs fla's ``chunk_kda`` (same signature).
-* :class:`KimiMLP` - dense / shared-expert GLU MLP with SiLU (K2.x) or SiTU (K3).
-* :class:`KimiMoELayer` - megatron-core ``MoELayer`` (``TopKRouter`` with sigmoid + expert bias
-  = ``noaux_tc``, allgather dispatcher) plus K3's latent projections and post-combine RMSNorm.
-* :class:`KimiAttnResLayer` / :class:`KimiOutputNorm` - the attention-residual bank of K3,
-  carried between layers (and pipeline stages) packed into the hidden-state tensor
-  (:mod:`kimi_megatron_plugin.models.pipeline`).
+
+The MLP slot (dense MLP, router, MoE layer) is :mod:`kimi_megatron_plugin.models.mlp`, the attention-residual
+layer and output norm :mod:`kimi_megatron_plugin.models.attn_res`, the routed experts
+:mod:`kimi_megatron_plugin.models.experts`.
 
 Shapes follow megatron: activations ``[S, B, H]`` (sequence first).
 """
@@ -29,20 +27,15 @@ import os
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
-from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from kimi_core.reference import kda as ref_kda
-from kimi_core.reference.attn_res import attn_res_aggregate
 from kimi_core.reference.indexer import Indexer, topk_mask
-from kimi_core.reference.ops import acc_dtype, glu, l2norm, rms_norm
-from kimi_megatron_plugin.models.pipeline import pack_bank, unpack_bank
+from kimi_core.reference.ops import acc_dtype, l2norm, rms_norm
+from kimi_megatron_plugin.models.parameters import compute_device, new_parameter, tp_size_rank
 from kimi_megatron_plugin.patches import apply_no_te_shims
 
 apply_no_te_shims()
@@ -53,32 +46,8 @@ __all__ = [
     "KimiMLA",
     "KimiIndexer",
     "KimiKDA",
-    "KimiMLP",
-    "KimiSharedMLP",
-    "KimiMoELayer",
-    "KimiRouter",
-    "KimiAttnResLayer",
-    "KimiOutputNorm",
     "ReplicatedLinear",
 ]
-
-
-def _device():
-    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-
-
-def _tp_size_rank() -> tuple[int, int]:
-    return (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank())
-
-
-def _param(config, *shape, init: bool = True, partition_dim: int | None = None, dtype=None) -> torch.nn.Parameter:
-    """A parameter on the compute device; ``partition_dim`` marks a TP-sharded one (megatron attributes)."""
-    p = torch.nn.Parameter(torch.empty(*shape, device=_device(), dtype=dtype or config.params_dtype))
-    if init and config.perform_initialization:
-        config.init_method(p)
-    if partition_dim is not None:
-        p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, partition_dim, 1
-    return p
 
 
 class KimiRMSNorm(torch.nn.Module):
@@ -90,7 +59,7 @@ class KimiRMSNorm(torch.nn.Module):
     def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-5, **_):
         super().__init__()
         dtype = config.params_dtype if config is not None else torch.float32
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=_device(), dtype=dtype))
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=compute_device(), dtype=dtype))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,7 +74,7 @@ class ReplicatedLinear(torch.nn.Module):
 
     def __init__(self, config, input_size: int, output_size: int):
         super().__init__()
-        self.weight = _param(config, output_size, input_size)
+        self.weight = new_parameter(config, output_size, input_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -196,7 +165,7 @@ class _NoRotation(torch.nn.Module):
         return transformer_input.size(0)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, **_):
-        return torch.zeros(max_seq_len, 1, 1, self.dim, device=_device())
+        return torch.zeros(max_seq_len, 1, 1, self.dim, device=compute_device())
 
 
 class _ModuleWeights:
@@ -228,8 +197,8 @@ class KimiIndexer(MegatronModule):
         self.wq_b = ReplicatedLinear(config, kimi.q_lora_rank, nh * d)
         self.wk = ReplicatedLinear(config, config.hidden_size, d)
         self.k_norm = torch.nn.Module()
-        self.k_norm.weight = _param(config, d, init=False)
-        self.k_norm.bias = _param(config, d, init=False)
+        self.k_norm.weight = new_parameter(config, d, init=False)
+        self.k_norm.bias = new_parameter(config, d, init=False)
         with torch.no_grad():
             self.k_norm.weight.fill_(1.0)
             self.k_norm.bias.zero_()
@@ -350,7 +319,7 @@ class KimiMLA(MLASelfAttention):
         # the shared rope key ``k_pe`` (used by every rank's heads, held in one rank's columns) would
         # get only the owning rank's heads' gradient. The layer (weights still column-split, same
         # checkpoint slices) instead returns the gathered output through ``_GatherKVLatent``.
-        if _tp_size_rank()[0] > 1:
+        if tp_size_rank()[0] > 1:
             if config.sequence_parallel:
                 raise NotImplementedError(
                     "kimi_megatron_plugin: KimiMLA with TP > 1 does not support "
@@ -412,7 +381,7 @@ class KimiKDA(MegatronModule):
     ):
         super().__init__(config=config)
         la = kimi.linear_attn
-        tp, _r = _tp_size_rank()
+        tp, _r = tp_size_rank()
         if la.num_heads % tp:
             raise ValueError(
                 f"config.json: linear_attn_config.num_heads={la.num_heads} is not divisible by "
@@ -439,7 +408,7 @@ class KimiKDA(MegatronModule):
         self.q_proj, self.k_proj, self.v_proj = col("q"), col("k"), col("v")
         for n in ("q", "k", "v"):
             m = torch.nn.Module()
-            m.weight = _param(config, P // tp, 1, W, partition_dim=0, dtype=torch.float32)
+            m.weight = new_parameter(config, P // tp, 1, W, partition_dim=0, dtype=torch.float32)
             setattr(self, f"{n}_conv1d", m)
         self.f_a_proj = ReplicatedLinear(config, H, D)
         self.f_b_proj = col("f_b")
@@ -450,8 +419,8 @@ class KimiKDA(MegatronModule):
         else:
             self.g_a_proj = ReplicatedLinear(config, H, D)
             self.g_b_proj = col("f_b")
-        self.A_log = _param(config, self.H, init=False, partition_dim=0, dtype=torch.float32)
-        self.dt_bias = _param(config, P // tp, init=False, partition_dim=0, dtype=torch.float32)
+        self.A_log = new_parameter(config, self.H, init=False, partition_dim=0, dtype=torch.float32)
+        self.dt_bias = new_parameter(config, P // tp, init=False, partition_dim=0, dtype=torch.float32)
         with torch.no_grad():
             self.A_log.copy_(torch.log(torch.linspace(1.0, 16.0, self.H)))
             self.dt_bias.zero_()
@@ -501,207 +470,8 @@ class KimiKDA(MegatronModule):
         gate = self.g_proj(x)[0] if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))[0]
         # o_norm is replicated but sees only this rank's heads: sum its gradient over TP
         w_norm = (
-            copy_to_tensor_model_parallel_region(self.o_norm.weight) if _tp_size_rank()[0] > 1 else self.o_norm.weight
+            copy_to_tensor_model_parallel_region(self.o_norm.weight) if tp_size_rank()[0] > 1 else self.o_norm.weight
         )
         o = rms_norm(o, w_norm.to(a), self.eps) * torch.sigmoid(gate.to(a).view(B, T, H, D))
         out, bias = self.o_proj(o.reshape(B, T, H * D).to(x.dtype))
         return out.transpose(0, 1), bias
-
-
-# ---------------------------------------------------------------------------------------------- MLPs
-class KimiMLP(MegatronModule):
-    """GLU MLP ``linear_fc2(act(gate, up))``, ``linear_fc1`` column-parallel ``[2*ffn/tp, in]``.
-
-    The local ``linear_fc1`` rows are ``[gate_shard; up_shard]`` (megatron's GLU layout), so the
-    mapping concatenates the rank's slices of HF ``gate_proj`` and ``up_proj``. ``act`` is
-    ``kimi_core.reference.ops.glu`` (SiLU for K2.x, SiTU for K3). Returns ``(out, None)``.
-
-    A module of our own rather than megatron's ``MLP``: 0.16.1's ``MLP`` sizes ``linear_fc2`` from
-    ``config.ffn_hidden_size`` whatever ``ffn_hidden_size`` it is given, and its GLU cannot express
-    SiTU's transform of the linear half.
-    """
-
-    def __init__(self, config, submodules=None, kimi=None, ffn_hidden_size: int | None = None, tp_group=None, **_):
-        super().__init__(config=config)
-        self.kimi = kimi
-        ffn = ffn_hidden_size or config.ffn_hidden_size
-        tp, _r = _tp_size_rank()
-        if ffn % tp:
-            raise ValueError(f"MLP width {ffn} is not divisible by --tensor-model-parallel-size {tp}")
-        self.linear_fc1 = ColumnParallelLinear(
-            config.hidden_size,
-            2 * ffn,
-            config=config,
-            init_method=config.init_method,
-            bias=False,
-            gather_output=False,
-            skip_bias_add=True,
-        )
-        self.linear_fc2 = RowParallelLinear(
-            ffn,
-            config.hidden_size,
-            config=config,
-            init_method=config.output_layer_init_method,
-            bias=False,
-            input_is_parallel=True,
-            skip_bias_add=True,
-        )
-
-    def forward(self, hidden_states, *args, **kwargs):
-        h = self.linear_fc1(hidden_states)[0]
-        gate, up = h.chunk(2, dim=-1)
-        return self.linear_fc2(glu(self.kimi, gate, up))
-
-
-class KimiSharedMLP(KimiMLP):
-    """Shared experts: a :class:`KimiMLP` of width ``moe_intermediate_size * n_shared_experts``."""
-
-    def __init__(self, config, submodules=None, kimi=None, pg_collection=None, gate=False, **_):
-        if gate:
-            raise ValueError(
-                "kimi_megatron_plugin: Kimi shared experts have no gate (moe_shared_expert_gate must be False)"
-            )
-        super().__init__(config, submodules, kimi=kimi, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
-
-
-class KimiRouter(TopKRouter):
-    """``TopKRouter`` whose expert-load counter is updated eagerly.
-
-    megatron-core decorates ``TopKRouter._apply_expert_bias`` with ``jit_fuser`` (``torch.compile``),
-    which costs several seconds of compilation on the first CPU forward. Kimi's expert bias is
-    fixed (``moe_router_bias_update_rate=0``); the counter is kept for parity with megatron.
-    """
-
-    def _apply_expert_bias(self, routing_map, padding_mask=None):
-        if self.enable_expert_bias and torch.is_grad_enabled():
-            with torch.no_grad():
-                rm = routing_map if padding_mask is None else routing_map & padding_mask.reshape(-1, 1)
-                self.local_tokens_per_expert += rm.sum(dim=0).to(self.local_tokens_per_expert.dtype)
-
-
-class KimiMoELayer(MoELayer):
-    """``MoELayer`` with Kimi's routing and K3's latent MoE.
-
-    Megatron pieces kept: ``TopKRouter`` (sigmoid scores, ``expert_bias`` = HF
-    ``e_score_correction_bias``, renormalised top-k times ``routed_scaling_factor``: DeepSeek's
-    ``noaux_tc``), the allgather token dispatcher over TP x EP, the experts built from the spec
-    (:class:`kimi_megatron_plugin.models.experts.KimiExperts`), shared experts (:class:`KimiSharedMLP`).
-    Added for K3 (``routed_expert_hidden_size``)::
-
-        z   = routed_expert_down_proj(x)               routing still reads the full x
-        y   = combine(experts(dispatch(z)))            experts work in the latent width
-        y   = RMSNorm(y; routed_expert_norm)           latent_moe_use_norm, after the combine
-        out = routed_expert_up_proj(y) + shared(x)
-
-    megatron's own ``moe_latent_size`` asserts TransformerEngine, so the latent projections are
-    replicated modules of ours. ``forward`` composes ``MoELayer``'s steps itself; unlike
-    ``MoELayer.forward`` it does not refuse TP > 1 without sequence parallelism in training mode.
-    """
-
-    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, kimi=None, **_):
-        if kimi.n_group > 1 and kimi.topk_group < kimi.n_group:
-            raise NotImplementedError(
-                f"config.json: n_group={kimi.n_group}, topk_group={kimi.topk_group}: group-limited routing is not "
-                "mapped (megatron scores a group by its top-(k/groups) sum, DeepSeek by its top-2 sum)"
-            )
-        super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
-        self.kimi = kimi
-        lat = kimi.routed_expert_hidden_size
-        self.latent = bool(lat)
-        if self.latent:
-            self.routed_expert_down_proj = ReplicatedLinear(config, config.hidden_size, lat)
-            self.routed_expert_up_proj = ReplicatedLinear(config, lat, config.hidden_size)
-            self.routed_expert_norm = KimiRMSNorm(config, lat, kimi.rms_norm_eps) if kimi.latent_moe_use_norm else None
-
-    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None, **_):
-        shared = self.shared_experts(hidden_states)[0] if self.shared_experts is not None else None
-        probs, routing_map = self.router(hidden_states)
-        x = self.routed_expert_down_proj(hidden_states) if self.latent else hidden_states
-        x, probs = self.token_dispatcher.dispatch_preprocess(x, routing_map, probs)
-        x, probs = self.token_dispatcher.token_dispatch(x, probs)
-        out, _bias = self.routed_experts_compute(x, probs)
-        out = self.token_dispatcher.token_combine(out)
-        out = self.token_dispatcher.combine_postprocess(out)
-        if self.latent:
-            if self.routed_expert_norm is not None:
-                out = self.routed_expert_norm(out)
-            out = self.routed_expert_up_proj(out)
-        if shared is not None:
-            out = out + shared
-        return out, None
-
-
-# ---------------------------------------------------------------------------------------------- AttnRes
-class KimiAttnResLayer(TransformerLayer):
-    """K3 decoder layer with the attention-residual bank (``kimi_core.reference.attn_res``).
-
-    ``hidden_states`` is the packed ``[S, B, (N+1)*H]`` tensor of :func:`kimi_megatron_plugin.models.pipeline.pack_bank`
-    (N snapshots then the running ``prefix``); the layer returns the packed state after itself.
-    Extra replicated parameters: ``self_attention_res_norm.weight [H]``,
-    ``self_attention_res_proj.weight [1, H]``, ``mlp_res_norm.weight [H]``, ``mlp_res_proj.weight [1, H]``.
-    """
-
-    def __init__(
-        self, config, submodules, layer_number=1, hidden_dropout=None, pg_collection=None, vp_stage=None, kimi=None, **_
-    ):
-        if (hidden_dropout if hidden_dropout is not None else config.hidden_dropout) != 0:
-            raise ValueError("kimi_megatron_plugin: attention residuals need --hidden-dropout 0")
-        super().__init__(
-            config,
-            submodules,
-            layer_number=layer_number,
-            hidden_dropout=hidden_dropout,
-            pg_collection=pg_collection,
-            vp_stage=vp_stage,
-        )
-        self.kimi = kimi
-        self.block = kimi.attn_res_block_size
-        H = config.hidden_size
-        for n in ("self_attention_res", "mlp_res"):
-            setattr(self, f"{n}_norm", KimiRMSNorm(config, H, kimi.rms_norm_eps))
-            proj = torch.nn.Module()
-            proj.weight = _param(config, 1, H)
-            setattr(self, f"{n}_proj", proj)
-
-    def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None, **kwargs):
-        H, eps = self.config.hidden_size, self.kimi.rms_norm_eps
-        layer = self.layer_number - 1  # global, 0-based
-        prefix, bank = unpack_bank(hidden_states, H)
-        if bank:
-            mixed = attn_res_aggregate(
-                prefix, bank, self.self_attention_res_norm.weight, self.self_attention_res_proj.weight, eps
-            )
-            attn_in = self.input_layernorm(mixed)
-        else:
-            attn_in = self.input_layernorm(prefix)
-        if layer % self.block == 0:
-            bank = [*bank, prefix]
-        a, _b = self.self_attention(attn_in, attention_mask=attention_mask)
-        prefix = a if layer % self.block == 0 else prefix + a
-        mixed = attn_res_aggregate(prefix, bank, self.mlp_res_norm.weight, self.mlp_res_proj.weight, eps)
-        m, _b = self.mlp(self.pre_mlp_layernorm(mixed))
-        prefix = prefix + m
-        return pack_bank(prefix, bank), context
-
-
-class KimiOutputNorm(torch.nn.Module):
-    """The block's final norm for K3: output aggregator over the bank, then the model norm.
-
-    ``forward(packed [S, B, (N+1)*H]) -> [S, B, H]``; parameters ``output_attn_res_norm.weight [H]``,
-    ``output_attn_res_proj.weight [1, H]`` and ``weight [H]`` (HF ``model.norm.weight``).
-    """
-
-    def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-5, kimi=None, **_):
-        super().__init__()
-        self.hidden, self.eps = hidden_size, eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=_device(), dtype=config.params_dtype))
-        self.output_attn_res_norm = KimiRMSNorm(config, hidden_size, eps)
-        self.output_attn_res_proj = torch.nn.Module()
-        self.output_attn_res_proj.weight = _param(config, 1, hidden_size)
-
-    def forward(self, packed: torch.Tensor) -> torch.Tensor:
-        prefix, bank = unpack_bank(packed, self.hidden)
-        out = attn_res_aggregate(
-            prefix, bank, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight, self.eps
-        )
-        return rms_norm(out, self.weight, self.eps)

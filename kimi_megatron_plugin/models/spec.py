@@ -7,14 +7,14 @@ re-exports it); :func:`get_block_spec` is the same without miles' ``args``. The 
 =====================  ==========================================================================
 slot                   module
 =====================  ==========================================================================
-layer                  ``TransformerLayer`` (K2.x) / :class:`~.layers.KimiAttnResLayer` (K3, K3.1)
+layer                  ``TransformerLayer`` (K2.x) / :class:`~.attn_res.KimiAttnResLayer` (K3, K3.1)
 input/pre-MLP norms    :class:`~.layers.KimiRMSNorm`
 self_attention         :class:`~.layers.KimiMLA` (``MLASelfAttention`` + :class:`~.layers.KimiCoreAttention`)
                        or :class:`~.layers.KimiKDA` on ``linear_attn_config.kda_layers``
-mlp                    :class:`~.layers.KimiMLP` (dense, ``first_k_dense_replace``) or
-                       :class:`~.layers.KimiMoELayer` (``TopKRouter`` + :class:`~.experts.KimiExperts`
-                       + :class:`~.layers.KimiSharedMLP`)
-final norm             :class:`~.layers.KimiRMSNorm` / :class:`~.layers.KimiOutputNorm` (K3: output
+mlp                    :class:`~.mlp.KimiMLP` (dense, ``first_k_dense_replace``) or
+                       :class:`~.mlp.KimiMoELayer` (``TopKRouter`` + :class:`~.experts.KimiExperts`
+                       + :class:`~.mlp.KimiSharedMLP`)
+final norm             :class:`~.layers.KimiRMSNorm` / :class:`~.attn_res.KimiOutputNorm` (K3: output
                        attention-residual aggregator + norm)
 =====================  ==========================================================================
 
@@ -38,19 +38,10 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from kimi_core.config import KimiConfig, load_config
+from kimi_megatron_plugin.models.attn_res import KimiAttnResLayer, KimiOutputNorm
 from kimi_megatron_plugin.models.experts import KimiExperts
-from kimi_megatron_plugin.models.layers import (
-    KimiAttnResLayer,
-    KimiCoreAttention,
-    KimiKDA,
-    KimiMLA,
-    KimiMLP,
-    KimiMoELayer,
-    KimiOutputNorm,
-    KimiRMSNorm,
-    KimiRouter,
-    KimiSharedMLP,
-)
+from kimi_megatron_plugin.models.layers import KimiCoreAttention, KimiKDA, KimiMLA, KimiRMSNorm
+from kimi_megatron_plugin.models.mlp import KimiMLP, KimiMoELayer, KimiRouter, KimiSharedMLP
 
 __all__ = ["get_spec", "get_block_spec", "layer_spec"]
 

@@ -36,7 +36,7 @@ def inputs(vocab: int):
 def _full_grads(model, tp_group, ep_group, dp_sum_group):
     """Layout-independent full gradients of this rank's stage."""
     from kimi_megatron_plugin import mapping
-    from kimi_megatron_plugin.checkpoint import _gather, gather_tp
+    from kimi_megatron_plugin.checkpoint import all_gather_cat, gather_tp
 
     out = {}
     for name, p in model.named_parameters():
@@ -52,7 +52,7 @@ def _full_grads(model, tp_group, ep_group, dp_sum_group):
         )
         g = p.grad.detach().clone()
         if rule.split == "expert":
-            g = _gather(g, 0, ep_group)
+            g = all_gather_cat(g, 0, ep_group)
         else:
             if dp_sum_group is not None:
                 torch.distributed.all_reduce(g, group=dp_sum_group)
@@ -269,9 +269,9 @@ def run(
 def _gather_rows(logits):
     from megatron.core import parallel_state as ps
 
-    from kimi_megatron_plugin.checkpoint import _gather
+    from kimi_megatron_plugin.checkpoint import all_gather_cat
 
-    return _gather(logits.detach(), 0, ps.get_data_parallel_group())
+    return all_gather_cat(logits.detach(), 0, ps.get_data_parallel_group())
 
 
 def _full_bytes(reader, name: str) -> int:
