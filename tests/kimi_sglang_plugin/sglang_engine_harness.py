@@ -3,7 +3,7 @@ one engine run in a subprocess (``sglang_engine_script.py``), its prompt logprob
 reference logprobs they are compared with.
 
 The pure helpers (sizes check, checkpoint writer, logprob and log parsing) are tested on the CPU in
-``test_engine_gpu.py``; :func:`run_engine` needs SGLang 0.5.17 on a GPU (``shared/gpu/stage_sglang.sh``).
+``test_engine_gpu.py``; :func:`run_engine` needs SGLang 0.5.17 on a GPU (``tools/gpu/session.sh sglang``).
 
 Why a subprocess per engine: ``SGLANG_PLUGINS`` is read once per process (``load_plugins`` is
 idempotent), the engine spawns its scheduler with the parent's environment, and the log that says
@@ -33,7 +33,7 @@ FAULTHANDLER_SITE = os.path.join(HERE, "..", "..", "tools", "gpu", "faulthandler
 
 #: token ids scored by every engine test (vocab 1024 in the tiny checkpoints): 4 prompts, 127 scored positions.
 #: The first two alone (17 positions) made the 1.5x bf16 bar a coin toss: the bf16 floor itself moved by 10 %
-#: between two H200 runs of the same adapter (attention LoRA 1.59e-3 / 1.75e-3, 2026-12-02); the longer two
+#: between two GPU runs of the same adapter (attention LoRA 1.59e-3 / 1.75e-3); the longer two
 #: also take KDA past one 64-token chunk.
 PROMPTS = [
     [5, 17, 99, 3, 250, 511, 42, 7, 900, 13, 64, 128],
@@ -51,15 +51,15 @@ MARLIN_INTERMEDIATE_ALIGN = 128
 #: SGLang's attention-residual Triton kernels (0.5.17 layers/attn_residual.py:29 ``_BLOCK_H = 1024``, "H = 7168 =
 #: 7 x 1024") cover ``hidden_size // 1024`` blocks of 1024 with no mask and no remainder: below 1024 the combine
 #: kernel gets a grid of 0 and the mixture is the uninitialised ``torch.empty`` buffer (on sm90, where the
-#: SM100-only fast path is skipped; found 2026-12-02 by reading the kernels under Triton's CPU interpreter after
-#: the H200 run scored logprobs uncorrelated with the reference at hidden 512)
+#: SM100-only fast path is skipped; read from the kernels under Triton's CPU interpreter after a GPU run scored
+#: logprobs uncorrelated with the reference at hidden 512)
 ATTN_RES_BLOCK_H = 1024
 
 #: tiny K3 sizes that meet all three (and keep the latent width apart from hidden_size)
 SGLANG_TINY_K3_SIZES = {"hidden_size": 1024, "routed_expert_hidden_size": 256, "moe_intermediate_size": 128}
 
 #: the indexer head counts DeepGEMM's paged MQA logits accepts on SM90 (``csrc/apis/attention.hpp:317`` in the
-#: sgl-kernel of SGLang 0.5.17: the H200's first K3.1 prefill asserted, 2026-12-02); the release's 32 (inferred)
+#: sgl-kernel of SGLang 0.5.17: a K3.1 prefill with other counts asserts); the release's 32 (inferred)
 DEEPGEMM_SM90_INDEX_HEADS = (32, 64)
 
 
@@ -75,8 +75,8 @@ def sglang_config_problems(text_config: dict) -> list[str]:
       DeepGEMM's indexer scores ``index_n_heads`` in :data:`DEEPGEMM_SM90_INDEX_HEADS` (the release's 32);
     * the LoRA memory pool sizes every layer's ``o_proj`` A buffer as ``num_attention_heads * v_head_dim``
       (``lora/utils.py get_hidden_dim``, no per-model override in ``kimi_k3.py``), KDA layers included, whose
-      ``o_proj`` reads ``linear_attn_config.num_heads`` heads (96 and 96 in the release; measured on the
-      H200 2026-12-02: ``chunked_sgmv_shrink`` asserts ``x.shape[-1] == K`` at a KDA ``o_proj``).
+      ``o_proj`` reads ``linear_attn_config.num_heads`` heads (96 and 96 in the release; otherwise
+      ``chunked_sgmv_shrink`` asserts ``x.shape[-1] == K`` at a KDA ``o_proj``).
     """
     out = []
     if text_config.get("attn_res_block_size") and text_config["hidden_size"] % ATTN_RES_BLOCK_H:
@@ -121,7 +121,7 @@ def _sglang_fit(text_config: dict) -> None:
 
 
 #: the engine flags of every run: the miles-k3 demo's (only kernels the staged 0.5.17 has: no FA3, no sm100; the
-#: K3 H200 MoE runner) at the lane's sizes
+#: K3 recipe's MoE runner) at the lane's sizes
 ENGINE_KWARGS = {
     **ENGINE_FLAGS,
     "context_length": 512,
@@ -140,7 +140,7 @@ def k31_engine() -> tuple[dict, dict]:
     for the DeepSeek architectures it knows (``server_args.py`` / ``arg_groups/overrides.py``):
 
     * ``attention_backend="dsa"``: the triton and flashinfer backends cannot read the DSA KV pool
-      (``DSATokenToKVPool`` has no ``get_v_head_dim``; H200, 2026-12-02); ``page_size=64``: the pool asserts it;
+      (``DSATokenToKVPool`` has no ``get_v_head_dim``); ``page_size=64``: the pool asserts it;
     * ``dsa_prefill_backend`` / ``dsa_decode_backend`` ``"flashmla_sparse"``: SGLang's Hopper bf16 default decode
       is FA3, which the staged bundle does not carry (``flashmla_ops`` it does);
     * ``SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0``: a prefill whose keys fit under the threshold runs

@@ -9,7 +9,7 @@ same tokens (and the plugin's at most that times stock SGLang's). Each engine (s
 once per module, in a subprocess; the tests read what it recorded, and its log says which attention
 backend and MoE runner ran.
 
-Run on the H200 after ``shared/gpu/stage_sglang.sh``'s unstage step:
+Run in the GPU lane (``bash tools/gpu/session.sh sglang``), or by hand after unstaging SGLang 0.5.17:
 ``python3 -m pytest -q -m gpu tests/kimi_sglang_plugin/test_engine_gpu.py``. The helpers are checked
 on the CPU by the tests below without the ``gpu`` mark.
 """
@@ -50,7 +50,7 @@ def _gpu_skip_reason() -> str | None:
     from kimi_sglang_plugin.host_support import sglang_version
 
     if sglang_version() != GPU_RELEASE:
-        return f"needs SGLang {GPU_RELEASE} (found {sglang_version() or 'none'}; shared/gpu/stage_sglang.sh)"
+        return f"needs SGLang {GPU_RELEASE} (found {sglang_version() or 'none'}; tools/gpu/session.sh sglang)"
     return None
 
 
@@ -351,10 +351,10 @@ def test_plugin_tensor_hot_load_versions(plugin_lora, reference, k3_adapters):
 def assert_unchanged_by_refused_load(res: dict, name: str) -> None:
     """The same plain scoring of ``name`` right before the refused load, once more right after it (``repeat``,
     the engine's own re-scoring spread), and after the refused load: on a deterministic engine after == before
-    bit for bit; where two back-to-back scorings already differ (the H200 run of 2026-12-02 found a plain
+    bit for bit; where two back-to-back scorings already differ (a GPU run found a plain
     re-scoring of v3 0.015 off the one before it), the refused load may move v3 at most twice that spread
-    (relative RMS over the 127 positions, a far steadier reading than the max). Printed before any bar: on the
-    H200 (2026-12-02) v3 after the refused load was 1.8x its bf16 floor where v3 before it was 1.1x."""
+    (relative RMS over the 127 positions, a far steadier reading than the max). Printed before any bar: one GPU run
+    saw v3 after the refused load at 1.8x its bf16 floor where v3 before it was 1.1x."""
     before, repeat, after = res["last_good_before"], res["last_good_repeat"], res["last_good"]
     assert before["name"] == repeat["name"] == after["name"] == name, (before["name"], after["name"])
     b, r, a = (flat_logprobs(x["lps"]) for x in (before, repeat, after))

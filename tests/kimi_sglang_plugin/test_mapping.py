@@ -19,6 +19,8 @@ import pytest
 import torch
 from server_context import publish
 
+from kimi_core.architectures import K31
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -71,7 +73,7 @@ def test_k31_resolves_and_constructs(plugin, k31_model):
     from kimi_sglang_plugin.models.kimi_k31 import KimiK31ForConditionalGeneration, NoRope
 
     mc, cls, arch, model = k31_model
-    assert cls is KimiK31ForConditionalGeneration and arch == plugin.K31_ARCH
+    assert cls is KimiK31ForConditionalGeneration and arch == K31
     assert mc.attention_arch.name == "MLA" and mc.index_head_dim == 32
     mla = model.mla_layers()
     assert [lid for lid, _ in mla] == model._indexed_layers == [3, 4]
