@@ -241,7 +241,7 @@ FACTS: dict[str, dict[str, Fact]] = {
         "0.5.23": fn("srt/runtime_context.py:1318"),
     },
     # K3.1's MLA returns its output alone when next_skip_topk is None (models/kimi_k31._install_nope_indexers;
-    # tests/kimi_sglang_plugin/test_k31_attention_return.py reads the early return in both releases)
+    # tests/kimi_sglang_plugin/models/test_kimi_k31.py reads the early return in both releases)
     _S + "models.deepseek_common.attention_forward_methods.forward_mla.DeepseekMLAForwardMixin.forward_absorb_core": {
         "0.5.17": fn("srt/models/deepseek_common/attention_forward_methods/forward_mla.py:839", *_ABSORB_CORE),
         "0.5.23": fn(

@@ -111,7 +111,7 @@ def check_dsa_attention_backend() -> None:
 #: ``transform_index_page_table_prefill_fast`` (``kernels/ops/attention/dsa/transform_index.py:168``, the only
 #: prefill index transform there) asserts a top-k width of 2048, DeepSeek-V3.2's and the K3.1 release's value
 #: (an engine at another width dies on that assert at its first prefill); 0.5.23 has a general path
-#: (``:286``). ``tests/kimi_sglang_plugin/test_k31_attention_return.py`` reads both sources.
+#: (``:286``). ``tests/kimi_sglang_plugin/models/test_kimi_k31.py`` reads both sources.
 INDEX_TOPK_SERVED = {"0.5.17": (2048,)}
 
 
