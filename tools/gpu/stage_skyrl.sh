@@ -81,12 +81,14 @@ VLLM_DEPS="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-
  prometheus-fastapi-instrumentator==8.1.0 model-hosting-container-standards==0.1.16 watchfiles==1.2.0
  python-multipart==0.0.32 uvicorn==0.52.1 mistral-common==1.11.7 pydantic-extra-types==2.11.0"
 # SkyRL (base + skyrl-train extra, module-level imports on the trainer / worker / server paths), Ray,
-# TransformerEngine's torch side and Megatron-Bridge: the lock's versions.
+# TransformerEngine's torch side and Megatron-Bridge: the lock's versions. tokenizers 0.22.2: transformers
+# 5.8 checks tokenizers<=0.23.0 at import (the machine has 0.23.2). jmespath, supervisor: vLLM's SageMaker
+# router (model-hosting-container-standards), imported by its OpenAI server module.
 LOOP_DEPS="datasets==5.0.1 multiprocess==0.70.19 fsspec==2026.6.0 torchdata==0.11.0 tensordict==0.13.0 pyvers==0.2.3
  omegaconf==2.3.1 hydra-core==1.3.2 peft==0.18.1
  cloudpathlib==0.24.0 zstandard==0.25.0 orjson==3.11.9 importlib-metadata==8.9.0
  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.6.3
- nvdlfw-inspect==0.2.2 diffusers==0.39.0"
+ nvdlfw-inspect==0.2.2 diffusers==0.39.0 tokenizers==0.22.2 jmespath==1.0.1 supervisor==4.3.0"
 echo "downloading the engines (~600 MB) and $(echo $VLLM_DEPS $LOOP_DEPS | wc -w) small packages"
 fetch "$W/whl" $ENGINES $VLLM_DEPS $LOOP_DEPS
 # sdist OUTDIR NAME VERSION: the sdist of NAME==VERSION, taken from the index's simple page (`pip download`
@@ -125,8 +127,9 @@ GIT_INDEX_FILE="$W/git-index" git --git-dir="$SKYRL_GIT" ls-files -- pyproject.t
   | GIT_INDEX_FILE="$W/git-index" git --git-dir="$SKYRL_GIT" --work-tree="$W/src" checkout-index -f --stdin
 pip wheel -q --no-deps -w "$W/whl" "$W/src" "$W/src/skyrl-gym"
 
-# Members no step of SkyRL's loop loads, deleted from the wheels without recompressing the rest (the CPU
-# machine is too busy to xz 1.4 GB in reasonable time; the wheels are deflate-compressed already):
+# Members no step of SkyRL's loop loads, deleted from the wheels without recompressing the rest (the wheels
+# are deflate-compressed already; xz over the 1.4 GB they unpack to saves about two parts but takes far
+# longer on a 2-core machine than the two extra GPU commands):
 # vLLM's FA2 library (SM90 runs FA3) and Rust server, deep_gemm builds for other Pythons; Ray's Java jar
 # and the dashboard's web client (the loop starts Ray without the dashboard).
 zip -q -d "$W"/whl/vllm-*.whl 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm/vllm-rs' \

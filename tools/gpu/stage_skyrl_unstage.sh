@@ -35,7 +35,20 @@ grep -v "already exists" "$STASH/pip.log" || true
 cp "$STASH/whl/SKYRL_REF" "$SITE/" && rm -rf "$STASH/whl"
 step install
 echo "SkyRL staged from NovaSky-AI/SkyRL at $(cat "$SITE/SKYRL_REF")"
+# The flash_attn stand-in, with distribution metadata under its own name: transformers maps the import
+# name to its distributions (a KeyError without any), and neither it nor TransformerEngine finds a
+# "flash-attn" distribution, so both treat FlashAttention 2 as absent.
 cp -r "$ROOT/tools/gpu/stage_skyrl_flash_attn/flash_attn" "$SITE/"
+python3 - "$SITE" << 'PY'
+import os, sys
+site = sys.argv[1]
+d = os.path.join(site, "stage_skyrl_flash_attn_padding-0.0.0.dist-info")
+os.makedirs(d, exist_ok=True)
+open(os.path.join(d, "METADATA"), "w").write("Metadata-Version: 2.1\nName: stage-skyrl-flash-attn-padding\nVersion: 0.0.0\n")
+open(os.path.join(d, "top_level.txt"), "w").write("flash_attn\n")
+files = [f"flash_attn/{f}" for f in sorted(os.listdir(os.path.join(site, "flash_attn"))) if f.endswith(".py")]
+open(os.path.join(d, "RECORD"), "w").write("".join(f"{f},,\n" for f in files + [os.path.basename(d) + "/METADATA"]))
+PY
 
 NVCC=$(command -v nvcc || true)
 for c in /usr/local/cuda/bin/nvcc /usr/local/cuda-13*/bin/nvcc; do [ -n "$NVCC" ] || { [ ! -x "$c" ] || NVCC=$c; }; done
