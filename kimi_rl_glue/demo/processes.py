@@ -181,15 +181,17 @@ class ProcessLedger:
             ledger.record()  # the engine's processes, for the next run if this one is killed
     """
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, lead_group: bool = True):
+        """:param lead_group: make this process its own process group's leader where that is safe (the command's
+        entry point does; a library caller or a test runner keeps its group)."""
         self.run_dir = run_dir
         self.own_group = None
-        if os.getpgrp() != os.getpid() and not _foreground_of_terminal():
+        if lead_group and os.getpgrp() != os.getpid() and not _foreground_of_terminal():
             try:
                 os.setpgid(0, 0)
             except OSError:
                 pass
-        if os.getpgrp() == os.getpid():
+        if lead_group and os.getpgrp() == os.getpid():
             self.own_group = os.getpid()
 
     def record(self) -> None:

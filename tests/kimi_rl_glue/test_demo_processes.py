@@ -96,7 +96,7 @@ def test_a_running_command_keeps_its_folder(tmp_path):
 
 def test_ledger_close_ends_descendants(tmp_path):
     """In-process: close() ends the children the command started and removes the pid file."""
-    ledger = ProcessLedger(str(tmp_path))
+    ledger = ProcessLedger(str(tmp_path), lead_group=False)  # the test runner keeps its process group
     ledger.record()
     kid = subprocess.Popen(["sleep", "300"])
     assert kid.pid in ledger.close()
