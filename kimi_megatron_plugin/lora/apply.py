@@ -187,22 +187,20 @@ def _gather_like_base(mod, d: torch.Tensor, parts, width: int) -> torch.Tensor:
     """The base returned its column shards already gathered (``KimiMLA.linear_kv_down_proj`` at
     TP > 1 gathers inside its forward, with a backward that sums the shared rope key's gradient):
     send the local delta through the same gather, so it gets exactly the base output's gradient."""
-    lin = parts[0][0]
-    from kimi_megatron_plugin.models import layers as kl
+    from kimi_megatron_plugin.models.layers import GatherKVLatent
 
-    gather = getattr(kl, "_GatherKVLatent", None)
+    lin = parts[0][0]
     if (
         len(parts) != 1
         or lin.kind != "col"
         or width != lin.out_features
-        or gather is None
         or not lin.module.endswith("kv_a_proj_with_mqa")
     ):
         raise LoraApplyError(
             f"{lin.module if lin is not None else mod}: base output width {width} fits neither "
             f"the local LoRA delta ({d.shape[-1]}) nor a known gathered output"
         )
-    return gather.apply(d, mod.config.kv_lora_rank, lin.tp_group)
+    return GatherKVLatent.apply(d, mod.config.kv_lora_rank, lin.tp_group)
 
 
 def apply_lora(model, spec: LoraSpec, seed: int = 0, freeze_base: bool = True) -> KimiLora:

@@ -41,6 +41,7 @@ from kimi_megatron_plugin.patches import apply_no_te_shims
 apply_no_te_shims()
 
 __all__ = [
+    "GatherKVLatent",
     "KimiRMSNorm",
     "KimiCoreAttention",
     "KimiMLA",
@@ -229,7 +230,7 @@ class KimiIndexer(MegatronModule):
         return topk_mask(scores, causal, self._ref.topk)
 
 
-class _GatherKVLatent(torch.autograd.Function):
+class GatherKVLatent(torch.autograd.Function):
     """All-gather of ``linear_kv_down_proj``'s column shards whose backward sums the rope-key gradient.
 
     Forward: ``[S, B, (kv_lora_rank + rope)/tp]`` per rank -> ``[S, B, kv_lora_rank + rope]`` on every
@@ -262,10 +263,10 @@ class _GatherKVLatent(torch.autograd.Function):
 
 def _kv_down_full_output(self, input_, *args, **kwargs):
     """``forward`` bound onto ``KimiMLA.linear_kv_down_proj`` (a ``ColumnParallelLinear``) when TP > 1:
-    returns the full-width ``kv_combined`` through :class:`_GatherKVLatent`, so
+    returns the full-width ``kv_combined`` through :class:`GatherKVLatent`, so
     ``MLASelfAttention.get_query_key_value_tensors`` takes its unsharded branch (split only)."""
     out, bias = ColumnParallelLinear.forward(self, input_, *args, **kwargs)
-    return _GatherKVLatent.apply(out, self.config.kv_lora_rank, self.tp_group), bias
+    return GatherKVLatent.apply(out, self.config.kv_lora_rank, self.tp_group), bias
 
 
 class KimiMLA(MLASelfAttention):
@@ -318,7 +319,7 @@ class KimiMLA(MLASelfAttention):
         # TP > 1: megatron gathers ``linear_kv_down_proj``'s output and splits the gradient back, so
         # the shared rope key ``k_pe`` (used by every rank's heads, held in one rank's columns) would
         # get only the owning rank's heads' gradient. The layer (weights still column-split, same
-        # checkpoint slices) instead returns the gathered output through ``_GatherKVLatent``.
+        # checkpoint slices) instead returns the gathered output through ``GatherKVLatent``.
         if tp_size_rank()[0] > 1:
             if config.sequence_parallel:
                 raise NotImplementedError(

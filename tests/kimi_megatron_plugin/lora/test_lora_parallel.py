@@ -60,14 +60,8 @@ def test_tp2_lora_gradients_downstream_of_mla(runs):
 
 
 def test_tp2_lora_gradients_all(runs):
-    """Every TP=2 LoRA-factor gradient equals the one-process one (needs the KimiMLA k_pe gradient
-    fix in kimi_megatron_plugin/models/layers.py; the LoRA delta of kv_a_proj_with_mqa goes through the same gather)."""
-    from kimi_megatron_plugin.models import layers
-
-    if not hasattr(layers, "_GatherKVLatent"):
-        pytest.xfail(
-            "TP>1 MLA k_pe gradient gap still open in kimi_megatron_plugin/models/layers.py (docs/megatron.md)"
-        )
+    """Every TP=2 LoRA-factor gradient equals the one-process one (the LoRA delta of kv_a_proj_with_mqa goes
+    through KimiMLA's k_pe gradient gather, models.layers.GatherKVLatent)."""
     base, got = runs["single"][0]["grads"], _merged(runs["tp2"])
     assert set(base) == set(got)
     for name in base:
