@@ -26,7 +26,7 @@ import os
 
 from kimi_core.errors import AdapterRejected
 
-__all__ = ["prepare_adapter", "save_prepared", "check_served_config", "adapter_leaves", "UNSERVED_KDA_LEAVES"]
+__all__ = ["prepare_adapter", "check_served_config", "adapter_leaves", "UNSERVED_KDA_LEAVES"]
 
 #: leaves of K3 KDA layers that SGLang fuses (``fused_qkvg_proj``, ``f``/``b``/``g`` gates) and gives no LoRA
 UNSERVED_KDA_LEAVES = ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj")
@@ -72,32 +72,44 @@ def _pad_to_rank(ad):
     return out
 
 
-def prepare_adapter(adapter, config):
+def prepare_adapter(adapter, config, *, max_lora_rank: int | None = None, out_dir: str | os.PathLike | None = None):
     """The SGLang-served form of ``adapter`` for model ``config``; see the module docstring.
 
-    :param adapter: a :class:`kimi_core.lora.Adapter` or the folder of a PEFT adapter (HF / PEFT tensor names).
+    :param adapter: a PEFT folder (HF / PEFT tensor names), a :class:`kimi_core.lora.Adapter`, or
+        ``{"adapter_config": dict, "tensors": {name: tensor}}``.
     :param config: the model's :class:`kimi_core.config.KimiConfig`.
-    :returns: a new :class:`kimi_core.lora.Adapter`; ``adapter`` is not changed.
-    :raises kimi_core.errors.AdapterRejected: an adapter that does not load, a module SGLang gives no LoRA, or a
-        layout it cannot take (folder, tensor and what was expected named).
+    :param max_lora_rank: the engine's ``--max-lora-rank``; SGLang serves every module at the adapter's one rank
+        ``r``, so an ``r`` above it is refused (None: no bound).
+    :param out_dir: when given, the result is also written there as a PEFT folder, atomically (a new folder
+        swapped in, :meth:`kimi_core.lora.Adapter.save_replacing`), and its ``source`` names that folder.
+    :returns: a new :class:`kimi_core.lora.Adapter`; the input is not modified.
+    :raises kimi_core.errors.AdapterRejected: an adapter that does not load, a module SGLang gives no LoRA, a
+        layout it cannot take, or a rank above ``max_lora_rank`` (folder, tensor and what was expected named).
 
     Example::
 
         from kimi_core.config import load_config
-        served = prepare_adapter("ckpt/adapter-v3", load_config("ckpt/model"))
-        served.save_replacing("ckpt/adapter-v3.sglang")
+        prepare_adapter("ckpt/adapter-v3", load_config("ckpt/model"), out_dir="ckpt/adapter-v3.sglang")
     """
     from kimi_core.lora import Adapter, AdapterConfigError, AdapterError
 
-    if isinstance(adapter, (str, os.PathLike)):
-        try:
-            adapter = Adapter.load(adapter)
-        except (AdapterError, AdapterConfigError) as e:
-            raise AdapterRejected(str(e)) from e
     try:
-        return _prepare(adapter, config)
+        if isinstance(adapter, (str, os.PathLike)):
+            adapter = Adapter.load(adapter)
+        elif not isinstance(adapter, Adapter):
+            adapter = Adapter(dict(adapter["tensors"]), adapter["adapter_config"], adapter.get("source", "<memory>"))
+        served = _prepare(adapter, config)
     except (AdapterError, AdapterConfigError) as e:
         raise AdapterRejected(str(e)) from e
+    r = int(served.adapter_config["r"])
+    if max_lora_rank is not None and r > max_lora_rank:
+        raise AdapterRejected(
+            f"{adapter.source}: adapter_config r={r} is above the engine's --max-lora-rank {max_lora_rank} "
+            "(SGLang serves every module at the adapter's one rank r)"
+        )
+    if out_dir is not None:
+        served.source = served.save_replacing(out_dir)
+    return served
 
 
 def _prepare(adapter, config):
@@ -177,8 +189,3 @@ def check_served_config(adapter_config: dict, where: str = "adapter_config") -> 
             "would refuse the adapter as incompatible: pass it through "
             "kimi_sglang_plugin.adapters.prepare_adapter first"
         )
-
-
-def save_prepared(adapter, config, out_dir: str) -> str:
-    """:func:`prepare_adapter`, written to ``out_dir`` atomically (:meth:`~kimi_core.lora.Adapter.save_replacing`)."""
-    return prepare_adapter(adapter, config).save_replacing(out_dir)

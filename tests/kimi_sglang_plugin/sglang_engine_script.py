@@ -100,15 +100,14 @@ def main(plan_path: str, out_path: str) -> None:
     import sglang as sgl
 
     from kimi_core.config import load_config
-    from kimi_core.lora import Adapter
-    from kimi_sglang_plugin.adapters import save_prepared
+    from kimi_sglang_plugin.adapters import prepare_adapter
 
     engine = sgl.Engine(model_path=plan["ckpt"], **plan["engine_kwargs"])
     res = {"start_s": time.time() - t0, "adapters": {}, "lps_by": {}, "versions": []}
     try:
         for a in plan.get("adapters", []):
             try:  # the adapter as SGLang serves it (kimi_sglang_plugin.adapters), next to the original
-                prepared = save_prepared(Adapter.load(a["path"]), load_config(plan["ckpt"]), a["path"] + ".sglang")
+                prepared = prepare_adapter(a["path"], load_config(plan["ckpt"]), out_dir=a["path"] + ".sglang").source
                 ans = engine.load_lora_adapter(a["name"], prepared)
                 res["adapters"][a["name"]] = {
                     "ok": bool(getattr(ans, "success", True)),

@@ -13,7 +13,7 @@ import torch
 from kimi_core.errors import AdapterRejected
 from kimi_core.lora import Adapter, LoraSpec, random_adapter
 from kimi_core.reference import load_reference_model
-from kimi_sglang_plugin.adapters import prepare_adapter, save_prepared
+from kimi_sglang_plugin.adapters import prepare_adapter
 from kimi_sglang_plugin.mapping import lora_target_modules
 
 IDS = torch.tensor([[5, 17, 99, 3, 250, 511, 42, 7]])
@@ -101,14 +101,16 @@ def test_kda_projection_refused_by_name(k3):
         prepare_adapter(ad, cfg)
 
 
-def test_save_prepared_is_atomic(k3, tmp_path):
-    """save_prepared replaces a previous directory whole and leaves no staging folder behind."""
+def test_out_dir_is_written_atomically(k3, tmp_path):
+    """prepare_adapter(..., out_dir=) replaces a previous directory whole, leaves no staging folder behind and
+    names the folder as the result's source."""
     _, cfg, _ = k3
     ad = random_adapter(cfg, LoraSpec(rank=8, alpha=16.0, target_modules=("o_proj",)), seed=2)
     out = tmp_path / "v1.sglang"
     out.mkdir()
     (out / "stale.txt").write_text("old")
-    save_prepared(ad, cfg, str(out))
+    served = prepare_adapter(ad, cfg, out_dir=str(out))
+    assert served.source == str(out)
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".stage-")]
     assert Adapter.load(str(out)).adapter_config["target_modules"] == ["o_proj"]
@@ -132,8 +134,9 @@ def test_unprepared_config_refused(k3):
 
 
 def test_prepare_adapter_takes_a_folder(k3, tmp_path):
-    """prepare_adapter(folder, config) loads the PEFT folder and gives what the loaded adapter gives; a folder
-    without an adapter is refused with AdapterRejected naming it."""
+    """prepare_adapter takes a PEFT folder, a loaded adapter or a {adapter_config, tensors} dict alike; a folder
+    without an adapter, and an adapter whose rank is above the engine's --max-lora-rank, are refused with
+    AdapterRejected naming the folder."""
     _, cfg, _ = k3
     ad = random_adapter(cfg, LoraSpec(rank=8, alpha=16.0, target_modules=K3_LEAVES), seed=6)
     folder = tmp_path / "v7"
@@ -144,3 +147,8 @@ def test_prepare_adapter_takes_a_folder(k3, tmp_path):
     assert all(torch.equal(from_folder.tensors[n], t) for n, t in from_object.tensors.items())
     with pytest.raises(AdapterRejected, match="missing"):
         prepare_adapter(tmp_path / "missing", cfg)
+    as_dict = {"adapter_config": ad.adapter_config, "tensors": ad.tensors}
+    assert prepare_adapter(as_dict, cfg).adapter_config == from_object.adapter_config
+    with pytest.raises(AdapterRejected, match=r"v7\S*: adapter_config r=8 is above the engine's --max-lora-rank 4"):
+        prepare_adapter(str(folder), cfg, max_lora_rank=4)
+    assert prepare_adapter(str(folder), cfg, max_lora_rank=8).adapter_config["r"] == 8
