@@ -200,11 +200,11 @@ def test_public_api_and_autograd_on_cuda(fmt):
 
 @pytest.mark.parametrize("split", [2, 3, 4])
 def test_sum_partials_rounds_once(split):
-    """A split dgrad's fp32 partial sums summed into its bf16 output in one pass (:func:`_sum_partials`, K2 fc2's
+    """A split dgrad's fp32 partial sums summed into its bf16 output in one pass (:func:`launch.sum_partials`, K2 fc2's
     dgrad output at 8 tok/exp plus 5 rows): the float64 sum rounded once to bf16 (partials are multiples of 1/64 under
     4, so their sums are exact in fp32 but not in bf16), and within half a bf16 unit of it for normal random partials
     (plus the fp32 sum's own rounding). A last block cut short is checked in the interpreter
-    (test_w4a16_grouped_gemm.py)."""
+    (test_fused.py)."""
     from kimi_core.kernels.w4a16.fused import launch as tw
 
     T, K = 24 * 8 + 5, 2048
