@@ -14,6 +14,7 @@ import traceback
 
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the GPU machine has no network
 
 RESULTS: list[tuple[str, str, float]] = []
 
