@@ -14,7 +14,7 @@ MXFP4: E2M1 codes uniform over all 16, one E8M0 scale per group of 32: a power o
 random, ``p`` the power of two nearest ``std / (rms(E2M1 values) * sqrt(2.5))`` (2.5 = mean of 1 and 4), so
 the dequantized std is ``std`` within the sqrt(2) of rounding to a power of two.
 
-Used by ``benchmarks/vllm_serving.py`` (K2) and ``benchmarks/sglang_serving.py`` (K3); on the command line:
+Used by ``benchmarks/serving.py vllm`` (K2) and ``serving.py sglang`` (K3); on the command line:
 ``python benchmarks/w4a16.py slice CONFIG_JSON OUT_DIR``.
 """
 

@@ -10,7 +10,7 @@ concatenated along the hidden dimension::
 so the stock ``TransformerBlock``/``GPTModel`` carry it unchanged. ``N`` at the input of global
 layer ``l`` (0-based) is ``ceil(l / block)``; the width of a stage boundary therefore depends on
 the stage (:func:`boundary_hidden_size`). megatron's own 1F1B schedule assumes ``[S, B, hidden_size]``
-and offers two ways around that, both checked on 2 GPUs (``benchmarks/multi_gpu.py --cases sched``):
+and offers two ways around that, both checked on 2 GPUs (``benchmarks/megatron_trainer.py multi --cases sched``):
 
 * ``variable_seq_lengths=True`` (miles' ``--variable-seq-lengths``): shapes are sent before each
   tensor. megatron-core refuses that flag with the allgather dispatcher ("Token dispatcher type:

@@ -6,7 +6,7 @@ the full gradients keyed by layout-independent names (``decoder.layers.<global>.
 EP pieces gathered, DP replicas summed) and every rank's read log.
 
 Backends: ``gloo`` (CPU, with :mod:`kimi_megatron_plugin.patches`; the tests) and ``nccl``
-(rank ``r`` on ``cuda:r``; ``benchmarks/multi_gpu.py``). Payloads always come back on the CPU.
+(rank ``r`` on ``cuda:r``; ``benchmarks/megatron_trainer.py multi``). Payloads always come back on the CPU.
 """
 
 from __future__ import annotations

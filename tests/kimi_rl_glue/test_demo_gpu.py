@@ -1,4 +1,4 @@
-"""The seeds' loops on one GPU (``-m gpu``, the H200; ``bash tests/gpu/h200_session.sh skyrl_demo`` /
+"""The seeds' loops on one GPU (``-m gpu``, the H200; ``bash tools/gpu/session.sh skyrl_demo`` /
 ``miles_demo``), each ``kimi-rl demo --device cuda --size small`` with every real part on the GPU
 (:func:`demo_gpu_run.run_demo_on_gpu` asserts the engine's own log lines of its GPU path, the trainer on cuda,
 the reward rise and the step-0 bound, and keeps the run's files in ``$KIMI_TEST_OUT``):

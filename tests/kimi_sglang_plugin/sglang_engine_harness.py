@@ -283,7 +283,7 @@ def run_engine(
     (see ``sglang_engine_script.py``). Returns the script's JSON plus ``log`` (its stdout and stderr);
     the log is also written to ``$KIMI_TEST_OUT/sglang_<tag>.log`` when that is set. ``timeout``
     defaults to ``$KIMI_SGLANG_ENGINE_TIMEOUT`` or 180 s (raise it on a machine whose TVM-FFI cache is
-    cold: the first prefill nvcc-builds the Marlin MoE kernel, ``tests/gpu/sglang_jit_cache.sh``). ``routed``: the
+    cold: the first prefill nvcc-builds the Marlin MoE kernel, ``tools/gpu/sglang_jit_prebuild.sh``). ``routed``: the
     base scoring also returns the experts SGLang chose (``res["routed"]``, see :func:`routed_experts`; off with
     ``KIMI_SGLANG_ROUTED=0``, then the tests compare with the reference's own routing). ``env``: set for the
     engine process on top of this one's (e.g. :func:`k31_engine`'s DSA threshold)."""
