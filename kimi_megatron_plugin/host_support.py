@@ -20,6 +20,7 @@ from kimi_core.errors import PluginError
 
 __all__ = [
     "HostSupport",
+    "refusal_class",
     "MEGATRON_CORE",
     "MEGATRON_BRIDGE",
     "HOSTS",
@@ -55,6 +56,26 @@ class HostSupport:
             f"kimi_megatron_plugin supports {self.distribution} {self.releases} (tested: {', '.join(self.tested)}); "
             f"found {found}. {self.install}"
         )
+
+
+_REFUSALS: dict[tuple[str, str], type] = {}
+
+
+def refusal_class(name: str, host: HostSupport, found: str) -> type:
+    """A stand-in class called ``name`` for a node where ``host`` is missing: resolving a registered
+    ``"module:Class"`` string still works, and constructing the class raises one :class:`PluginError`
+    (release found, releases supported, what to install). The same class object is returned for one ``name``."""
+    key = (name, host.distribution)
+    if key not in _REFUSALS:
+        message = host.refusal(found)
+
+        def __init__(self, *args, **kwargs):
+            raise PluginError(f"{name}: {message}")
+
+        _REFUSALS[key] = type(
+            name, (), {"__init__": __init__, "__doc__": f"Refusal stand-in: {message}", "__module__": __name__}
+        )
+    return _REFUSALS[key]
 
 
 MEGATRON_CORE = HostSupport(

@@ -12,7 +12,8 @@ Nothing here converts weights or translates configs itself:
 Only the text model is built (``language_model_only``, as SkyRL's K2.5 text bridge); a VL release's
 ``vision_tower.*`` / ``mm_projector.*`` tensors are left unmapped. The per-architecture subclasses are what
 :data:`kimi_megatron_plugin.registration.MODEL_CLASSES` names; :func:`kimi_megatron_plugin.bridge.register`
-registers them. Needs megatron-bridge: import it after :func:`kimi_megatron_plugin.bridge.import_bridge`.
+registers them; they are reached as attributes of :mod:`kimi_megatron_plugin.bridge`, which imports this module
+through :func:`kimi_megatron_plugin.bridge.import_bridge` (megatron-bridge with the ``te_stub`` patch).
 """
 
 from __future__ import annotations
