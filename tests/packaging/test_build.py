@@ -21,9 +21,15 @@ PLUGINS = ("kimi-megatron-plugin", "kimi-vllm-plugin", "kimi-sglang-plugin")
 #: the entry points each distribution must declare, and nothing else
 ENTRY_POINTS = {
     "kimi-core": {},
-    "kimi-megatron-plugin": {},
-    "kimi-vllm-plugin": {"vllm.general_plugins": {"kimi": "kimi_vllm_plugin:register"}},
-    "kimi-sglang-plugin": {"sglang.srt.plugins": {"kimi": "kimi_sglang_plugin:register"}},
+    "kimi-megatron-plugin": {"kimi_rl.plugins": {"kimi_megatron_plugin": "kimi_megatron_plugin.rl_hooks"}},
+    "kimi-vllm-plugin": {
+        "vllm.general_plugins": {"kimi": "kimi_vllm_plugin:register"},
+        "kimi_rl.plugins": {"kimi_vllm_plugin": "kimi_vllm_plugin.rl_hooks"},
+    },
+    "kimi-sglang-plugin": {
+        "sglang.srt.plugins": {"kimi": "kimi_sglang_plugin:register"},
+        "kimi_rl.plugins": {"kimi_sglang_plugin": "kimi_sglang_plugin.rl_hooks"},
+    },
     "kimi-rl-glue": {"console_scripts": {"kimi-rl": "kimi_rl_glue.cli:main"}},
     META: {},
 }
@@ -119,9 +125,10 @@ def test_member_dependencies_point_down(dist, built):
 
 
 def test_core_dependencies():
-    """kimi-core needs only torch, safetensors, numpy, tqdm and packaging: no engine, no trainer, no sibling."""
+    """kimi-core needs only torch, safetensors, numpy, tqdm, packaging and pluggy (its hook specs): no engine, no
+    trainer, no sibling."""
     deps = [Requirement(s).name for s in dist_tools.pyproject("kimi-core")["project"]["dependencies"]]
-    assert sorted(deps) == ["numpy", "packaging", "safetensors", "torch", "tqdm"]
+    assert sorted(deps) == ["numpy", "packaging", "pluggy", "safetensors", "torch", "tqdm"]
 
 
 @pytest.mark.parametrize("dist", list(HOST_EXTRAS))

@@ -1,5 +1,5 @@
-"""Configs for the LoRA tests: tiny K2 / K2.5 / K3 / K3.1 and the real K2.x and K3 configs
-(values from shared/reference/kimi_arch.md sections 0 and 5)."""
+"""Config fixtures shared by the kimi_core tests: tiny K2 / K2.5 / K3 / K3.1 configs and the published K2 / K3 ones
+(values from kimi_core.release_configs)."""
 
 from __future__ import annotations
 
