@@ -62,7 +62,7 @@ SGL_DEPS := "transformers==5.19.0" "compressed-tensors==0.18.0" "apache-tvm-ffi=
 	safetensors numpy tqdm pluggy packaging pytest pytest-timeout "build>=1.2" "setuptools>=77"
 
 # The sources of SGLang 0.5.17 (the release miles users run, and the H200's), unpacked beside the lane's 0.5.23 so
-# tests/kimi_sglang_plugin/test_host_facts.py checks the plugin's recorded 0.5.17 hook targets against them (22 MB).
+# tests/kimi_sglang_plugin/test_host_support.py checks the plugin's recorded 0.5.17 patch targets against them (22 MB).
 SGL_SRC_0517 := $(SGL_VENV)/src-0517
 # kimi-core + kimi-sglang-plugin alone beside this lane's sglang (the main lane does the same for vLLM).
 SGL_LEAN_TEST := tests/packaging/test_lean_sglang.py

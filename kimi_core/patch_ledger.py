@@ -13,8 +13,9 @@ the wrong thing. ``expect`` forms:
 * ``"reads:NAME"``: the target is a function whose code reads the global ``NAME``;
 * ``"type:NAME"``: ``type(target).__name__`` is ``NAME``.
 
-The vLLM plugin's ledger is :mod:`kimi_vllm_plugin.patches`, SGLang's :mod:`kimi_sglang_plugin.hooks`
-(``HookSpec`` rows, checked against recorded host facts), Megatron's :mod:`kimi_megatron_plugin.patches`.
+Each plugin keeps one ledger in its ``patches`` package: :mod:`kimi_vllm_plugin.patches`,
+:mod:`kimi_sglang_plugin.patches` (``HookPatch`` rows, a subclass that also records SGLang's hook type and the
+targets recorded per release) and :mod:`kimi_megatron_plugin.patches`.
 """
 
 from __future__ import annotations

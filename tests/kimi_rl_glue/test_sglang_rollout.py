@@ -1,5 +1,5 @@
 """The miles-k3 recipe's CPU-checkable parts: SGLang answers read into samples (the format of
-``kimi_sglang_plugin.outputs``), R3 in the loop's train step (replaying the model's own routing must give
+``kimi_sglang_plugin.generate_outputs``), R3 in the loop's train step (replaying the model's own routing must give
 its unreplayed logits, oracle: ``kimi_core.reference``), and the CPU refusal. The loop itself runs on the
 GPU (``tests/kimi_rl_glue/test_demo_gpu.py::test_miles_recipe_on_one_gpu``)."""
 
