@@ -69,72 +69,34 @@ if HAVE_GLUON:
         return gl.join(lo, hi)
 
     @gluon.jit
-    def scale_box(step, col0, DGRAD: gl.constexpr, BK: gl.constexpr, SB: gl.constexpr):
-        """(first scale group of the 16-byte TMA box, byte offset of the step's groups inside it). TMA needs the
-        innermost coordinate 16-byte aligned, so the box starts at the aligned group at or below the step's first
-        (forward: group ``BK / 32 * step``; dgrad: ``col0 / 32``, the same every step)."""
-        if DGRAD:
-            g0 = col0 // 32
-        else:
-            g0 = step * (BK // 32)
+    def scale_box(step, BK: gl.constexpr, SB: gl.constexpr):
+        """(first scale group of the forward's 16-byte TMA scale box at K step ``step``, byte offset of the step's
+        groups inside it): TMA needs the innermost coordinate 16-byte aligned, so the box starts at the aligned group
+        at or below the step's first (group ``BK / 32 * step``); ``SB`` bytes per scale."""
+        g0 = step * (BK // 32)
         box0 = g0 // (16 // SB) * (16 // SB)
         return box0, (g0 - box0) * SB
 
     @gluon.jit
-    def pick_scale(words, cols, byte, MASK: gl.constexpr, WORD_SELECT: gl.constexpr = False):
-        """``[R]`` int32: the scale at byte offset ``byte`` of each row of ``words`` (``[R, 4]`` int32 = the 16
-        bytes of a row's TMA box, little-endian). ``WORD_SELECT``: the word by two selects on its (uniform) index
-        instead of a masked sum over the four (fewer instructions, one more live register: the register forward
-        with two programs per SM and decode ahead spills with it)."""
-        if WORD_SELECT:
-            even, odd = gl.split(gl.reshape(words, [words.shape[0], 2, 2]))  # words (0, 2) and (1, 3)
-            w0, w2 = gl.split(even)
-            w1, w3 = gl.split(odd)
-            idx = byte // 4
-            w = gl.where(idx >= 2, gl.where(idx % 2 == 1, w3, w2), gl.where(idx % 2 == 1, w1, w0))
-        else:
-            w = gl.sum(gl.where(gl.expand_dims(cols, 0) == byte // 4, words, 0), axis=1)
-        return (w >> ((byte % 4) * 8)) & MASK
-
-    @gluon.jit
     def scale_pairs(
-        s_tile,
-        off,
-        R: gl.constexpr,
-        G: gl.constexpr,
-        layout: gl.constexpr,
-        FMT: gl.constexpr,
-        LW: gl.constexpr,
-        WORD_SELECT: gl.constexpr = False,
+        s_tile, off, R: gl.constexpr, G: gl.constexpr, layout: gl.constexpr, FMT: gl.constexpr, LW: gl.constexpr
     ):
-        """int32 ``[R, G]`` bf16x2 pairs (the same scale in both halves), in ``layout``, of the ``G`` (2, 4 or 8) scale
-        groups at byte ``off`` of each row of ``s_tile`` (``[R, 16 bytes]`` row-major: E8M0 bytes for MXFP4, bf16 for
-        INT4; TMA zero-fills rows past the tensor). ``LW``: the layout the rows' four words are loaded in (each
-        thread all four words of its rows); when its rows lie as ``layout``'s do, no data moves between threads."""
+        """int32 ``[R, 2]`` bf16x2 pairs (the same scale in both halves), in ``layout``, of the forward step's ``G`` =
+        2 scale groups at byte ``off`` of each row of ``s_tile`` (``[R, 16 bytes]`` row-major: E8M0 bytes for MXFP4,
+        bf16 for INT4; TMA zero-fills rows past the tensor). The two groups lie in one word (MXFP4: ``off`` even;
+        INT4: ``off % 4 == 0``), picked by two selects on its uniform index. ``LW``: the layout the rows' four words
+        are loaded in (each thread all four words of its rows); when its rows lie as ``layout``'s do, no data moves
+        between threads."""
+        gl.static_assert(G == 2, "scale_pairs reads the forward step's two scale groups")
         SB: gl.constexpr = 2 if FMT == 1 else 1
         MASK: gl.constexpr = 0xFFFF if FMT == 1 else 0xFF
         words = s_tile._reinterpret(gl.int32, [R, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(LW)
-        cols = gl.arange(0, 4, layout=gl.SliceLayout(0, LW))
-        if G == 2:  # forward: the step's two groups lie in one word (MXFP4: off even; INT4: off % 4 == 0)
-            w = pick_scale(words, cols, off // 4 * 4, -1, WORD_SELECT)
-            v = gl.join((w >> ((off % 4) * 8)) & MASK, (w >> ((off % 4 + SB) * 8)) & MASK)
-        else:
-            v0 = pick_scale(words, cols, off, MASK)
-            v1 = pick_scale(words, cols, off + SB, MASK)
-        if G > 2:  # G == 4: join(join(v0, v2), join(v1, v3))[r, i, k] = v[2 i + k]; G == 8 one level deeper
-            v2 = pick_scale(words, cols, off + 2 * SB, MASK)
-            v3 = pick_scale(words, cols, off + 3 * SB, MASK)
-            if G == 4:
-                v = gl.reshape(gl.join(gl.join(v0, v2), gl.join(v1, v3)), [R, 4])
-            else:  # [r, i, j, k] = v[4 i + 2 j + k]
-                v4 = pick_scale(words, cols, off + 4 * SB, MASK)
-                v5 = pick_scale(words, cols, off + 5 * SB, MASK)
-                v6 = pick_scale(words, cols, off + 6 * SB, MASK)
-                v7 = pick_scale(words, cols, off + 7 * SB, MASK)
-                v = gl.reshape(
-                    gl.join(gl.join(gl.join(v0, v4), gl.join(v2, v6)), gl.join(gl.join(v1, v5), gl.join(v3, v7))),
-                    [R, 8],
-                )
+        even, odd = gl.split(gl.reshape(words, [words.shape[0], 2, 2]))  # words (0, 2) and (1, 3)
+        w0, w2 = gl.split(even)
+        w1, w3 = gl.split(odd)
+        idx = off // 4
+        w = gl.where(idx >= 2, gl.where(idx % 2 == 1, w3, w2), gl.where(idx % 2 == 1, w1, w0))
+        v = gl.join((w >> ((off % 4) * 8)) & MASK, (w >> ((off % 4 + SB) * 8)) & MASK)
         return scale_bits_to_pairs(gl.convert_layout(v, layout), FMT)
 
     @gluon.jit
@@ -195,13 +157,12 @@ if HAVE_GLUON:
         BN: gl.constexpr,
         BK: gl.constexpr,
         LOAD_STAGES: gl.constexpr,
-        SCALES_T: gl.constexpr,
     ):
         """The loader partition (one thread issues each copy): TMA copies of the activation tile ``[BM, BK]``, the
         packed weight bytes and the scales of each step into the ``LOAD_STAGES``-deep load rings (forward: bytes
-        ``[BN rows, BK / 2]``, scales of those rows; dgrad: bytes ``[BK rows, BN / 2]``, scales of those rows;
-        ``SCALES_T``: dgrad with the scales transposed, ``[E * KG, N]`` with ``KG = K / 32`` groups per expert, a
-        ``[BN / 32, BK]`` box of the tile's groups). The rings run on across this program's work items (``it``
+        ``[BN rows, BK / 2]`` and the 16-byte scale boxes of those rows; dgrad: bytes ``[BK rows, BN / 2]`` as two
+        boxes, one per consumer warpgroup's half of the columns, and the scales transposed, ``[E * KG, N]`` with
+        ``KG = K / 32`` groups per expert, a ``[BN / 32, BK]`` box of the tile's groups). The rings run on across this program's work items (``it``
         counts its K steps), so the next tile's first loads overlap this one's end."""
         it = 0
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -210,9 +171,9 @@ if HAVE_GLUON:
                 s = it % LOAD_STAGES
                 phase = ((it // LOAD_STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
                 mbarrier.wait(p_free.index(s), phase)
-                P_BOXES: gl.constexpr = 2 if SCALES_T else 1
+                P_BOXES: gl.constexpr = 2 if DGRAD else 1
                 mbarrier.expect(p_ready.index(s), P_BOXES * p_desc.block_type.nbytes + s_desc.block_type.nbytes)
-                if SCALES_T:  # the bytes as two boxes, one per consumer warpgroup's half of the columns
+                if DGRAD:  # the bytes as two boxes, one per consumer warpgroup's half of the columns
                     tma.async_copy_global_to_shared(
                         p_desc, [expert * N + i * BK, col0 // 2], p_ready.index(s), p_ring.index(2 * s)
                     )
@@ -223,21 +184,13 @@ if HAVE_GLUON:
                         s_desc, [expert * KG + col0 // 32, i * BK], p_ready.index(s), s_ring.index(s)
                     )
                 else:
-                    box0, _ = scale_box(i, col0, DGRAD, BK, 16 // s_desc.block_type.shape[1])
-                    if DGRAD:
-                        tma.async_copy_global_to_shared(
-                            p_desc, [expert * N + i * BK, col0 // 2], p_ready.index(s), p_ring.index(s)
-                        )
-                        tma.async_copy_global_to_shared(
-                            s_desc, [expert * N + i * BK, box0], p_ready.index(s), s_ring.index(s)
-                        )
-                    else:
-                        tma.async_copy_global_to_shared(
-                            p_desc, [expert * N + col0, i * (BK // 2)], p_ready.index(s), p_ring.index(s)
-                        )
-                        tma.async_copy_global_to_shared(
-                            s_desc, [expert * N + col0, box0], p_ready.index(s), s_ring.index(s)
-                        )
+                    box0, _ = scale_box(i, BK, 16 // s_desc.block_type.shape[1])
+                    tma.async_copy_global_to_shared(
+                        p_desc, [expert * N + col0, i * (BK // 2)], p_ready.index(s), p_ring.index(s)
+                    )
+                    tma.async_copy_global_to_shared(
+                        s_desc, [expert * N + col0, box0], p_ready.index(s), s_ring.index(s)
+                    )
                 mbarrier.wait(a_free.index(s), phase)
                 mbarrier.expect(a_ready.index(s), a_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(a_desc, [row0, i * BK], a_ready.index(s), a_ring.index(s))

@@ -121,7 +121,6 @@ if HAVE_GLUON:
         BK: gl.constexpr,
         byte_layout: gl.constexpr,
         SW: gl.constexpr,
-        WORD_SELECT: gl.constexpr,
     ):
         """This warpgroup's packed bytes (int32 ``[R, G, 16]``, ``G`` = ``BK / 32`` scale groups) and their bf16x2
         scale pairs (``[R, G]``) of K step ``i`` (ring stage ``s``, parity ``phase``) in the fragment's layout; arrives
@@ -130,10 +129,8 @@ if HAVE_GLUON:
         SB: gl.constexpr = 2 if FMT == 1 else 1
         mbarrier.wait(p_ready.index(s), phase)
         b = gl.reshape(_fragment_bytes(p_ring.index(s).slice(HALF_INDEX * R, R), byte_layout, R, BK), [R, G, 16])
-        _, off = scale_box(i, col0, False, BK, SB)
-        sc = scale_pairs(
-            s_ring.index(s).slice(HALF_INDEX * R, R), off, R, G, gl.SliceLayout(2, b.type.layout), FMT, SW, WORD_SELECT
-        )
+        _, off = scale_box(i, BK, SB)
+        sc = scale_pairs(s_ring.index(s).slice(HALF_INDEX * R, R), off, R, G, gl.SliceLayout(2, b.type.layout), FMT, SW)
         mbarrier.arrive(p_free.index(s), count=1)
         return b, sc
 
@@ -155,7 +152,6 @@ if HAVE_GLUON:
         SW: gl.constexpr,
         acc_layout: gl.constexpr,
         DGRAD: gl.constexpr,
-        WORD_SELECT: gl.constexpr,
     ):
         """The decoded bf16 A fragment ``[R, BK]`` of K step ``i`` (this program's ``it``-th ring use); ``DGRAD``:
         :func:`_dgrad_fragment`."""
@@ -177,7 +173,6 @@ if HAVE_GLUON:
                 BK,
                 byte_layout,
                 SW,
-                WORD_SELECT,
             )
             w = _decode(b, gl.expand_dims(sc, 2), FMT, R, BK, acc_layout)
         return w
@@ -306,7 +301,6 @@ if HAVE_GLUON:
         R: gl.constexpr,
         DECODE_AHEAD: gl.constexpr,
         DGRAD: gl.constexpr,
-        WORD_SELECT: gl.constexpr,
     ):
         """One warpgroup: columns ``[R HALF_INDEX, R HALF_INDEX + R)`` of every ``2 R``-column work item (``R`` = 128
         or 64), ``out^T [R, BM] = W_half . a_tile^T`` with the weight half decoded into the wgmma's register A
@@ -352,7 +346,6 @@ if HAVE_GLUON:
                     SW,
                     acc_layout,
                     DGRAD,
-                    WORD_SELECT,
                 )
                 for j in range((steps - 1) // 2):  # steps 2 j and 2 j + 1; decodes 2 j + 1 and 2 j + 2
                     acc = _issue(w_a, acc, a_ring, a_ready, it, LOAD_STAGES)
@@ -373,7 +366,6 @@ if HAVE_GLUON:
                         SW,
                         acc_layout,
                         DGRAD,
-                        WORD_SELECT,
                     )
                     acc, w_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_a))
                     mbarrier.arrive(a_free.index(it % LOAD_STAGES), count=1)
@@ -395,7 +387,6 @@ if HAVE_GLUON:
                         SW,
                         acc_layout,
                         DGRAD,
-                        WORD_SELECT,
                     )
                     acc, w_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_b))
                     mbarrier.arrive(a_free.index((it + 1) % LOAD_STAGES), count=1)
@@ -421,7 +412,6 @@ if HAVE_GLUON:
                         SW,
                         acc_layout,
                         DGRAD,
-                        WORD_SELECT,
                     )
                     acc, w_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_a))
                     mbarrier.arrive(a_free.index(it % LOAD_STAGES), count=1)
@@ -454,7 +444,6 @@ if HAVE_GLUON:
                         SW,
                         acc_layout,
                         DGRAD,
-                        WORD_SELECT,
                     )
                     acc = _issue(w, acc, a_ring, a_ready, it, LOAD_STAGES)
                     acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))  # before w's registers are reused
@@ -501,8 +490,6 @@ if HAVE_GLUON:
             a_desc, p_desc, s_desc, LOAD_STAGES, 2, 2 if DGRAD else 1
         )
         R: gl.constexpr = BN // 2
-        # the scale word by selects, except with two programs per SM and decode ahead (it spills there)
-        WORD_SELECT: gl.constexpr = CONSUMER_REGS >= 200 or not DECODE_AHEAD
         FIRST: gl.constexpr = 0
         SECOND: gl.constexpr = 1
         gl.warp_specialize(
@@ -530,7 +517,6 @@ if HAVE_GLUON:
                         BN,
                         BK,
                         LOAD_STAGES,
-                        DGRAD,
                     ),
                 ),
                 (
@@ -558,7 +544,6 @@ if HAVE_GLUON:
                         R,
                         DECODE_AHEAD,
                         DGRAD,
-                        WORD_SELECT,
                     ),
                 ),
                 (
@@ -586,7 +571,6 @@ if HAVE_GLUON:
                         R,
                         DECODE_AHEAD,
                         DGRAD,
-                        WORD_SELECT,
                     ),
                 ),
             ],
