@@ -95,7 +95,7 @@ test-sglang: venv-sglang
 # come from this machine's disk index, torch itself ~555 MB from PyPI); it runs on the CPU all the same.
 # The four host packages go in with --no-deps (megatron-bridge alone would pull TransformerEngine, flashinfer,
 # wandb, mlflow, diffusers, ...); P312_DEPS are the packages their imports reach. transformers 5.12.1: the
-# newest Bridge accepts (skyrl asks <= 5.16.1). TransformerEngine is absent: kimi_megatron_plugin/te_stub.py.
+# newest Bridge accepts (skyrl asks <= 5.16.1). TransformerEngine is absent: kimi_megatron_plugin/patches/te_stub.py.
 # Python 3.12 is found as python3.12 or in pyenv; without it the lane prints why it is skipped.
 PY312 ?= $(shell for p in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null | sort -rV); do $$p -c 'import sys; assert sys.version_info[:2] == (3, 12); print(sys.executable)' 2>/dev/null && break; done)
 P312_VENV ?= .venv-py312
