@@ -1,7 +1,7 @@
 """The one convention for host patches: a ledger entry per patch, checked before the patch is applied.
 
 A :class:`PatchEntry` records the host symbol a plugin replaces (``target``, a dotted path), the host
-releases it was checked on (``releases``, a PEP 440 specifier of the host named by ``host``), why it is
+releases it was checked on (``versions``, a PEP 440 specifier of the host named by ``host``), why it is
 needed, how it works, the upstream issue or PR and the condition to remove it, plus ``expect``: what the
 target must look like for the patch to be right. :func:`check_patch` resolves the target and compares it
 with ``expect``; a missing or changed target raises :class:`~kimi_core.errors.PatchTargetError` naming the
@@ -35,8 +35,8 @@ class PatchEntry:
 
     name: str
     target: str
-    host: str  # distribution whose release ``releases`` constrains (e.g. "megatron-core")
-    releases: str  # PEP 440 specifier, e.g. ">=0.16.1,<0.20"
+    host: str  # distribution whose releases ``versions`` constrains (e.g. "megatron-core")
+    versions: str  # PEP 440 specifier of the host releases checked, e.g. ">=0.16.1,<0.20"
     why: str
     how: str
     upstream: str
@@ -68,7 +68,7 @@ def resolve_target(target: str, *, override: object | None = None) -> object:
 def check_patch(entry: PatchEntry, release: str | None = None, *, target_obj=None) -> None:
     """Raise :class:`PatchTargetError` unless ``entry``'s target is what the ledger recorded.
 
-    :param release: the running ``entry.host`` release; checked against ``entry.releases`` when given.
+    :param release: the running ``entry.host`` release; checked against ``entry.versions`` when given.
     :param target_obj: the target to inspect instead of resolving it (a patch that has already replaced
         the symbol passes the original it kept).
     """
@@ -76,10 +76,10 @@ def check_patch(entry: PatchEntry, release: str | None = None, *, target_obj=Non
     if release is not None:
         from packaging.specifiers import SpecifierSet
 
-        if release not in SpecifierSet(entry.releases):
+        if release not in SpecifierSet(entry.versions):
             raise PatchTargetError(
                 f"{where}: {entry.host} {release} is outside the checked releases "
-                f"{entry.releases}; re-check the target, then widen the ledger entry"
+                f"{entry.versions}; re-check the target, then widen the ledger entry"
             )
     obj = resolve_target(entry.target, override=target_obj)
     kind, _, want = entry.expect.partition(":")

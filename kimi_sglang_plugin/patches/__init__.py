@@ -1,10 +1,10 @@
 """The ledger of every patch this plugin applies to SGLang, one :class:`HookPatch` row per patch and release
 range, applied through SGLang's own ``HookRegistry``.
 
-Each row is a :class:`kimi_core.patch_ledger.PatchEntry` (target, ``releases``, Why, How, the upstream issue or
+Each row is a :class:`kimi_core.patch_ledger.PatchEntry` (target, ``versions``, Why, How, the upstream issue or
 PR, the condition to remove it) plus what ``HookRegistry`` needs: the hook type and our hook function. Where a
 fix needs different code per release the ledger has one row per variant (same ``name``, disjoint
-``releases``); where a bug is absent in a supported release the row's ``releases`` leave it out and
+``versions``); where a bug is absent in a supported release the row's ``versions`` leave it out and
 ``absent_in`` says why. The code of each patch is one module of this package, whose docstring explains the
 mechanism:
 
@@ -42,9 +42,9 @@ __all__ = [
     "patch_problems",
 ]
 
-#: the distribution whose release a row's ``releases`` constrains
+#: the distribution whose release a row's ``versions`` constrains
 HOST = "sglang"
-#: ``releases`` of a row for both supported releases (the ones between are refused by host_support first)
+#: ``versions`` of a row for both supported releases (the ones between are refused by host_support first)
 BOTH = ">=0.5.17,<=0.5.23"
 ONLY_0517 = "==0.5.17"
 ONLY_0523 = "==0.5.23"
@@ -57,7 +57,7 @@ class HookPatch(PatchEntry):
 
     :param hook: the ``HookType`` value: ``"before"``, ``"after"``, ``"around"`` or ``"replace"``.
     :param fn: ``"module:function"`` of our hook.
-    :param absent_in: why the patch does not apply to the supported releases its ``releases`` leave out.
+    :param absent_in: why the patch does not apply to the supported releases its ``versions`` leave out.
     """
 
     hook: str = "around"
@@ -77,10 +77,10 @@ class HookPatch(PatchEntry):
 
 
 def covered_releases(entry: PatchEntry) -> tuple[str, ...]:
-    """The supported SGLang releases inside ``entry.releases``."""
+    """The supported SGLang releases inside ``entry.versions``."""
     from packaging.specifiers import SpecifierSet
 
-    spec = SpecifierSet(entry.releases)
+    spec = SpecifierSet(entry.versions)
     return tuple(r for r in SUPPORTED_SGLANG if r in spec)
 
 
@@ -105,7 +105,7 @@ LEDGER: tuple[HookPatch, ...] = (
         "index_topk set, kimi_k31_config.is_k31_config); _propagate_patch rebinds the 'from ... import' sites",
         upstream="none (no K3.1 in sglang 0.5.17, 0.5.23 or sglang-miles)",
         remove_when="SGLang lists KimiK31ForConditionalGeneration in is_deepseek_dsa",
-        releases=BOTH,
+        versions=BOTH,
     ),
     HookPatch(
         name="k31_index_head_dim",
@@ -118,7 +118,7 @@ LEDGER: tuple[HookPatch, ...] = (
         how="AFTER: for a K3.1 config set model_config.index_head_dim = text_config.index_head_dim",
         upstream="none",
         remove_when="SGLang derives index_head_dim for K3-family DSA configs",
-        releases=BOTH,
+        versions=BOTH,
     ),
     HookPatch(
         name="k31_resolve_model_cls",
@@ -132,7 +132,7 @@ LEDGER: tuple[HookPatch, ...] = (
         "class from ModelRegistry.models (resolved arch name K3.1)",
         upstream="none",
         remove_when="K3.1 is in-tree, or SGLang resolves by model_type",
-        releases=BOTH,
+        versions=BOTH,
     ),
     # ------------------------------------------------------------------ sgl-project/sglang#37704
     HookPatch(
@@ -148,7 +148,7 @@ LEDGER: tuple[HookPatch, ...] = (
         "(one alias fixes every reader; K3 model code reads num_shared_experts only)",
         upstream=PR_37704 + " item 1",
         remove_when="SGLang LoRA reads num_shared_experts (or the PR lands in a release we pin)",
-        releases=BOTH,
+        versions=BOTH,
     ),
     HookPatch(
         name="37704_2_output_gate_lora_o_proj",
@@ -162,7 +162,7 @@ LEDGER: tuple[HookPatch, ...] = (
         "applies it inside the LoRA wrapper",
         upstream=PR_37704 + " item 2 (lora_input_transform)",
         remove_when="RowParallelLinearWithLoRA honours a base-layer input transform upstream",
-        releases=ONLY_0523,
+        versions=ONLY_0523,
     ),
     HookPatch(
         name="37704_2_output_gate_lora_o_proj",
@@ -175,7 +175,7 @@ LEDGER: tuple[HookPatch, ...] = (
         "(the alt-stream gate in _gate_precomputed, joined first, else g_proj(h))",
         upstream=PR_37704 + " item 2",
         remove_when="as the 0.5.23 entry",
-        releases=ONLY_0517,
+        versions=ONLY_0517,
     ),
     HookPatch(
         name="37704_2_row_parallel_lora_forward",
@@ -188,7 +188,7 @@ LEDGER: tuple[HookPatch, ...] = (
         "and LoRA A both see the gated input (as without LoRA)",
         upstream=PR_37704 + " item 2",
         remove_when="as 37704_2_output_gate_lora_o_proj",
-        releases=BOTH,
+        versions=BOTH,
     ),
     HookPatch(
         name="37704_3_routed_expert_hidden_size",
@@ -203,7 +203,7 @@ LEDGER: tuple[HookPatch, ...] = (
         "routed_expert_hidden_size when the config has one",
         upstream=PR_37704 + " item 3",
         remove_when="SGLang LoRA sizes MoE buffers from the experts' own width",
-        releases=BOTH,
+        versions=BOTH,
     ),
     HookPatch(
         name="37704_4_params_dtype_through_wrapper",
@@ -217,7 +217,7 @@ LEDGER: tuple[HookPatch, ...] = (
         how="AFTER: mirror base_layer.params_dtype onto the wrapper, as it already mirrors weight/bias",
         upstream=PR_37704 + " item 4",
         remove_when="BaseLayerWithLoRA forwards params_dtype upstream",
-        releases=ONLY_0523,
+        versions=ONLY_0523,
         absent_in="0.5.17: post_load_weights reads o_proj.weight.dtype (models/kimi_k3.py:2926), which "
         "the wrapper mirrors",
     ),
@@ -235,7 +235,7 @@ LEDGER: tuple[HookPatch, ...] = (
         "_parameters into a plain (unregistered) attribute",
         upstream=PR_37704 + " item 5",
         remove_when="_merge_bfa_weights stores the alias without registering it",
-        releases=ONLY_0523,
+        versions=ONLY_0523,
         absent_in="0.5.17: _merge_bfa_weights (models/kimi_k3.py:1525) merges only f_a_proj + b_proj into "
         "a plain tensor and never aliases f_b_proj",
     ),
@@ -255,7 +255,7 @@ LEDGER: tuple[HookPatch, ...] = (
         "interleave flag for SiTU",
         upstream="sgl-project/sglang#27930 (closed), " + PR_37704,
         remove_when="Mxfp4MoEMethod exposes get_marlin_quant_info",
-        releases=BOTH,
+        versions=BOTH,
     ),
     HookPatch(
         name="moe_lora_situ_stage",
@@ -273,7 +273,7 @@ LEDGER: tuple[HookPatch, ...] = (
         "stay the stock core's",
         upstream="none (no SiTU in the Marlin LoRA core upstream)",
         remove_when="MarlinLoraRunnerCore supports activation 'situ'",
-        releases=BOTH,
+        versions=BOTH,
     ),
     HookPatch(
         name="moe_lora_cuda_graph_buffers",
@@ -289,7 +289,7 @@ LEDGER: tuple[HookPatch, ...] = (
         "on the device of w13_qweight",
         upstream="fixed in 0.5.23 (reads w13_qweight, lora/backend/base_backend.py:306)",
         remove_when="0.5.17 is no longer supported",
-        releases=ONLY_0517,
+        versions=ONLY_0517,
         absent_in="0.5.23: the buffers no longer depend on the weight shapes",
     ),
     # ------------------------------------------------------------------ K3 at other widths
@@ -306,7 +306,7 @@ LEDGER: tuple[HookPatch, ...] = (
         "aggregate_stream already falls back to for those widths); multiples of 1024 keep the kernels",
         upstream="not filed yet",
         remove_when="_mix_fused masks its column blocks or falls back itself",
-        releases=BOTH,
+        versions=BOTH,
     ),
     # ------------------------------------------------------------------ routed experts (routing replay)
     HookPatch(
@@ -321,7 +321,7 @@ LEDGER: tuple[HookPatch, ...] = (
         how="AFTER: set config.num_experts_per_tok = config.num_experts_per_token",
         upstream="fixed in 0.5.23 (KimiLinearConfig.attribute_map)",
         remove_when="0.5.17 leaves the supported releases",
-        releases=ONLY_0517,
+        versions=ONLY_0517,
         absent_in="0.5.23: KimiLinearConfig.attribute_map maps num_experts_per_tok (configs/kimi_linear.py:13)",
     ),
     HookPatch(
@@ -335,7 +335,7 @@ LEDGER: tuple[HookPatch, ...] = (
         how="AFTER: moe.topk.layer_id = moe.layer_idx when it is None",
         upstream="fixed in 0.5.23 (TopK(layer_id=self.layer_idx), models/kimi_k3.py:524)",
         remove_when="0.5.17 leaves the supported releases",
-        releases=ONLY_0517,
+        versions=ONLY_0517,
         absent_in="0.5.23: KimiK3MoE passes layer_id=self.layer_idx to TopK (models/kimi_k3.py:526)",
     ),
     HookPatch(
@@ -352,7 +352,7 @@ LEDGER: tuple[HookPatch, ...] = (
         "forward takes _forward_unfused, which calls the LoRA-wrapped modules",
         upstream="none (0.5.17 and 0.5.23 both merge)",
         remove_when="SGLang skips or LoRA-aware-fuses the K3 MoE front when LoRA is enabled",
-        releases=BOTH,
+        versions=BOTH,
     ),
     HookPatch(
         name="k31_hybrid_indexer_metadata",
@@ -365,7 +365,7 @@ LEDGER: tuple[HookPatch, ...] = (
         how="AROUND: for a full-attention layer with no metadata, return full_attn_backend.get_indexer_metadata",
         upstream="fixed in 0.5.23 (layers/attention/hybrid_linear_attn_backend.py:1315)",
         remove_when="0.5.17 leaves the supported releases",
-        releases=ONLY_0517,
+        versions=ONLY_0517,
         absent_in="0.5.23: HybridLinearAttnBackend forwards get_indexer_metadata to its full-attention backend",
     ),
     # ------------------------------------------------------------------ adapter sync
@@ -383,16 +383,16 @@ LEDGER: tuple[HookPatch, ...] = (
         "good adapter keeps serving. Other errors propagate unchanged",
         upstream="not filed yet",
         remove_when="load_lora_adapter_from_tensors returns a failed LoRAUpdateOutput on a checksum mismatch",
-        releases=BOTH,
+        versions=BOTH,
     ),
 )
 
 
 def patches_for(release: str) -> tuple[HookPatch, ...]:
-    """The ledger rows whose ``releases`` contain SGLang ``release``."""
+    """The ledger rows whose ``versions`` contain SGLang ``release``."""
     from packaging.specifiers import SpecifierSet
 
-    return tuple(e for e in LEDGER if release in SpecifierSet(e.releases))
+    return tuple(e for e in LEDGER if release in SpecifierSet(e.versions))
 
 
 def resolve_hook(entry: HookPatch):
@@ -429,7 +429,7 @@ def patch_problems(release: str, entries: tuple[HookPatch, ...] | None = None) -
 
     problems = []
     for entry in LEDGER if entries is None else entries:
-        if release not in SpecifierSet(entry.releases):
+        if release not in SpecifierSet(entry.versions):
             continue
         try:
             check_hook_patch(entry, release)

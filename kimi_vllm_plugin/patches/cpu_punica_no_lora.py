@@ -13,7 +13,7 @@ ENTRY = PatchEntry(
     name="cpu_punica_no_lora",
     target="vllm.lora.ops.torch_ops.lora_ops.bgmv_shrink",
     host="vllm",
-    releases=">=0.32,<0.33",
+    versions=">=0.32,<0.33",
     why="vLLM's torch punica ops (vllm/lora/ops/torch_ops/lora_ops.py) select weights with "
     "lora_weights[lora_indices]; a token without an adapter has index -1, which Python indexing turns into the last "
     "slot, so once the last of max_loras slots holds an adapter every base-model request in the same batch is "

@@ -13,7 +13,7 @@ ENTRY = PatchEntry(
     name="k25_text_model",
     target="vllm.model_executor.models.kimi_k25.init_vllm_registered_model",
     host="vllm",
-    releases=">=0.26,<0.34",
+    versions=">=0.26,<0.34",
     why="upstream K2.5 hard-codes architectures=['DeepseekV2ForCausalLM'] for its text model, which is not our "
     "LoRA-capable K2.x class (and re-registering DeepseekV2 would hijack real DeepSeek-V2 checkpoints)",
     how="while our K2.5 class's upstream __init__ runs, the module global is wrapped so that the text model is built "

@@ -17,7 +17,7 @@ ENTRY = PatchEntry(
     name="k31_config",
     target="vllm.transformers_utils.config._CONFIG_REGISTRY",
     host="vllm",
-    releases=">=0.26,<0.34",
+    versions=">=0.26,<0.34",
     why="vLLM and transformers do not know model_type kimi_k31, and vLLM parses config.json before it looks at the "
     "model registry; K3.1's config is K3's plus index_* fields",
     how="register() adds the key kimi_k31 with a KimiK3Config subclass (register_k31_config) where K3.1 is "

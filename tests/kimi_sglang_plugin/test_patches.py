@@ -30,7 +30,7 @@ def test_ledger_covers_every_release():
         assert isinstance(s, PatchEntry) and s.host == HOST, s.key
         assert s.why and s.how and s.upstream and s.remove_when and s.fn, f"{s.key}: incomplete ledger entry"
         assert s.hook_type() in HookType, s.key
-        assert covered_releases(s), f"{s.name}: releases {s.releases} hold no supported SGLang release"
+        assert covered_releases(s), f"{s.name}: releases {s.versions} hold no supported SGLang release"
         for release in covered_releases(s):
             assert release in FACTS.get(s.target, {}), f"{s.key}: no facts row for {s.target} in {release}"
     for name in {s.name for s in LEDGER}:
@@ -69,7 +69,7 @@ def test_missing_target_is_reported(plugin, monkeypatch):
     gone_target = "sglang.srt.configs.model_config.gone_gate"
     monkeypatch.setitem(FACTS, gone_target, {release: fn("srt/configs/model_config.py:1", "config")})
     gone = dataclasses.replace(LIVE[0], name="gone", target=gone_target)
-    other = dataclasses.replace(LIVE[0], name="other", releases="==0.5.22")
+    other = dataclasses.replace(LIVE[0], name="other", versions="==0.5.22")
     problems = patch_problems(release, (LIVE[0], unrecorded, gone, other))
     assert len(problems) == 2, problems
     assert "no_such_gate has no recorded facts" in problems[0]

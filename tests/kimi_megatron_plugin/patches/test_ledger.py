@@ -18,7 +18,7 @@ def test_every_row_is_complete_and_named_as_its_file():
     assert sorted(patches.LEDGER) == sorted([*MCORE_ROWS, "te_stub"])
     for name, entry in patches.LEDGER.items():
         assert entry.name == name
-        assert entry.why and entry.how and entry.upstream and entry.remove_when and entry.releases
+        assert entry.why and entry.how and entry.upstream and entry.remove_when and entry.versions
         importlib.import_module(f"kimi_megatron_plugin.patches.{name}")
 
 
@@ -38,9 +38,9 @@ def test_rows_use_the_supported_host_ranges():
     from kimi_megatron_plugin.host_support import MEGATRON_BRIDGE, MEGATRON_CORE
 
     for name in MCORE_ROWS:
-        assert (patches.LEDGER[name].host, patches.LEDGER[name].releases) == ("megatron-core", MEGATRON_CORE.releases)
+        assert (patches.LEDGER[name].host, patches.LEDGER[name].versions) == ("megatron-core", MEGATRON_CORE.releases)
     te = patches.LEDGER["te_stub"]
-    assert (te.host, te.releases) == ("megatron-bridge", MEGATRON_BRIDGE.releases)
+    assert (te.host, te.versions) == ("megatron-bridge", MEGATRON_BRIDGE.releases)
 
 
 def test_release_outside_ledger_fails():
