@@ -207,7 +207,7 @@ class MarlinShapeView:
 
     def __init__(self, layer):
         base, qinfo = layer.base_layer, layer._quant_info
-        E, I, K = base.num_local_experts, base.intermediate_size_per_partition, base.hidden_size  # noqa: E741 - [E, 2I, K] as in the docstring
+        E, I, K = base.num_local_experts, base.intermediate_size_per_partition, base.hidden_size
         dev = qinfo.w13_qweight.device
         object.__setattr__(self, "_layer", layer)
         object.__setattr__(

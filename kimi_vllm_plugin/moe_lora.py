@@ -144,7 +144,7 @@ class KimiCpuExperts(_vllm_linear_base()):
             weight_format(self.quant_format).check(packed, scale, where=name.rsplit(".", 1)[0])
             w = get_format(self.quant_format).dequantize(packed, scale, torch.float32)
             del self._pending[(expert, shard)]
-        I, H = self.inter, self.hidden  # noqa: E741 - I is the intermediate size of the shape docstrings
+        I, H = self.inter, self.hidden
         want = (H, I) if shard == "w2" else (I, H)
         if tuple(w.shape) != want:
             raise ValueError(f"{name}: expert weight shape {tuple(w.shape)}, expected {want}")
@@ -221,7 +221,7 @@ def lora_layer_class():
 
         def create_lora_weights(self, max_loras, lora_config, model_config=None):
             b = self.base_layer
-            E, H, I, R = b.num_experts, b.hidden, b.inter, lora_config.max_lora_rank  # noqa: E741 - shape names
+            E, H, I, R = b.num_experts, b.hidden, b.inter, lora_config.max_lora_rank
             dt = lora_config.lora_dtype if isinstance(lora_config.lora_dtype, torch.dtype) else b.params_dtype
             dev = b.w13.device
             # [slot, expert, rank, in] / [slot, expert, out, rank]; smaller ranks are zero-padded

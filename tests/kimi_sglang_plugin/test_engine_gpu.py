@@ -516,7 +516,7 @@ def test_written_checkpoint_is_the_release_layout(tmp_path):
     )
     r = CheckpointReader(path)
     names = set(r.keys())
-    K, I = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size  # noqa: E741 - the [E, 2I, K] shape names
+    K, I = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
     e0 = next(n for n in names if n.endswith(".experts.0.w1.weight_packed")).rsplit(".w1.", 1)[0]
     for w, (o, i) in {"w1": (I, K), "w3": (I, K), "w2": (K, I)}.items():
         packed, scale = r.get(f"{e0}.{w}.weight_packed"), r.get(f"{e0}.{w}.weight_scale")

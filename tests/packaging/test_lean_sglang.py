@@ -5,13 +5,14 @@ point, and the siblings (Megatron plugin, vLLM plugin, glue) are not importable.
 
 from __future__ import annotations
 
-import pytest
-
 import dist_tools
+import pytest
 
 pytest.importorskip("sglang", reason="the lean SGLang install reuses this venv's SGLang (the SGLang lane)")
 
-CHECK = dist_tools.LEAN_PROLOGUE + """
+CHECK = (
+    dist_tools.LEAN_PROLOGUE
+    + """
 os.environ["SGLANG_PLUGINS"] = "kimi"
 res["eps"] = sorted(f"{e.name} = {e.value} ({e.dist.name})" for e in md.entry_points(group="sglang.srt.plugins")
                     if e.name == "kimi" or e.dist.name.lower().startswith("kimi"))
@@ -21,6 +22,7 @@ from kimi_sglang_plugin import registration
 res["state"] = {k: (v if isinstance(v, (str, type(None))) else bool(v)) for k, v in registration._STATE.items()}
 print(json.dumps(res))
 """
+)
 
 
 @pytest.fixture(scope="module")
