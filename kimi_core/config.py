@@ -409,7 +409,7 @@ class KimiConfig:
             if self.q_lora_rank is None:
                 bad("q_lora_rank", "K3.1's indexer reads the MLA query latent; q_lora_rank is required")
         if self.quant is not None:
-            want = "mxfp4-pack-quantized" if self.is_k3_family else "pack-quantized"
+            want = MXFP4.name if self.is_k3_family else INT4.name
             if self.quant.format != want:
                 raise ConfigError(
                     f"{tw}: quantization_config.format={self.quant.format!r}, but {self.architecture} experts are {want!r}"

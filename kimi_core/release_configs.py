@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import copy
 
+from kimi_core.architectures import K2, K3, K31
+from kimi_core.quant.formats import MXFP4
+
 
 def k2_release_config() -> dict:
     """Kimi K2 (DeepSeek-V3 architecture) text config, kimi_arch.md section 5."""
     return {
-        "architectures": ["DeepseekV3ForCausalLM"],
+        "architectures": [K2],
         "model_type": "kimi_k2",
         "hidden_size": 7168,
         "num_hidden_layers": 61,
@@ -62,7 +65,7 @@ def k3_release_config() -> dict:
     full = [4 * i for i in range(1, 24)] + [93]
     kda = [i for i in range(1, 94) if i not in full]
     return {
-        "architectures": ["KimiK3ForConditionalGeneration"],
+        "architectures": [K3],
         "model_type": "kimi_k3",
         "tie_word_embeddings": False,
         "text_config": {
@@ -115,7 +118,7 @@ def k3_release_config() -> dict:
         },
         "quantization_config": {
             "quant_method": "compressed-tensors",
-            "format": "mxfp4-pack-quantized",
+            "format": MXFP4.name,
             "config_groups": {
                 "group_0": {
                     "weights": {
@@ -137,7 +140,7 @@ def k3_release_config() -> dict:
 def k31_release_config() -> dict:
     """Kimi K3.1: K3 plus the lightning indexer (field names and values inferred, see module docstring)."""
     d = copy.deepcopy(k3_release_config())
-    d["architectures"] = ["KimiK31ForConditionalGeneration"]
+    d["architectures"] = [K31]
     d["model_type"] = "kimi_k31"
     d["text_config"].update(index_n_heads=32, index_head_dim=128, index_topk=2048)
     return d
