@@ -1,0 +1,17 @@
+"""Attention with memory linear in the sequence length: MLA's causal attention (fused SDPA on CUDA,
+blockwise online softmax elsewhere), K3.1's sparse top-k attention and the indexer's blockwise top-k.
+The naive twins are in :mod:`kimi_core.reference` (``mla``, ``indexer``)."""
+
+from kimi_core.attention.blockwise import blockwise_causal_attention, segment_ids
+from kimi_core.attention.causal import causal_attention, uses_fused_attention
+from kimi_core.attention.indexer_topk import blockwise_index_topk
+from kimi_core.attention.sparse_topk import sparse_topk_attention
+
+__all__ = [
+    "blockwise_causal_attention",
+    "blockwise_index_topk",
+    "causal_attention",
+    "segment_ids",
+    "sparse_topk_attention",
+    "uses_fused_attention",
+]

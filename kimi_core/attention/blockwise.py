@@ -1,0 +1,140 @@
+"""Causal softmax attention over query / key blocks with an online softmax: memory linear in S.
+
+``o_t = sum_s softmax_s(scale * q_t . k_s) v_s`` over the keys ``s <= t`` of the same sequence (packed
+batches give every token a segment id; see :func:`segment_ids`). The same maths as the dense
+``kimi_core.reference.mla`` attention (its naive twin), computed a ``[BLOCK_Q, BLOCK_K]`` tile at a time:
+
+* forward keeps a running row max ``m``, row sum ``l`` and weighted sum ``acc`` per query block and saves
+  only the output and the log-sum-exp ``lse = m + log l`` ``[B, n, S]``;
+* backward recomputes each tile's probabilities ``exp(scale * q k^T - lse)`` and accumulates
+  ``dq``, ``dk``, ``dv`` block by block, so activation memory is ``O(S * n * d)``, never ``O(S^2)``.
+
+Logits, probabilities and the accumulators are in the accumulation dtype (fp32, fp64 for fp64 inputs);
+the output is cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kimi_core.reference.ops import acc_dtype
+
+__all__ = ["BLOCK_K", "BLOCK_Q", "blockwise_causal_attention", "segment_ids"]
+
+# 128 x 128 tiles: a [B, n, 128, 128] fp32 tile is small next to q/k/v, and 128 amortises the Python loop.
+BLOCK_Q = 128
+BLOCK_K = 128
+
+
+def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Segment id ``[total]`` int64 of every packed token from ``cu_seqlens [N + 1]`` (Megatron's THD layout).
+
+    Tokens past ``cu_seqlens[-1]`` (padding) form one more segment of their own.
+    """
+    pos = torch.arange(total, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].to(torch.int64).contiguous(), pos, right=True)
+
+
+def _tile_keep(seg, q0, q1, k0, k1, device):
+    """``[bq, bk]`` bool: causal and same segment (``seg [S]`` or None)."""
+    qi = torch.arange(q0, q1, device=device)[:, None]
+    ki = torch.arange(k0, k1, device=device)[None, :]
+    keep = ki <= qi
+    if seg is not None:
+        keep = keep & (seg[q0:q1, None] == seg[None, k0:k1])
+    return keep
+
+
+def _key_start(seg, q0):
+    """First key a query block can see: the start of its first token's segment (0 without packing)."""
+    if seg is None:
+        return 0
+    return int(torch.searchsorted(seg, seg[q0 : q0 + 1]).item())
+
+
+class _BlockwiseCausal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, seg, block_q, block_k):
+        # q, k: [B, n, S, dqk]; v: [B, n, S, dv]
+        a = acc_dtype(q.dtype)
+        B, n, S, _ = q.shape
+        out = torch.empty(*v.shape[:-1], v.shape[-1], device=q.device, dtype=a)
+        lse = torch.empty(B, n, S, device=q.device, dtype=a)
+        for q0 in range(0, S, block_q):
+            q1 = min(q0 + block_q, S)
+            qb = q[:, :, q0:q1].to(a) * scale
+            m = torch.full((B, n, q1 - q0), float("-inf"), device=q.device, dtype=a)
+            l_sum = torch.zeros_like(m)
+            acc = torch.zeros(B, n, q1 - q0, v.shape[-1], device=q.device, dtype=a)
+            ks = _key_start(seg, q0) // block_k * block_k
+            for k0 in range(ks, q1, block_k):
+                k1 = min(k0 + block_k, S)
+                s = qb @ k[:, :, k0:k1].to(a).transpose(-1, -2)  # [B, n, bq, bk]
+                s = s.masked_fill(~_tile_keep(seg, q0, q1, k0, k1, q.device), float("-inf"))
+                # rows with no visible key yet (a tile before their segment starts) keep m = -inf:
+                # shift by 0 there so exp gives 0, not exp(-inf + inf) = nan
+                m_new = torch.maximum(m, s.amax(-1))
+                shift = m_new.masked_fill(m_new == float("-inf"), 0.0)
+                p = torch.exp(s - shift[..., None])
+                corr = torch.exp(m - shift)
+                l_sum = l_sum * corr + p.sum(-1)
+                acc = acc * corr[..., None] + p @ v[:, :, k0:k1].to(a)
+                m = m_new
+            out[:, :, q0:q1] = acc / l_sum[..., None]
+            lse[:, :, q0:q1] = m + torch.log(l_sum)
+        ctx.save_for_backward(q, k, v, out, lse, seg)
+        ctx.scale, ctx.block_q, ctx.block_k = scale, block_q, block_k
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, seg = ctx.saved_tensors
+        scale, block_q, block_k = ctx.scale, ctx.block_q, ctx.block_k
+        a = out.dtype
+        S = q.shape[2]
+        do = dout.to(a)
+        delta = (do * out).sum(-1)  # [B, n, S]
+        dq = torch.zeros_like(q, dtype=a)
+        dk = torch.zeros_like(k, dtype=a)
+        dv = torch.zeros_like(v, dtype=a)
+        for q0 in range(0, S, block_q):
+            q1 = min(q0 + block_q, S)
+            qb = q[:, :, q0:q1].to(a)
+            dob = do[:, :, q0:q1]
+            ks = _key_start(seg, q0) // block_k * block_k
+            for k0 in range(ks, q1, block_k):
+                k1 = min(k0 + block_k, S)
+                kb, vb = k[:, :, k0:k1].to(a), v[:, :, k0:k1].to(a)
+                s = (qb @ kb.transpose(-1, -2)) * scale
+                s = s.masked_fill(~_tile_keep(seg, q0, q1, k0, k1, q.device), float("-inf"))
+                p = torch.exp(s - lse[:, :, q0:q1, None])  # [B, n, bq, bk]
+                dv[:, :, k0:k1] += p.transpose(-1, -2) @ dob
+                dp = dob @ vb.transpose(-1, -2)
+                ds = p * (dp - delta[:, :, q0:q1, None]) * scale
+                dq[:, :, q0:q1] += ds @ kb
+                dk[:, :, k0:k1] += ds.transpose(-1, -2) @ qb
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def blockwise_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    seg: torch.Tensor | None = None,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+) -> torch.Tensor:
+    """Causal attention ``[B, n, S, dv]`` of ``q``/``k [B, n, S, dqk]`` and ``v [B, n, S, dv]`` (any float dtype).
+
+    :param scale: softmax scale applied to ``q . k``.
+    :param seg: optional ``[S]`` int64 non-decreasing segment ids (packed sequences, :func:`segment_ids`):
+        a query sees only keys of its own segment.
+    Differentiable in ``q``, ``k``, ``v`` (blockwise recomputing backward).
+    """
+    if q.shape[2] != k.shape[2] or k.shape[2] != v.shape[2]:
+        raise ValueError(
+            f"blockwise_causal_attention: self-attention needs equal lengths, got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    return _BlockwiseCausal.apply(q, k, v, scale, seg, block_q, block_k)

@@ -1,0 +1,104 @@
+"""Sparse attention over per-query top-k key indices (K3.1 DSA): gather, no ``S x S`` mask.
+
+Query ``t`` attends only the keys ``idx[t, :]`` the frozen indexer picked (``-1`` = empty slot)::
+
+    o_t = sum_j softmax_j(scale * q_t . k_{idx[t, j]}) v_{idx[t, j]}
+
+the same result as the dense ``kimi_core.reference.mla`` attention with the top-k keep-mask of
+``kimi_core.reference.indexer.topk_mask`` (its naive twin). Queries are processed in blocks whose
+gathered keys stay under :data:`GATHER_ELEMENTS`; forward saves the output and the log-sum-exp, and
+backward recomputes each block's probabilities and scatters ``dk``/``dv`` back with an index-add, so
+memory is ``O(S * (k + n * d))``. Logits and accumulators in fp32 (fp64 for fp64 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kimi_core.reference.ops import acc_dtype
+
+__all__ = ["GATHER_ELEMENTS", "sparse_topk_attention"]
+
+# Gathered keys + values of one query block stay under 2^24 elements (64 MiB fp32): bounded, still large tiles.
+GATHER_ELEMENTS = 1 << 24
+
+
+def _rows(K: int, n: int, d: int) -> int:
+    return max(1, GATHER_ELEMENTS // max(1, K * n * d))
+
+
+def _gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``t [B, Sk, n, d]``, ``idx [B, bq, K]`` (no negatives) -> ``[B, bq, K, n, d]``."""
+    b = torch.arange(t.shape[0], device=t.device)[:, None, None]
+    return t[b, idx]
+
+
+class _SparseTopk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, idx, scale):
+        # q [B, S, n, dqk], k [B, Sk, n, dqk], v [B, Sk, n, dv], idx [B, S, K]
+        a = acc_dtype(q.dtype)
+        B, S, n, dqk = q.shape
+        K = idx.shape[-1]
+        rows = _rows(K, n, dqk + v.shape[-1])
+        out = torch.empty(B, S, n, v.shape[-1], device=q.device, dtype=a)
+        lse = torch.empty(B, S, n, device=q.device, dtype=a)
+        for q0 in range(0, S, rows):
+            q1 = min(q0 + rows, S)
+            ib = idx[:, q0:q1]
+            valid = ib >= 0
+            safe = ib.clamp_min(0)
+            s = torch.einsum("bqnd,bqknd->bqnk", q[:, q0:q1].to(a), _gather(k, safe).to(a)) * scale
+            s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
+            lse_b = torch.logsumexp(s, -1)  # [B, bq, n]
+            p = torch.exp(s - lse_b[..., None])
+            out[:, q0:q1] = torch.einsum("bqnk,bqknd->bqnd", p, _gather(v, safe).to(a))
+            lse[:, q0:q1] = lse_b
+        ctx.save_for_backward(q, k, v, idx, out, lse)
+        ctx.scale, ctx.rows = scale, rows
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, idx, out, lse = ctx.saved_tensors
+        scale, rows = ctx.scale, ctx.rows
+        a = out.dtype
+        B, S, n, _ = q.shape
+        do = dout.to(a)
+        delta = (do * out).sum(-1)  # [B, S, n]
+        dq = torch.zeros_like(q, dtype=a)
+        dk = torch.zeros_like(k, dtype=a)
+        dv = torch.zeros_like(v, dtype=a)
+        bidx = torch.arange(B, device=q.device)[:, None, None]
+        for q0 in range(0, S, rows):
+            q1 = min(q0 + rows, S)
+            ib = idx[:, q0:q1]
+            valid = ib >= 0
+            safe = ib.clamp_min(0)
+            kg, vg = _gather(k, safe).to(a), _gather(v, safe).to(a)
+            qb, dob = q[:, q0:q1].to(a), do[:, q0:q1]
+            s = torch.einsum("bqnd,bqknd->bqnk", qb, kg) * scale
+            s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
+            p = torch.exp(s - lse[:, q0:q1, :, None])  # [B, bq, n, K]; 0 on empty slots
+            dv.index_put_((bidx, safe), torch.einsum("bqnk,bqnd->bqknd", p, dob), accumulate=True)
+            dp = torch.einsum("bqnd,bqknd->bqnk", dob, vg)
+            ds = p * (dp - delta[:, q0:q1, :, None]) * scale
+            dq[:, q0:q1] = torch.einsum("bqnk,bqknd->bqnd", ds, kg)
+            dk.index_put_((bidx, safe), torch.einsum("bqnk,bqnd->bqknd", ds, qb), accumulate=True)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def sparse_topk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of each query over its selected keys: ``[B, S, n, dv]`` in ``q``'s dtype.
+
+    :param q: ``[B, S, n, dqk]``; ``k``: ``[B, Sk, n, dqk]``; ``v``: ``[B, Sk, n, dv]``.
+    :param idx: ``[B, S, K]`` int64 key positions per query, ``-1`` for an empty slot; every query needs
+        at least one valid slot (its own position, under causal top-k selection).
+    :param scale: softmax scale applied to ``q . k``.
+    Differentiable in ``q``, ``k``, ``v``.
+    """
+    if idx.shape[:2] != q.shape[:2]:
+        raise ValueError(f"sparse_topk_attention: idx {tuple(idx.shape)} does not match q {tuple(q.shape)}")
+    return _SparseTopk.apply(q, k, v, idx.to(torch.int64), scale)
