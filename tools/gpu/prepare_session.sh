@@ -8,6 +8,7 @@
 set -u
 mkdir -p .gpu .git/info
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
+# SHARED: the folder holding the hosts' staging scripts (stage_sglang.sh, stage_vllm.sh) of this workplace
 SHARED=${SHARED:-../shared/gpu}
 pids=()
 [ -d .gpu/sglang1 ] || { bash "$SHARED/stage_sglang.sh" > .gpu/prepare_sglang.log 2>&1 & pids+=($!); }

@@ -1,6 +1,6 @@
 """Make the working tree's plugins discoverable by entry point in a staged site folder (GPU machine).
 
-The GPU machine gets the hosts staged into a site folder (``shared/gpu/stage_*.sh``) and this
+The GPU machine gets the hosts staged into a site folder (by the hosts' ``stage_*.sh`` scripts) and this
 repository as a plain working tree on ``PYTHONPATH``; vLLM and SGLang find plugins only through
 installed distributions' entry points. This writes one minimal ``<name>-<version>.dist-info``
 (``METADATA`` + ``entry_points.txt``) per member distribution (each package folder's
