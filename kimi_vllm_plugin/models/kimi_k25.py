@@ -30,6 +30,7 @@ class KimiK25LoRAForConditionalGeneration(KimiLoRAMixin, KimiK25ForConditionalGe
     }
 
     def __init__(self, vllm_config, prefix: str = ""):
+        from kimi_vllm_plugin.patches import lora_dir_prepare
         from kimi_vllm_plugin.patches.k25_text_model import text_model_arch
 
         self.packed_modules_mapping = {k: list(v) for k, v in type(self).packed_modules_mapping.items()}
@@ -38,3 +39,4 @@ class KimiK25LoRAForConditionalGeneration(KimiLoRAMixin, KimiK25ForConditionalGe
         with text_model_arch(k25, "DeepseekV2ForCausalLM", TEXT_ARCH):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._add_expert_lora_names()
+        lora_dir_prepare.mark_model(self, vllm_config)  # the text model's build installed the patch

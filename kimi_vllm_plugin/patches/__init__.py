@@ -14,6 +14,7 @@ patch (file)           when                                    what
 ``k3_cpu_build``       worker, CPU, during K3 construction     the in-tree K3 builds our CPU MoE block
 ``k25_text_model``     worker, during K2.5 construction        K2.5's text model is our LoRA-capable K2.x class
 ``k31_config``         every process, at ``register()``        ``model_type: kimi_k31`` parses as K3's config
+``lora_dir_prepare``   worker, any device, at Kimi construction a LoRA folder vLLM loads is prepared by the plugin
 =====================  ======================================  =====================================================
 """
 
@@ -23,6 +24,7 @@ from kimi_vllm_plugin.patches import (
     k3_cpu_build,
     k25_text_model,
     k31_config,
+    lora_dir_prepare,
     lora_layers,
     moe_block,
 )
@@ -32,7 +34,15 @@ __all__ = ["LEDGER", "build_upstream"]
 #: ledger name -> row, in the order of the table above
 LEDGER: dict[str, PatchEntry] = {
     m.ENTRY.name: m.ENTRY
-    for m in (lora_layers, cpu_punica_no_lora, moe_block, k3_cpu_build, k25_text_model, k31_config)
+    for m in (
+        lora_layers,
+        cpu_punica_no_lora,
+        moe_block,
+        k3_cpu_build,
+        k25_text_model,
+        k31_config,
+        lora_dir_prepare,
+    )
 }
 
 
@@ -40,7 +50,8 @@ def build_upstream(model, parent_init, cpu_swap, **kwargs) -> None:
     """Run the upstream ``__init__`` (``parent_init(**kwargs)``) of one of our LoRA classes.
 
     ``model`` gets its own copy of its class's ``packed_modules_mapping`` first (the upstream ``__init__``
-    adds entries to it) and ``model._cpu_moe``. On a CPU host the ``lora_layers`` and ``cpu_punica_no_lora``
+    adds entries to it), ``model._cpu_moe`` and its checkpoint path, and the ``lora_dir_prepare`` patch is
+    installed (on every device: any LoRA folder vLLM loads for it is prepared by the plugin). On a CPU host the ``lora_layers`` and ``cpu_punica_no_lora``
     patches are checked and applied, and ``cpu_swap()`` (a zero-argument callable returning the
     ``moe_block`` or ``k3_cpu_build`` context manager, so the CPU MoE module is imported only there) is
     held while the upstream ``__init__`` runs.
@@ -51,6 +62,8 @@ def build_upstream(model, parent_init, cpu_swap, **kwargs) -> None:
 
     model.packed_modules_mapping = {k: list(v) for k, v in type(model).packed_modules_mapping.items()}
     model._cpu_moe = current_platform.is_cpu()
+    lora_dir_prepare.mark_model(model, kwargs["vllm_config"])
+    lora_dir_prepare.install()
     if not model._cpu_moe:
         parent_init(**kwargs)
         return
