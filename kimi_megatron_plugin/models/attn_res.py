@@ -66,7 +66,10 @@ class KimiAttnResLayer(TransformerLayer):
             attn_in = self.input_layernorm(prefix)
         if layer % self.block == 0:
             bank = [*bank, prefix]
-        a, _b = self.self_attention(attn_in, attention_mask=attention_mask)
+        # packed sequences (THD): the bank and the aggregation are per token, only attention needs the bounds
+        a, _b = self.self_attention(
+            attn_in, attention_mask=attention_mask, packed_seq_params=kwargs.get("packed_seq_params")
+        )
         prefix = a if layer % self.block == 0 else prefix + a
         mixed = attn_res_aggregate(prefix, bank, self.mlp_res_norm.weight, self.mlp_res_proj.weight, eps)
         m, _b = self.mlp(self.pre_mlp_layernorm(mixed))

@@ -32,8 +32,9 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
+from kimi_core.attention import blockwise_index_topk, causal_attention, segment_ids, sparse_topk_attention
 from kimi_core.reference import kda as ref_kda
-from kimi_core.reference.indexer import Indexer, topk_mask
+from kimi_core.reference.indexer import index_keys
 from kimi_core.reference.ops import acc_dtype, l2norm, rms_norm
 from kimi_megatron_plugin.models.parameters import compute_device, new_parameter, tp_size_rank
 from kimi_megatron_plugin.patches import apply_no_te_shims
@@ -82,14 +83,35 @@ class ReplicatedLinear(torch.nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- MLA
-class KimiCoreAttention(MegatronModule):
-    """Causal softmax attention for MLA, ``[S, B, n, d]`` in, ``[S, B, n * dv]`` out.
+def packed_bounds(packed_seq_params) -> torch.Tensor | None:
+    """``cu_seqlens [N + 1]`` of a THD batch from megatron's ``PackedSeqParams`` (the padded boundaries when
+    given, as ``MLASelfAttention`` uses for RoPE), or None for an unpacked ``[S, B]`` batch."""
+    if packed_seq_params is None:
+        return None
+    if packed_seq_params.qkv_format not in (None, "thd"):
+        raise ValueError(
+            f"kimi_megatron_plugin: packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: only 'thd' is packed"
+        )
+    cu = packed_seq_params.cu_seqlens_q_padded
+    cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+    kv = packed_seq_params.cu_seqlens_kv_padded
+    kv = packed_seq_params.cu_seqlens_kv if kv is None else kv
+    if kv is not None and not torch.equal(cu, kv):
+        raise ValueError("kimi_megatron_plugin: self-attention needs packed_seq_params.cu_seqlens_q == cu_seqlens_kv")
+    return cu
 
-    The reference's order of operations (``kimi_core.reference.mla``): logits in the accumulation
-    dtype (fp32 for bf16 models), mask, softmax, cast back, ``probs @ v``.
+
+class KimiCoreAttention(MegatronModule):
+    """Causal softmax attention for MLA, ``[S, B, n, d]`` (or packed ``[T, n, d]``) in, ``[S, B, n * dv]`` out.
+
+    The maths of ``kimi_core.reference.mla`` with memory linear in S (:mod:`kimi_core.attention`):
+    torch's fused SDPA on CUDA, the blockwise online softmax elsewhere; packed sequences
+    (``packed_seq_params.cu_seqlens_q``, THD) attend within their own sequence. With
+    ``topk_idx [B, S, K]`` (K3.1's DSA selection from :class:`KimiIndexer`) each query attends only
+    its selected keys (sparse gather attention). An explicit ``attention_mask`` (megatron convention,
+    True = masked out, ``[B, 1, S, S]``) takes the dense path, since the mask itself is already ``S x S``.
 
     :param softmax_scale: from ``MultiLatentAttention`` (``qk_head_dim^-1/2 * mscale^2``).
-    ``forward(..., keep_mask=[B, S_q, S_k] bool)`` adds the DSA top-k selection of K3.1.
     """
 
     def __init__(
@@ -108,7 +130,7 @@ class KimiCoreAttention(MegatronModule):
         super().__init__(config=config)
         if config.context_parallel_size > 1:
             raise NotImplementedError(
-                "kimi_megatron_plugin: KimiCoreAttention does not support context_parallel_size > 1"
+                "kimi_megatron_plugin: KimiCoreAttention does not support --context-parallel-size > 1 yet"
             )
         # the base ``Attention`` builds this once without MLA's arguments, MLA then rebuilds it
         self.softmax_scale = softmax_scale
@@ -121,27 +143,43 @@ class KimiCoreAttention(MegatronModule):
         attention_mask=None,
         attn_mask_type=None,
         packed_seq_params=None,
-        keep_mask: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
         **_,
     ):
-        if packed_seq_params is not None:
-            raise NotImplementedError(
-                "kimi_megatron_plugin: packed sequences (thd) are not supported by KimiCoreAttention"
-            )
-        S, B, n, _d = query.shape
-        Sk = key.shape[0]
-        dt = query.dtype
+        cu = packed_bounds(packed_seq_params)
+        if query.dim() == 3:  # THD: [T, n, d] -> [T, 1, n, d]
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
+        S, B, n, d = query.shape
+        scale = self.softmax_scale if self.softmax_scale is not None else d**-0.5
+        if attention_mask is not None:
+            if cu is not None:
+                raise ValueError("kimi_megatron_plugin: packed sequences take no attention_mask (pass None)")
+            return _dense_masked_attention(query, key, value, scale, attention_mask, topk_idx)
+        if topk_idx is not None:
+            q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # [B, S, n, d]
+            o = sparse_topk_attention(q, k, v, topk_idx, scale)  # [B, S, n, dv]
+            return o.transpose(0, 1).reshape(S, B, -1)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, n, S, d]
-        scale = self.softmax_scale if self.softmax_scale is not None else _d**-0.5
-        logits = (q @ k.transpose(-1, -2)).to(acc_dtype(dt)) * scale  # [B, n, S, Sk]
-        keep = torch.arange(Sk, device=q.device)[None, :] <= torch.arange(Sk - S, Sk, device=q.device)[:, None]
-        if attention_mask is not None:  # megatron convention: True = masked out
-            keep = keep & ~attention_mask.to(torch.bool)
-        if keep_mask is not None:
-            keep = keep & keep_mask[:, None]
-        probs = logits.masked_fill(~keep, float("-inf")).softmax(-1).to(dt)
-        o = probs @ v  # [B, n, S, dv]
+        o = causal_attention(q, k, v, scale, cu)  # [B, n, S, dv]
         return o.permute(2, 0, 1, 3).reshape(S, B, -1)
+
+
+def _dense_masked_attention(query, key, value, scale, attention_mask, topk_idx):
+    """The reference's dense order of operations under an explicit ``[B, 1, S, S]`` mask (True = masked out):
+    fp32 logits, mask (causal, the given mask, the DSA selection), softmax, cast back, ``probs @ v``."""
+    S, B = query.shape[:2]
+    Sk = key.shape[0]
+    dt = query.dtype
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, n, S, d]
+    logits = (q @ k.transpose(-1, -2)).to(acc_dtype(dt)) * scale  # [B, n, S, Sk]
+    keep = torch.arange(Sk, device=q.device)[None, :] <= torch.arange(Sk - S, Sk, device=q.device)[:, None]
+    keep = keep & ~attention_mask.to(torch.bool)
+    if topk_idx is not None:
+        sel = torch.zeros(B, S, Sk + 1, dtype=torch.bool, device=q.device)
+        sel.scatter_(-1, topk_idx.where(topk_idx >= 0, Sk), True)
+        keep = keep & sel[:, None, :, :Sk]
+    probs = logits.masked_fill(~keep, float("-inf")).softmax(-1).to(dt)
+    return (probs @ v).permute(2, 0, 1, 3).reshape(S, B, -1)
 
 
 class _NoRotation(torch.nn.Module):
@@ -169,32 +207,21 @@ class _NoRotation(torch.nn.Module):
         return torch.zeros(max_seq_len, 1, 1, self.dim, device=compute_device())
 
 
-class _ModuleWeights:
-    """Adapter exposing module parameters through the reference ``Weights`` API (``linear``/``tensor``),
-    so a reference block (e.g. :class:`kimi_core.reference.indexer.Indexer`) runs on Megatron parameters."""
-
-    def __init__(self, modules: dict):
-        self.modules = modules
-
-    def linear(self, x, name, adapter=None, dtype=None):
-        return F.linear(x, self.modules[name].weight.to(dtype or x.dtype))
-
-    def tensor(self, name, dtype=None):
-        t = self.modules[name]
-        return t if dtype is None else t.to(dtype)
-
-
 class KimiIndexer(MegatronModule):
     """K3.1 DSA lightning indexer (frozen, replicated on every TP rank).
 
     Parameters (HF names under ``self_attn.indexer``): ``wq_b [n_h*d, q_lora_rank]``, ``wk [d, H]``,
     ``k_norm.weight/bias [d]``, ``weights_proj [n_h, H]``; ``requires_grad=False``.
-    ``forward(x [S, B, H], qr [S, B, q_lora_rank]) -> keep [B, S, S]`` bool (top-``index_topk`` keys).
+    ``forward(x [S, B, H], qr [S, B, q_lora_rank], cu_seqlens=None) -> [B, S, K]`` int64 key indices
+    (``-1`` = empty slot), the top-``index_topk`` visible keys of each query chosen blockwise
+    (:func:`kimi_core.attention.blockwise_index_topk`, scores of ``kimi_core.reference.indexer``);
+    None when ``index_topk >= S`` (every visible key is kept: plain causal attention).
     """
 
     def __init__(self, config, kimi):
         super().__init__(config=config)
         d, nh = kimi.index_head_dim, kimi.index_n_heads
+        self.n_heads, self.head_dim, self.topk = nh, d, kimi.index_topk
         self.wq_b = ReplicatedLinear(config, kimi.q_lora_rank, nh * d)
         self.wk = ReplicatedLinear(config, config.hidden_size, d)
         self.k_norm = torch.nn.Module()
@@ -206,28 +233,18 @@ class KimiIndexer(MegatronModule):
         self.weights_proj = ReplicatedLinear(config, config.hidden_size, nh)
         for p in self.parameters():
             p.requires_grad_(False)
-        p = "self_attn.indexer"
-        self._ref = Indexer(
-            kimi,
-            _ModuleWeights(
-                {
-                    f"{p}.wq_b": self.wq_b,
-                    f"{p}.wk": self.wk,
-                    f"{p}.weights_proj": self.weights_proj,
-                    f"{p}.k_norm.weight": self.k_norm.weight,
-                    f"{p}.k_norm.bias": self.k_norm.bias,
-                }
-            ),
-            "self_attn",
-        )
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, cu_seqlens: torch.Tensor | None = None):
+        S, B = x.shape[:2]
+        if self.topk >= S:
+            return None
         xb, qb = x.transpose(0, 1), qr.transpose(0, 1)  # [B, S, *]
-        scores = self._ref.scores(xb, qb, {})  # [B, S, S] fp32
-        S = scores.shape[-1]
-        causal = torch.arange(S, device=x.device)[None, :] <= torch.arange(S, device=x.device)[:, None]
-        return topk_mask(scores, causal, self._ref.topk)
+        a = acc_dtype(x.dtype)
+        q = self.wq_b(qb).to(a).view(B, S, self.n_heads, self.head_dim)
+        k = index_keys(self.wk(xb), self.k_norm.weight, self.k_norm.bias)
+        seg = None if cu_seqlens is None else segment_ids(cu_seqlens, S)
+        return blockwise_index_topk(q, k, self.weights_proj(xb), self.topk, seg)
 
 
 class GatherKVLatent(torch.autograd.Function):
@@ -276,7 +293,8 @@ class KimiMLA(MLASelfAttention):
     ``linear_kv_down_proj``, ``linear_kv_up_proj``, ``linear_proj``), latent norms and RoPE/YaRN.
     Adds ``linear_g_proj`` (column-parallel, ``g_proj [n*dv, H]``) when ``mla_use_output_gate``
     and ``indexer`` when the config has ``index_topk``. ``forward`` is the training/prefill path
-    only (no inference context, no packed sequences): ``[S, B, H] -> ([S, B, H], None)``.
+    only (no inference context): ``[S, B, H] -> ([S, B, H], None)``; packed sequences (THD,
+    ``packed_seq_params``) come as ``[T, 1, H]``, RoPE restarting per sequence (megatron's own).
     """
 
     def __init__(
@@ -344,20 +362,32 @@ class KimiMLA(MLASelfAttention):
         position_ids=None,
         **_,
     ):
-        if inference_context is not None or packed_seq_params is not None:
+        if inference_context is not None:
             raise NotImplementedError(
-                "kimi_megatron_plugin: KimiMLA supports the training/prefill path only "
-                "(no inference_context, no packed_seq_params)"
+                "kimi_megatron_plugin: KimiMLA supports the training/prefill path only (no inference_context)"
             )
-        q, k, v, qr, _ = self.get_query_key_value_tensors(hidden_states, None, position_ids, None)
-        keep = self.indexer(hidden_states, qr) if self.indexer is not None else None
-        core = self.core_attention(q, k, v, attention_mask, keep_mask=keep)  # [S, B, n_local * dv]
+        q, k, v, qr, _ = self.get_query_key_value_tensors(hidden_states, None, position_ids, packed_seq_params)
+        if qr.dim() == 2:  # THD: megatron squeezes the batch dim of packed latents
+            qr = qr.unsqueeze(1)
+        cu = packed_bounds(packed_seq_params)
+        topk_idx = self.indexer(hidden_states, qr, cu) if self.indexer is not None else None
+        core = self.core_attention(
+            q, k, v, attention_mask, packed_seq_params=packed_seq_params, topk_idx=topk_idx
+        )  # [S, B, n_local * dv]
         if self.linear_g_proj is not None:
             core = core * torch.sigmoid(self.linear_g_proj(hidden_states)[0])
         return self.linear_proj(core)
 
 
 # ---------------------------------------------------------------------------------------------- KDA
+def _spans(cu_seqlens: torch.Tensor, total: int) -> list[tuple[int, int]]:
+    """Non-empty ``(start, end)`` token ranges of packed sequences; padding after the last one is its own span."""
+    b = cu_seqlens.tolist()
+    if b[-1] < total:
+        b.append(total)
+    return [(s, e) for s, e in zip(b, b[1:]) if e > s]
+
+
 class KimiKDA(MegatronModule):
     """Kimi Delta Attention with tensor parallelism over heads.
 
@@ -389,7 +419,10 @@ class KimiKDA(MegatronModule):
                 f"--tensor-model-parallel-size {tp}"
             )
         if config.context_parallel_size > 1:
-            raise NotImplementedError("kimi_megatron_plugin: KDA with context_parallel_size > 1 is not supported")
+            raise NotImplementedError(
+                "kimi_megatron_plugin: KimiKDA does not support --context-parallel-size > 1 yet "
+                "(the recurrent state is not carried across CP ranks)"
+            )
         self.kimi, self.layer_number = kimi, layer_number
         self.H, self.D = la.num_heads // tp, la.head_dim
         self.lower_bound, self.eps = la.gate_lower_bound, kimi.rms_norm_eps
@@ -451,23 +484,37 @@ class KimiKDA(MegatronModule):
         return ref_kda.chunk_kda
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None, **_):
-        if inference_context is not None or packed_seq_params is not None:
+        """``[S, B, H]`` (or packed ``[T, 1, H]`` with ``packed_seq_params``) -> ``([S, B, H], bias)``.
+
+        Packed sequences: the projections run on all tokens; the two sequence mixers (the short causal
+        conv and the delta-rule recurrence) restart at every ``cu_seqlens`` boundary, one sequence at a
+        time (zero conv state, zero recurrent state), so each sequence equals itself run alone.
+        """
+        if inference_context is not None:
             raise NotImplementedError("kimi_megatron_plugin: KimiKDA supports the training/prefill path only")
         x = hidden_states.transpose(0, 1)  # [B, T, H]
         B, T, _ = x.shape
         H, D = self.H, self.D
         a = acc_dtype(x.dtype)
+        cu = packed_bounds(packed_seq_params)
+        spans = [(0, T)] if cu is None else _spans(cu, T)
+
+        def per_seq(fn, *ts):
+            return torch.cat([fn(*(t[:, s:e] for t in ts)) for s, e in spans], dim=1)
+
         qkv = []
         for n in ("q", "k", "v"):
             y = getattr(self, f"{n}_proj")(x)[0]
-            y, _s = ref_kda.causal_conv(y, getattr(self, f"{n}_conv1d").weight.to(a), None)
+            w = getattr(self, f"{n}_conv1d").weight.to(a)
+            y = per_seq(lambda t, w=w: ref_kda.causal_conv(t, w, None)[0], y)
             qkv.append(y.view(B, T, H, D))
         q, k, v = qkv
         q, k = l2norm(q), l2norm(k)
         f = self.f_b_proj(self.f_a_proj(x))[0].view(B, T, H, D)
         g = ref_kda.kda_gate(f, self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x)[0].to(a))
-        o, _state = self._kernel(q)(q, k, v, g, beta, initial_state=None, output_final_state=False)
+        kernel = self._kernel(q)
+        o = per_seq(lambda *t: kernel(*t, initial_state=None, output_final_state=False)[0], q, k, v, g, beta)
         gate = self.g_proj(x)[0] if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))[0]
         # o_norm is replicated but sees only this rank's heads: sum its gradient over TP
         w_norm = (
