@@ -83,12 +83,17 @@ VLLM_DEPS="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-
 # SkyRL (base + skyrl-train extra, module-level imports on the trainer / worker / server paths), Ray,
 # TransformerEngine's torch side and Megatron-Bridge: the lock's versions. tokenizers 0.22.2: transformers
 # 5.8 checks tokenizers<=0.23.0 at import (the machine has 0.23.2). jmespath, supervisor: vLLM's SageMaker
-# router (model-hosting-container-standards), imported by its OpenAI server module.
+# router (model-hosting-container-standards), imported by its OpenAI server module. pycountry:
+# mistral-common (transformers' MistralCommonBackend, imported by vLLM's structured-output module) needs
+# pydantic-extra-types' language codes. nvidia-cublas 13.2.0.9: the PyPI TransformerEngine 2.16 core
+# library needs cublasLtGroupedMatrixLayoutInit_internal, which the machine's cuBLAS 13.1.0.3 lacks
+# (13.2.0.9 has it); stage_skyrl_unstage.sh puts its two libraries aside for LD_PRELOAD.
 LOOP_DEPS="datasets==5.0.1 multiprocess==0.70.19 fsspec==2026.6.0 torchdata==0.11.0 tensordict==0.13.0 pyvers==0.2.3
  omegaconf==2.3.1 hydra-core==1.3.2 peft==0.18.1
  cloudpathlib==0.24.0 zstandard==0.25.0 orjson==3.11.9 importlib-metadata==8.9.0
  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.6.3
- nvdlfw-inspect==0.2.2 diffusers==0.39.0 tokenizers==0.22.2 jmespath==1.0.1 supervisor==4.3.0"
+ nvdlfw-inspect==0.2.2 diffusers==0.39.0 tokenizers==0.22.2 jmespath==1.0.1 supervisor==4.3.0
+ pycountry==26.2.16 nvidia-cublas==13.2.0.9"
 echo "downloading the engines (~600 MB) and $(echo $VLLM_DEPS $LOOP_DEPS | wc -w) small packages"
 fetch "$W/whl" $ENGINES $VLLM_DEPS $LOOP_DEPS
 # sdist OUTDIR NAME VERSION: the sdist of NAME==VERSION, taken from the index's simple page (`pip download`
@@ -135,6 +140,7 @@ pip wheel -q --no-deps -w "$W/whl" "$W/src" "$W/src/skyrl-gym"
 zip -q -d "$W"/whl/vllm-*.whl 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm/vllm-rs' \
   'vllm/third_party/deep_gemm/_C.cpython-313-*' 'vllm/third_party/deep_gemm/_C.cpython-314-*'
 zip -q -d "$W"/whl/ray-*.whl 'ray/jars/*' 'ray/dashboard/client/build/*'
+zip -q -d "$W"/whl/nvidia_cublas-*.whl 'nvidia/cu13/lib/libnvblas.so.13'
 printf '%s\n' "$SKYRL_REF" > "$W/whl/SKYRL_REF"
 (cd "$W" && tar cf skyrl.tar whl)
 echo "bundle: $(wc -c < "$W/skyrl.tar") bytes, $(ls "$W"/whl/*.whl | wc -l) wheels"

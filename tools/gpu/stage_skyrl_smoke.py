@@ -163,14 +163,12 @@ def _config():
     from skyrl.train.config import SkyRLTrainConfig
     from skyrl.train.utils import validate_cfg
 
+    # the default logger is wandb, which validate_cfg refuses without WANDB_API_KEY (wandb is not staged)
     cfg = SkyRLTrainConfig.from_cli_overrides(
         [
             "trainer.strategy=megatron",
             "trainer.placement.colocate_all=true",
-            "trainer.placement.policy_num_gpus_per_node=1",
-            "generator.inference_engine.num_engines=1",
-            "generator.inference_engine.tensor_parallel_size=1",
-            "generator.inference_engine.backend=vllm",
+            "trainer.logger=console",
             "trainer.policy.model.path=Qwen/Qwen2.5-0.5B-Instruct",
         ]
     )

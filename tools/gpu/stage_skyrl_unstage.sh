@@ -29,6 +29,25 @@ done
 rm -f "$STASH"/skyrl.part*
 rm -rf "$STASH/whl" && tar xf "$TAR" -C "$STASH" && rm -f "$TAR"
 step join
+# The newer cuBLAS that TransformerEngine's core library needs goes to its own folder, not into the site:
+# torch loads cuBLAS from its own nvidia/cu13/lib at import, so the newer pair must be preloaded
+# (LD_PRELOAD, printed at the end) in every process, before torch.
+CUBLAS_DIR=${CUBLAS_DIR:-/tmp/cublas}
+PRELOAD=
+for w in "$STASH"/whl/nvidia_cublas-*.whl; do
+  [ -f "$w" ] || continue
+  mkdir -p "$CUBLAS_DIR"
+  python3 - "$w" "$CUBLAS_DIR" << 'PY'
+import os, sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+for lib in ("libcublasLt.so.13", "libcublas.so.13"):
+    with z.open(f"nvidia/cu13/lib/{lib}") as src, open(os.path.join(sys.argv[2], lib), "wb") as dst:
+        dst.write(src.read())
+print("cuBLAS", os.path.basename(sys.argv[1]).split("-")[1], "->", sys.argv[2])
+PY
+  PRELOAD="$CUBLAS_DIR/libcublasLt.so.13:$CUBLAS_DIR/libcublas.so.13"
+  rm -f "$w"
+done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$STASH"/whl/*.whl > "$STASH/pip.log" 2>&1 \
   || { cat "$STASH/pip.log"; echo "pip install of the staged wheels failed"; exit 1; }
 grep -v "already exists" "$STASH/pip.log" || true
@@ -84,4 +103,4 @@ open(f"{d}/entry_points.txt", "w").write("".join(f"[{g}]\n" + "".join(f"{k} = {v
 print("entry points:", {g: list(m) for g, m in eps.items()})
 PY
 du -sh "$SITE"
-echo "in every later command: export PYTHONPATH=$SITE:\$PWD CUDA_HOME=$CUDA_HOME VLLM_USE_FLASHINFER_SAMPLER=0"
+echo "in every later command: export PYTHONPATH=$SITE:\$PWD CUDA_HOME=$CUDA_HOME VLLM_USE_FLASHINFER_SAMPLER=0${PRELOAD:+ LD_PRELOAD=$PRELOAD}"
