@@ -27,7 +27,9 @@
 #     then uses cuDNN fused attention);
 #   vLLM's module-level deps: the versions verified on this machine with vLLM 0.26.0 (xgrammar 0.2.9,
 #     apache-tvm-ffi 0.1.15.post2 where the lock has 0.2.3 / 0.1.10); flashinfer, wandb, nixl, mamba,
-#     causal-conv1d, fla, modelopt are not staged (none is imported on the path the smoke test covers).
+#     causal-conv1d, fla, modelopt are not staged (none is imported on the path the smoke test covers);
+#   nvidia-cublas 13.2.0.9 (below) because TE 2.16's PyPI core library needs a newer cuBLAS than the
+#     machine's 13.1.0.3.
 #
 # Run in the project root, on the CPU machine (needs git, pip and the package index):
 #   SKYRL_GIT=<a clone or mirror of NovaSky-AI/SkyRL> tools/gpu/stage_skyrl.sh [OUTDIR]
@@ -35,8 +37,10 @@
 # `echo /.gpu/ >> .git/info/exclude`). PART_BYTES (default 48000000) is the size of one part: a part
 # travels with the working tree, and both must stay under 64 MiB together. WHEEL_CACHE=<dir> takes the
 # wheels found there first. The script prints the GPU command sequence at the end:
-#   k < N. carry .gpu/skyrlk:  mkdir -p /tmp/stash && cp .gpu/skyrlk/* /tmp/stash/
-#   N.     carry .gpu/skyrlN:  bash tools/gpu/stage_skyrl_unstage.sh .gpu/skyrlN
+#   1.     carry .gpu/skyrl1:  copy it to /tmp/stash and start stage_skyrl_build_te.sh in the background
+#   1<k<N. carry .gpu/skyrlk:  cp .gpu/skyrlk/* /tmp/stash/
+#   N.     carry .gpu/skyrlN:  bash tools/gpu/stage_skyrl_unstage.sh .gpu/skyrlN  (then export what it prints)
+# tools/gpu/README-skyrl.md has the exact commands, sizes and what was measured.
 # A folder sent with one command is gone at the next, but /tmp stays while the machine is kept (about
 # 30 s after a command ends), so the commands must follow each other at once.
 set -euo pipefail
