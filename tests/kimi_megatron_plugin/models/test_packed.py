@@ -29,15 +29,10 @@ def test_packed_batch_equals_each_sequence_alone(family, tiny_ckpt, mcore_world)
     """K2 (RoPE/YaRN MLA), K3 (KDA + gated NoPE MLA + attention-residual bank), K3.1 (+ DSA top-k): logits of
     three packed sequences equal each run alone to 1e-5 relative RMS, and so do the weight gradients of a
     summed loss."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     model = _model(tiny_ckpt(family, layers=4))
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, model.kimi_config.vocab_size, (1, n), generator=g) for n in LENS]
-    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32)
-    packed = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(LENS), max_seqlen_kv=max(LENS)
-    )
+    packed = _packed_params()
     params = [p for p in model.parameters() if p.requires_grad]
 
     got = _run(model, torch.cat(seqs, dim=1), packed)
@@ -53,3 +48,41 @@ def test_packed_batch_equals_each_sequence_alone(family, tiny_ckpt, mcore_world)
         if r is None:  # layer 0's attention-residual weights: its bank is still empty
             continue
         assert_close(f"{family} d{name}", r, gr, 1e-4)
+
+
+def _packed_params():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32)
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(LENS), max_seqlen_kv=max(LENS)
+    )
+
+
+def test_packed_routing_replay_equals_each_sequence_alone(tiny_ckpt, mcore_world):
+    """R3 replay on a packed K3.1 batch (``routed_experts [1, T_total, L, k]``) equals each sequence replayed alone."""
+    from kimi_megatron_plugin import checkpoint
+    from kimi_megatron_plugin.models import provider
+    from kimi_megatron_plugin.routing_replay import replay_routing
+
+    path = tiny_ckpt("k31", layers=4)
+    model = provider.build_model_from_hf(path, perform_initialization=False, moe_enable_routing_replay=True)
+    checkpoint.load_hf_checkpoint(model, path)
+    cfg = model.kimi_config
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, cfg.vocab_size, (1, n), generator=g) for n in LENS]
+    total = sum(LENS)
+    routed = torch.rand(1, total, cfg.num_hidden_layers, cfg.n_routed_experts, generator=g).argsort(-1)
+    routed = routed[..., : cfg.num_experts_per_tok].to(torch.int32)
+    bounds = [0, *torch.tensor(LENS).cumsum(0).tolist()]
+    with torch.no_grad():
+        with replay_routing(model, routed):
+            got = _run(model, torch.cat(seqs, dim=1), _packed_params())
+        alone = []
+        for s, e, ids in zip(bounds, bounds[1:], seqs):
+            with replay_routing(model, routed[:, s:e]):
+                alone.append(_run(model, ids))
+        with replay_routing(model, routed[:, : LENS[0]]):
+            own = _run(model, seqs[0])
+    assert_close("k31 packed replayed logits", torch.cat(alone, dim=1), got, 1e-5)
+    assert not torch.allclose(own, _run(model, seqs[0]).detach()), "the replayed experts should change the logits"
