@@ -78,8 +78,12 @@ _WRAPPED_FLAG = "_kimi_lora_dir_prepare"
 
 
 def mark_model(model, vllm_config) -> None:
-    """Record ``vllm_config.model_config.model`` (the checkpoint) on ``model``: the patch then prepares its adapters."""
-    setattr(model, CHECKPOINT_ATTR, str(vllm_config.model_config.model))
+    """Record the served checkpoint on ``model``: the patch then prepares its adapters.
+
+    The value is the checkpoint folder, or (a hub id, no local folder) the HF config dict vLLM parsed.
+    """
+    ckpt = str(vllm_config.model_config.model)
+    setattr(model, CHECKPOINT_ATTR, ckpt if os.path.isdir(ckpt) else vllm_config.model_config.hf_config.to_dict())
 
 
 def install() -> None:
@@ -110,7 +114,7 @@ def install() -> None:
 
 
 @contextlib.contextmanager
-def _prepared_request(lora_request, checkpoint: str, max_lora_rank: int):
+def _prepared_request(lora_request, checkpoint, max_lora_rank: int):
     """``lora_request`` itself, or a copy pointing at a prepared temporary folder (removed on exit)."""
     import msgspec
 
@@ -149,8 +153,20 @@ def _local_dir(lora_path: str) -> str | None:
     return path if os.path.isfile(os.path.join(path, "adapter_config.json")) else None
 
 
+def _kimi_config(checkpoint):
+    """The :class:`kimi_core.config.KimiConfig` of a :data:`CHECKPOINT_ATTR` value (folder or HF config dict)."""
+    from kimi_core.config import ConfigError, KimiConfig
+
+    try:
+        if isinstance(checkpoint, dict):
+            return KimiConfig.from_hf(checkpoint, where="the served model's HF config")
+        return _folder_config(checkpoint)
+    except (ConfigError, OSError) as e:
+        raise AdapterRejected(f"cannot read the served Kimi model's config to check its LoRA adapters: {e}") from None
+
+
 @functools.lru_cache(maxsize=8)
-def _kimi_config(checkpoint: str):
+def _folder_config(checkpoint: str):
     from kimi_core.config import load_config
 
     return load_config(checkpoint)
@@ -180,7 +196,7 @@ def prepared_adapter_dir(
     from kimi_core.lora.fold_scaling import has_patterns
     from kimi_vllm_plugin.adapters import prepare_adapter
 
-    where = f"LoRA {name!r} from {path}" if name else path
+    where = f"kimi_vllm_plugin: LoRA {name!r} from {path}" if name else path
     with open(os.path.join(path, "adapter_config.json")) as f:
         cfg = json.load(f)
     patterns = has_patterns(cfg)

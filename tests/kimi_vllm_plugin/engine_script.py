@@ -11,7 +11,8 @@ Started by the tests in a subprocess (vLLM forks workers; the ``__main__`` guard
 of several clients, each with its own versioned names and ids, so several adapters stay loaded);
 ``score`` records prompt logprobs of every prompt with that client's current adapter (prompt 0 also
 without, in the same batch; ``"raw": TAG`` scores a ``raw_load``-ed adapter instead); ``raw_load``
-hands a directory to vLLM directly (no client validation); ``model_info`` records what the worker
+hands a directory to vLLM directly (no client validation; ``"replace": TAG`` reloads it in place under that
+``raw_load``'s name and id, as a fixed-name host does); ``model_info`` records what the worker
 built (:func:`model_info`); ``probe`` runs one prompt with :mod:`kimi_vllm_plugin.probe` armed and
 writes what each layer / LoRA linear computed to ``out`` (safetensors). ``model_info`` and ``probe``
 ship functions to the worker (``LLM.apply_model``): they need ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
@@ -93,6 +94,11 @@ def main(plan_path: str, out_path: str) -> None:
                 rec["ok"], rec["name"] = True, req.lora_name
             elif step["kind"] == "model_info":
                 rec.update(llm.apply_model(model_info)[0])
+            elif step["kind"] == "raw_load" and step.get("replace"):
+                # a host's fixed-name in-place reload (SkyRL's load_inplace): same name and id, new folder
+                old = raw[step["replace"]]
+                req = LoRARequest(old.lora_name, old.lora_int_id, step["path"], load_inplace=True)
+                rec["ok"] = bool(llm.llm_engine.add_lora(req))
             elif step["kind"] == "raw_load":
                 next_raw_id += 1
                 req = LoRARequest(f"raw-{next_raw_id}", next_raw_id, step["path"])

@@ -211,3 +211,25 @@ def test_wrapped_load_hands_vllm_the_prepared_folder_for_kimi_models_only(normal
     assert staged != normalised and alive and scaling == DENSE_SCALING and not os.path.exists(staged)
     assert wrapped(manager(SimpleNamespace()), req) == "loaded"
     assert seen[-1] == (normalised, True, global_scaling(normalised))
+
+
+def test_served_model_config_from_folder_or_hub_config(k2, cfg):
+    """A local checkpoint is recorded as its folder; a hub id (no folder) as the HF config vLLM parsed; both
+    give the model's KimiConfig, and an unreadable one refuses the adapter with the reason."""
+    from kimi_vllm_plugin.patches.lora_dir_prepare import CHECKPOINT_ATTR, _kimi_config, mark_model
+
+    hf = json.load(open(os.path.join(k2, "config.json")))
+    for name in (k2, "moonshotai/not-a-local-folder"):
+        vc = SimpleNamespace(model_config=SimpleNamespace(model=name, hf_config=SimpleNamespace(to_dict=lambda: hf)))
+        m = SimpleNamespace()
+        mark_model(m, vc)
+        got = getattr(m, CHECKPOINT_ATTR)
+        assert got == (k2 if name == k2 else hf)
+        c = _kimi_config(got)
+        assert (c.architecture, c.num_experts_per_tok, c.hidden_size) == (
+            cfg.architecture,
+            cfg.num_experts_per_tok,
+            cfg.hidden_size,
+        )
+    with pytest.raises(AdapterRejected, match="served Kimi model's config"):
+        _kimi_config({"architectures": ["LlamaForCausalLM"]})
