@@ -487,8 +487,9 @@ class KimiKDA(MegatronModule):
         """``[S, B, H]`` (or packed ``[T, 1, H]`` with ``packed_seq_params``) -> ``([S, B, H], bias)``.
 
         Packed sequences: the projections run on all tokens; the two sequence mixers (the short causal
-        conv and the delta-rule recurrence) restart at every ``cu_seqlens`` boundary, one sequence at a
-        time (zero conv state, zero recurrent state), so each sequence equals itself run alone.
+        conv and the delta-rule recurrence) restart at every ``cu_seqlens`` boundary (zero conv state, zero
+        recurrent state), so each sequence equals itself run alone: the conv and the torch ``chunk_kda``
+        one sequence at a time, fla's ``chunk_kda`` in one varlen call (its ``cu_seqlens``).
         """
         if inference_context is not None:
             raise NotImplementedError("kimi_megatron_plugin: KimiKDA supports the training/prefill path only")
@@ -514,7 +515,12 @@ class KimiKDA(MegatronModule):
         g = ref_kda.kda_gate(f, self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x)[0].to(a))
         kernel = self._kernel(q)
-        o = per_seq(lambda *t: kernel(*t, initial_state=None, output_final_state=False)[0], q, k, v, g, beta)
+        if cu is not None and kernel is not ref_kda.chunk_kda:
+            # fla's varlen entry: one launch over all sequences, the state reset at each boundary (batch 1)
+            bounds = torch.tensor([0, *(e for _s, e in spans)], dtype=torch.long, device=q.device)
+            o = kernel(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=bounds)[0]
+        else:
+            o = per_seq(lambda *t: kernel(*t, initial_state=None, output_final_state=False)[0], q, k, v, g, beta)
         gate = self.g_proj(x)[0] if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))[0]
         # o_norm is replicated but sees only this rank's heads: sum its gradient over TP
         w_norm = (

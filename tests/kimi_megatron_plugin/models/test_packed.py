@@ -86,3 +86,37 @@ def test_packed_routing_replay_equals_each_sequence_alone(tiny_ckpt, mcore_world
             own = _run(model, seqs[0])
     assert_close("k31 packed replayed logits", torch.cat(alone, dim=1), got, 1e-5)
     assert not torch.allclose(own, _run(model, seqs[0]).detach()), "the replayed experts should change the logits"
+
+
+@pytest.mark.gpu
+def test_fla_varlen_kda_equals_reference_per_sequence():
+    """The contract packed KimiKDA relies on under CUDA: fla's ``chunk_kda(..., cu_seqlens=)`` over three packed
+    sequences equals kimi_core's torch ``chunk_kda`` run on each alone (fp32 inputs, bf16-level bar)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from fla.ops.kda import chunk_kda
+
+    from kimi_core.reference import kda as ref_kda
+    from kimi_core.reference.ops import l2norm
+
+    g = torch.Generator().manual_seed(0)
+    T, H, D = sum(LENS) * 8, 2, 32
+    q, k = (l2norm(torch.randn(1, T, H, D, generator=g)) for _ in range(2))
+    v = torch.randn(1, T, H, D, generator=g)
+    gate = -torch.rand(1, T, H, D, generator=g) * 0.5
+    beta = torch.rand(1, T, H, generator=g)
+    bounds = [0, *(torch.tensor(LENS) * 8).cumsum(0).tolist()]
+    cu = torch.tensor(bounds, dtype=torch.long, device="cuda")
+    got = chunk_kda(
+        *(t.cuda() for t in (q, k, v, gate, beta)), initial_state=None, output_final_state=False, cu_seqlens=cu
+    )[0]
+    ref = torch.cat(
+        [
+            ref_kda.chunk_kda(
+                *(t[:, s:e] for t in (q, k, v, gate, beta)), initial_state=None, output_final_state=False
+            )[0]
+            for s, e in zip(bounds, bounds[1:])
+        ],
+        dim=1,
+    )
+    assert_close("fla varlen kda", ref, got.float().cpu(), 1e-2)
