@@ -127,7 +127,7 @@ test-py312: venv-py312
 	@if [ -f $(P312_STAMP) ]; then $(P312_PY) -m pytest -q -m "not gpu" tests/py312 $(PYTEST_ARGS); else echo "tests/py312: $(P312_SKIP)"; fi
 
 demo: venv
-	$(VENV)/bin/kimi-rl demo
+	$(VENV)/bin/kimi-rl demo --overwrite  # make demo again starts a clean run in runs/demo
 
 # --- Lint: ruff (rules and format in pyproject.toml), in a small venv of its own so it runs without the test venvs.
 LINT_VENV ?= .venv-lint

@@ -35,6 +35,7 @@ def run_demo_on_gpu(
         str(steps),
         "--out",
         str(out),
+        "--verbose",  # the engines' own output stays on the terminal: the GPU-path lines are read from it
     ]
     try:
         r = subprocess.run(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kimi_core.checkpoint.writer import make_group_readable
 from kimi_core.errors import KimiError
 from kimi_core.lora.config import AdapterConfigError, read_adapter_config, validate_adapter_config, write_adapter_config
 
@@ -77,6 +78,7 @@ class Adapter:
         path = os.path.join(d, SAFETENSORS_NAME)
         tmp = f"{path}.tmp.{os.getpid()}"
         save_file(out, tmp, metadata={"format": "pt"})
+        make_group_readable(tmp)  # safetensors writes 0600; an engine running as another user must read it
         os.replace(tmp, path)
         write_adapter_config(self.adapter_config, d)
         return d
@@ -91,6 +93,7 @@ class Adapter:
         parent = os.path.dirname(os.path.abspath(d)) or "."
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".stage-", dir=parent)
+        make_group_readable(tmp)  # mkdtemp makes 0700
         try:
             self.save(tmp)
             if os.path.exists(d):

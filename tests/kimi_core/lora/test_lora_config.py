@@ -107,3 +107,31 @@ def test_adapter_config_validation_names_field(tmp_path):
         read_adapter_config(tmp_path)
     with pytest.raises(AdapterConfigError, match="file not found"):
         read_adapter_config(tmp_path / "nope")
+
+
+def test_saved_adapter_is_group_readable(tmp_path):
+    """An adapter folder written by Adapter.save / save_replacing gets open()'s modes under the umask (0644 files,
+    0755 folder under umask 022), so an engine running as another user on shared storage can read it."""
+    import os
+    import stat
+
+    import torch
+
+    from kimi_core.lora.adapter import Adapter
+
+    cfg = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "peft_type": "LORA"}
+    ad = Adapter(
+        {
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 8),
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(8, 2),
+        },
+        cfg,
+    )
+    old = os.umask(0o022)
+    try:
+        d = ad.save_replacing(tmp_path / "v1")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o755
+    for name in os.listdir(d):
+        assert stat.S_IMODE(os.stat(os.path.join(d, name)).st_mode) == 0o644, name
