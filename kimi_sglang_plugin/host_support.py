@@ -436,7 +436,7 @@ def _register_k31_config() -> None:
 
     try:
         register_config()
-    except Exception:
+    except Exception:  # noqa: BLE001 - SGLang's loader must never see a plugin error
         logger.warning("kimi_sglang_plugin: model_type kimi_k31 not registered", exc_info=True)
 
 

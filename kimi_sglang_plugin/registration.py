@@ -167,7 +167,7 @@ def register() -> None:
         register_config()
         register_hooks(version)
         register_models()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - SGLang's loader must never see a plugin error
         message = (
             str(e)
             if isinstance(e, PluginError)

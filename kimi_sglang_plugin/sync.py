@@ -270,7 +270,7 @@ class StockSGLangBackend:
             if unload_first:
                 try:
                     self.engine.unload_lora_adapter(payload.lora_name)
-                except Exception:
+                except Exception:  # noqa: BLE001 - unloading the replaced version is best effort
                     pass
             from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
 

@@ -186,7 +186,7 @@ class KimiLoraClient:
             old = self.loaded.pop(0)
             try:
                 self.backend.unload(old)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - unloading an old version is best effort; the new one is served
                 logger.warning("kimi_vllm_plugin: could not unload %s: %s", old.name, e)
             shutil.rmtree(old.path, ignore_errors=True)
         logger.info("kimi_vllm_plugin: serving adapter %s (id %d) from %s", name, a.int_id, a.origin)

@@ -128,6 +128,6 @@ class Adapter:
             raise AdapterError(str(e)) from None
         try:
             tensors = load_file(path)
-        except Exception as e:  # safetensors raises its own error types for truncated headers
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad file
             raise AdapterError(f"{path}: cannot read safetensors ({e})") from None
         return cls(tensors, cfg, source=path)

@@ -51,8 +51,17 @@ class MegatronLoraTrainer:
 
     name = "megatron"
 
-    def __init__(self, ckpt: str, spec: LoraSpec, lr: float, seed: int = 0, expert_mode: str = "w4a16",
-                 grid: tuple[float, int] | None = None, quant_format: str | None = None, device: str = "cpu"):
+    def __init__(
+        self,
+        ckpt: str,
+        spec: LoraSpec,
+        lr: float,
+        seed: int = 0,
+        expert_mode: str = "w4a16",
+        grid: tuple[float, int] | None = None,
+        quant_format: str | None = None,
+        device: str = "cpu",
+    ):
         self.device = torch.device(device)
         if self.device.type == "cpu":
             from kimi_megatron_plugin import patches
@@ -71,8 +80,10 @@ class MegatronLoraTrainer:
             else:
                 torch.distributed.init_process_group("gloo", rank=0, world_size=1)
         elif torch.distributed.get_world_size() != 1:
-            raise RuntimeError(f"MegatronLoraTrainer runs in one process; torch.distributed has world size "
-                               f"{torch.distributed.get_world_size()}")
+            raise RuntimeError(
+                f"MegatronLoraTrainer runs in one process; torch.distributed has world size "
+                f"{torch.distributed.get_world_size()}"
+            )
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1, expert_tensor_parallel_size=1)
             self._own_mp = True
@@ -87,8 +98,14 @@ class MegatronLoraTrainer:
         quant = {} if grid is None else {"scale_divisor": grid[0], "q_min": grid[1]}
         if quant_format is not None:
             quant["quant_format"] = quant_format
-        self.model = provider.build_model_from_hf(ckpt, perform_initialization=False, params_dtype=torch.float32,
-                                                  moe_enable_routing_replay=True, expert_mode=expert_mode, **quant)
+        self.model = provider.build_model_from_hf(
+            ckpt,
+            perform_initialization=False,
+            params_dtype=torch.float32,
+            moe_enable_routing_replay=True,
+            expert_mode=expert_mode,
+            **quant,
+        )
         checkpoint.load_hf_checkpoint(self.model, ckpt)
         self.config = self.model.kimi_config
         self.spec = spec

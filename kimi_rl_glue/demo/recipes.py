@@ -59,17 +59,41 @@ class DemoRecipe:
 
 
 RECIPES = {
-    "cpu-k2": DemoRecipe("cpu-k2", "LoRA RL on the served INT4 experts (W4A16 trainer), score centering",
-                         trainer_base="served", expert_mode="w4a16", normalize_moe_lora=False,
-                         loss="score_centering", rank=8, trainer="auto"),
-    "skyrl-k2": DemoRecipe("skyrl-k2", "SkyRL K2.x: BF16 masters + fake-INT4 QAT experts, capacity-normalised "
-                           "expert LoRA, GRPO/DAPO + token TIS, adapter hot-loaded from disk",
-                           trainer_base="bf16_masters", expert_mode="qat", normalize_moe_lora=True,
-                           loss="grpo_tis", rank=16, trainer="megatron", dynamic_sampling=True),
-    "miles-k3": DemoRecipe("miles-k3", "miles K3: SGLang rollouts on the MXFP4 checkpoint, W4A16 trainer (no BF16 "
-                           "copy of the experts), shared-outer expert LoRA, score centering, R3 routing replay, "
-                           "adapter over CUDA IPC into the live engine",
-                           trainer_base="served", expert_mode="w4a16", normalize_moe_lora=False,
-                           loss="score_centering", rank=32, trainer="megatron", model="k3", engine="sglang",
-                           expert_layout="shared_outer"),
+    "cpu-k2": DemoRecipe(
+        "cpu-k2",
+        "LoRA RL on the served INT4 experts (W4A16 trainer), score centering",
+        trainer_base="served",
+        expert_mode="w4a16",
+        normalize_moe_lora=False,
+        loss="score_centering",
+        rank=8,
+        trainer="auto",
+    ),
+    "skyrl-k2": DemoRecipe(
+        "skyrl-k2",
+        "SkyRL K2.x: BF16 masters + fake-INT4 QAT experts, capacity-normalised "
+        "expert LoRA, GRPO/DAPO + token TIS, adapter hot-loaded from disk",
+        trainer_base="bf16_masters",
+        expert_mode="qat",
+        normalize_moe_lora=True,
+        loss="grpo_tis",
+        rank=16,
+        trainer="megatron",
+        dynamic_sampling=True,
+    ),
+    "miles-k3": DemoRecipe(
+        "miles-k3",
+        "miles K3: SGLang rollouts on the MXFP4 checkpoint, W4A16 trainer (no BF16 "
+        "copy of the experts), shared-outer expert LoRA, score centering, R3 routing replay, "
+        "adapter over CUDA IPC into the live engine",
+        trainer_base="served",
+        expert_mode="w4a16",
+        normalize_moe_lora=False,
+        loss="score_centering",
+        rank=32,
+        trainer="megatron",
+        model="k3",
+        engine="sglang",
+        expert_layout="shared_outer",
+    ),
 }

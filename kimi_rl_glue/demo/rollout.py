@@ -115,7 +115,7 @@ class VllmRollout:
         if shutdown is not None:
             try:
                 shutdown()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - shutdown is best effort; the process group is ended next
                 log.debug("vLLM engine shutdown: %s", e)
 
     def check_alive(self) -> None:

@@ -193,7 +193,7 @@ class SglangRollout:
         if previous is not None:
             try:
                 self.engine.unload_lora_adapter(previous)
-            except Exception:
+            except Exception:  # noqa: BLE001 - unloading the replaced version is best effort
                 pass
         return self.client.current
 

@@ -50,8 +50,17 @@ class ReferenceTrainer:
         return self.adapter.export()
 
 
-def make_trainer(kind: str, ckpt: str, spec: LoraSpec, lr: float, seed: int = 0, expert_mode: str = "w4a16",
-                 grid: tuple[float, int] | None = None, quant_format: str | None = None, device: str = "cpu"):
+def make_trainer(
+    kind: str,
+    ckpt: str,
+    spec: LoraSpec,
+    lr: float,
+    seed: int = 0,
+    expert_mode: str = "w4a16",
+    grid: tuple[float, int] | None = None,
+    quant_format: str | None = None,
+    device: str = "cpu",
+):
     """``kind`` in ``auto`` (megatron if available, else reference), ``megatron``, ``reference``.
 
     ``expert_mode`` / ``grid`` / ``quant_format``: the Megatron trainer's routed experts (``"w4a16"`` from the
@@ -61,13 +70,25 @@ def make_trainer(kind: str, ckpt: str, spec: LoraSpec, lr: float, seed: int = 0,
     if kind in ("auto", "megatron"):
         try:
             mod = importlib.import_module("kimi_rl_glue.demo.megatron_trainer")
-            return mod.MegatronLoraTrainer(ckpt, spec, lr=lr, seed=seed, expert_mode=expert_mode, grid=grid,
-                                           quant_format=quant_format, device=device)
+            return mod.MegatronLoraTrainer(
+                ckpt,
+                spec,
+                lr=lr,
+                seed=seed,
+                expert_mode=expert_mode,
+                grid=grid,
+                quant_format=quant_format,
+                device=device,
+            )
         except ImportError as e:
             if kind == "megatron" or not reference_can:
-                raise RuntimeError(f"the Megatron trainer (kimi_rl_glue.demo.megatron_trainer) is unavailable ({e}); "
-                                   f"expert mode {expert_mode!r} on {device} needs it (pip install megatron-core)") from e
+                raise RuntimeError(
+                    f"the Megatron trainer (kimi_rl_glue.demo.megatron_trainer) is unavailable ({e}); "
+                    f"expert mode {expert_mode!r} on {device} needs it (pip install megatron-core)"
+                ) from e
     if not reference_can:
-        raise RuntimeError(f"--trainer reference trains only the served 4-bit base on the CPU, not expert mode "
-                           f"{expert_mode!r} on {device}; use --trainer megatron")
+        raise RuntimeError(
+            f"--trainer reference trains only the served 4-bit base on the CPU, not expert mode "
+            f"{expert_mode!r} on {device}; use --trainer megatron"
+        )
     return ReferenceTrainer(ckpt, spec, lr, seed)

@@ -161,7 +161,7 @@ def _sympy_equal(a: str, b: str) -> bool:
             xa, xb = (xa if isinstance(xa, tuple) else (xa,)), (xb if isinstance(xb, tuple) else (xb,))
             return len(xa) == len(xb) and all(_expr_equal(sympy, u, v) for u, v in zip(xa, xb))
         return _expr_equal(sympy, xa, xb)
-    except Exception:
+    except Exception:  # noqa: BLE001 - sympy raises many types on unparsable answers: not equal
         return False
 
 

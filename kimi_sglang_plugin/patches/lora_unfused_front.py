@@ -31,7 +31,7 @@ def server_lora_enabled() -> bool:
 
         args = get_server_args()
         return bool(args.enable_lora) or (args.enable_lora is None and bool(args.lora_paths))
-    except Exception as e:  # not published yet / another layout: be correct rather than fast
+    except Exception as e:  # noqa: BLE001 - not published yet / another layout: be correct rather than fast
         log.warning("kimi_sglang_plugin: cannot read SGLang's server arguments (%s); K3's MoE front stays unmerged", e)
         return True
 

@@ -7,17 +7,24 @@ import os
 import shutil
 
 import pytest
+from utils import perturb_expert_scales
 
 from kimi_rl_glue.numerics import compare
-from utils import perturb_expert_scales
 
 
 def test_identical_checkpoints_agree_exactly(tiny_ckpt, tmp_path):
     """The fp32 reference against itself on a copied checkpoint gives zero difference and full top-1 agreement."""
     d = str(tmp_path / "copy")
     shutil.copytree(tiny_ckpt("k2"), d)
-    rep = compare(tiny_ckpt("k2"), engines=["reference", f"reference@{d}"], tokens=8, dtype="fp32", batch=1,
-                  prompt_len=8, out=str(tmp_path / "out"))
+    rep = compare(
+        tiny_ckpt("k2"),
+        engines=["reference", f"reference@{d}"],
+        tokens=8,
+        dtype="fp32",
+        batch=1,
+        prompt_len=8,
+        out=str(tmp_path / "out"),
+    )
     (p,) = rep.pairs
     assert p.max_abs == 0.0 and p.kl == 0.0 and p.top1_agree == 1.0 and not p.flagged
     data = json.load(open(tmp_path / "out" / "report.json"))
@@ -29,8 +36,9 @@ def test_perturbed_expert_scale_is_flagged_at_its_layer(tiny_ckpt, tmp_path):
     """Scaling layer 2's expert scales is flagged, and the first diverging layer named is layer 2."""
     d = str(tmp_path / "bad")
     perturb_expert_scales(tiny_ckpt("k2"), d, layer=2, factor=1.5)
-    rep = compare(tiny_ckpt("k2"), engines=["reference", f"reference@{d}"], tokens=8, dtype="fp32", batch=1,
-                  prompt_len=8)
+    rep = compare(
+        tiny_ckpt("k2"), engines=["reference", f"reference@{d}"], tokens=8, dtype="fp32", batch=1, prompt_len=8
+    )
     (p,) = rep.pairs
     assert p.flagged
     assert p.first_diverging_layer == 3  # hidden[0] = embeddings, hidden[3] = after layer 2
@@ -48,8 +56,9 @@ def test_missing_engines_are_listed_with_install_hint(tiny_ckpt, monkeypatch):
     for eng in ENGINES.values():
         if isinstance(eng, ModuleEngine):
             assert importlib.util.find_spec(eng.engine_module) is not None, eng.engine_module
-    absent = ModuleEngine("absent", "no_such_host_pkg", "kimi_core", "kimi_rl_glue.numerics.vllm_engine",
-                          'pip install "no-such-host"')
+    absent = ModuleEngine(
+        "absent", "no_such_host_pkg", "kimi_core", "kimi_rl_glue.numerics.vllm_engine", 'pip install "no-such-host"'
+    )
     monkeypatch.setitem(ENGINES, "absent", absent)
     rep = compare(tiny_ckpt("k2"), engines=["reference", "absent"], tokens=4, dtype="fp32", batch=1, prompt_len=4)
     assert "pip install" in rep.skipped["absent"] and "no_such_host_pkg" in rep.skipped["absent"]
@@ -64,7 +73,14 @@ def test_png_is_optional_without_matplotlib(tiny_ckpt, tmp_path, monkeypatch, ca
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     out = tmp_path / "rep"
     with caplog.at_level("WARNING", logger="kimi_rl_glue.plotting"):
-        compare(tiny_ckpt("k2"), engines=["reference", "reference"], tokens=2, dtype="fp32", batch=1,
-                prompt_len=4, out=str(out))
+        compare(
+            tiny_ckpt("k2"),
+            engines=["reference", "reference"],
+            tokens=2,
+            dtype="fp32",
+            batch=1,
+            prompt_len=4,
+            out=str(out),
+        )
     assert (out / "report.json").exists() and not (out / "logprob_diff.png").exists()
     assert "pip install matplotlib" in caplog.text and "logprob_diff.png" in caplog.text

