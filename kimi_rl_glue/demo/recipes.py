@@ -32,7 +32,7 @@ class DemoRecipe:
 
     :param trainer_base: ``"served"`` (the 4-bit checkpoint the engine serves) or ``"bf16_masters"``
         (``kimi-rl dequantize`` of it, verified).
-    :param expert_mode: ``kimi_megatron_plugin.experts`` mode of the trainer's routed experts
+    :param expert_mode: ``kimi_megatron_plugin.models.experts`` mode of the trainer's routed experts
         (``"w4a16"`` from packed bytes, ``"qat"`` fake-INT4 from BF16 masters).
     :param normalize_moe_lora: routed experts get LoRA rank ``rank // top_k``.
     :param trainer: ``make_trainer`` kind (``"auto"`` falls back to ``kimi_core.reference``; QAT needs Megatron).
