@@ -41,7 +41,7 @@ from kimi_core.checkpoint.reader import INDEX_NAME, CheckpointReader
 from kimi_core.checkpoint.writer import atomic_copy, atomic_write_text, is_temporary, save_shard
 from kimi_core.errors import KimiError
 from kimi_core.quant import FormatError, get_format
-from kimi_core.quant.formats import weight_format
+from kimi_core.quant.formats import INT4, weight_format
 from kimi_core.quant.verify import check_int4, check_mxfp4
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def _dequantize_rows(fmt, packed, scale, verify, scale_divisor, q_min):
         if verify:
             rep = (
                 check_int4(p, s, scale_divisor, q_min, dequantized=w)
-                if fmt == "pack-quantized"
+                if weight_format(fmt) is INT4
                 else check_mxfp4(p, s, dequantized=w)
             )
             if total is None:
@@ -193,7 +193,7 @@ def _dequantize_shard(
                 raise FormatError(f"{path}: {k} has no {mod}.weight_scale in the same shard")
             packed, scale = f.get_tensor(k), f.get_tensor(f"{mod}.weight_scale")
             shp = None
-            if fmt == "pack-quantized":
+            if weight_format(fmt) is INT4:
                 if f"{mod}.weight_shape" not in keyset:
                     raise FormatError(f"{path}: {k} has no {mod}.weight_shape in the same shard")
                 shp = tuple(int(v) for v in f.get_tensor(f"{mod}.weight_shape").tolist())

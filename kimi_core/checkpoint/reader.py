@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from kimi_core.config import KimiConfig, load_config
 from kimi_core.errors import KimiError
 from kimi_core.quant import FormatError, get_format
+from kimi_core.quant.formats import weight_format
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -149,7 +150,7 @@ class CheckpointReader:
         if f"{module}.weight_shape" in self._weight_map:
             out["weight_shape"] = self.get(f"{module}.weight_shape")
         fmt = self.quant_format()
-        want_dtype = torch.int32 if fmt == "pack-quantized" else torch.uint8
+        want_dtype = weight_format(fmt).packed_dtype
         if out["weight_packed"].dtype != want_dtype:
             raise FormatError(
                 f"{self.path}: {module}.weight_packed is {out['weight_packed'].dtype}, but format "
