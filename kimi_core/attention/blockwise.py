@@ -19,7 +19,7 @@ import torch
 
 from kimi_core.reference.ops import acc_dtype
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "blockwise_causal_attention", "segment_ids"]
+__all__ = ["BLOCK_K", "BLOCK_Q", "blockwise_causal_attention", "key_starts", "segment_ids"]
 
 # 128 x 128 tiles: a [B, n, 128, 128] fp32 tile is small next to q/k/v, and 128 amortises the Python loop.
 BLOCK_Q = 128
@@ -45,11 +45,13 @@ def _tile_keep(seg, q0, q1, k0, k1, device):
     return keep
 
 
-def _key_start(seg, q0):
-    """First key a query block can see: the start of its first token's segment (0 without packing)."""
+def key_starts(seg: torch.Tensor | None, total: int, block_q: int) -> list[int]:
+    """First key each query block can see: the start of its first token's segment (0 without packing).
+
+    One host sync per call, not one per block."""
     if seg is None:
-        return 0
-    return int(torch.searchsorted(seg, seg[q0 : q0 + 1]).item())
+        return [0] * len(range(0, total, block_q))
+    return torch.searchsorted(seg, seg[::block_q].contiguous()).tolist()
 
 
 class _BlockwiseCausal(torch.autograd.Function):
@@ -60,13 +62,14 @@ class _BlockwiseCausal(torch.autograd.Function):
         B, n, S, _ = q.shape
         out = torch.empty(*v.shape[:-1], v.shape[-1], device=q.device, dtype=a)
         lse = torch.empty(B, n, S, device=q.device, dtype=a)
-        for q0 in range(0, S, block_q):
+        starts = key_starts(seg, S, block_q)
+        for q0, k_first in zip(range(0, S, block_q), starts):
             q1 = min(q0 + block_q, S)
             qb = q[:, :, q0:q1].to(a) * scale
             m = torch.full((B, n, q1 - q0), float("-inf"), device=q.device, dtype=a)
             l_sum = torch.zeros_like(m)
             acc = torch.zeros(B, n, q1 - q0, v.shape[-1], device=q.device, dtype=a)
-            ks = _key_start(seg, q0) // block_k * block_k
+            ks = k_first // block_k * block_k
             for k0 in range(ks, q1, block_k):
                 k1 = min(k0 + block_k, S)
                 s = qb @ k[:, :, k0:k1].to(a).transpose(-1, -2)  # [B, n, bq, bk]
@@ -97,11 +100,12 @@ class _BlockwiseCausal(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=a)
         dk = torch.zeros_like(k, dtype=a)
         dv = torch.zeros_like(v, dtype=a)
-        for q0 in range(0, S, block_q):
+        starts = key_starts(seg, S, block_q)
+        for q0, k_first in zip(range(0, S, block_q), starts):
             q1 = min(q0 + block_q, S)
             qb = q[:, :, q0:q1].to(a)
             dob = do[:, :, q0:q1]
-            ks = _key_start(seg, q0) // block_k * block_k
+            ks = k_first // block_k * block_k
             for k0 in range(ks, q1, block_k):
                 k1 = min(k0 + block_k, S)
                 kb, vb = k[:, :, k0:k1].to(a), v[:, :, k0:k1].to(a)

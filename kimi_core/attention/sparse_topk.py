@@ -9,18 +9,55 @@ the same result as the dense ``kimi_core.reference.mla`` attention with the top-
 gathered keys stay under :data:`GATHER_ELEMENTS`; forward saves the output and the log-sum-exp, and
 backward recomputes each block's probabilities and scatters ``dk``/``dv`` back with an index-add, so
 memory is ``O(S * (k + n * d))``. Logits and accumulators in fp32 (fp64 for fp64 inputs).
+
+On CUDA (:func:`kimi_core.attention.uses_fused_attention`) the gather, whose traffic is
+``S * k * n * d``, gives way to torch's fused SDPA over :data:`SDPA_BLOCK_Q` queries at a time with a
+boolean mask scattered from ``idx`` (``[bq, S]``, linear in S), each block under activation
+checkpointing so the backward rebuilds the mask instead of keeping it.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
+from kimi_core.attention.causal import uses_fused_attention
 from kimi_core.reference.ops import acc_dtype
 
-__all__ = ["GATHER_ELEMENTS", "sparse_topk_attention"]
+__all__ = ["GATHER_ELEMENTS", "SDPA_BLOCK_Q", "sparse_topk_attention"]
 
 # Gathered keys + values of one query block stay under 2^24 elements (64 MiB fp32): bounded, still large tiles.
 GATHER_ELEMENTS = 1 << 24
+
+
+# 1024 queries per SDPA call: a [1024, S] bool mask is 64 MiB at S = 64k, and 64 launches cover 64k tokens.
+SDPA_BLOCK_Q = 1024
+
+
+def _sdpa_block(q, k, v, idx, scale):
+    """SDPA of one query block: ``q [B, n, bq, dqk]``, ``k``/``v [B, n, Sk, d]``, ``idx [B, bq, K]`` -> ``[B, n, bq, dv]``."""
+    B, bq, _ = idx.shape
+    Sk = k.shape[2]
+    keep = torch.zeros(B, bq, Sk + 1, dtype=torch.bool, device=q.device)
+    keep.scatter_(-1, idx.where(idx >= 0, Sk), True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, :, :Sk], scale=scale)
+
+
+def _sparse_sdpa(q, k, v, idx, scale):
+    """The CUDA path: ``[B, S, n, d]`` layout in and out, SDPA per query block under checkpointing."""
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, n, S, d]
+    S = q.shape[1]
+    parts = []
+    for q0 in range(0, S, SDPA_BLOCK_Q):
+        q1 = min(q0 + SDPA_BLOCK_Q, S)
+        # keys past the block's last query are never selected under causal top-k: cut them off
+        parts.append(
+            checkpoint(
+                _sdpa_block, qt[:, :, q0:q1], kt[:, :, :q1], vt[:, :, :q1], idx[:, q0:q1], scale, use_reentrant=False
+            )
+        )
+    return torch.cat(parts, dim=2).transpose(1, 2)
 
 
 def _rows(K: int, n: int, d: int) -> int:
@@ -97,8 +134,11 @@ def sparse_topk_attention(
     :param idx: ``[B, S, K]`` int64 key positions per query, ``-1`` for an empty slot; every query needs
         at least one valid slot (its own position, under causal top-k selection).
     :param scale: softmax scale applied to ``q . k``.
-    Differentiable in ``q``, ``k``, ``v``.
+    Differentiable in ``q``, ``k``, ``v``. Self-attention on CUDA with ``idx`` selecting only keys at or
+    before each query (the indexer's causal top-k) takes the fused SDPA path.
     """
     if idx.shape[:2] != q.shape[:2]:
         raise ValueError(f"sparse_topk_attention: idx {tuple(idx.shape)} does not match q {tuple(q.shape)}")
+    if uses_fused_attention(q) and q.shape[1] == k.shape[1]:
+        return _sparse_sdpa(q, k, v, idx.to(torch.int64), scale)
     return _SparseTopk.apply(q, k, v, idx.to(torch.int64), scale)

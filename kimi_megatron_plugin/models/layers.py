@@ -1,16 +1,19 @@
 """Megatron-Core attention modules and norms of Kimi K2.x / K3 / K3.1.
 
 Each class is a Megatron module that slots into a megatron-core spec; the maths comes from
-:mod:`kimi_core.reference` (the oracle), never rewritten here:
+:mod:`kimi_core.reference` (the oracle) and its memory-linear attention from :mod:`kimi_core.attention`,
+never rewritten here:
 
 * :class:`KimiRMSNorm` - RMSNorm with fp32 statistics (``kimi_core.reference.ops.rms_norm``).
-* :class:`KimiCoreAttention` - MLA core attention for the no-TransformerEngine case: the local
-  ``DotProductAttention`` rejects MLA's ``k_channels``/``v_channels`` (0.19.2:
+* :class:`KimiCoreAttention` - MLA core attention for the no-TransformerEngine case (memory linear in S,
+  packed THD sequences, K3.1's sparse top-k): the local ``DotProductAttention`` rejects MLA's
+  ``k_channels``/``v_channels`` (0.19.2:
   ``TypeError: DotProductAttention.__init__() got an unexpected keyword argument 'k_channels'``).
 * :class:`KimiMLA` - megatron-core ``MLASelfAttention`` (its TP projections, latent norms, RoPE/YaRN)
   plus K3's NoPE (a zero-angle rotary table, so the rotation is the identity), K3's sigmoid output
-  gate ``g_proj`` and K3.1's frozen DSA indexer mask.
-* :class:`KimiIndexer` - the K3.1 lightning indexer; scores come from ``kimi_core.reference.indexer``.
+  gate ``g_proj`` and K3.1's frozen DSA indexer selection.
+* :class:`KimiIndexer` - the K3.1 lightning indexer; scores come from ``kimi_core.reference.indexer``,
+  the top-k from ``kimi_core.attention.blockwise_index_topk``.
 * :class:`KimiKDA` - Kimi Delta Attention with TP over heads; CPU runs the reference
   ``chunk_kda``, CUDA runs fla's ``chunk_kda`` (same signature).
 

@@ -165,7 +165,7 @@ class _LargestAlloc(TorchDispatchMode):
 def test_no_tensor_grows_with_s_squared(monkeypatch):
     """S=2048, 2 heads: no tensor of the forward or the backward has S*S/8 elements (dense logits would be 2*S*S).
 
-    The sparse op's gather budget is lowered so its query blocks are smaller than S here, as they are at real
+    The indexer's query block and the sparse op's gather budget is lowered so its query blocks are smaller than S here, as they are at real
     widths (64 heads x 192 dims x 2048 keys)."""
     from kimi_core.attention import sparse_topk
 
@@ -183,7 +183,7 @@ def test_no_tensor_grows_with_s_squared(monkeypatch):
         torch.randn(1, S, 2, generator=g),
     )
     with _LargestAlloc() as mode:
-        idx = blockwise_index_topk(iq, ik, iw, 64)
+        idx = blockwise_index_topk(iq, ik, iw, 64, block_q=64)
         sparse_topk_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), idx, 0.25).sum().backward()
     assert mode.largest < S * S // 8, f"sparse/top-k largest tensor {mode.largest} elements"
 
@@ -201,3 +201,54 @@ def test_fused_sdpa_matches_blockwise_on_cuda(monkeypatch):
         block = causal_attention(q, k, v, 192**-0.5, c)
         monkeypatch.delenv("KIMI_ATTENTION")
         assert_close("fused vs blockwise", block.float(), fused.float(), 1e-2)
+
+
+@pytest.mark.gpu
+def test_sparse_sdpa_matches_gather_on_cuda(monkeypatch):
+    """CUDA: the fused sparse path (SDPA per query block, mask scattered from the top-k indices, checkpointed)
+    equals the gather kernel, output and q/k/v gradients, S spanning several SDPA blocks."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from kimi_core.attention import sparse_topk
+
+    monkeypatch.setattr(sparse_topk, "SDPA_BLOCK_Q", 64)
+    g = torch.Generator().manual_seed(6)
+    B, n, S = 1, 4, 200
+    q, k, v = (t.detach().cuda().transpose(1, 2).contiguous().requires_grad_() for t in _qkv(B, n, S, 192, 128))
+    iq, ik, iw = (
+        t.cuda()
+        for t in (
+            torch.randn(B, S, 2, 8, generator=g),
+            torch.randn(B, S, 8, generator=g),
+            torch.randn(B, S, 2, generator=g),
+        )
+    )
+    idx = blockwise_index_topk(iq, ik, iw, 16)
+    fused = sparse_topk_attention(q, k, v, idx, 192**-0.5)
+    monkeypatch.setenv("KIMI_ATTENTION", "blockwise")
+    gathered = sparse_topk_attention(q, k, v, idx, 192**-0.5)
+    assert_close("sparse sdpa vs gather", gathered, fused, 1e-4)
+    for name, r, gr in zip("qkv", _grads(gathered, (q, k, v)), _grads(fused, (q, k, v))):
+        assert_close(f"sparse sdpa d{name}", r, gr, 1e-3)
+
+
+def test_sparse_sdpa_blocks_match_gather_on_cpu(monkeypatch):
+    """The CUDA sparse path's logic (query blocks, mask scattered from the indices, checkpointing) run through
+    torch's CPU SDPA equals the gather kernel: output and q/k/v gradients, fp64, S spanning 4 blocks."""
+    from kimi_core.attention import sparse_topk
+
+    monkeypatch.setattr(sparse_topk, "SDPA_BLOCK_Q", 16)
+    g = torch.Generator().manual_seed(7)
+    B, n, S = 2, 3, 57
+    q, k, v = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in _qkv(B, n, S, 12, 8, torch.float64))
+    iq, ik, iw = (
+        torch.randn(B, S, 2, 4, generator=g),
+        torch.randn(B, S, 4, generator=g),
+        torch.randn(B, S, 2, generator=g),
+    )
+    idx = blockwise_index_topk(iq, ik, iw, 5)
+    blocks = sparse_topk._sparse_sdpa(q, k, v, idx, 0.3)
+    gathered = sparse_topk_attention(q, k, v, idx, 0.3)
+    assert_close("sparse sdpa blocks vs gather", gathered, blocks, 1e-12)
+    for name, r, gr in zip("qkv", _grads(gathered, (q, k, v)), _grads(blocks, (q, k, v))):
+        assert_close(f"sparse sdpa blocks d{name}", r, gr, 1e-12)
