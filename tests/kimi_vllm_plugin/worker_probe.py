@@ -41,3 +41,32 @@ def moe_method_names(quant_method) -> list[str]:
     if experts is not None:
         names.append(type(experts).__name__)
     return names
+
+
+#: environment flag: every process of the engine reads adapter_config.json as vLLM 0.26 does
+PEFT_WITHOUT_PATTERNS_ENV = "KIMI_TEST_PEFT_WITHOUT_PATTERNS"
+
+
+def drop_peft_patterns() -> None:
+    """vLLM 0.26's reading of ``adapter_config.json`` in this process: ``PEFTHelper`` gets no ``rank_pattern`` /
+    ``alpha_pattern`` (0.26 has no such fields and filters them out), so every module is scaled by
+    ``lora_alpha / r``. Lets the CPU engine (0.32) show what a 0.26 host serves."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    if getattr(PEFTHelper, "_kimi_test_without_patterns", False):
+        return
+    read = PEFTHelper.from_dict.__func__
+
+    def from_dict(cls, config_dict: dict):
+        return read(cls, {k: v for k, v in config_dict.items() if k not in ("rank_pattern", "alpha_pattern")})
+
+    PEFTHelper.from_dict = classmethod(from_dict)
+    PEFTHelper._kimi_test_without_patterns = True
+
+
+def peft_reads_patterns(model) -> bool:
+    """Runs in the worker: whether its ``PEFTHelper`` keeps a ``rank_pattern`` (False under :func:`drop_peft_patterns`)."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    h = PEFTHelper.from_dict({"r": 16, "lora_alpha": 32, "target_modules": ["x_proj"], "rank_pattern": {"x_proj": 4}})
+    return bool(h.rank_pattern)
