@@ -111,8 +111,9 @@ class KimiCoreAttention(MegatronModule):
     torch's fused SDPA on CUDA, the blockwise online softmax elsewhere; packed sequences
     (``packed_seq_params.cu_seqlens_q``, THD) attend within their own sequence. With
     ``topk_idx [B, S, K]`` (K3.1's DSA selection from :class:`KimiIndexer`) each query attends only
-    its selected keys (sparse gather attention). An explicit ``attention_mask`` (megatron convention,
-    True = masked out, ``[B, 1, S, S]``) takes the dense path, since the mask itself is already ``S x S``.
+    its selected keys (sparse attention). megatron's causal ``attention_mask`` adds nothing and is dropped;
+    any other explicit mask (True = masked out, ``[B, 1, S, S]``) takes the dense path, since the mask
+    itself is already ``S x S``.
 
     :param softmax_scale: from ``MultiLatentAttention`` (``qk_head_dim^-1/2 * mscale^2``).
     """
@@ -154,6 +155,8 @@ class KimiCoreAttention(MegatronModule):
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))
         S, B, n, d = query.shape
         scale = self.softmax_scale if self.softmax_scale is not None else d**-0.5
+        if attention_mask is not None and _is_causal_mask(attention_mask, S):
+            attention_mask = None  # megatron's own causal mask: nothing beyond what the kernels do
         if attention_mask is not None:
             if cu is not None:
                 raise ValueError("kimi_megatron_plugin: packed sequences take no attention_mask (pass None)")
@@ -165,6 +168,21 @@ class KimiCoreAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, n, S, d]
         o = causal_attention(q, k, v, scale, cu)  # [B, n, S, dv]
         return o.permute(2, 0, 1, 3).reshape(S, B, -1)
+
+
+def _is_causal_mask(mask: torch.Tensor, S: int) -> bool:
+    """Whether ``mask [B or 1, 1, S, S]`` (True = masked out) is exactly the causal mask, checked 1024 rows
+    at a time (each row must be ``False * (i + 1), True * (S - 1 - i)``) without building another ``S x S``."""
+    if mask.dim() != 4 or mask.shape[-2:] != (S, S) or mask.shape[1] != 1:
+        return False
+    for r0 in range(0, S, 1024):
+        rows = mask[:, :, r0 : r0 + 1024].to(torch.int8)
+        i = torch.arange(r0, r0 + rows.shape[-2], device=mask.device)
+        if not torch.equal(rows.sum(-1, dtype=torch.int64), (S - 1 - i).expand_as(rows[..., 0])):
+            return False
+        if S > 1 and (rows[..., 1:] < rows[..., :-1]).any():  # a True before a False
+            return False
+    return True
 
 
 def _dense_masked_attention(query, key, value, scale, attention_mask, topk_idx):

@@ -77,3 +77,21 @@ def test_fused_core_attention_matches_blockwise_on_cuda(monkeypatch, mcore_world
         monkeypatch.setenv("KIMI_ATTENTION", "blockwise")
         block = core(q, k, v, None, packed_seq_params=packed)
         assert_close("fused vs blockwise", block.float(), fused.float(), 1e-2)
+
+
+def test_megatron_causal_mask_takes_the_linear_path(mcore_world):
+    """megatron's own causal ``attention_mask`` (True above the diagonal) gives the maskless result and no
+    extra S x S tensor; any other mask (a padded key) takes the dense path and changes the result."""
+    core = _core()
+    q, k, v = (t.detach()[:300] for t in _qkv())
+    causal = torch.ones(300, 300, dtype=torch.bool).triu(1)[None, None]
+    free = core(q, k, v, None)
+    with _LargestTensor() as mode:
+        masked = core(q, k, v, causal)
+    assert torch.equal(free, masked)
+    assert mode.largest <= 300 * 300  # the mask itself; the dense logits would be HEADS * 300 * 300
+    padded = causal.clone()
+    padded[..., 5] = True
+    padded[..., 5, 5] = False  # key 5 hidden from every other query
+    other = core(q, k, v, padded)
+    assert not torch.allclose(other[6:], free[6:]) and torch.allclose(other[:5], free[:5], atol=1e-6)
