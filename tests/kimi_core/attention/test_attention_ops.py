@@ -29,7 +29,7 @@ def _qkv(B, n, S, dqk, dv, dtype=torch.float32, seed=0):
 
 
 def _grads(out, ts, seed=1):
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.device)
     return torch.autograd.grad((out.double() * dout).sum(), ts)
 
 
