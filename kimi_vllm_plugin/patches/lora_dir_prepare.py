@@ -148,7 +148,7 @@ def _local_dir(lora_path: str) -> str | None:
         from vllm.lora.utils import get_adapter_absolute_path
 
         path = get_adapter_absolute_path(lora_path)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a name vLLM cannot resolve to a folder is not ours to prepare
         return None
     return path if os.path.isfile(os.path.join(path, "adapter_config.json")) else None
 
@@ -215,7 +215,7 @@ def prepared_adapter_dir(
         return None
     try:
         original = Adapter.load(path)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any unreadable adapter is one refusal naming the folder
         raise AdapterRejected(f"{where}: {e}") from None
     readable = vllm_reading(original)
     try:
