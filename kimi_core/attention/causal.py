@@ -29,7 +29,7 @@ def uses_fused_attention(q: torch.Tensor) -> bool:
     return q.is_cuda and mode != "blockwise"
 
 
-def _sdpa(q, k, v, scale):
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     # SDPA's memory-efficient and cuDNN backends take a v head dim (128) unlike q/k's (192); torch
     # picks the fastest backend that accepts the shapes and never the S x S math path if one does.
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)

@@ -13,6 +13,8 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kimi_core.kernels.w4a16 import chunked, naive
@@ -23,7 +25,15 @@ from kimi_core.quant.formats import WeightFormat
 __all__ = ["W4A16GroupedGemm", "run_gluon", "w4a16_grouped_gemm", "w4a16_grouped_gemm_dgrad", "w4a16_grouped_linear"]
 
 
-def run_gluon(op: str, a: torch.Tensor, w_packed, w_scale, fmt, m_splits, options: dict | None = None) -> torch.Tensor:
+def run_gluon(
+    op: str,
+    a: torch.Tensor,
+    w_packed: torch.Tensor,
+    w_scale: torch.Tensor,
+    fmt: str | WeightFormat,
+    m_splits: Sequence[int] | torch.Tensor,
+    options: dict | None = None,
+) -> torch.Tensor:
     """One op (``"fwd"``: ``a`` = ``x`` ``[T, K]``; ``"dgrad"``: ``a`` = ``dy`` ``[T, N]``) on the Gluon register
     kernels with ``options`` as their keyword arguments (default :data:`.dispatch.GLUON_OPTIONS`, what the
     ``"gluon"`` path runs)."""
@@ -39,7 +49,7 @@ def w4a16_grouped_gemm(
     w_packed: torch.Tensor,
     w_scale: torch.Tensor,
     fmt: str | WeightFormat,
-    m_splits,
+    m_splits: Sequence[int] | torch.Tensor,
     *,
     path: str | None = None,
 ) -> torch.Tensor:
@@ -73,7 +83,7 @@ def w4a16_grouped_gemm_dgrad(
     w_packed: torch.Tensor,
     w_scale: torch.Tensor,
     fmt: str | WeightFormat,
-    m_splits,
+    m_splits: Sequence[int] | torch.Tensor,
     *,
     path: str | None = None,
 ) -> torch.Tensor:
@@ -125,7 +135,7 @@ def w4a16_grouped_linear(
     w_packed: torch.Tensor,
     w_scale: torch.Tensor,
     fmt: str | WeightFormat,
-    m_splits,
+    m_splits: Sequence[int] | torch.Tensor,
     path: str | None = None,
 ) -> torch.Tensor:
     """Differentiable :func:`w4a16_grouped_gemm` (``x`` ``[T, K]`` bf16 -> ``[T, N]`` bf16); gradients reach ``x``
