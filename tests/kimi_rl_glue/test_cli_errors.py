@@ -151,6 +151,24 @@ CASES = [
         2,
         None,
     ),
+    (
+        "demo-group-0",
+        lambda t, ck: (["demo", "--group", "0", "--out", str(t / "r")], "--group: must be >= 1"),
+        2,
+        None,
+    ),
+    (
+        "demo-max-tokens-0",
+        lambda t, ck: (["demo", "--max-tokens", "0", "--out", str(t / "r")], "--max-tokens: must be >= 1"),
+        2,
+        None,
+    ),
+    (
+        "demo-rank-0",
+        lambda t, ck: (["demo", "--rank", "0", "--out", str(t / "r")], "--rank: must be >= 1"),
+        2,
+        None,
+    ),
     ("demo-lr-0", lambda t, ck: (["demo", "--lr", "0", "--out", str(t / "r")], "--lr: must be > 0"), 2, None),
     (
         "demo-cuda-without-gpu",
@@ -199,6 +217,12 @@ CASES = [
             ["check-numerics", "--model", ck("k2"), "--engines", "reference,megatron", "--dtype", "bf16"],
             "megatron engine scores in fp32 only",
         ),
+        2,
+        None,
+    ),
+    (
+        "check-numerics-batch-0",
+        lambda t, ck: (["check-numerics", "--model", ck("k2"), "--batch", "0"], "--batch: must be >= 1"),
         2,
         None,
     ),
