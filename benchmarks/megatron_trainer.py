@@ -933,7 +933,8 @@ def lora_export_config(args):
 
 def run_lora_export(args) -> None:
     """Each layout's export timed on gloo, world size 1; prints the table, writes ``--json``."""
-    from kimi_core.lora import Bucket, LoraSpec, iter_buckets
+    from kimi_core.lora import LoraSpec
+    from kimi_core.sync.buckets import Bucket, iter_buckets
     from kimi_megatron_plugin import cpu_parallel
     from kimi_megatron_plugin.lora import apply_lora, export_adapter, iter_export_buckets
     from kimi_megatron_plugin.models import provider

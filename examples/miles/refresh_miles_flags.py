@@ -39,12 +39,12 @@ NEWER_MAIN = {
     "--lora-provider-path": (
         "1",
         "newer main: miles/utils/arguments.py (module with wrap_model_provider_with_lora, "
-        "load_lora_adapter_hf, export_lora_hf_named; shared/reference/miles.md section 2)",
+        "load_lora_adapter_hf, export_lora_hf_named; radixark/miles#1792)",
     ),
     "--rollout-top-logprobs-num": (
         "1",
         "newer main: miles/utils/arguments.py (sampler top-K candidates for score "
-        "centering; shared/reference/miles.md sections 5-6; parsed in miles' "
+        "centering; parsed in miles' "
         "tests/fast/utils/test_arguments.py of newer main)",
     ),
 }

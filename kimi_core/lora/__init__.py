@@ -1,6 +1,6 @@
 """Framework-free LoRA adapters of the Kimi models: spec and PEFT config, HF/PEFT names, expert
-layouts and conversions, validated loading into per-module factors, bucketed streaming with
-checksums, and size accounting. Used by ``kimi_core.reference``, the engine plugins and the trainer.
+layouts and conversions, validated loading into per-module factors, and size accounting (bucketed
+streaming with checksums: :mod:`kimi_core.sync`). Used by ``kimi_core.reference``, the engine plugins and the trainer.
 """
 
 from kimi_core.lora.adapter import Adapter, AdapterError
@@ -10,24 +10,18 @@ from kimi_core.lora.naming import iter_targets, target_shapes
 from kimi_core.lora.random_adapter import random_adapter
 from kimi_core.lora.resolve import ExpertStack, LoraFactors, ResolvedAdapter, load_adapter
 from kimi_core.lora.sizes import adapter_nbytes
-from kimi_core.sync.buckets import Bucket, BucketChecksumError, assemble, filter_experts, iter_buckets
 
 __all__ = [
     "ALL_LINEAR",
     "Adapter",
     "AdapterConfigError",
     "AdapterError",
-    "Bucket",
-    "BucketChecksumError",
     "ExpertStack",
     "LoraFactors",
     "LoraSpec",
     "ResolvedAdapter",
     "adapter_nbytes",
-    "assemble",
     "convert_layout",
-    "filter_experts",
-    "iter_buckets",
     "iter_targets",
     "load_adapter",
     "random_adapter",

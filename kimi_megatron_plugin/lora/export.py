@@ -12,7 +12,7 @@ stage) into a :class:`kimi_core.lora.Adapter` in any file layout of :mod:`kimi_c
 ``target_modules``, ``rank_pattern``/``alpha_pattern`` for normalised experts,
 ``base_model_name_or_path``). :func:`iter_export_buckets` validates the adapter against the
 model config and the engine's ``max_rank`` (:func:`kimi_core.lora.load_adapter`'s checks) *before* the
-first bucket is yielded, then streams :func:`kimi_core.lora.iter_buckets` (64-bit checksum per
+first bucket is yielded, then streams :func:`kimi_core.sync.buckets.iter_buckets` (64-bit checksum per
 tensor, BLAKE2b per bucket, optional expert-row filtering for a consumer rank).
 """
 
@@ -22,9 +22,10 @@ from collections.abc import Iterator
 
 import torch
 
-from kimi_core.lora import Adapter, AdapterError, Bucket, iter_buckets
+from kimi_core.lora import Adapter, AdapterError
 from kimi_core.lora.config import AdapterConfigError, validate_adapter_config
 from kimi_core.lora.layouts import Decomposed, compose, decompose
+from kimi_core.sync.buckets import Bucket, iter_buckets
 
 __all__ = ["lora_decomposed", "export_adapter", "iter_export_buckets"]
 

@@ -481,7 +481,7 @@ def test_skyrl_expert_weights_modes():
 
 
 def skyrl_vllm_engine_kwargs(o: dict[str, str]) -> dict:
-    """The vLLM engine arguments SkyRL derives from the overrides (reference/skyrl.md: build_vllm_cli_args).
+    """The vLLM engine arguments SkyRL derives from the overrides (NovaSky-AI/SkyRL: skyrl/backends/skyrl_train/inference_servers/utils.py, build_vllm_cli_args).
 
     ``engine_init_kwargs`` pass through unchanged; with LoRA and ``merge_lora=false`` SkyRL adds
     ``enable_lora``, ``max_lora_rank`` (= the LoRA rank), ``max_loras`` and ``fully_sharded_loras``.

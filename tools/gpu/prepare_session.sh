@@ -8,12 +8,12 @@
 set -u
 mkdir -p .gpu .git/info
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
-# SHARED: the folder holding the hosts' staging scripts (stage_sglang.sh, stage_vllm.sh) of this workplace
-SHARED=${SHARED:-../shared/gpu}
+# STAGE: the folder holding the hosts' staging scripts (stage_sglang.sh, stage_vllm.sh)
+STAGE=${STAGE:-tools/gpu}
 pids=()
-[ -d .gpu/sglang1 ] || { bash "$SHARED/stage_sglang.sh" > .gpu/prepare_sglang.log 2>&1 & pids+=($!); }
+[ -d .gpu/sglang1 ] || { bash "$STAGE/stage_sglang.sh" > .gpu/prepare_sglang.log 2>&1 & pids+=($!); }
 [ -f .gpu/sglang_jit/tvm_ffi_cache.tar.xz ] || { bash tools/gpu/sglang_jit_prebuild.sh > .gpu/prepare_jit.log 2>&1 & pids+=($!); }
-[ -d .gpu/vllm3 ] || { bash "$SHARED/stage_vllm.sh" > .gpu/prepare_vllm.log 2>&1 & pids+=($!); }
+[ -d .gpu/vllm3 ] || { bash "$STAGE/stage_vllm.sh" > .gpu/prepare_vllm.log 2>&1 & pids+=($!); }
 if ! ls .gpu/megatron/fla_core-*.whl > /dev/null 2>&1; then  # the trainer's KDA kernels (fla) too
   python3 -m pip download -q --no-deps --python-version 3.12 --only-binary=:all: \
     --platform manylinux_2_28_x86_64 megatron-core==0.19.2 fla-core==0.6.0 einops==0.8.2 -d .gpu/megatron > .gpu/prepare_megatron.log 2>&1 & pids+=($!)

@@ -1,5 +1,5 @@
 """``kimi_core.kernels.host_ints`` on the CPU: offsets, values, shapes and dtype of the tables the kernels get
-(the GPU side, no host wait, is tests/kimi_core/kernels/test_no_host_sync_gpu.py)."""
+(the GPU side, no host wait, is tests/kimi_core/kernels/w4a16/test_no_host_sync_gpu.py)."""
 
 from __future__ import annotations
 

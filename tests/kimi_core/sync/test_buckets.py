@@ -6,17 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kimi_core.lora import (
-    Bucket,
-    BucketChecksumError,
-    LoraSpec,
-    assemble,
-    convert_layout,
-    filter_experts,
-    iter_buckets,
-    load_adapter,
-    random_adapter,
-)
+from kimi_core.lora import LoraSpec, convert_layout, load_adapter, random_adapter
+from kimi_core.sync.buckets import Bucket, BucketChecksumError, assemble, filter_experts, iter_buckets
 from kimi_core.sync.checksum import region_sums
 
 

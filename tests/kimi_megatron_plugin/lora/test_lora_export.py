@@ -28,7 +28,7 @@ def lora_k2(tiny_ckpt, mcore_world):
 def test_flipped_byte_in_any_bucket_is_detected(lora_k2, layout):
     """Every bucket of every export layout verifies as sent, and a single flipped byte anywhere in
     any bucket (sampled positions, every bucket) raises BucketChecksumError naming the tensor."""
-    from kimi_core.lora import Bucket, BucketChecksumError, assemble
+    from kimi_core.sync.buckets import Bucket, BucketChecksumError, assemble
     from kimi_megatron_plugin.lora import iter_export_buckets
 
     # stacked folds experts into the rank and keeps gate/up A separate: rank 2r (docs/lora.md)
@@ -52,7 +52,8 @@ def test_flipped_byte_in_any_bucket_is_detected(lora_k2, layout):
 def test_expert_row_filtering_for_a_consumer_rank(lora_k2):
     """``experts=(lo, hi)`` sends only those experts' rows; the shared factors and dense modules
     travel too, and load_adapter reads the result for that range."""
-    from kimi_core.lora import assemble, load_adapter
+    from kimi_core.lora import load_adapter
+    from kimi_core.sync.buckets import assemble
     from kimi_megatron_plugin.lora import iter_export_buckets
 
     cfg = lora_k2.config

@@ -1,7 +1,6 @@
 """No W4A16 path (nor the BF16 grouped GEMM beside it) makes the host wait for the GPU when ``m_splits`` is a host
 list, as Megatron's dispatcher passes it: a hidden sync per call (a pageable host-to-device copy of the tile table)
-made the Gluon call's host time the GPU's (1.2-1.6 ms at K3 fc1, 128 tok/exp, H100, 2026-12-06) and took away the
-host's run-ahead in a training step. Checked with torch's sync debug mode, which raises on a synchronizing copy;
+made the Gluon call's host time the GPU's and took away the host's run-ahead in a training step. Checked with torch's sync debug mode, which raises on a synchronizing copy;
 each result is also checked against the float32 oracle (run on the GPU machine, never in CI)."""
 
 from __future__ import annotations
