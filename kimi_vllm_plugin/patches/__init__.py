@@ -2,8 +2,10 @@
 
 :data:`LEDGER` collects the rows (:class:`kimi_core.patch_ledger.PatchEntry`: target, host releases, why, how,
 upstream, removal condition, what the target must look like). The row is the one description of a patch;
-the file beside it holds only the code. Every patch is idempotent or scoped to one construction, and is
-checked against its row (:func:`kimi_core.patch_ledger.check_patch`) before it is applied.
+the file beside it holds only the code. Every patch is idempotent or scoped to one construction, and checks
+its target before it is applied: :func:`kimi_core.patch_ledger.check_patch` against the row (``lora_layers``,
+``cpu_punica_no_lora``, ``lora_dir_prepare``), or a missing-target check raising
+:class:`~kimi_core.errors.PatchTargetError` with the row's name (the construction-time swaps).
 
 =====================  ======================================  =====================================================
 patch (file)           when                                    what
