@@ -1,8 +1,8 @@
 """The ledger of every patch this plugin applies to megatron-core, Megatron-Bridge or torch on their behalf.
 
-One :class:`kimi_core.patch_ledger.PatchEntry` row per patch in :data:`LEDGER` (target, host releases,
-why, how, upstream, removal condition, what the target must look like), one file per patch, named as its
-row. Each patch checks its row (:func:`check`) right before it is applied, so a host release that moves or
+One file per patch, each holding the code and its ledger row ``ENTRY`` (a
+:class:`kimi_core.patch_ledger.PatchEntry`: target, host releases ``versions``, why, how, upstream, removal
+condition, what the target must look like), named as its file; :data:`LEDGER` collects the rows. Each patch checks its row (:func:`check`) right before it is applied, so a host release that moves or
 changes a target fails at startup naming the row. Where each one is applied:
 
 ================================  ==============================================================================
@@ -20,7 +20,7 @@ row / file                        applied
 from __future__ import annotations
 
 from kimi_core.patch_ledger import PatchEntry, check_patch
-from kimi_megatron_plugin.host_support import MEGATRON_BRIDGE, MEGATRON_CORE, host_release
+from kimi_megatron_plugin.host_support import host_release
 from kimi_megatron_plugin.patches import cpu_current_device, mla_have_te, router_te_general_gemm, te_stub
 
 __all__ = [
@@ -34,59 +34,9 @@ __all__ = [
     "te_stub",
 ]
 
-_PR_6270 = "NVIDIA/Megatron-LM#6270 (avoid MCore CUDA assumptions in CPU-only model conversion)"
-
-#: row name (= the patch's file name) -> its ledger entry
+#: row name (= the patch's file name) -> its ledger entry, in the order of the table above
 LEDGER: dict[str, PatchEntry] = {
-    e.name: e
-    for e in (
-        PatchEntry(
-            name="cpu_current_device",
-            target="torch.cuda.current_device",
-            host=MEGATRON_CORE.distribution,
-            versions=MEGATRON_CORE.releases,
-            why="TopKRouter and (YaRN) RotaryEmbedding allocate on torch.cuda.current_device(); a CPU has no CUDA",
-            how="replace torch.cuda.current_device by a function returning 'cpu', only when CUDA is absent; "
-            "cpu_current_device.remove() undoes it",
-            upstream=_PR_6270,
-            remove_when="megatron-core takes the device from the config on CPU",
-            expect="signature:() -> int",
-        ),
-        PatchEntry(
-            name="mla_have_te",
-            target="megatron.core.transformer.multi_latent_attention.HAVE_TE",
-            host=MEGATRON_CORE.distribution,
-            versions=MEGATRON_CORE.releases,
-            why="HAVE_TE is True without TE (mock classes), so MLA's isinstance(linear_proj, TELinear) raises",
-            how="set HAVE_TE = False when TELinear is not a class",
-            upstream=_PR_6270,
-            remove_when="megatron-core sets HAVE_TE from a real TE import",
-            expect="type:bool",
-        ),
-        PatchEntry(
-            name="router_te_general_gemm",
-            target="megatron.core.transformer.moe.moe_utils.RouterGatingLinearFunction.forward",
-            host=MEGATRON_CORE.distribution,
-            versions=MEGATRON_CORE.releases,
-            why="forward tests te_general_gemm, a name bound only when TE imports: NameError without TE",
-            how="bind moe_utils.te_general_gemm = None when absent (megatron takes its torch matmul path)",
-            upstream=_PR_6270,
-            remove_when="megatron-core binds te_general_gemm without TE",
-            expect="reads:te_general_gemm",
-        ),
-        PatchEntry(
-            name="te_stub",
-            target="megatron.bridge.peft.lora_layers",
-            host=MEGATRON_BRIDGE.distribution,
-            versions=MEGATRON_BRIDGE.releases,
-            why="lora_layers imports transformer_engine unguarded and sits on megatron.bridge's own import chain",
-            how="a meta-path finder puts placeholder transformer_engine modules in sys.modules only while that one "
-            "module executes, so HAVE_TE stays False everywhere else",
-            upstream="none yet (a guarded TE import in megatron-bridge's peft/lora_layers.py would remove it)",
-            remove_when="megatron-bridge imports without TransformerEngine",
-            expect="type:ModuleSpec",
-        ),
-    )
+    m.ENTRY.name: m.ENTRY for m in (cpu_current_device, mla_have_te, router_te_general_gemm, te_stub)
 }
 
 

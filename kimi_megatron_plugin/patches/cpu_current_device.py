@@ -13,14 +13,31 @@ CUDA assumptions the plugin avoids instead of patching:
 * the alltoall dispatcher's ``torch.cuda.Stream()``: the plugin uses the allgather dispatcher;
 * ``model_parallel_cuda_manual_seed``: not called; weights come from the checkpoint.
 
-Ledger row: ``cpu_current_device`` in :mod:`kimi_megatron_plugin.patches`.
+Ledger row: :data:`ENTRY`, collected in :mod:`kimi_megatron_plugin.patches`.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["apply", "remove", "active", "ORIGINAL"]
+from kimi_core.patch_ledger import PatchEntry
+from kimi_megatron_plugin.host_support import MEGATRON_CORE
+
+__all__ = ["ENTRY", "apply", "remove", "active", "ORIGINAL"]
+
+#: this patch's ledger row
+ENTRY = PatchEntry(
+    name="cpu_current_device",
+    target="torch.cuda.current_device",
+    host=MEGATRON_CORE.distribution,
+    versions=MEGATRON_CORE.releases,
+    why="TopKRouter and (YaRN) RotaryEmbedding allocate on torch.cuda.current_device(); a CPU has no CUDA",
+    how="replace torch.cuda.current_device by a function returning 'cpu', only when CUDA is absent; "
+    "cpu_current_device.remove() undoes it",
+    upstream="NVIDIA/Megatron-LM#6270 (avoid MCore CUDA assumptions in CPU-only model conversion)",
+    remove_when="megatron-core takes the device from the config on CPU",
+    expect="signature:() -> int",
+)
 
 #: the function the patch replaces, kept to undo it and to check the ledger row against
 ORIGINAL = torch.cuda.current_device

@@ -6,12 +6,28 @@ then evaluates ``isinstance(self.linear_proj, TELinear)`` with a mock: ``TypeErr
 must be a type, a tuple of types, or a union``. The patch sets that module's ``HAVE_TE`` to False when
 ``TELinear`` is not a class; with TE installed nothing changes.
 
-Ledger row: ``mla_have_te`` in :mod:`kimi_megatron_plugin.patches`.
+Ledger row: :data:`ENTRY`, collected in :mod:`kimi_megatron_plugin.patches`.
 """
 
 from __future__ import annotations
 
-__all__ = ["apply"]
+from kimi_core.patch_ledger import PatchEntry
+from kimi_megatron_plugin.host_support import MEGATRON_CORE
+
+__all__ = ["ENTRY", "apply"]
+
+#: this patch's ledger row
+ENTRY = PatchEntry(
+    name="mla_have_te",
+    target="megatron.core.transformer.multi_latent_attention.HAVE_TE",
+    host=MEGATRON_CORE.distribution,
+    versions=MEGATRON_CORE.releases,
+    why="HAVE_TE is True without TE (mock classes), so MLA's isinstance(linear_proj, TELinear) raises",
+    how="set HAVE_TE = False when TELinear is not a class",
+    upstream="NVIDIA/Megatron-LM#6270 (avoid MCore CUDA assumptions in CPU-only model conversion)",
+    remove_when="megatron-core sets HAVE_TE from a real TE import",
+    expect="type:bool",
+)
 
 
 def apply() -> bool:

@@ -14,8 +14,8 @@ transformer_engine`` still fails and ``HAVE_TE`` stays False. The placeholders' 
 instantiated: ``LoRALinear._make_fused_branches`` (the only runtime use) is reached only for TE-wrapped
 linears, which a TE-less model has none of.
 
-Does nothing when TransformerEngine is importable. Ledger row: ``te_stub`` in
-:mod:`kimi_megatron_plugin.patches`, checked by :func:`install` without importing Bridge.
+Does nothing when TransformerEngine is importable. Ledger row: :data:`ENTRY` (collected in
+:mod:`kimi_megatron_plugin.patches`), checked by :func:`install` without importing Bridge.
 """
 
 from __future__ import annotations
@@ -27,8 +27,24 @@ import sys
 import types
 
 from kimi_core.errors import PatchTargetError
+from kimi_core.patch_ledger import PatchEntry
+from kimi_megatron_plugin.host_support import MEGATRON_BRIDGE
 
-__all__ = ["UNGUARDED", "install", "installed", "te_available", "uninstall", "unguarded_module_spec"]
+__all__ = ["ENTRY", "UNGUARDED", "install", "installed", "te_available", "uninstall", "unguarded_module_spec"]
+
+#: this patch's ledger row
+ENTRY = PatchEntry(
+    name="te_stub",
+    target="megatron.bridge.peft.lora_layers",
+    host=MEGATRON_BRIDGE.distribution,
+    versions=MEGATRON_BRIDGE.releases,
+    why="lora_layers imports transformer_engine unguarded and sits on megatron.bridge's own import chain",
+    how="a meta-path finder puts placeholder transformer_engine modules in sys.modules only while that one "
+    "module executes, so HAVE_TE stays False everywhere else",
+    upstream="none yet (a guarded TE import in megatron-bridge's peft/lora_layers.py would remove it)",
+    remove_when="megatron-bridge imports without TransformerEngine",
+    expect="type:ModuleSpec",
+)
 
 #: Bridge modules that import TransformerEngine unguarded at import time
 UNGUARDED = ("megatron.bridge.peft.lora_layers",)

@@ -10,7 +10,7 @@ MCORE_ROWS = ["cpu_current_device", "mla_have_te", "router_te_general_gemm"]
 
 
 def test_every_row_is_complete_and_named_as_its_file():
-    """Each row says why, how, upstream, when to remove it and the host releases, and has a patch file of its name."""
+    """Each row says why, how, upstream, when to remove it and the host releases, and lives in the patch file of its name as ENTRY."""
     import importlib
 
     from kimi_megatron_plugin import patches
@@ -19,7 +19,7 @@ def test_every_row_is_complete_and_named_as_its_file():
     for name, entry in patches.LEDGER.items():
         assert entry.name == name
         assert entry.why and entry.how and entry.upstream and entry.remove_when and entry.versions
-        importlib.import_module(f"kimi_megatron_plugin.patches.{name}")
+        assert importlib.import_module(f"kimi_megatron_plugin.patches.{name}").ENTRY is entry
 
 
 @pytest.mark.parametrize("name", MCORE_ROWS)
