@@ -12,7 +12,7 @@ down GEMM -> LoRA hook -> sum. Two things stop K3:
 
 A quant-info adapter alone fixes (1) but not (2); a SiTU stage alone never gets the MXFP4
 weights. So both, each minimal. This module holds the pieces; the hooks that put them in place are the ledger rows
-``moe_lora_*`` (:mod:`kimi_sglang_plugin.patches.moe_lora_marlin`):
+``moe_lora_marlin.*`` (:mod:`kimi_sglang_plugin.patches.moe_lora_marlin`):
 
 * the constructor hook hands the stock constructor :class:`Mxfp4MarlinQuantInfoAdapter`
   (``build_marlin_moe_quant_info(layer)``); the real quant method is restored right after, so the

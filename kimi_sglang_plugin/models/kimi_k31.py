@@ -3,7 +3,7 @@
 How the indexer gets there. ``DeepseekV2AttentionMLA.__init__`` (K3's MLA base class) builds
 ``self.indexer`` (``layers/attention/dsa/dsa_indexer.Indexer``: ``wq_b``, ``wk``, ``k_norm``
 LayerNorm with bias, ``weights_proj`` -- the HF names of ``self_attn.indexer.*``) whenever
-``is_deepseek_dsa(config)`` holds, and the ``k31_is_deepseek_dsa`` hook makes it hold for K3.1
+``is_deepseek_dsa(config)`` holds, and the ``k31_dsa_gates.is_deepseek_dsa`` hook makes it hold for K3.1
 configs. The same gate selects SGLang's DSA index-K pool and attention backends. So this class
 adds only what differs from a DeepSeek-V3.2 indexer and what must not fail silently:
 

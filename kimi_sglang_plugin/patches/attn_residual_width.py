@@ -16,6 +16,25 @@ from __future__ import annotations
 
 import logging
 
+from kimi_sglang_plugin.patches.hook_patch import BOTH, HOST, HookPatch
+
+#: this patch's ledger row
+ENTRY = HookPatch(
+    name="attn_residual_width",
+    target="sglang.srt.layers.attn_residual._mix_fused",
+    host=HOST,
+    hook="around",
+    fn=f"{__name__}:mix_any_width",
+    why="the attention-residual Triton kernels cover hidden_size // 1024 blocks with no mask or remainder "
+    "(_BLOCK_H = 1024): at other widths the mixture is left uninitialised and K3 is served wrong "
+    "without an error (at hidden 512 the served logprobs are uncorrelated with the reference)",
+    how="AROUND: hidden_size % 1024 != 0 returns SGLang's own eager aggregate_stream_torch (what its "
+    "aggregate_stream already falls back to for those widths); multiples of 1024 keep the kernels",
+    upstream="not filed yet",
+    remove_when="_mix_fused masks its column blocks or falls back itself",
+    versions=BOTH,
+)
+
 logger = logging.getLogger(__name__)
 _LOGGED: set[int] = set()
 

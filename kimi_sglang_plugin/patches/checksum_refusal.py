@@ -15,6 +15,26 @@ from __future__ import annotations
 
 import logging
 
+from kimi_sglang_plugin.patches.hook_patch import BOTH, HOST, HookPatch
+
+#: this patch's ledger row
+ENTRY = HookPatch(
+    name="checksum_refusal",
+    target="sglang.srt.managers.tp_worker.BaseTpWorker.load_lora_adapter_from_tensors",
+    host=HOST,
+    hook="around",
+    fn=f"{__name__}:refuse_checksum_mismatch",
+    why="with expected_checksums, a tensor whose sha256 differs raises RuntimeError('[LORA-CHECK] ... "
+    "MISMATCH') out of the worker, which nothing catches: the scheduler exits and the engine goes "
+    "down on one flipped byte, instead of refusing one version",
+    how="AROUND: that RuntimeError becomes LoRAManager.create_lora_update_result(success=False, message), "
+    "the result of any other bad adapter; the tokenizer manager does not register it and the last "
+    "good adapter keeps serving. Other errors propagate unchanged",
+    upstream="not filed yet",
+    remove_when="load_lora_adapter_from_tensors returns a failed LoRAUpdateOutput on a checksum mismatch",
+    versions=BOTH,
+)
+
 logger = logging.getLogger(__name__)
 
 #: the prefix of SGLang's checksum error (both releases)

@@ -11,6 +11,24 @@ the DSA backend's ``flashmla_sparse`` prefill raises ``'NoneType' object has no 
 
 from __future__ import annotations
 
+from kimi_sglang_plugin.patches.hook_patch import HOST, ONLY_0517, HookPatch
+
+#: this patch's ledger row
+ENTRY = HookPatch(
+    name="hybrid_indexer_metadata",
+    target="sglang.srt.layers.attention.hybrid_linear_attn_backend.HybridLinearAttnBackend.get_indexer_metadata",
+    host=HOST,
+    hook="around",
+    fn=f"{__name__}:indexer_metadata_from_full_backend",
+    why="K3's hybrid KDA + MLA backend inherits get_indexer_metadata -> None on 0.5.17, so K3.1's DSA indexer "
+    "returns no top-k and flashmla_sparse prefill raises on None",
+    how="AROUND: for a full-attention layer with no metadata, return full_attn_backend.get_indexer_metadata",
+    upstream="fixed in 0.5.23 (layers/attention/hybrid_linear_attn_backend.py:1315)",
+    remove_when="0.5.17 leaves the supported releases",
+    versions=ONLY_0517,
+    absent_in="0.5.23: HybridLinearAttnBackend forwards get_indexer_metadata to its full-attention backend",
+)
+
 
 def indexer_metadata_from_full_backend(original, backend, layer_id, forward_batch):
     """AROUND ``HybridLinearAttnBackend.get_indexer_metadata``: the full-attention backend's metadata

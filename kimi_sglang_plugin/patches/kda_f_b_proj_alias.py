@@ -9,7 +9,29 @@ the Parameter a second time: ``named_parameters()`` then yields it as ``self_att
 
 from __future__ import annotations
 
-__all__ = ["merge_bfa_weights_once"]
+from kimi_sglang_plugin.patches.hook_patch import HOST, ONLY_0523, PR_37704, HookPatch
+
+__all__ = ["ENTRY", "merge_bfa_weights_once"]
+
+#: this patch's ledger row
+ENTRY = HookPatch(
+    name="kda_f_b_proj_alias",
+    target="sglang.srt.models.kimi_k3.KimiK3DeltaAttention._merge_bfa_weights",
+    host=HOST,
+    hook="around",
+    fn=f"{__name__}:merge_bfa_weights_once",
+    why="`self._bfa_f_b_w = self.f_b_proj.weight` registers the Parameter a second time; "
+    "named_parameters() then yields it as self_attn._bfa_f_b_w before self_attn.f_b_proj.weight, "
+    "whose name disappears from params_dict, so RL weight reloads skip f_b_proj silently, and "
+    "the second post_load_weights raises 'attribute already exists'",
+    how="AROUND: drop the previous plain attribute, run the original, then move _bfa_f_b_w out of "
+    "_parameters into a plain (unregistered) attribute",
+    upstream=PR_37704 + " item 5",
+    remove_when="_merge_bfa_weights stores the alias without registering it",
+    versions=ONLY_0523,
+    absent_in="0.5.17: _merge_bfa_weights (models/kimi_k3.py:1525) merges only f_a_proj + b_proj into "
+    "a plain tensor and never aliases f_b_proj",
+)
 
 _ALIASES = ("_bfa_f_b_w",)
 

@@ -8,7 +8,26 @@ config defaults into ``get_default_hidden_dim``).
 
 from __future__ import annotations
 
-__all__ = ["latent_moe_hidden_dim"]
+from kimi_sglang_plugin.patches.hook_patch import BOTH, HOST, PR_37704, HookPatch
+
+__all__ = ["ENTRY", "latent_moe_hidden_dim"]
+
+#: this patch's ledger row
+ENTRY = HookPatch(
+    name="lora_latent_expert_width",
+    target="sglang.srt.lora.utils.get_hidden_dim",
+    host=HOST,
+    hook="around",
+    fn=f"{__name__}:latent_moe_hidden_dim",
+    why="routed-expert LoRA buffers (gate_up_proj_moe, down_proj_moe) are sized with hidden_size; "
+    "K3's latent MoE experts read and write routed_expert_hidden_size (3584 vs 7168)",
+    how="AROUND get_hidden_dim (what the LoRA memory pool calls in both releases; 0.5.23 moved its "
+    "config defaults into get_default_hidden_dim): for those two modules use "
+    "routed_expert_hidden_size when the config has one",
+    upstream=PR_37704 + " item 3",
+    remove_when="SGLang LoRA sizes MoE buffers from the experts' own width",
+    versions=BOTH,
+)
 
 _LATENT_MODULES = ("gate_up_proj_moe", "down_proj_moe")
 

@@ -7,7 +7,7 @@ K3's MLA output gate (``x * sigmoid(g)``) is applied by replacing ``o_proj.forwa
 first, so the base GEMM and LoRA A both see the gated input, as without LoRA. The gate is computed as each
 release computes it: 0.5.23 through ``_compute_output_gate`` (:func:`output_gate_transform`), 0.5.17 from the
 alt-stream ``_gate_precomputed`` or ``g_proj`` (:func:`precomputed_output_gate_transform`); one ledger row per
-variant. Written from the bug description and the 0.5.17 / 0.5.23 sources, not from the PR's code; a no-op
+variant (``lora_output_gate.o_proj_gate-0523`` / ``-0517``). Written from the bug description and the 0.5.17 / 0.5.23 sources, not from the PR's code; a no-op
 for models without an output gate.
 """
 
@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from kimi_sglang_plugin.patches.hook_patch import BOTH, HOST, ONLY_0517, ONLY_0523, PR_37704, HookPatch
+
 __all__ = [
+    "ENTRIES",
     "TRANSFORM_ATTR",
     "output_gate_transform",
     "precomputed_output_gate_transform",
@@ -23,6 +26,56 @@ __all__ = [
     "install_o_proj_precomputed_gate",
     "row_parallel_lora_forward",
 ]
+
+_GATE_WHY = (
+    "K3's MLA output gate (x * sigmoid(g_proj(h))) is applied by replacing o_proj.forward on the "
+    "instance; RowParallelLinearWithLoRA calls base_layer.quant_method.apply directly, so with LoRA on "
+    "o_proj the gate is silently dropped"
+)
+
+#: this file's ledger rows, in the order they are registered
+ENTRIES: tuple[HookPatch, ...] = (
+    HookPatch(
+        name="lora_output_gate.o_proj_gate-0523",
+        target="sglang.srt.models.kimi_k3.KimiK3MLAAttention.__init__",
+        host=HOST,
+        hook="after",
+        fn=f"{__name__}:install_o_proj_input_transform",
+        why=_GATE_WHY,
+        how="AFTER: attach the gate as o_proj._kimi_lora_input_transform, computed as 0.5.23 does "
+        "(_compute_output_gate, joining _gate_pending_stream when skipped); the row-parallel hook "
+        "applies it inside the LoRA wrapper",
+        upstream=PR_37704 + " item 2 (lora_input_transform)",
+        remove_when="RowParallelLinearWithLoRA honours a base-layer input transform upstream",
+        versions=ONLY_0523,
+    ),
+    HookPatch(
+        name="lora_output_gate.o_proj_gate-0517",
+        target="sglang.srt.models.kimi_k3.KimiK3MLAAttention.__init__",
+        host=HOST,
+        hook="after",
+        fn=f"{__name__}:install_o_proj_precomputed_gate",
+        why=_GATE_WHY + " (0.5.17: same bug; its gate comes from _gate_precomputed or g_proj)",
+        how="AFTER: attach the gate as o_proj._kimi_lora_input_transform, computed as 0.5.17 does "
+        "(the alt-stream gate in _gate_precomputed, joined first, else g_proj(h))",
+        upstream=PR_37704 + " item 2",
+        remove_when="as lora_output_gate.o_proj_gate-0523",
+        versions=ONLY_0517,
+    ),
+    HookPatch(
+        name="lora_output_gate.row_parallel_forward",
+        target="sglang.srt.lora.layers.RowParallelLinearWithLoRA.forward",
+        host=HOST,
+        hook="around",
+        fn=f"{__name__}:row_parallel_lora_forward",
+        why="see lora_output_gate.o_proj_gate-0517 / -0523",
+        how="AROUND: input_ = base_layer._kimi_lora_input_transform(input_) when present, so base GEMM "
+        "and LoRA A both see the gated input (as without LoRA)",
+        upstream=PR_37704 + " item 2",
+        remove_when="as lora_output_gate.o_proj_gate-0517 / -0523",
+        versions=BOTH,
+    ),
+)
 
 #: the ``o_proj`` attribute holding the gate as an input transform
 TRANSFORM_ATTR = "_kimi_lora_input_transform"

@@ -8,7 +8,26 @@ RL reload. The wrapper already mirrors ``weight`` / ``bias``; this mirrors ``par
 
 from __future__ import annotations
 
-__all__ = ["mirror_params_dtype"]
+from kimi_sglang_plugin.patches.hook_patch import HOST, ONLY_0523, PR_37704, HookPatch
+
+__all__ = ["ENTRY", "mirror_params_dtype"]
+
+#: this patch's ledger row
+ENTRY = HookPatch(
+    name="lora_params_dtype",
+    target="sglang.srt.lora.layers.BaseLayerWithLoRA.__init__",
+    host=HOST,
+    hook="after",
+    fn=f"{__name__}:mirror_params_dtype",
+    why="KimiK3LinearForCausalLM.post_load_weights reads self_attn.o_proj.params_dtype to "
+    "precompile the KDA kernel; through a LoRA wrapper it is None and falls back to the "
+    "(possibly quantized) weight dtype on every RL reload",
+    how="AFTER: mirror base_layer.params_dtype onto the wrapper, as it already mirrors weight/bias",
+    upstream=PR_37704 + " item 4",
+    remove_when="BaseLayerWithLoRA forwards params_dtype upstream",
+    versions=ONLY_0523,
+    absent_in="0.5.17: post_load_weights reads o_proj.weight.dtype (models/kimi_k3.py:2926), which the wrapper mirrors",
+)
 
 
 def mirror_params_dtype(result, wrapper, base_layer, *args, **kwargs):

@@ -19,6 +19,26 @@ from __future__ import annotations
 
 import logging
 
+from kimi_sglang_plugin.patches.hook_patch import BOTH, HOST, HookPatch
+
+#: this patch's ledger row
+ENTRY = HookPatch(
+    name="lora_unfused_front",
+    target="sglang.srt.models.kimi_k3.KimiK3MoE._merge_front_weights",
+    host=HOST,
+    hook="around",
+    fn=f"{__name__}:merge_front_weights_unless_lora",
+    why="the merged MoE front multiplies by one buffer holding shared_experts.gate_up_proj, gate and "
+    "routed_expert_down_proj, and the shared down GEMM reads down_proj.weight directly; LoRA wraps those "
+    "modules after the merge, so shared-expert LoRA is loaded and silently not applied (served logprobs "
+    "far outside the bf16 floor)",
+    how="AROUND: skip the merge when the server has LoRA on (or its arguments cannot be read), so every "
+    "forward takes _forward_unfused, which calls the LoRA-wrapped modules",
+    upstream="none (0.5.17 and 0.5.23 both merge)",
+    remove_when="SGLang skips or LoRA-aware-fuses the K3 MoE front when LoRA is enabled",
+    versions=BOTH,
+)
+
 log = logging.getLogger(__name__)
 _logged = False
 

@@ -85,11 +85,11 @@ def reference(ckpt):
 
 def stock_returns_routed() -> bool:
     """Whether stock SGLang can return K3's routed experts: not 0.5.17 (its capturer reads a config name K3 lacks
-    and its K3 TopK has no layer_id; the plugin's k3_routed_experts_* hooks fix both, 0.5.23 has the fixes)."""
+    and its K3 TopK has no layer_id; the plugin's routed_experts_capture hooks fix both, 0.5.23 has the fixes)."""
     from kimi_sglang_plugin.host_support import sglang_version
     from kimi_sglang_plugin.patches import patches_for
 
-    return "k3_routed_experts_topk_layer_id" not in {s.name for s in patches_for(sglang_version())}
+    return "routed_experts_capture.topk_layer_id" not in {s.name for s in patches_for(sglang_version())}
 
 
 @pytest.fixture(scope="module")
@@ -319,7 +319,7 @@ def test_plugin_lora_log_names_moe_core(plugin_lora):
     assert seen["situ_moe_lora"], "no 'MarlinLoraRunnerCore runs SiTU' line: the plugin's MoE LoRA core did not run"
     assert seen["moe_front_unmerged"], (
         "no 'keep their front unmerged' line: SGLang's merged K3 MoE front would skip "
-        "the shared experts' LoRA (hook k3_lora_unfused_moe_front)"
+        "the shared experts' LoRA (hook lora_unfused_front)"
     )
 
 

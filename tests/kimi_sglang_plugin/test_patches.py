@@ -4,6 +4,7 @@ still is what the recorded facts say; each patch behaves on CPU."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ from kimi_core.errors import PatchTargetError
 from kimi_core.patch_ledger import PatchEntry
 from kimi_sglang_plugin.host_support import FACTS, SUPPORTED_SGLANG, sglang_version
 from kimi_sglang_plugin.patches import HOST, LEDGER, covered_releases, patches_for
+from kimi_sglang_plugin.patches.hook_patch import release_tag
 
 LIVE = patches_for(sglang_version())
 
@@ -33,12 +35,45 @@ def test_ledger_covers_every_release():
         assert covered_releases(s), f"{s.name}: releases {s.versions} hold no supported SGLang release"
         for release in covered_releases(s):
             assert release in FACTS.get(s.target, {}), f"{s.key}: no facts row for {s.target} in {release}"
-    for name in {s.name for s in LEDGER}:
-        variants = [s for s in LEDGER if s.name == name]
+    for patch in {s.patch for s in LEDGER}:
+        variants = [s for s in LEDGER if s.patch == patch]
         covered = [r for s in variants for r in covered_releases(s)]
-        assert len(covered) == len(set(covered)), f"{name}: two variants for one release"
+        assert len(covered) == len(set(covered)), f"{patch}: two variants for one release"
         missing = set(SUPPORTED_SGLANG) - set(covered)
-        assert not missing or all(s.absent_in for s in variants), f"{name}: nothing for {sorted(missing)}"
+        assert not missing or all(s.absent_in for s in variants), f"{patch}: nothing for {sorted(missing)}"
+        if len(variants) > 1:
+            for s in variants:
+                (release,) = covered_releases(s)
+                assert s.name == f"{patch}-{release_tag(release)}", f"{s.name}: a variant is named <patch>-<release>"
+        else:
+            assert variants[0].name == patch, f"{variants[0].name}: a release suffix without another variant"
+
+
+def test_every_row_lives_in_the_file_it_is_named_after():
+    """Every module of kimi_sglang_plugin/patches/ (but the row type and the shared helper) is a patch file whose
+    rows, ENTRY or ENTRIES, are in LEDGER; each row is named ``<file>[.<part>][-<release>]`` after the file that
+    holds it and hooks a function of that file (upstream PR numbers stay in ``upstream``)."""
+    import importlib
+    import pkgutil
+
+    import kimi_sglang_plugin.patches as patches
+    from kimi_sglang_plugin.patches import rows_of
+
+    files = sorted(m.name for m in pkgutil.iter_modules(patches.__path__))
+    assert files == sorted({row.file for row in LEDGER} | {"config_alias", "hook_patch"}), files
+    names = [s.name for s in LEDGER]
+    assert len(names) == len(set(names)), names
+    for file in {row.file for row in LEDGER}:
+        module = importlib.import_module(f"kimi_sglang_plugin.patches.{file}")
+        assert hasattr(module, "ENTRY") != hasattr(module, "ENTRIES"), file
+        assert hasattr(module, "ENTRY") or len(module.ENTRIES) > 1, f"{file}: one row is ENTRY"
+        rows = rows_of(module)
+        assert all(any(row is e for e in LEDGER) for row in rows), file
+        assert [row.name for row in rows] == [e.name for e in LEDGER if e.file == file], file
+        for row in rows:
+            assert row.file == file and row.name.startswith(file), (file, row.name)
+            assert row.fn.partition(":")[0] == module.__name__, (row.name, row.fn)
+            assert not any(pr in row.name for pr in re.findall(r"#(\d+)", row.upstream)), row.name
 
 
 @pytest.mark.parametrize("spec", LIVE, ids=[s.key for s in LIVE])
@@ -167,7 +202,7 @@ def test_fix2_precomputed_gate_0517(monkeypatch):
 
 
 @pytest.mark.skipif(
-    "37704_4_params_dtype_through_wrapper" not in {s.name for s in LIVE},
+    "lora_params_dtype" not in {s.name for s in LIVE},
     reason="the bug is absent in this SGLang release (ledger absent_in)",
 )
 def test_fix4_params_dtype_mirrored(plugin):
@@ -180,7 +215,7 @@ def test_fix4_params_dtype_mirrored(plugin):
 
 
 @pytest.mark.skipif(
-    "37704_5_f_b_proj_registered_twice" not in {s.name for s in LIVE},
+    "kda_f_b_proj_alias" not in {s.name for s in LIVE},
     reason="the bug is absent in this SGLang release (ledger absent_in)",
 )
 def test_fix5_f_b_proj_keeps_its_name(plugin):
@@ -280,7 +315,7 @@ def _k3_topk_call(kimi_k3_source: str) -> str:
 
 def test_routed_experts_capture_reads_k3_config(plugin):
     """SGLang's routed-experts capturer reads ``hf_text_config.num_experts_per_tok``: a K3 config answers with
-    ``num_experts_per_token`` (0.5.23: its attribute_map; 0.5.17: hook k3_routed_experts_top_k_name)."""
+    ``num_experts_per_token`` (0.5.23: its attribute_map; 0.5.17: hook routed_experts_capture.top_k_name)."""
     from sglang.srt.configs.kimi_linear import KimiLinearConfig
 
     cfg = KimiLinearConfig(hidden_size=256, num_attention_heads=2, num_experts=16, num_experts_per_token=4)
@@ -296,7 +331,7 @@ def test_k3_topk_gets_its_layer(plugin):
 
     from kimi_sglang_plugin.patches.routed_experts_capture import topk_layer_id
 
-    if "k3_routed_experts_topk_layer_id" not in {s.name for s in LIVE}:
+    if "routed_experts_capture.topk_layer_id" not in {s.name for s in LIVE}:
         assert "layer_id=self.layer_idx" in _k3_topk_call(inspect.getsource(kimi_k3))
     moe = SimpleNamespace(topk=SimpleNamespace(layer_id=None), layer_idx=3)
     topk_layer_id(None, moe)
@@ -339,7 +374,7 @@ def _k3_moe_front(dtype=torch.bfloat16):
 @pytest.mark.parametrize("lora", [False, True])
 def test_k3_moe_front_stays_unmerged_with_lora(plugin, tiny_ckpt, monkeypatch, lora):
     """SGLang's merged K3 MoE front reads the shared experts' weights from one merged buffer, past their LoRA
-    wrappers. With LoRA on (hook k3_lora_unfused_moe_front) the merge leaves ``_front_w`` None and the fused
+    wrappers. With LoRA on (hook lora_unfused_front) the merge leaves ``_front_w`` None and the fused
     path is not eligible, so forwards call the (wrapped) modules; with LoRA off SGLang merges as it does stock
     (the module weight becomes a view of the merged buffer)."""
     from server_context import publish
@@ -375,7 +410,7 @@ def test_k3_moe_front_stays_unmerged_with_lora(plugin, tiny_ckpt, monkeypatch, l
 
 def test_hybrid_backend_hands_indexer_metadata_to_full_backend(plugin):
     """K3.1's MLA indexer asks the hybrid KDA + MLA backend for its metadata: the full-attention backend's
-    for a full-attention layer, none for a KDA layer (0.5.23 does this itself; hook k31_hybrid_indexer_metadata
+    for a full-attention layer, none for a KDA layer (0.5.23 does this itself; hook hybrid_indexer_metadata
     on 0.5.17, run here on the base class's method, which is what 0.5.17's hybrid backend inherits)."""
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
     from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
@@ -388,7 +423,7 @@ def test_hybrid_backend_hands_indexer_metadata_to_full_backend(plugin):
     base = AttentionBackend.get_indexer_metadata
     assert indexer_metadata_from_full_backend(base, hybrid, 3, None) is meta
     assert indexer_metadata_from_full_backend(base, hybrid, 2, None) is None
-    if "k31_hybrid_indexer_metadata" not in {s.name for s in LIVE}:  # 0.5.23: its own override does the same
+    if "hybrid_indexer_metadata" not in {s.name for s in LIVE}:  # 0.5.23: its own override does the same
         assert HybridLinearAttnBackend.get_indexer_metadata(hybrid, 7, None) is meta
 
 
@@ -397,7 +432,7 @@ def test_hybrid_backend_hands_indexer_metadata_to_full_backend(plugin):
     reason="set KIMI_SGLANG_SRC_0517 to an unpacked sglang 0.5.17 wheel",
 )
 def test_0517_hybrid_backend_does_not_override_indexer_metadata():
-    """Why k31_hybrid_indexer_metadata applies to 0.5.17: its HybridLinearAttnBackend inherits
+    """Why hybrid_indexer_metadata applies to 0.5.17: its HybridLinearAttnBackend inherits
     get_indexer_metadata from AttentionBackend, which answers None (read from the 0.5.17 wheel)."""
     import os
 
