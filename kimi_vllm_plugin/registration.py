@@ -13,7 +13,9 @@ the host: :func:`register` therefore always returns. It
    construction raises one error (release found, releases supported, what to install);
 3. registers the ``kimi_k31`` config where K3.1 is supported (patch ``k31_config``), and for a
    ``model_type`` that an unsupported release does not know (:data:`CONFIG_TYPES`) a config class
-   raising that error.
+   raising that error;
+4. installs the ``lora_reload_cache`` patch (an adapter reloaded under a name the engine served
+   before resets the prefix cache), at once in an engine-core process, else on the core's import.
 
 Anything unexpected is logged with its traceback and swallowed. Explicit checks raise
 :class:`~kimi_core.errors.PluginError` instead: :func:`check_host` (a host, or given architectures,
@@ -124,6 +126,9 @@ def _register() -> None:
         if _lazy_target(ModelRegistry.models.get(arch)) != target:
             ModelRegistry.register_model(arch, target)
     _register_configs(report)
+    from kimi_vllm_plugin.patches import lora_reload_cache
+
+    lora_reload_cache.install()  # never raises; scoped to engines serving our architectures
     if report.unsupported and report.summary() not in _WARNED:
         _WARNED.add(report.summary())
         log = logger.warning if not report.supported else logger.info

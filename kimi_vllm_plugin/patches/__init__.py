@@ -4,7 +4,7 @@
 upstream, removal condition, what the target must look like). The row is the one description of a patch;
 the file beside it holds only the code. Every patch is idempotent or scoped to one construction, and checks
 its target before it is applied: :func:`kimi_core.patch_ledger.check_patch` against the row (``lora_layers``,
-``cpu_punica_no_lora``, ``lora_dir_prepare``), or a missing-target check raising
+``cpu_punica_no_lora``, ``lora_dir_prepare``, ``lora_reload_cache``), or a missing-target check raising
 :class:`~kimi_core.errors.PatchTargetError` with the row's name (the construction-time swaps).
 
 =====================  ======================================  =====================================================
@@ -17,6 +17,8 @@ patch (file)           when                                    what
 ``k25_text_model``     worker, during K2.5 construction        K2.5's text model is our LoRA-capable K2.x class
 ``k31_config``         every process, at ``register()``        ``model_type: kimi_k31`` parses as K3's config
 ``lora_dir_prepare``   worker, any device, at Kimi construction a LoRA folder vLLM loads is prepared by the plugin
+``lora_reload_cache``  engine core, at ``register()`` or its   an adapter reloaded under a name served before
+                       import (Kimi engines only)              resets the prefix cache
 =====================  ======================================  =====================================================
 """
 
@@ -28,6 +30,7 @@ from kimi_vllm_plugin.patches import (
     k31_config,
     lora_dir_prepare,
     lora_layers,
+    lora_reload_cache,
     moe_block,
 )
 
@@ -44,6 +47,7 @@ LEDGER: dict[str, PatchEntry] = {
         k25_text_model,
         k31_config,
         lora_dir_prepare,
+        lora_reload_cache,
     )
 }
 
