@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi_core.attention.blockwise import key_starts
+from kimi_core.attention.blockwise import block_ranges
 from kimi_core.reference.indexer import index_scores
 from kimi_core.reference.ops import acc_dtype
 
@@ -32,30 +32,34 @@ def blockwise_index_topk(
     seg: torch.Tensor | None = None,
     block_q: int = INDEX_BLOCK_Q,
     block_k: int = INDEX_BLOCK_K,
+    q_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Indices ``[B, T, min(topk, T)]`` int64 of each query's highest-scoring visible keys, ``-1`` in empty slots.
+    """Indices ``[B, Tq, min(topk, Tk)]`` int64 of each query's highest-scoring visible keys, ``-1`` in empty slots.
 
-    :param q: ``[B, T, n_h, d]`` index queries; ``k``: ``[B, T, d]`` index keys; ``weights``: ``[B, T, n_h]``
+    :param q: ``[B, Tq, n_h, d]`` index queries; ``k``: ``[B, Tk, d]`` index keys; ``weights``: ``[B, Tq, n_h]``
         raw ``weights_proj(x)`` (as :func:`kimi_core.reference.indexer.index_scores` takes them).
-    :param seg: optional ``[T]`` segment ids of packed sequences: keys of other sequences are invisible.
-    Query ``t`` sees keys ``s <= t`` (of its segment); with fewer visible keys than ``K`` the rest are ``-1``.
+    :param seg: optional ``[Tk]`` segment ids of packed sequences: keys of other sequences are invisible.
+    :param q_pos: optional ``[Tq]`` non-decreasing positions of the queries among the keys (a context-parallel
+        rank's queries against the gathered keys); default: ``Tq == Tk``, query ``t`` at position ``t``.
+    Query ``t`` sees keys ``s <= q_pos[t]`` (of its segment); with fewer visible keys than ``K`` the rest are ``-1``.
     """
-    B, T = q.shape[:2]
-    K = min(topk, T)
+    B, Tq = q.shape[:2]
+    Tk = k.shape[1]
+    K = min(topk, Tk)
     dev, a = q.device, acc_dtype(q.dtype)
-    out = torch.empty(B, T, K, dtype=torch.int64, device=dev)
-    for q0, k_start in zip(range(0, T, block_q), key_starts(seg, T, block_q)):
-        q1 = min(q0 + block_q, T)
+    pos = torch.arange(Tq, device=dev) if q_pos is None else q_pos
+    out = torch.empty(B, Tq, K, dtype=torch.int64, device=dev)
+    for q0, q1, k_start, k_end in block_ranges(seg, Tq, Tk, block_q, q_pos):
         best_v = torch.full((B, q1 - q0, K), float("-inf"), device=dev, dtype=a)
         best_i = torch.full((B, q1 - q0, K), -1, dtype=torch.int64, device=dev)
-        qi = torch.arange(q0, q1, device=dev)[:, None]
-        for k0 in range(k_start, q1, block_k):
-            k1 = min(k0 + block_k, q1)
+        qi = pos[q0:q1, None]
+        for k0 in range(k_start, k_end, block_k):
+            k1 = min(k0 + block_k, k_end)
             s = index_scores(q[:, q0:q1], k[:, k0:k1], weights[:, q0:q1])  # [B, bq, bk]
             ki = torch.arange(k0, k1, device=dev)[None, :]
             keep = ki <= qi
             if seg is not None:
-                keep = keep & (seg[q0:q1, None] == seg[None, k0:k1])
+                keep = keep & (seg[qi] == seg[None, k0:k1])
             s = s.to(best_v.dtype).masked_fill(~keep, float("-inf"))
             vals = torch.cat([best_v, s], -1)
             ids = torch.cat([best_i, ki.expand(B, q1 - q0, -1)], -1)
