@@ -19,6 +19,7 @@ import os
 import torch
 
 from kimi_core.checkpoint.folders import FolderRefused, check_output_folder
+from kimi_core.checkpoint.tokenizer import BOS_ID, EOS_ID, MEDIA_ID, PAD_ID, write_tokenizer
 from kimi_core.checkpoint.writer import replace_directory, write_checkpoint
 from kimi_core.config import FAMILIES, KimiConfig
 from kimi_core.quant import int4, mxfp4
@@ -75,9 +76,9 @@ _K2_TEXT = {
     "ep_size": 1,
     "aux_loss_alpha": 0.0,
     "seq_aux": True,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
+    "bos_token_id": BOS_ID,
+    "eos_token_id": EOS_ID,
+    "pad_token_id": PAD_ID,
     "use_cache": True,
     "torch_dtype": "bfloat16",
     "dtype": "bfloat16",
@@ -100,9 +101,9 @@ def _k3_text() -> dict:
         num_key_value_heads=2,
         q_lora_rank=128,
         attn_res_block_size=2,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
         torch_dtype="bfloat16",
         dtype="bfloat16",
     )
@@ -216,10 +217,10 @@ def tiny_config(model: str, quant: str | None = None, layers: int | None = None,
         "model_type": top_type,
         "text_config": text,
         "vision_config": dict(_VISION_STUB),
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-        "media_placeholder_token_id": 3,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "media_placeholder_token_id": MEDIA_ID,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     }
@@ -361,6 +362,9 @@ def make_tiny(
 ) -> str:
     """Write a tiny checkpoint of ``model`` to ``out_dir`` and return the directory.
 
+    The folder holds the weights, ``config.json`` and a word-level tokenizer with a chat template
+    (:func:`kimi_core.checkpoint.tokenizer.write_tokenizer`), so hosts that load one from the model folder run it.
+
     An existing checkpoint at ``out_dir`` is replaced as a whole (:func:`replace_directory`: no shard of it is
     left beside the new one); a file there, or a non-empty folder that is not a checkpoint, is refused.
 
@@ -387,5 +391,11 @@ def make_tiny(
             "make-tiny replaces only an earlier checkpoint; name a new or empty folder"
         )
     tensors = tiny_state_dict(cfg, q, convention, seed)
-    replace_directory(out_dir, lambda d: write_checkpoint(d, tensors, cfg, max_shard_bytes=max_shard_bytes))
+    text = cfg.get("text_config", cfg)
+
+    def fill(d: str) -> None:
+        write_checkpoint(d, tensors, cfg, max_shard_bytes=max_shard_bytes)
+        write_tokenizer(d, text["vocab_size"], text["max_position_embeddings"])
+
+    replace_directory(out_dir, fill)
     return out_dir
