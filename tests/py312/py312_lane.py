@@ -21,10 +21,13 @@ def require(module: str, pin: str):
         pytest.skip(f"{LANE}: {pin} needs Python 3.12; this is {sys.version.split()[0]}", allow_module_level=True)
     parts = module.split(".")
     for i in range(1, len(parts) + 1):
-        if importlib.util.find_spec(".".join(parts[:i])) is None:
+        name = ".".join(parts[:i])
+        if importlib.util.find_spec(name) is None:
             pytest.skip(f"{LANE}: {pin} is not installed", allow_module_level=True)
-    if module.startswith("megatron.bridge"):
-        from kimi_megatron_plugin.patches import te_stub
+        if name == "megatron.bridge":
+            # before anything imports Bridge (finding a submodule's spec imports its parents):
+            # megatron-bridge 0.6.2 imports TransformerEngine unguarded (te_stub.py says where)
+            from kimi_megatron_plugin.patches import te_stub
 
-        te_stub.install()  # megatron-bridge 0.6.2 imports TransformerEngine unguarded (te_stub.py says where)
+            te_stub.install()
     return importlib.import_module(module)
