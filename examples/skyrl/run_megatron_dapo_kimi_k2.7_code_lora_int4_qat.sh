@@ -126,7 +126,7 @@ OVERRIDES=(
   trainer.policy.model.lora.alpha="$LORA_ALPHA"
   trainer.policy.model.lora.target_modules="['linear_proj','linear_fc1','linear_fc2']"
   trainer.policy.megatron_config.lora_config.merge_lora=false
-  trainer.policy.megatron_config.lora_config.normalize_moe_lora="$NORMALIZE_MOE_LORA"
+  trainer.policy.model.kimi.normalize_moe_lora="$NORMALIZE_MOE_LORA"
   trainer.flash_attn=false
   trainer.fused_lm_head_logprob=true
   # Megatron layout

@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PEFT_PREFIX",
+    "MEGATRON_TO_HF",
+    "hf_leaves",
     "Target",
     "TargetGroup",
     "dense_targets",
@@ -365,3 +367,35 @@ def parse_lora_name(config: KimiConfig, name: str) -> ParsedName | None:
         if len(parts) == 1:
             return ParsedName(name, module, ab, "expert_3d", moe, None, parts[0])
     return ParsedName(name, module, ab, "dense")
+
+
+#: Megatron leaf -> HF leaves (the names host trainers on Megatron use for LoRA targets)
+MEGATRON_TO_HF = {
+    "linear_q_down_proj": ("q_a_proj",),
+    "linear_q_up_proj": ("q_b_proj",),
+    "linear_q_proj": ("q_proj",),
+    "linear_kv_down_proj": ("kv_a_proj_with_mqa",),
+    "linear_kv_up_proj": ("kv_b_proj",),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+# the expert projections of the two families: K2.x gate / up / down, K3 w1 / w3 / w2
+_FAMILY_ALIASES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_FAMILY_ALIASES.update({v: k for k, v in _FAMILY_ALIASES.items()})
+
+
+def hf_leaves(names) -> tuple[str, ...]:
+    """HF leaves for a host's LoRA target names, in order, without repeats.
+
+    Megatron leaves expand (``linear_fc1`` -> ``gate_proj``, ``w1``, ``up_proj``, ``w3``), HF leaves gain the
+    other family's alias (``down_proj`` <-> ``w2``), anything else passes through unchanged.
+    """
+    out: list[str] = []
+    for n in names:
+        leaf = n.rsplit(".", 1)[-1]
+        for hf in MEGATRON_TO_HF.get(leaf, (n,)):
+            for x in (hf, _FAMILY_ALIASES.get(hf)):
+                if x and x not in out:
+                    out.append(x)
+    return tuple(out)

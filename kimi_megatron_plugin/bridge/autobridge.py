@@ -112,8 +112,12 @@ def _register_k2(bridge_cls: type) -> None:
     get_model_bridge.impl(key)(route)
 
 
-def register() -> dict[str, str]:
+def register(force: bool = False) -> dict[str, str]:
     """Idempotent: make the Kimi architectures known to Megatron-Bridge; returns ``{architecture: model_type}``.
+
+    ``force``: register again even if this process already did. Bridge's registry is last-write-wins, so a host
+    that registers its own bridge for a Kimi architecture after us (SkyRL's Megatron worker module does, at
+    import) is overridden only by a later, forced call.
 
     Example::
 
@@ -126,7 +130,7 @@ def register() -> dict[str, str]:
 
     :raises PluginError: megatron-bridge is absent (names the extra to install).
     """
-    if _REGISTERED:
+    if _REGISTERED and not force:
         return dict(MODEL_TYPES)
     import_bridge()
     from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge

@@ -49,8 +49,12 @@ class KimiBridgeProvider(KimiModelProvider, ModelProviderMixin):
         )
 
     def provide(self, pre_process: bool | None = None, post_process: bool | None = None, vp_stage: int | None = None):
-        """This rank's ``GPTModel`` chunk (:func:`kimi_megatron_plugin.models.provider.build_model`)."""
-        if self.config is None:
+        """This rank's ``GPTModel`` chunk (:func:`kimi_megatron_plugin.models.provider.build_model`).
+
+        The config is rebuilt when ``params_dtype`` changed since :meth:`finalize`: Bridge's ``get_model`` sets
+        it from its ``bf16`` / ``fp16`` arguments after the host has finalized the provider (SkyRL does).
+        """
+        if self.config is None or self.config.params_dtype != self.params_dtype:
             self.finalize()
         return build_model(
             self.kimi, self.config, pre_process, post_process, vp_stage, self.expert_mode, **self.expert_kwargs

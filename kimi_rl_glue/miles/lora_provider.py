@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import OrderedDict
 
 import torch
 
 from kimi_core.errors import KimiError
 from kimi_core.lora import ALL_LINEAR, Adapter, LoraSpec
-from kimi_core.lora.naming import PEFT_PREFIX
+from kimi_core.lora.naming import PEFT_PREFIX, hf_leaves
+from kimi_megatron_plugin.lora.attach import SLOT
 
 __all__ = [
     "SLOT",
@@ -54,23 +54,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: submodule name under which each chunk holds its LoRA factors
-SLOT = "kimi_lora_params"
-
-# Megatron leaf -> HF leaves; expert projections in both Kimi families (gate/up/down and K3's w1/w3/w2)
-_MEGATRON_TO_HF = {
-    "linear_q_down_proj": ("q_a_proj",),
-    "linear_q_up_proj": ("q_b_proj",),
-    "linear_q_proj": ("q_proj",),
-    "linear_kv_down_proj": ("kv_a_proj_with_mqa",),
-    "linear_kv_up_proj": ("kv_b_proj",),
-    "linear_proj": ("o_proj",),
-    "linear_fc1": ("gate_proj", "up_proj"),
-    "linear_fc2": ("down_proj",),
-}
-_FAMILY_ALIASES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-_FAMILY_ALIASES.update({v: k for k, v in _FAMILY_ALIASES.items()})
-
 
 class LoraProviderError(KimiError, ValueError):
     """A miles flag cannot be mapped onto Kimi LoRA, or a model chunk has none; names the flag."""
@@ -82,17 +65,6 @@ def _names(value) -> list[str]:
     if isinstance(value, str):
         return [v.strip() for v in value.split(",") if v.strip()]
     return [str(v).strip() for v in value]
-
-
-def _hf_leaves(names: list[str]) -> tuple[str, ...]:
-    out: list[str] = []
-    for n in names:
-        leaf = n.rsplit(".", 1)[-1]
-        for hf in _MEGATRON_TO_HF.get(leaf, (n,)):
-            for x in (hf, _FAMILY_ALIASES.get(hf)):
-                if x and x not in out:
-                    out.append(x)
-    return tuple(out)
 
 
 def lora_spec_from_args(args) -> LoraSpec:
@@ -113,30 +85,12 @@ def lora_spec_from_args(args) -> LoraSpec:
     return LoraSpec(
         rank=rank,
         alpha=float(getattr(args, "lora_alpha", 16)),
-        target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else _hf_leaves(targets),
-        exclude_modules=_hf_leaves(_names(getattr(args, "exclude_modules", None))),
+        target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else hf_leaves(targets),
+        exclude_modules=hf_leaves(_names(getattr(args, "exclude_modules", None))),
         expert_layout="shared_outer" if getattr(args, "experts_shared_outer_loras", False) else "per_expert",
         normalize_moe_lora=bool(getattr(args, "kimi_normalize_moe_lora", False)),
         base_model_name_or_path=getattr(args, "hf_checkpoint", None) or "",
     )
-
-
-class _Slot(torch.nn.Module):
-    """Holds a chunk's :class:`KimiLora` as a child (parameters visible, state dict hidden)."""
-
-    def __init__(self, lora):
-        super().__init__()
-        self.lora = lora
-
-    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
-        return destination if destination is not None else OrderedDict()
-
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        return {}
-
-
-def _ignore_slot_keys(_module, incompatible) -> None:
-    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if f".{SLOT}." not in f".{k}"]
 
 
 def _unwrap(chunk):
@@ -146,7 +100,7 @@ def _unwrap(chunk):
 
 
 def _attach(model, spec: LoraSpec, seed: int, hf_checkpoint: str | None):
-    from kimi_megatron_plugin.lora import apply_lora
+    from kimi_megatron_plugin.lora.attach import attach_lora
 
     inner = _unwrap(model)
     if getattr(inner, "kimi_config", None) is None:
@@ -155,16 +109,7 @@ def _attach(model, spec: LoraSpec, seed: int, hf_checkpoint: str | None):
         from kimi_core.config import load_config
 
         inner.kimi_config = load_config(hf_checkpoint)
-    lora = apply_lora(inner, spec, seed=seed)
-    if not len(lora.dense) and not len(lora.experts):  # legal on a pipeline stage without targets
-        log.warning(
-            "kimi_rl_glue.miles.lora_provider: --target-modules %s selects no module of this model chunk",
-            spec.target_modules,
-        )
-    del inner.__dict__["kimi_lora"]  # apply_lora's plain attribute; the slot makes it a real child
-    inner.add_module(SLOT, _Slot(lora))
-    object.__setattr__(inner, "kimi_lora", lora)
-    inner.register_load_state_dict_post_hook(_ignore_slot_keys)
+    attach_lora(inner, spec, seed=seed)
     return model
 
 

@@ -7,8 +7,10 @@ prefix is refused), so every key our recipes pass must be a field. Added here:
   soft overlong punishment (SkyRL's DAPO example fields);
 * ``trainer.policy.model.kimi.expert_weights``: ``int4`` (default; the trainer keeps the routed
   experts as the release's packed INT4 bytes, kimi_megatron_plugin W4A16, exactly the served grid,
-  so ``fake_int4_qat`` stays off) or ``bf16`` (BF16 masters from ``fake_int4_qat.bf16_base_path``,
-  SkyRL's fake-INT4 QAT path).
+  so ``fake_int4_qat`` stays off) or ``bf16`` (BF16 masters, from ``fake_int4_qat.bf16_base_path`` or
+  dequantized from ``model.path`` at load; ``fake_int4_qat.enabled`` fake-quantizes them on the forward
+  with its ``scale_divisor`` / ``q_min``, in kimi_megatron_plugin's experts);
+* ``trainer.policy.model.kimi.normalize_moe_lora``: routed experts at LoRA rank ``rank // top_k``.
 
 No ``from __future__ import annotations`` here: SkyRL recurses into a nested config only when the
 field's ``type`` is the class itself, not a string. SkyRL is passed in (``skyrl.train.config``), so
@@ -29,7 +31,11 @@ class KimiModelOptions:
 
     expert_weights: str = "int4"
     """``int4``: packed INT4 routed experts in the trainer (no BF16 copy, no fake-quant pass);
-    ``bf16``: BF16 masters from ``trainer.policy.model.fake_int4_qat.bf16_base_path``."""
+    ``bf16``: BF16 masters (from ``trainer.policy.model.fake_int4_qat.bf16_base_path`` if set, else dequantized
+    from ``model.path`` at load), fake-quantized on the forward when ``fake_int4_qat.enabled``."""
+
+    normalize_moe_lora: bool = False
+    """Routed experts train at LoRA rank ``rank // top_k`` (capacity-normalised expert LoRA, seed 003)."""
 
     def __post_init__(self):
         if self.expert_weights not in EXPERT_WEIGHTS:
@@ -76,9 +82,4 @@ def check_config(cfg) -> None:
         raise ValueError(
             "trainer.policy.model.kimi.expert_weights=int4 keeps the served INT4 experts in the trainer; "
             "set trainer.policy.model.fake_int4_qat.enabled=false (there is nothing to fake-quantize)"
-        )
-    if model.kimi.expert_weights == "bf16" and not qat.bf16_base_path:
-        raise ValueError(
-            "trainer.policy.model.kimi.expert_weights=bf16 needs "
-            "trainer.policy.model.fake_int4_qat.bf16_base_path (BF16 masters from `kimi-rl dequantize`)"
         )

@@ -9,18 +9,27 @@ parse (``NovaSky-AI/SkyRL:skyrl/train/entrypoints/main_base.py``). We then:
 2. register ``kimi_dapo`` / ``kimi_grpo`` in ``PolicyLossRegistry`` (before ``validate_cfg``, which
    checks ``policy_loss_type`` against the registry), start Ray and sync the registries to it;
 3. run ``BasePPOExp`` with a trainer that applies DAPO's soft overlong punishment
-   (``kimi_rl_glue.losses.overlong``) to the rewards before advantages are computed.
+   (``kimi_rl_glue.losses.overlong``) to the rewards before advantages are computed and, with
+   ``trainer.strategy=megatron``, builds its policy with ``kimi_rl_glue.skyrl.worker`` (the Kimi model,
+   LoRA and adapter sync inside SkyRL's Megatron worker);
+4. register our skyrl_gym environments (``kimi_token_set``) in the process that runs the generator.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 from kimi_rl_glue.losses.overlong import apply_overlong_penalty
 
-__all__ = ["main", "build_classes", "strip_override_arg", "shape_rewards"]
+__all__ = ["main", "build_classes", "strip_override_arg", "shape_rewards", "save_rollouts", "STEP0_DUMP_ENV"]
 
 OVERRIDE_PREFIX = "trainer.override_entrypoint="
+
+#: environment variable naming a JSON file: the first batch of rollouts (token ids and the engine's logprobs)
+#: is written there, for an offline comparison with ``kimi_core.reference`` on the same tokens
+STEP0_DUMP_ENV = "KIMI_SKYRL_DUMP_ROLLOUTS"
 
 
 def strip_override_arg(argv: list[str]) -> list[str]:
@@ -43,6 +52,17 @@ def shape_rewards(
             "the generator returned token-level rewards"
         )
     return apply_overlong_penalty(rewards, response_lengths, max_generate_length, buffer_len, penalty_factor).tolist()
+
+
+def save_rollouts(generator_output, path: str) -> None:
+    """Write a ``GeneratorOutput``'s ``prompt_token_ids``, ``response_ids``, ``rollout_logprobs`` and ``rewards``
+    as JSON (atomically)."""
+    keys = ("prompt_token_ids", "response_ids", "rollout_logprobs", "rewards")
+    data = {k: generator_output.get(k) for k in keys}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
 
 
 def build_classes():
@@ -84,7 +104,26 @@ def build_classes():
                         alg.overlong_buffer_len,
                         alg.overlong_buffer_penalty_factor,
                     )
+            dump = os.environ.get(STEP0_DUMP_ENV)
+            if dump and not os.path.exists(dump):
+                save_rollouts(generator_output, dump)
             return super().postprocess_generator_output(generator_output, uids, metrics_generator_output, metrics_uids)
+
+        def build_models(self, PolicyWorker, CriticWorker, RefWorker):
+            # the Megatron policy builds the Kimi model, LoRA and adapter sync (kimi_rl_glue.skyrl.worker)
+            if self.cfg.trainer.strategy == "megatron":
+                import ray
+
+                from kimi_rl_glue.skyrl.worker import build_policy_worker
+
+                alg = self.cfg.trainer.algorithm
+                if alg.use_kl_loss or alg.use_kl_in_reward:
+                    raise ValueError(
+                        "trainer.algorithm.use_kl_loss / use_kl_in_reward need a reference model, which the Kimi "
+                        "Megatron worker does not build yet; set both to false"
+                    )
+                PolicyWorker = ray.remote(num_gpus=1)(build_policy_worker())
+            return super().build_models(PolicyWorker, CriticWorker, RefWorker)
 
     class KimiExp(BasePPOExp):
         def get_trainer(self, *args, **kwargs):
@@ -102,9 +141,10 @@ def _build():
     @ray.remote(num_cpus=1)
     def entry(cfg):
         # Workers are fresh processes: register again so the registry is complete there too.
-        from kimi_rl_glue.skyrl.registry import register_skyrl_losses
+        from kimi_rl_glue.skyrl.registry import register_skyrl_envs, register_skyrl_losses
 
         register_skyrl_losses()
+        register_skyrl_envs()
         KimiExp(cfg).run()
 
     return KimiConfig, entry

@@ -10,8 +10,8 @@ built on both sides (``language_model_only``). TIS (token) corrects the remainin
 :meth:`K2xRecipe.overrides` returns SkyRL dotlist overrides; our plugins come in through
 ``trainer.override_entrypoint=kimi_rl_glue.skyrl.main`` (losses, DAPO reward shaping) and the
 ``vllm.general_plugins`` entry point ``kimi`` (Kimi classes with LoRA in the engine, see
-:meth:`K2xRecipe.env`). Key names follow SkyRL after #2026/#2027 (``normalize_moe_lora`` does not
-exist before #2026).
+:meth:`K2xRecipe.env`). ``normalize_moe_lora`` is our key (``trainer.policy.model.kimi.normalize_moe_lora``,
+read by :mod:`kimi_rl_glue.skyrl.worker`): SkyRL's own exists only in some releases.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class K2xRecipe:
                 )
             if self.lora_rank % self.moe_router_topk:
                 raise RecipeError(
-                    f"trainer.policy.megatron_config.lora_config.normalize_moe_lora: lora.rank "
+                    f"trainer.policy.model.kimi.normalize_moe_lora: lora.rank "
                     f"{self.lora_rank} must be divisible by moe_router_topk {self.moe_router_topk}"
                 )
         if self.tis_ratio_type not in (None, "token", "sequence"):
@@ -148,7 +148,7 @@ class K2xRecipe:
             # experts stay in the trainer; check_config() refuses any other pairing with fake_int4_qat
             "trainer.policy.model.kimi.expert_weights": "bf16" if self.qat else "int4",
             "trainer.policy.megatron_config.lora_config.merge_lora": False,
-            "trainer.policy.megatron_config.lora_config.normalize_moe_lora": self.normalize_moe_lora,
+            "trainer.policy.model.kimi.normalize_moe_lora": self.normalize_moe_lora,
             "trainer.policy.language_model_only": self.language_model_only,
             "generator.inference_engine.language_model_only": self.language_model_only,
             "trainer.algorithm.policy_loss_type": self.policy_loss_type,

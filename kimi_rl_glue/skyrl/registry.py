@@ -1,4 +1,5 @@
-"""Registration of our losses into SkyRL's ``PolicyLossRegistry`` (idempotent, lazy import).
+"""Registration of our losses into SkyRL's ``PolicyLossRegistry`` and of our environments into skyrl_gym (idempotent,
+lazy import).
 
 SkyRL's registry (``skyrl/backends/skyrl_train/utils/ppo_utils.py``) raises on a duplicate name and,
 when Ray is initialised, pushes each function to a named Ray actor so workers see it; functions
@@ -12,7 +13,7 @@ from collections.abc import Callable
 
 from kimi_rl_glue.skyrl.losses import kimi_dapo_policy_loss, kimi_grpo_policy_loss
 
-__all__ = ["SKYRL_LOSSES", "load_policy_loss_registry", "register_skyrl_losses"]
+__all__ = ["SKYRL_LOSSES", "load_policy_loss_registry", "register_skyrl_envs", "register_skyrl_losses"]
 
 SKYRL_LOSSES: dict[str, Callable] = {"kimi_dapo": kimi_dapo_policy_loss, "kimi_grpo": kimi_grpo_policy_loss}
 INSTALL_HINT = (
@@ -62,3 +63,11 @@ def register_skyrl_losses(registry=None, losses: dict[str, Callable] | None = No
         registry.register(name, fn)
         added.append(name)
     return added
+
+
+def register_skyrl_envs() -> None:
+    """Register our skyrl_gym environments (``kimi_token_set``) in this process; generators make environments by
+    name, so this runs where SkyRL's generator runs."""
+    from kimi_rl_glue.skyrl.token_set_env import register_token_set_env
+
+    register_token_set_env()

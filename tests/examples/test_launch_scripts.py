@@ -453,7 +453,7 @@ def test_skyrl_defaults_are_the_seed_with_our_entrypoint():
         "trainer.algorithm.eps_clip_high": "0.28",
         "trainer.algorithm.off_policy_correction.tis_ratio_type": "token",
         "trainer.policy.megatron_config.lora_config.merge_lora": "false",
-        "trainer.policy.megatron_config.lora_config.normalize_moe_lora": "true",
+        "trainer.policy.model.kimi.normalize_moe_lora": "true",
         "trainer.policy.language_model_only": "true",
         "generator.inference_engine.language_model_only": "true",
         "trainer.policy.model.lora.rank": "32",

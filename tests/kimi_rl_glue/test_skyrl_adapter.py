@@ -116,7 +116,7 @@ def test_recipe_from_checkpoint_maps_k2x_settings(tmp_path):
     )
     assert o["trainer.policy.model.fake_int4_qat.bf16_base_path"] == "/masters"
     assert o["trainer.policy.megatron_config.lora_config.merge_lora"] == "false"
-    assert o["trainer.policy.megatron_config.lora_config.normalize_moe_lora"] == "true"
+    assert o["trainer.policy.model.kimi.normalize_moe_lora"] == "true"
     assert o["trainer.policy.language_model_only"] == o["generator.inference_engine.language_model_only"] == "true"
     assert o["trainer.override_entrypoint"] == "kimi_rl_glue.skyrl.main"
     assert o["trainer.algorithm.policy_loss_type"] == "kimi_dapo"

@@ -143,5 +143,5 @@ def test_bad_values_are_named():
         _parse(cls, ["trainer.policy.model.kimi.expert_weight=int4"])
     with pytest.raises(ValueError, match="fake_int4_qat.enabled=false"):
         check_config(_parse(cls, ["trainer.policy.model.fake_int4_qat.enabled=true"]))
-    with pytest.raises(ValueError, match="bf16_base_path"):
-        check_config(_parse(cls, ["trainer.policy.model.kimi.expert_weights=bf16"]))
+    # BF16 masters without bf16_base_path: dequantized from model.path at load by our bridge
+    check_config(_parse(cls, ["trainer.policy.model.kimi.expert_weights=bf16"]))

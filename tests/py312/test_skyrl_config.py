@@ -134,7 +134,7 @@ def test_recipe_overrides_fit_skyrl_schema(mode):
     assert _check_keys(cfg, o) == len(o)
     check_config(cfg)
     m, mc, alg = cfg.trainer.policy.model, cfg.trainer.policy.megatron_config, cfg.trainer.algorithm
-    assert mc.lora_config.merge_lora is False and mc.lora_config.normalize_moe_lora is True
+    assert mc.lora_config.merge_lora is False and m.kimi.normalize_moe_lora is True
     assert cfg.trainer.policy.language_model_only and cfg.generator.inference_engine.language_model_only
     assert m.lora.rank == 32 and list(m.lora.target_modules) == ["linear_proj", "linear_fc1", "linear_fc2"]
     assert alg.off_policy_correction.tis_ratio_type == "token"
