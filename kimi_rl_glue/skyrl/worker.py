@@ -113,6 +113,10 @@ def _say(rank: int, msg: str, *args) -> None:
 def build_policy_worker():
     """The ``KimiMegatronPolicyWorker`` class (a subclass of SkyRL's ``MegatronPolicyWorkerBase``), not remote."""
     import torch
+
+    from kimi_megatron_plugin.patches import te_stub
+
+    te_stub.install()  # SkyRL's worker imports megatron-bridge, which needs this where TransformerEngine is absent
     from skyrl.backends.skyrl_train.workers.megatron.megatron_worker import MegatronPolicyWorkerBase
 
     class KimiMegatronPolicyWorker(MegatronPolicyWorkerBase):

@@ -25,6 +25,9 @@ if compgen -G ".gpu/extra/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .gpu/extra/*.whl 2>&1 | grep -v "already exists" || true
 fi
 python3 tools/gpu/write_entry_points.py "$SITE" > /dev/null
+if [ "${NO_TE:-0}" = 1 ]; then  # without TransformerEngine: our model uses the local spec, kimi's te_stub lets Bridge import
+  mkdir -p /tmp/te-off && mv "$SITE"/transformer_engine* /tmp/te-off/ 2> /dev/null || true
+fi
 export PYTHONPATH=$SITE:$PWD CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 [ ! -f /tmp/cublas/libcublasLt.so.13 ] || export LD_PRELOAD=/tmp/cublas/libcublasLt.so.13:/tmp/cublas/libcublas.so.13
 export SKYRL_DUMP_INFRA_LOG_TO_STDOUT=1 SKYRL_PYTHONPATH_EXPORT=1 RAY_DEDUP_LOGS=0 KIMI_SKYRL_DUMP_ROLLOUTS=$OUT/rollouts0.json
