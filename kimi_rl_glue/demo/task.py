@@ -9,7 +9,17 @@ so the reward is verifiable, like the math rewards of the real recipes.
 
 from __future__ import annotations
 
+from collections.abc import Container, Sequence
+
 import torch
+
+
+def target_fraction(response: Sequence, targets: Container) -> float:
+    """The task's reward: the fraction of ``response`` tokens that lie in ``targets`` (0.0 for an empty response).
+
+    Shared by :class:`TokenSetTask` (token ids) and SkyRL's ``kimi_token_set`` environment (words mapped to ids).
+    """
+    return sum(t in targets for t in response) / len(response) if response else 0.0
 
 
 class TokenSetTask:
@@ -30,7 +40,7 @@ class TokenSetTask:
 
     def reward(self, response: list[int]) -> float:
         """Fraction of ``response`` tokens in the target set (0 for an empty response)."""
-        return sum(t in self.targets for t in response) / len(response) if response else 0.0
+        return target_fraction(response, self.targets)
 
     @property
     def chance(self) -> float:

