@@ -17,6 +17,9 @@ never rewritten here:
 * :class:`KimiKDA` - Kimi Delta Attention with TP over heads; CPU runs the reference
   ``chunk_kda``, CUDA runs fla's ``chunk_kda`` (same signature).
 
+Context parallelism (``--context-parallel-size``): every module takes megatron's load-balanced shard of the
+sequence; what each gathers over the CP group is in :mod:`kimi_megatron_plugin.models.context_parallel`.
+
 The MLP slot (dense MLP, router, MoE layer) is :mod:`kimi_megatron_plugin.models.mlp`, the attention-residual
 layer and output norm :mod:`kimi_megatron_plugin.models.attn_res`, the routed experts
 :mod:`kimi_megatron_plugin.models.experts`.
@@ -39,6 +42,14 @@ from kimi_core.attention import blockwise_index_topk, causal_attention, segment_
 from kimi_core.reference import kda as ref_kda
 from kimi_core.reference.indexer import index_keys
 from kimi_core.reference.ops import acc_dtype, l2norm, rms_norm
+from kimi_megatron_plugin.models.context_parallel import (
+    CPLayout,
+    CPRotary,
+    cp_group,
+    cp_layout,
+    gather_sequence,
+    without_cp,
+)
 from kimi_megatron_plugin.models.parameters import compute_device, new_parameter, tp_size_rank
 from kimi_megatron_plugin.patches import apply_no_te_shims
 
@@ -115,6 +126,10 @@ class KimiCoreAttention(MegatronModule):
     any other explicit mask (True = masked out, ``[B, 1, S, S]``) takes the dense path, since the mask
     itself is already ``S x S``.
 
+    Context parallelism: ``query`` holds this rank's load-balanced tokens; the keys and values are all-gathered
+    over the CP group into global order (backward: reduce-scatter) and each local query attends them at its global
+    position (``topk_idx`` then holds global key positions). Explicit masks are refused under CP.
+
     :param softmax_scale: from ``MultiLatentAttention`` (``qk_head_dim^-1/2 * mscale^2``).
     """
 
@@ -132,10 +147,7 @@ class KimiCoreAttention(MegatronModule):
         **_,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise NotImplementedError(
-                "kimi_megatron_plugin: KimiCoreAttention does not support --context-parallel-size > 1 yet"
-            )
+        self.cp_group = cp_group(pg_collection) if config.context_parallel_size > 1 else None
         # the base ``Attention`` builds this once without MLA's arguments, MLA then rebuilds it
         self.softmax_scale = softmax_scale
 
@@ -148,6 +160,7 @@ class KimiCoreAttention(MegatronModule):
         attn_mask_type=None,
         packed_seq_params=None,
         topk_idx: torch.Tensor | None = None,
+        cp: CPLayout | None = None,
         **_,
     ):
         cu = packed_bounds(packed_seq_params)
@@ -155,8 +168,17 @@ class KimiCoreAttention(MegatronModule):
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))
         S, B, n, d = query.shape
         scale = self.softmax_scale if self.softmax_scale is not None else d**-0.5
-        if attention_mask is not None and _is_causal_mask(attention_mask, S):
+        if cp is None and self.cp_group is not None:
+            cp = cp_layout(S, cu, query.device, self.cp_group)
+        if attention_mask is not None and _is_causal_mask(attention_mask, S if cp is None else cp.total):
             attention_mask = None  # megatron's own causal mask: nothing beyond what the kernels do
+        if cp is not None:
+            if attention_mask is not None:
+                raise ValueError(
+                    "kimi_megatron_plugin: KimiCoreAttention with --context-parallel-size > 1 takes no explicit "
+                    "attention_mask beyond the causal one (pass None)"
+                )
+            return _cp_attention(query, key, value, scale, cp, topk_idx)
         if attention_mask is not None:
             if cu is not None:
                 raise ValueError("kimi_megatron_plugin: packed sequences take no attention_mask (pass None)")
@@ -168,6 +190,23 @@ class KimiCoreAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, n, S, d]
         o = causal_attention(q, k, v, scale, cu)  # [B, n, S, dv]
         return o.permute(2, 0, 1, 3).reshape(S, B, -1)
+
+
+def _cp_attention(query, key, value, scale, cp: CPLayout, topk_idx):
+    """This CP rank's queries ``[S_local, B, n, d]`` against the keys and values of every rank -> ``[S_local, B, n*dv]``.
+
+    K and V travel in one all-gather (concatenated on the head dim) and come back in global order."""
+    S, B = query.shape[:2]
+    dk = key.shape[-1]
+    kv = gather_sequence(torch.cat([key, value], dim=-1), cp)  # [S_global, B, n, dk + dv]
+    k, v = kv[..., :dk], kv[..., dk:]
+    if topk_idx is not None:
+        q, k, v = (t.transpose(0, 1) for t in (query, k, v))  # [B, S, n, d]
+        o = sparse_topk_attention(q, k, v, topk_idx, scale)  # [B, S_local, n, dv]
+        return o.transpose(0, 1).reshape(S, B, -1)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, k, v))  # [B, n, S, d]
+    o = causal_attention(q, k, v, scale, cp.cu_seqlens, q_pos=cp.positions)  # [B, n, S_local, dv]
+    return o.permute(2, 0, 1, 3).reshape(S, B, -1)
 
 
 def _is_causal_mask(mask: torch.Tensor, S: int) -> bool:
@@ -222,7 +261,17 @@ class _NoRotation(torch.nn.Module):
         *args,
         **kwargs,
     ) -> int:
-        return transformer_input.size(0)
+        """The table length megatron's own embedding would ask for: the longest packed sequence, else the
+        whole (sequence- and context-parallel) sequence, so its CP slicing finds every row it expects."""
+        if packed_seq_params is not None:
+            cu = packed_bounds(packed_seq_params)
+            longest = int((cu[1:] - cu[:-1]).max()) if cu is not None and cu.numel() > 1 else 0
+            given = [m for m in (packed_seq_params.max_seqlen_q, packed_seq_params.max_seqlen_kv) if m is not None]
+            return max([longest, *given])
+        n = transformer_input.size(0)
+        if transformer_config.sequence_parallel:
+            n *= transformer_config.tensor_model_parallel_size
+        return n * transformer_config.context_parallel_size
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, **_):
         return torch.zeros(max_seq_len, 1, 1, self.dim, device=compute_device())
@@ -233,10 +282,11 @@ class KimiIndexer(MegatronModule):
 
     Parameters (HF names under ``self_attn.indexer``): ``wq_b [n_h*d, q_lora_rank]``, ``wk [d, H]``,
     ``k_norm.weight/bias [d]``, ``weights_proj [n_h, H]``; ``requires_grad=False``.
-    ``forward(x [S, B, H], qr [S, B, q_lora_rank], cu_seqlens=None) -> [B, S, K]`` int64 key indices
+    ``forward(x [S, B, H], qr [S, B, q_lora_rank], cu_seqlens=None, cp=None) -> [B, S, K]`` int64 key indices
     (``-1`` = empty slot), the top-``index_topk`` visible keys of each query chosen blockwise
     (:func:`kimi_core.attention.blockwise_index_topk`, scores of ``kimi_core.reference.indexer``);
-    None when ``index_topk >= S`` (every visible key is kept: plain causal attention).
+    None when ``index_topk >= S`` (every visible key is kept: plain causal attention). Under context parallelism
+    (``cp``) the index keys are all-gathered, ``S`` is the global length and the indices are global positions.
     """
 
     def __init__(self, config, kimi):
@@ -256,14 +306,19 @@ class KimiIndexer(MegatronModule):
             p.requires_grad_(False)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, cu_seqlens: torch.Tensor | None = None):
+    def forward(
+        self, x: torch.Tensor, qr: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cp: CPLayout | None = None
+    ):
         S, B = x.shape[:2]
-        if self.topk >= S:
+        if self.topk >= (S if cp is None else cp.total):
             return None
         xb, qb = x.transpose(0, 1), qr.transpose(0, 1)  # [B, S, *]
         a = acc_dtype(x.dtype)
         q = self.wq_b(qb).to(a).view(B, S, self.n_heads, self.head_dim)
-        k = index_keys(self.wk(xb), self.k_norm.weight, self.k_norm.bias)
+        k = index_keys(self.wk(xb), self.k_norm.weight, self.k_norm.bias)  # [B, S, d]
+        if cp is not None:
+            k = gather_sequence(k, cp, dim=1, differentiable=False)  # [B, S_global, d]
+            return blockwise_index_topk(q, k, self.weights_proj(xb), self.topk, cp.seg, q_pos=cp.positions)
         seg = None if cu_seqlens is None else segment_ids(cu_seqlens, S)
         return blockwise_index_topk(q, k, self.weights_proj(xb), self.topk, seg)
 
@@ -316,6 +371,8 @@ class KimiMLA(MLASelfAttention):
     and ``indexer`` when the config has ``index_topk``. ``forward`` is the training/prefill path
     only (no inference context): ``[S, B, H] -> ([S, B, H], None)``; packed sequences (THD,
     ``packed_seq_params``) come as ``[T, 1, H]``, RoPE restarting per sequence (megatron's own).
+    With context parallelism the rotary table is taken at this rank's global positions (:class:`CPRotary`) and the
+    indexer and core attention see every rank's keys.
     """
 
     def __init__(
@@ -331,6 +388,11 @@ class KimiMLA(MLASelfAttention):
     ):
         from megatron.core.transformer.enums import AttnMaskType
 
+        self_cp = cp_group(pg_collection) if config.context_parallel_size > 1 else None
+        if self_cp is not None:
+            # megatron's YaRN table slices itself for CP at construction, with a pinned CUDA index a CPU process
+            # cannot build: construct against a one-rank CP group, then hand the real one back (CPRotary slices)
+            pg_collection = without_cp(pg_collection)
         super().__init__(
             config,
             submodules,
@@ -343,6 +405,11 @@ class KimiMLA(MLASelfAttention):
         self.kimi = kimi
         if kimi.mla_use_nope:
             self.rotary_pos_emb = _NoRotation(config.qk_pos_emb_head_dim)
+        self.cp_group = self_cp
+        if self_cp is not None:
+            self.pg_collection.cp = self_cp  # megatron's THD RoPE picks each sequence's rows by this group
+            self.core_attention.cp_group = self_cp
+            self.rotary_pos_emb = CPRotary(self.rotary_pos_emb, self_cp)
         self.linear_g_proj = None
         if kimi.mla_use_output_gate:
             self.linear_g_proj = ColumnParallelLinear(
@@ -391,9 +458,10 @@ class KimiMLA(MLASelfAttention):
         if qr.dim() == 2:  # THD: megatron squeezes the batch dim of packed latents
             qr = qr.unsqueeze(1)
         cu = packed_bounds(packed_seq_params)
-        topk_idx = self.indexer(hidden_states, qr, cu) if self.indexer is not None else None
+        cp = cp_layout(hidden_states.shape[0], cu, hidden_states.device, self.cp_group) if self.cp_group else None
+        topk_idx = self.indexer(hidden_states, qr, cu, cp) if self.indexer is not None else None
         core = self.core_attention(
-            q, k, v, attention_mask, packed_seq_params=packed_seq_params, topk_idx=topk_idx
+            q, k, v, attention_mask, packed_seq_params=packed_seq_params, topk_idx=topk_idx, cp=cp
         )  # [S, B, n_local * dv]
         if self.linear_g_proj is not None:
             core = core * torch.sigmoid(self.linear_g_proj(hidden_states)[0])
@@ -439,11 +507,7 @@ class KimiKDA(MegatronModule):
                 f"config.json: linear_attn_config.num_heads={la.num_heads} is not divisible by "
                 f"--tensor-model-parallel-size {tp}"
             )
-        if config.context_parallel_size > 1:
-            raise NotImplementedError(
-                "kimi_megatron_plugin: KimiKDA does not support --context-parallel-size > 1 yet "
-                "(the recurrent state is not carried across CP ranks)"
-            )
+        self.cp_group = cp_group(pg_collection) if config.context_parallel_size > 1 else None
         self.kimi, self.layer_number = kimi, layer_number
         self.H, self.D = la.num_heads // tp, la.head_dim
         self.lower_bound, self.eps = la.gate_lower_bound, kimi.rms_norm_eps
@@ -511,6 +575,10 @@ class KimiKDA(MegatronModule):
         conv and the delta-rule recurrence) restart at every ``cu_seqlens`` boundary (zero conv state, zero
         recurrent state), so each sequence equals itself run alone: the conv and the torch ``chunk_kda``
         one sequence at a time, fla's ``chunk_kda`` in one varlen call (its ``cu_seqlens``).
+
+        Context parallelism: the projections run on this rank's tokens; their mixer inputs (pre-conv q/k/v, the
+        gate's ``f``, the raw ``beta``) are all-gathered in one call, the conv and the recurrence run over the
+        whole sequence and this rank keeps its own rows (the gather's backward reduce-scatters the gradient).
         """
         if inference_context is not None:
             raise NotImplementedError("kimi_megatron_plugin: KimiKDA supports the training/prefill path only")
@@ -519,29 +587,15 @@ class KimiKDA(MegatronModule):
         H, D = self.H, self.D
         a = acc_dtype(x.dtype)
         cu = packed_bounds(packed_seq_params)
-        spans = [(0, T)] if cu is None else _spans(cu, T)
-
-        def per_seq(fn, *ts):
-            return torch.cat([fn(*(t[:, s:e] for t in ts)) for s, e in spans], dim=1)
-
-        qkv = []
-        for n in ("q", "k", "v"):
-            y = getattr(self, f"{n}_proj")(x)[0]
-            w = getattr(self, f"{n}_conv1d").weight.to(a)
-            y = per_seq(lambda t, w=w: ref_kda.causal_conv(t, w, None)[0], y)
-            qkv.append(y.view(B, T, H, D))
-        q, k, v = qkv
-        q, k = l2norm(q), l2norm(k)
-        f = self.f_b_proj(self.f_a_proj(x))[0].view(B, T, H, D)
-        g = ref_kda.kda_gate(f, self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x)[0].to(a))
-        kernel = self._kernel(q)
-        if cu is not None and kernel is not ref_kda.chunk_kda:
-            # fla's varlen entry: one launch over all sequences, the state reset at each boundary (batch 1)
-            bounds = torch.tensor([0, *(e for _s, e in spans)], dtype=torch.long, device=q.device)
-            o = kernel(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=bounds)[0]
+        mixer_in = [getattr(self, f"{n}_proj")(x)[0] for n in ("q", "k", "v")]  # pre-conv q, k, v [B, T, H*D]
+        mixer_in += [self.f_b_proj(self.f_a_proj(x))[0], self.b_proj(x)[0]]  # gate input [B, T, H*D], beta [B, T, H]
+        cp = cp_layout(T, cu, x.device, self.cp_group) if self.cp_group is not None else None
+        if cp is None:
+            o = self._mix(*mixer_in, cu)
         else:
-            o = per_seq(lambda *t: kernel(*t, initial_state=None, output_final_state=False)[0], q, k, v, g, beta)
+            widths = [t.shape[-1] for t in mixer_in]
+            full = gather_sequence(torch.cat(mixer_in, dim=-1), cp, dim=1)  # [B, T_global, 4*H*D + H]
+            o = self._mix(*full.split(widths, dim=-1), cu).index_select(1, cp.positions)
         gate = self.g_proj(x)[0] if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))[0]
         # o_norm is replicated but sees only this rank's heads: sum its gradient over TP
         w_norm = (
@@ -550,3 +604,32 @@ class KimiKDA(MegatronModule):
         o = rms_norm(o, w_norm.to(a), self.eps) * torch.sigmoid(gate.to(a).view(B, T, H, D))
         out, bias = self.o_proj(o.reshape(B, T, H * D).to(x.dtype))
         return out.transpose(0, 1), bias
+
+    def _mix(self, yq, yk, yv, f, b, cu):
+        """The sequence mixers over whole sequences: short conv + l2norm of q/k, the gate, beta and ``chunk_kda``.
+
+        ``yq``/``yk``/``yv``/``f [B, T, H*D]``, ``b [B, T, H]`` (this rank's heads, every token of the sequences);
+        ``cu``: packed bounds or None. Returns ``o [B, T, H, D]`` in the accumulation dtype."""
+        B, T = yq.shape[:2]
+        H, D = self.H, self.D
+        a = acc_dtype(yq.dtype)
+        spans = [(0, T)] if cu is None else _spans(cu, T)
+
+        def per_seq(fn, *ts):
+            return torch.cat([fn(*(t[:, s:e] for t in ts)) for s, e in spans], dim=1)
+
+        qkv = []
+        for n, y in zip(("q", "k", "v"), (yq, yk, yv)):
+            w = getattr(self, f"{n}_conv1d").weight.to(a)
+            y = per_seq(lambda t, w=w: ref_kda.causal_conv(t, w, None)[0], y)
+            qkv.append(y.view(B, T, H, D))
+        q, k, v = qkv
+        q, k = l2norm(q), l2norm(k)
+        g = ref_kda.kda_gate(f.view(B, T, H, D), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(b.to(a))
+        kernel = self._kernel(q)
+        if cu is not None and kernel is not ref_kda.chunk_kda:
+            # fla's varlen entry: one launch over all sequences, the state reset at each boundary (batch 1)
+            bounds = torch.tensor([0, *(e for _s, e in spans)], dtype=torch.long, device=q.device)
+            return kernel(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=bounds)[0]
+        return per_seq(lambda *t: kernel(*t, initial_state=None, output_final_state=False)[0], q, k, v, g, beta)

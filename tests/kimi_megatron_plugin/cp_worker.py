@@ -1,0 +1,144 @@
+"""One rank of a context-parallel equivalence run (spawned by ``models/test_context_parallel.py``).
+
+Every rank builds the tiny model for its (TP, CP) coordinates, takes its CP shard of a fixed batch, runs forward and
+backward of ``sum(logits * w)`` on its tokens, and returns the whole batch's logits (the CP shards put back at their
+global positions, vocab gathered over TP) and the full gradients (summed over CP: megatron's data-parallel x CP
+gradient reduction; TP pieces gathered). Each layout runs an unpacked ``[B, S]`` batch and a packed THD batch.
+
+The CP split of the inputs is written here from megatron's and SkyRL's own recipes (``get_batch_on_this_cp_rank``:
+view as ``2 * cp`` chunks, keep chunks ``r`` and ``2 * cp - 1 - r``; ``preprocess_packed_seqs``: the same per padded
+sequence), independently of the plugin's layout code.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+B, S = 2, 16
+PADDED_LENS = (8, 16, 12)  # packed sequences, each a multiple of 2 * cp for cp <= 2 (SkyRL pads them so)
+
+LAYOUTS = {"cp1": (1, 1), "cp2": (1, 2), "tp2cp2": (2, 2)}  # name -> (TP, CP)
+
+
+def unpacked_split(n: int, cp: int, r: int) -> torch.Tensor:
+    """Global positions of CP rank ``r``'s tokens of an ``n``-token row (megatron's ``get_batch_on_this_cp_rank``)."""
+    return torch.arange(n).view(2 * cp, -1).index_select(0, torch.tensor([r, 2 * cp - 1 - r])).reshape(-1)
+
+
+def packed_split(lens, cp: int, r: int) -> torch.Tensor:
+    """Global positions of CP rank ``r``'s tokens of packed sequences (SkyRL's ``preprocess_packed_seqs``)."""
+    out, start = [], 0
+    for n in lens:
+        half = n // cp // 2
+        out += list(range(start + half * r, start + half * (r + 1)))
+        out += list(range(start + n - half * (r + 1), start + n - half * r))
+        start += n
+    return torch.tensor(out)
+
+
+def _packed_params():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, *torch.tensor(PADDED_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    m = max(PADDED_LENS)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=m,
+        max_seqlen_kv=m,
+    )
+
+
+def _batch(vocab: int, packed: bool):
+    """Global ids ``[b, n]`` and loss weights ``[b, n, vocab]`` (the same on every rank)."""
+    g = torch.Generator().manual_seed(99 if packed else 7)
+    b, n = (1, sum(PADDED_LENS)) if packed else (B, S)
+    return torch.randint(0, vocab, (b, n), generator=g), torch.randn(b, n, vocab, generator=g)
+
+
+def _step(model, packed: bool, tp: int, cp: int) -> dict:
+    """Forward + backward of one batch on this rank's CP shard; returns the whole logits and the full gradients."""
+    import mp_worker
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region as gather_vocab
+
+    ids, w = _batch(model.kimi_config.vocab_size, packed)
+    r = ps.get_context_parallel_rank()
+    split = (lambda rr: packed_split(PADDED_LENS, cp, rr)) if packed else (lambda rr: unpacked_split(S, cp, rr))
+    pos = split(r)
+    pos_ids = torch.cat([torch.arange(n) for n in PADDED_LENS])[None] if packed else torch.arange(S)[None].expand(B, -1)
+    model.zero_grad(set_to_none=True)
+    logits = gather_vocab(
+        model(
+            ids[:, pos],
+            pos_ids[:, pos],
+            attention_mask=None,
+            packed_seq_params=_packed_params() if packed else None,
+        )
+    )  # [b, n / cp, V]
+    (logits.float() * w[:, pos]).sum().backward()
+    if cp > 1:
+        group = ps.get_context_parallel_group()
+        for p in model.parameters():
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad, group=group)
+        parts = [torch.empty_like(logits) for _ in range(cp)]
+        torch.distributed.all_gather(parts, logits.detach().contiguous(), group=group)
+        full = torch.empty(logits.shape[0], ids.shape[1], logits.shape[2])
+        for rr, part in enumerate(parts):
+            full[:, split(rr)] = part
+        logits = full
+    grads = mp_worker._full_grads(
+        model, ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group(), None
+    )
+    return {"logits": logits.detach().float(), "grads": {k: v.float() for k, v in grads.items()}}
+
+
+def one_layout(ckpt: str, tp: int, cp: int) -> dict:
+    """Build and load the model for (TP, CP); run the unpacked and the packed batch."""
+    from megatron.core import parallel_state as ps
+
+    from kimi_megatron_plugin import checkpoint
+    from kimi_megatron_plugin.models import provider
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    model = provider.build_model_from_hf(
+        ckpt, tensor_parallel=tp, context_parallel_size=cp, perform_initialization=False
+    )
+    checkpoint.load_hf_checkpoint(model, ckpt)
+    out = {"unpacked": _step(model, False, tp, cp), "packed": _step(model, True, tp, cp)}
+    ps.destroy_model_parallel()
+    return out
+
+
+def run(rank: int, world: int, ckpt: str, port: int, out_path: str, names: list[str]) -> None:
+    """The layouts ``names`` one after the other in one ``world``-process gloo world; rank 0 saves rank 0's results."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    from kimi_megatron_plugin import patches
+
+    patches.apply_cpu_shims()
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    results = {name: one_layout(ckpt, *LAYOUTS[name]) for name in names}
+    if rank == 0:
+        torch.save(results, out_path)
+    torch.distributed.destroy_process_group()
+
+
+def spawn(ckpt: str, out_path: str, names=("cp1", "cp2"), world: int = 2) -> dict:
+    """Run ``names`` in ``world`` spawned processes; returns ``{name: {"unpacked"|"packed": {"logits", "grads"}}}``."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(run, args=(world, ckpt, port, out_path, list(names)), nprocs=world, join=True)
+    return torch.load(out_path, weights_only=False)  # written by run() above, never a foreign file

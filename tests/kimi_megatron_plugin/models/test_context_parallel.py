@@ -1,0 +1,30 @@
+"""Context parallelism: CP = 2 (two gloo processes, megatron's load-balanced split) gives the CP = 1 logits and
+gradients of the tiny K2 (RoPE/YaRN MLA), K3 (KDA + gated NoPE MLA + attention-residual bank) and K3.1 (+ DSA
+indexer and sparse attention), unpacked and packed (THD), fp32."""
+
+from __future__ import annotations
+
+import cp_worker
+import pytest
+from utils import assert_close
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _compare(res, base: str, got: str):
+    for kind in ("unpacked", "packed"):
+        ref, out = res[base][kind], res[got][kind]
+        assert_close(f"{got} {kind} logits", ref["logits"], out["logits"], 1e-5)
+        assert set(ref["grads"]) == set(out["grads"])
+        for name in ref["grads"]:
+            assert_close(f"{got} {kind} grad {name}", ref["grads"][name], out["grads"][name], 1e-4)
+
+
+@pytest.mark.parametrize("family", ["k2", "k3", "k31"])
+def test_cp2_equals_cp1(family, tiny_ckpt, tmp_path):
+    """2 layers (K3/K3.1: a KDA layer then an MLA layer; the MoE layer has 16 experts): every CP = 2 rank holds its
+    two chunks of each sequence, and the reassembled logits (1e-5) and the CP-summed gradients of every parameter
+    (1e-4, relative RMS) equal one rank holding everything."""
+    path = tiny_ckpt(family, layers=2)
+    res = cp_worker.spawn(path, str(tmp_path / "cp.pt"))
+    _compare(res, "cp1", "cp2")
