@@ -14,14 +14,21 @@ without, in the same batch; ``"raw": TAG`` scores a ``raw_load``-ed adapter inst
 hands a directory to vLLM directly (no client validation; ``"replace": TAG`` reloads it in place under that
 ``raw_load``'s name and id, as a fixed-name host does); ``peft_check`` records whether the worker's
 ``PEFTHelper`` reads ``rank_pattern`` (``KIMI_TEST_PEFT_WITHOUT_PATTERNS=1``: read as vLLM 0.26 does); ``model_info`` records what the worker
-built (:func:`model_info`); ``probe`` runs one prompt with :mod:`kimi_vllm_plugin.probe` armed and
+built (:func:`model_info`); ``copy_adapter`` copies the folder ``src`` over ``dst`` (a host rewriting its fixed sync
+folder); ``next_token`` records the top ``logprobs`` of the token after prompt ``prompt`` (default 0) with a
+``raw_load``-ed adapter, and how many prompt tokens the prefix cache served (``num_cached_tokens``; no
+``prompt_logprobs``, which would skip the cache); ``reload_patch`` records whether the ``lora_reload_cache``
+patch wraps the in-process engine core's ``add_lora`` and, with ``"off": true``, unwraps it (needs
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``); ``probe`` runs one prompt with :mod:`kimi_vllm_plugin.probe` armed and
 writes what each layer / LoRA linear computed to ``out`` (safetensors). ``model_info`` and ``probe``
 ship functions to the worker (``LLM.apply_model``): they need ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
 ``engine_kwargs`` override the defaults below (e.g. ``enforce_eager``, ``gpu_memory_utilization``).
 """
 
 import json
+import logging
 import os
+import shutil
 import sys
 import time
 
@@ -42,6 +49,8 @@ def prompt_lps(out, ids):
 
 def main(plan_path: str, out_path: str) -> None:
     plan = json.load(open(plan_path))
+    logging.basicConfig()  # the plugin's own INFO lines (vLLM's logger does not propagate) reach stderr
+    logging.getLogger("kimi_vllm_plugin").setLevel(logging.INFO)
     os.environ.setdefault("VLLM_PLUGINS", "kimi")
     t0 = time.time()
     from vllm import LLM, SamplingParams
@@ -116,6 +125,26 @@ def main(plan_path: str, out_path: str) -> None:
                 ok = llm.llm_engine.add_lora(req)
                 rec["ok"] = bool(ok)
                 raw[step.get("tag") or req.lora_name] = req
+            elif step["kind"] == "copy_adapter":
+                shutil.rmtree(step["dst"], ignore_errors=True)
+                shutil.copytree(step["src"], step["dst"])
+            elif step["kind"] == "next_token":
+                p = plan["prompts"][step.get("prompt", 0)]
+                k = step.get("logprobs", 20)
+                out = llm.generate(
+                    [{"prompt_token_ids": p}],
+                    SamplingParams(max_tokens=1, temperature=0.0, logprobs=k),
+                    lora_request=raw[step["raw"]],
+                    use_tqdm=False,
+                )[0]
+                rec["top"] = {int(t): lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+                rec["num_cached_tokens"] = out.num_cached_tokens
+            elif step["kind"] == "reload_patch":
+                from vllm.v1.engine.core import EngineCore
+
+                rec["patched"] = bool(getattr(EngineCore.add_lora, "_kimi_lora_reload_cache", False))
+                if step.get("off") and rec["patched"]:
+                    EngineCore.add_lora = EngineCore.add_lora.__wrapped__
             elif step["kind"] == "probe":
                 from safetensors.torch import save_file
 
