@@ -169,17 +169,62 @@ def _demo(a) -> int:
     return main(a)
 
 
-def _prepare_data(a) -> int:
-    from kimi_rl_glue.data import prepare_data
+_TOKEN_SET_FLAGS = ("checkpoint", "prompts", "targets", "prompt_len", "seed")  # --format skyrl --task token-set
+_MILES_FLAGS = ("input", "limit", "add_boxed_instruction")  # --format miles
 
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _prepare_data(a) -> int:
+    from kimi_core.checkpoint.tokenizer import FIRST_WORD_ID
+    from kimi_rl_glue.data import SKYRL_TASKS, checkpoint_vocab_size, prepare_data, prepare_token_set
+
+    fmt = a.format or ("skyrl" if a.task in SKYRL_TASKS else "miles")
+    if (fmt == "skyrl") != (a.task in SKYRL_TASKS):
+        raise _UsageError(
+            f"--format {fmt} with --task {a.task}: --task token-set is written as SkyRL parquet (--format skyrl), "
+            "dapo-math / aime as miles JSONL (--format miles)"
+        )
+    other = _MILES_FLAGS if fmt == "skyrl" else _TOKEN_SET_FLAGS
+    stray = [_flag(d) for d in other if getattr(a, d) not in (None, False)]
+    if stray:
+        raise _UsageError(f"{', '.join(stray)}: not a flag of --format {fmt} --task {a.task}")
+    if fmt == "miles":
+        if a.input is None:
+            raise _UsageError(f"--input: --task {a.task} converts a local file; name it with --input")
+        try:
+            rep = prepare_data(a.task, a.input, a.output, limit=a.limit, add_boxed_instruction=a.add_boxed_instruction)
+        except ImportError as e:  # parquet without pyarrow
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(
+            f"wrote {rep.rows} {a.task} rows to {rep.output} (miles: --input-key prompt --label-key label)"
+            + (f"; skipped {len(rep.skipped)} row(s) without prompt/label" if rep.skipped else "")
+        )
+        return 0
+    if a.checkpoint is None:
+        raise _UsageError("--checkpoint: --task token-set takes its words from a checkpoint's tokenizer; name it")
+    if not a.output.endswith(".parquet"):
+        raise _UsageError(f"--output {a.output}: SkyRL picks its reader by the suffix; name a .parquet file")
+    targets, prompt_len, seed = a.targets or 64, a.prompt_len or 8, a.seed or 0
+    words = checkpoint_vocab_size(a.checkpoint) - FIRST_WORD_ID  # a bad folder: exit 1
+    if targets >= words:
+        raise _UsageError(
+            f"--targets {targets}: the tokenizer of {a.checkpoint} has {words} words; leave at least one outside "
+            "the target set for the prompts"
+        )
     try:
-        rep = prepare_data(a.task, a.input, a.output, limit=a.limit, add_boxed_instruction=a.add_boxed_instruction)
-    except ImportError as e:  # parquet without pyarrow
-        print(f"error: {e}", file=sys.stderr)
+        rep = prepare_token_set(
+            a.checkpoint, a.output, prompts=a.prompts or 64, seed=seed, n_targets=targets, prompt_len=prompt_len
+        )
+    except ImportError as e:  # no pyarrow
+        print(f"kimi-rl prepare-data: error: {e}", file=sys.stderr)
         return 1
     print(
-        f"wrote {rep.rows} {a.task} rows to {rep.output} (miles: --input-key prompt --label-key label)"
-        + (f"; skipped {len(rep.skipped)} row(s) without prompt/label" if rep.skipped else "")
+        f"wrote {rep.rows} token-set rows to {rep.output} (SkyRL: environment.env_class=kimi_token_set; "
+        f"{targets} target words, {prompt_len} words a prompt, seed {seed})"
     )
     return 0
 
@@ -265,15 +310,47 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--out", default=None, help="directory for report.json and logprob_diff.png")
     n.set_defaults(fn=_check_numerics)
 
-    pd = sub.add_parser("prepare-data", help="convert a local dapo-math / AIME JSONL or parquet to miles' format")
-    pd.add_argument("--task", required=True, choices=["dapo-math", "aime"], help="the data set's row layout")
-    pd.add_argument("--input", required=True, help="local .jsonl/.json/.parquet (nothing is downloaded)")
-    pd.add_argument("--output", required=True, help="miles prompt JSONL to write")
-    pd.add_argument("--limit", type=_int_at_least(1), default=None, help="keep the first N usable rows")
+    pd = sub.add_parser(
+        "prepare-data",
+        help="convert a local dapo-math / AIME JSONL or parquet to miles' format, or write SkyRL parquet of the "
+        "token-set task",
+    )
+    pd.add_argument(
+        "--task",
+        required=True,
+        choices=["dapo-math", "aime", "token-set"],
+        help="dapo-math / aime: the input's row layout; token-set: the demo's task, generated (a tiny model earns "
+        "a reward on it)",
+    )
+    pd.add_argument(
+        "--format",
+        choices=["miles", "skyrl"],
+        default=None,
+        help="miles: prompt JSONL (dapo-math, aime); skyrl: parquet with prompt, env_class, reward_model "
+        "(token-set); default: the task's",
+    )
+    pd.add_argument(
+        "--input", default=None, help="dapo-math / aime: local .jsonl/.json/.parquet (nothing is downloaded)"
+    )
+    pd.add_argument("--output", required=True, help="miles prompt JSONL, or SkyRL .parquet, to write")
+    pd.add_argument(
+        "--limit", type=_int_at_least(1), default=None, help="dapo-math / aime: keep the first N usable rows"
+    )
     pd.add_argument(
         "--add-boxed-instruction",
         action="store_true",
-        help="append 'put your final answer within \\boxed{}' to prompts that lack it",
+        help="dapo-math / aime: append 'put your final answer within \\boxed{}' to prompts that lack it",
+    )
+    pd.add_argument(
+        "--checkpoint", default=None, help="token-set: the model folder whose tokenizer's words (w<i>) the rows use"
+    )
+    pd.add_argument("--prompts", type=_int_at_least(1), default=None, help="token-set: number of rows (default 64)")
+    pd.add_argument(
+        "--targets", type=_int_at_least(1), default=None, help="token-set: size of the hidden target set (default 64)"
+    )
+    pd.add_argument("--prompt-len", type=_int_at_least(1), default=None, help="token-set: words a prompt (default 8)")
+    pd.add_argument(
+        "--seed", type=_int_at_least(0), default=None, help="token-set: seed of the target set and prompts (default 0)"
     )
     pd.set_defaults(fn=_prepare_data)
 

@@ -17,6 +17,20 @@ Accepted input rows (first match wins):
 Output rows: ``{"prompt": [{"role": "user", "content": ...}], "label": "<answer>", "metadata":
 {"task": ..., "source_row": i}}``. A bare problem is wrapped in :data:`BOXED_TEMPLATE` (the reward,
 ``kimi_rl_glue.miles.reward``, grades the last ``\\boxed{}``).
+
+``--format skyrl --task token-set`` (:func:`prepare_token_set`) writes SkyRL's parquet for the demo's
+token-set task instead, generated rather than read: a random tiny model earns a reward there (it never does
+on math). SkyRL's ``PromptDataset`` (``NovaSky-AI/SkyRL:skyrl/train/dataset/dataset.py``) reads the
+``prompt`` column as chat messages, ``env_class`` as the skyrl_gym environment, and hands every other column
+to the environment as ``extras``; ``kimi_token_set`` (:mod:`kimi_rl_glue.skyrl.token_set_env`) reads its
+target words from ``reward_model.ground_truth``. Rows::
+
+    {"prompt": [{"role": "user", "content": "w812 w95 ..."}], "env_class": "kimi_token_set",
+     "reward_model": {"ground_truth": "w17 w40 ..."}, "data_source": "kimi_token_set"}
+
+The words are the tiny checkpoints' tokenizer's (:mod:`kimi_core.checkpoint.tokenizer`: id ``i`` is
+``w<i>``); the target set and prompts are :class:`kimi_rl_glue.demo.task.TokenSetTask`'s for the seed, over the
+word ids (special-token ids excluded), so the same seed gives the same file.
 """
 
 from __future__ import annotations
@@ -27,11 +41,25 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["TASKS", "BOXED_TEMPLATE", "PrepareReport", "read_rows", "convert_row", "prepare_data"]
+__all__ = [
+    "TASKS",
+    "SKYRL_TASKS",
+    "BOXED_TEMPLATE",
+    "PrepareReport",
+    "read_rows",
+    "convert_row",
+    "prepare_data",
+    "checkpoint_vocab_size",
+    "token_set_rows",
+    "write_parquet",
+    "prepare_token_set",
+]
 
 log = logging.getLogger(__name__)
 
-TASKS = ("dapo-math", "aime")
+TASKS = ("dapo-math", "aime")  # --format miles: converted from a local file
+SKYRL_TASKS = ("token-set",)  # --format skyrl: generated
+TOKEN_SET_ENV = "kimi_token_set"  # kimi_rl_glue.skyrl.token_set_env.ENV_ID (that module needs skyrl_gym)
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 BOXED_TEMPLATE = "{problem}\n\n" + BOXED_INSTRUCTION.replace("{}", "{{}}")  # str.format template
 
@@ -164,3 +192,110 @@ def prepare_data(
     for i, why in rep.skipped[:5]:
         log.warning("skipped row %d of %s: %s", i, input_path, why)
     return rep
+
+
+def checkpoint_vocab_size(checkpoint: str) -> int:
+    """``vocab_size`` of a checkpoint folder's ``config.json`` (``text_config``'s for K2.5 / K3), checked against
+    its ``tokenizer.json``.
+
+    :raises FileNotFoundError: no folder, no ``config.json`` or no ``tokenizer.json`` (says how to get one).
+    :raises ValueError: no ``vocab_size``, or a tokenizer whose vocabulary has another size.
+    """
+    cfg_path = os.path.join(checkpoint, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"--checkpoint {checkpoint}: no config.json (not a checkpoint folder)")
+    with open(cfg_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    text = cfg.get("text_config", cfg)
+    vocab = text.get("vocab_size") if isinstance(text, dict) else None
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise ValueError(f"--checkpoint {cfg_path}: no positive integer vocab_size")
+    tok_path = os.path.join(checkpoint, "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        raise FileNotFoundError(
+            f"--checkpoint {checkpoint}: no tokenizer.json; SkyRL loads the tokenizer from the model folder "
+            "(re-run kimi-rl make-tiny, which writes one)"
+        )
+    with open(tok_path, encoding="utf-8") as f:
+        words = len(json.load(f).get("model", {}).get("vocab", {}))
+    if words != vocab:
+        raise ValueError(
+            f"--checkpoint {tok_path}: {words} words in the tokenizer, config.json's vocab_size is {vocab}"
+        )
+    return vocab
+
+
+def token_set_rows(
+    vocab_size: int, prompts: int, *, seed: int = 0, n_targets: int = 64, prompt_len: int = 8
+) -> list[dict]:
+    """``prompts`` SkyRL rows of the token-set task over a ``vocab_size`` word tokenizer (see the module docstring).
+
+    The target set is ``TokenSetTask(vocab_size, seed, n_targets, prompt_len, first_id=FIRST_WORD_ID)``'s; the
+    prompts are its ``prompts(prompts, torch.Generator().manual_seed(seed))``, words outside the target set.
+    """
+    import torch
+
+    from kimi_core.checkpoint.tokenizer import FIRST_WORD_ID, word
+    from kimi_rl_glue.demo.task import TokenSetTask
+
+    task = TokenSetTask(vocab_size, seed=seed, n_targets=n_targets, prompt_len=prompt_len, first_id=FIRST_WORD_ID)
+    truth = " ".join(word(i) for i in sorted(task.targets))
+    return [
+        {
+            "prompt": [{"role": "user", "content": " ".join(word(i) for i in ids)}],
+            "env_class": TOKEN_SET_ENV,
+            "reward_model": {"ground_truth": truth},
+            "data_source": TOKEN_SET_ENV,
+        }
+        for ids in task.prompts(prompts, torch.Generator().manual_seed(seed))
+    ]
+
+
+def write_parquet(rows: list[dict], output_path: str) -> None:
+    """Write ``rows`` (dicts of one layout) as a parquet file, atomically (temporary name, then ``os.replace``).
+
+    :raises ImportError: no pyarrow (says what to install).
+    """
+    from kimi_core.checkpoint.writer import make_group_readable
+
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError(f"--output {output_path}: writing parquet needs pyarrow (pip install pyarrow)") from e
+    d = os.path.dirname(os.path.abspath(output_path))
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, f".{os.path.basename(output_path)}.tmp{os.getpid()}")
+    try:
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        make_group_readable(tmp)  # the mode open() gives, so a host running as another user reads it
+        os.replace(tmp, output_path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def prepare_token_set(
+    checkpoint: str, output_path: str, *, prompts: int, seed: int = 0, n_targets: int = 64, prompt_len: int = 8
+) -> PrepareReport:
+    """Write ``prompts`` token-set rows for the tokenizer of ``checkpoint`` as SkyRL parquet at ``output_path``.
+
+    :raises FileNotFoundError, ValueError: see :func:`checkpoint_vocab_size`; ``n_targets`` leaves no word for the
+        prompts; ``output_path`` is not a ``.parquet`` file (SkyRL picks its reader by the suffix).
+    """
+    from kimi_core.checkpoint.tokenizer import FIRST_WORD_ID
+
+    if not output_path.endswith(".parquet"):
+        raise ValueError(f"--output {output_path}: SkyRL reads by suffix; name a .parquet file")
+    if prompts < 1 or prompt_len < 1 or n_targets < 1:
+        raise ValueError(f"--prompts {prompts}, --prompt-len {prompt_len}, --targets {n_targets}: each must be >= 1")
+    vocab = checkpoint_vocab_size(checkpoint)
+    words = vocab - FIRST_WORD_ID
+    if n_targets >= words:
+        raise ValueError(
+            f"--targets {n_targets}: the tokenizer of {checkpoint} has {words} words; "
+            "leave at least one outside the target set for the prompts"
+        )
+    rows = token_set_rows(vocab, prompts, seed=seed, n_targets=n_targets, prompt_len=prompt_len)
+    write_parquet(rows, output_path)
+    return PrepareReport(output=output_path, rows=len(rows))
