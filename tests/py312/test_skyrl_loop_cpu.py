@@ -281,3 +281,46 @@ def test_kimi_dapo_at_ratio_one_equals_skyrl_regular(trainer):
     w = torch.exp(old.double() - roll.double()).clamp(max=TIS_CAP)
     f64 = float((-w * adv.double() * mask.double()).sum())
     assert abs(got.item() - f64) <= 1e-5 * max(1.0, abs(f64)), (got.item(), f64)
+
+
+def test_without_overlong_buffer_kimi_trainer_equals_skyrl_trainer(registered):
+    """With overlong_buffer_len = 0, our trainer's batch (rewards, advantages, metrics) is SkyRL's own
+    RayPPOTrainer's, tensor for tensor: the hook adds nothing else."""
+    from skyrl.train.trainer import RayPPOTrainer
+
+    KimiConfig, KimiTrainer, _ = build_classes()
+    overrides = [o for o in OVERRIDES if not o.startswith("trainer.algorithm.overlong_")]
+    runs = []
+    for cls in (KimiTrainer, RayPPOTrainer):
+        cfg = KimiConfig.from_cli_overrides(overrides)
+        assert cfg.trainer.algorithm.overlong_buffer_len == 0
+        t = cls(
+            cfg=cfg,
+            tracker=None,
+            tokenizer=SimpleNamespace(pad_token_id=PAD),
+            train_dataset=None,
+            inference_engine_client=None,
+            generator=None,
+        )
+        t.dispatch = WorkerDispatch(cfg, policy_actor_group=_OneRankPolicy())
+        runs.append((_run_batch(t), t.all_metrics))
+    (ours, ours_m), (theirs, theirs_m) = runs
+    assert ours.out["rewards"] == theirs.out["rewards"]
+    for key in ("sequences", "loss_mask", "rewards", "advantages"):
+        assert torch.equal(ours.batch[key], theirs.batch[key]), key
+    assert ours_m == theirs_m
+
+
+def test_fully_async_metrics_output_is_shaped_too(trainer):
+    """The fully-async trainer passes a kept + dropped superset as metrics_generator_output: it is shaped as well,
+    so SkyRL's reward metrics are over the trained (shaped) rewards of the whole superset."""
+    gen, uids = _generator_output(seed=3)
+    extra, extra_uids = _generator_output(seed=4)
+    superset = {k: (gen[k] + extra[k]) if isinstance(gen[k], list) else gen[k] for k in gen}
+    lengths = [len(r) for r in superset["response_ids"]]
+    shaped = [_dapo_overlong_f64(r, n) for r, n in zip(superset["rewards"], lengths)]
+    trainer.postprocess_generator_output(
+        gen, uids, metrics_generator_output=superset, metrics_uids=uids + [f"x-{u}" for u in extra_uids]
+    )
+    assert superset["rewards"] == pytest.approx(shaped, abs=1e-12)
+    assert trainer.all_metrics["reward/avg_raw_reward"] == pytest.approx(sum(shaped) / len(shaped), abs=1e-6)
