@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 TASKS = ("dapo-math", "aime")  # --format miles: converted from a local file
 SKYRL_TASKS = ("token-set",)  # --format skyrl: generated
-TOKEN_SET_ENV = "kimi_token_set"  # kimi_rl_glue.skyrl.token_set_env.ENV_ID (that module needs skyrl_gym)
+TOKEN_SET_ENV = "kimi_token_set"  # the skyrl_gym id of kimi_rl_glue.skyrl.token_set_env (its ENV_ID)
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 BOXED_TEMPLATE = "{problem}\n\n" + BOXED_INSTRUCTION.replace("{}", "{{}}")  # str.format template
 

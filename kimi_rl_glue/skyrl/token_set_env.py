@@ -23,11 +23,12 @@ from typing import Any
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
 from kimi_core.checkpoint.tokenizer import word_id
+from kimi_rl_glue.data import TOKEN_SET_ENV
 from kimi_rl_glue.demo.task import target_fraction
 
 __all__ = ["ENV_ID", "ENTRY_POINT", "TokenSetEnv", "parse_targets", "register_token_set_env"]
 
-ENV_ID = "kimi_token_set"
+ENV_ID = TOKEN_SET_ENV  # "kimi_token_set", the env_class the rows of prepare-data name
 ENTRY_POINT = f"{__name__}:TokenSetEnv"
 
 
