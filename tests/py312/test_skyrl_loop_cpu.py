@@ -252,11 +252,11 @@ def test_kimi_dapo_on_the_batch_equals_float64_and_skyrl_dual_clip(trainer):
         old, adv, mask, roll = mb["action_log_probs"], mb["advantages"], mb["loss_mask"], mb["rollout_logprobs"]
         # the current policy, moved far enough from `old` that both clip sides and the dual clip act
         lp = (old + 0.6 * torch.randn(old.shape, generator=g)).requires_grad_(True)
-        got, metrics = ours(lp, old, adv, alg, loss_mask=mask, rollout_logprobs=roll)
+        got, metrics = ours(lp, old, adv, config=alg, loss_mask=mask, rollout_logprobs=roll)
         (g_got,) = torch.autograd.grad(got, lp)
         f64 = _dapo_objective_f64(lp, old, adv, mask, roll)
         assert abs(got.item() - f64) <= 1e-5 * max(1.0, abs(f64)), (s, got.item(), f64)
-        ref, ref_metrics = theirs(lp, old, adv, as_dual_clip, loss_mask=mask, rollout_logprobs=roll)
+        ref, ref_metrics = theirs(lp, old, adv, config=as_dual_clip, loss_mask=mask, rollout_logprobs=roll)
         (g_ref,) = torch.autograd.grad(ref, lp)
         assert_close(f"kimi_dapo vs skyrl dual_clip [{s}:{e}]", ref, got, 1e-6)
         assert_close(f"kimi_dapo grad vs skyrl dual_clip [{s}:{e}]", g_ref, g_got, 1e-6)
