@@ -106,7 +106,7 @@ def one_layout(ckpt: str, tp: int, cp: int) -> dict:
     from kimi_megatron_plugin import checkpoint
     from kimi_megatron_plugin.models import provider
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp, expert_tensor_parallel_size=1)
     model = provider.build_model_from_hf(
         ckpt, tensor_parallel=tp, context_parallel_size=cp, perform_initialization=False
     )
