@@ -19,6 +19,7 @@ import os
 import torch
 
 from kimi_core.checkpoint.folders import FolderRefused, check_output_folder
+from kimi_core.checkpoint.remote_config import AUTO_MAP, write_remote_config
 from kimi_core.checkpoint.tokenizer import BOS_ID, EOS_ID, MEDIA_ID, PAD_ID, write_tokenizer
 from kimi_core.checkpoint.writer import replace_directory, write_checkpoint
 from kimi_core.config import FAMILIES, KimiConfig
@@ -207,7 +208,7 @@ def tiny_config(model: str, quant: str | None = None, layers: int | None = None,
             ignore=tuple(_MXFP4_IGNORE if quant == "mxfp4" else _INT4_IGNORE),
         ).to_hf()
     if model == "k2":
-        cfg = {"architectures": [FAMILIES["k2"]], **text}
+        cfg = {"architectures": [FAMILIES["k2"]], "auto_map": dict(AUTO_MAP), **text}
         if qc:
             cfg["quantization_config"] = qc
         return cfg
@@ -396,6 +397,8 @@ def make_tiny(
     def fill(d: str) -> None:
         write_checkpoint(d, tensors, cfg, max_shard_bytes=max_shard_bytes)
         write_tokenizer(d, text["vocab_size"], text["max_position_embeddings"])
+        if "auto_map" in cfg:
+            write_remote_config(d)
 
     replace_directory(out_dir, fill)
     return out_dir
