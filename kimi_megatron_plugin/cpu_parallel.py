@@ -25,6 +25,7 @@ def initialize_cpu_parallel(
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
     expert_parallel: int = 1,
+    context_parallel: int = 1,
     rank: int | None = None,
     world_size: int | None = None,
     port: int | None = None,
@@ -33,7 +34,8 @@ def initialize_cpu_parallel(
 
     ``rank`` / ``world_size`` default to the ``RANK`` / ``WORLD_SIZE`` environment (torchrun) or 0 / 1;
     ``port`` (default :data:`DEFAULT_PORT`) is used when ``MASTER_PORT`` is unset. Expert tensor parallelism
-    is 1 (whole experts per rank).
+    is 1 (whole experts per rank). ``context_parallel`` > 1: each rank then feeds its load-balanced share of every
+    sequence (:mod:`kimi_core.attention.cp_layout`).
     """
     apply_cpu_shims()
     from megatron.core import parallel_state
@@ -48,6 +50,7 @@ def initialize_cpu_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
         expert_model_parallel_size=expert_parallel,
+        context_parallel_size=context_parallel,
         expert_tensor_parallel_size=1,
     )
 

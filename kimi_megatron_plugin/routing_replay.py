@@ -12,7 +12,8 @@ module feeds it the experts a rollout engine reports per token, in the engines' 
 
 megatron's routers see tokens sequence-major (``[S, B, H]`` flattened), so layer ``i`` gets
 ``routed_experts[:, :, i]`` transposed to ``[T * B, k]``. Every token must reach the router
-unsharded: tensor parallelism with sequence parallelism is not handled here. The oracle is
+unsharded: tensor parallelism with sequence parallelism is not handled here. Under context parallelism a rank
+passes the rows of its own tokens (``routed_experts[:, positions]``, the same split as its input ids). The oracle is
 ``kimi_core.reference``'s ``forward(..., routed_experts=)``.
 """
 

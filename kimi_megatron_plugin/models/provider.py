@@ -198,6 +198,7 @@ class KimiModelProvider:
                 tensor_parallel=parallel_state.get_tensor_model_parallel_world_size(),
                 pipeline_parallel=parallel_state.get_pipeline_model_parallel_world_size(),
                 expert_parallel=parallel_state.get_expert_model_parallel_world_size(),
+                context_parallel_size=parallel_state.get_context_parallel_world_size(),
             )
 
     def __call__(self, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> GPTModel:
