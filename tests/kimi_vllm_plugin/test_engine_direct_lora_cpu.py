@@ -5,7 +5,8 @@ workers read ``adapter_config.json`` as vLLM 0.26 does (no ``rank_pattern`` / ``
 One engine: the capacity-normalised adapter ``A`` (rank 16, experts at 16 // top_k = 4 through
 ``rank_pattern``) loaded raw and through :class:`~kimi_vllm_plugin.client.KimiLoraClient`; the shared-outer
 adapter ``B`` loaded raw (no vLLM release reads that layout itself); then a fixed-name in-place reload of
-``A``'s name with adapters the plugin must refuse, after which ``A`` must still be served.
+``A``'s name with adapters the plugin must refuse, after which ``A`` must still be served, and one that succeeds
+(the ``lora_reload_cache`` patch, applied in the separate engine-core process, resets the prefix cache).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def run(k2, tmp_path_factory):
     ]
     steps += [{"kind": "raw_load", "path": ads[b], "replace": "raw_A", "tag": f"refuse_{b}"} for b in REFUSED]
     steps += [{"kind": "score", "raw": "raw_A", "tag": "S_raw_A_after"}]
+    # a reload that succeeds: the lora_reload_cache patch resets the prefix cache in the engine-core process
+    steps += [{"kind": "raw_load", "path": ads["A"], "replace": "raw_A", "tag": "reload_A"}]
     res, by_tag = run_engine(
         tmp,
         k2,
@@ -141,3 +144,13 @@ def test_refused_folder_names_folder_and_tensor_and_previous_adapter_keeps_servi
     for got, want in zip(s["S_raw_A_after"]["lps"], s["S_raw_A"]["lps"]):
         d = (torch.tensor(got, dtype=torch.float64) - torch.tensor(want, dtype=torch.float64)).abs().max().item()
         assert d <= SAME_TOL, d
+
+
+@pytest.mark.slow
+def test_in_place_reload_in_the_engine_core_process_resets_the_prefix_cache(run):
+    """The engine core runs in its own process, where vLLM loads the plugin after importing the core: the
+    ``lora_reload_cache`` patch is applied there, and only the in-place reload that succeeded (not the refused
+    ones) reset the prefix cache (vLLM's own log line of the reset)."""
+    res, s, _ = run
+    assert s["reload_A"]["ok"] is True, s["reload_A"]
+    assert res["log"].count("Successfully reset prefix cache") == 1, "one reset: the one successful reload"
