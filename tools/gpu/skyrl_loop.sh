@@ -34,6 +34,7 @@ export SKYRL_DUMP_INFRA_LOG_TO_STDOUT=1 SKYRL_PYTHONPATH_EXPORT=1 RAY_DEDUP_LOGS
 export VLLM_LOGGING_LEVEL=INFO
 rm -f "$KIMI_SKYRL_DUMP_ROLLOUTS"
 
+while pgrep -f "kimi_rl_glue.cli (make-tiny|prepare-data)" > /dev/null; do sleep 2; done  # one started earlier
 [ -f "$CKPT/config.json" ] || python3 -m kimi_rl_glue.cli make-tiny --model k2 --size small --quant int4 --out "$CKPT"
 [ -f "$DATA/train.parquet" ] || python3 -m kimi_rl_glue.cli prepare-data --format skyrl --task token-set \
   --checkpoint "$CKPT" --prompts 64 --output "$DATA/train.parquet"
