@@ -13,16 +13,18 @@ of several clients, each with its own versioned names and ids, so several adapte
 without, in the same batch; ``"raw": TAG`` scores a ``raw_load``-ed adapter instead); ``raw_load``
 hands a directory to vLLM directly (no client validation; ``"replace": TAG`` reloads it in place under that
 ``raw_load``'s name and id, as a fixed-name host does); ``peft_check`` records whether the worker's
-``PEFTHelper`` reads ``rank_pattern`` (``KIMI_TEST_PEFT_WITHOUT_PATTERNS=1``: read as vLLM 0.26 does); ``model_info`` records what the worker
-built (:func:`model_info`); ``copy_adapter`` copies the folder ``src`` over ``dst`` (a host rewriting its fixed sync
-folder); ``next_token`` records the top ``logprobs`` of the token after prompt ``prompt`` (default 0) with a
-``raw_load``-ed adapter, and how many prompt tokens the prefix cache served (``num_cached_tokens``; no
-``prompt_logprobs``, which would skip the cache); ``reload_patch`` records whether the ``lora_reload_cache``
-patch wraps the in-process engine core's ``add_lora`` and, with ``"off": true``, unwraps it (needs
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``); ``probe`` runs one prompt with :mod:`kimi_vllm_plugin.probe` armed and
-writes what each layer / LoRA linear computed to ``out`` (safetensors). ``model_info`` and ``probe``
-ship functions to the worker (``LLM.apply_model``): they need ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
-``engine_kwargs`` override the defaults below (e.g. ``enforce_eager``, ``gpu_memory_utilization``).
+``PEFTHelper`` reads ``rank_pattern`` (``KIMI_TEST_PEFT_WITHOUT_PATTERNS=1``: read as vLLM 0.26 does);
+``model_info`` records what the worker built (:func:`model_info`); ``copy_adapter`` copies the folder ``src``
+over ``dst`` (a host rewriting its fixed sync folder); ``next_token`` records the top ``logprobs`` of the token
+after prompt ``prompt`` (default 0) with a ``raw_load``-ed adapter, and how many prompt tokens the prefix cache
+served (``num_cached_tokens``; no ``prompt_logprobs``, which would skip the cache); ``reload_patch`` records
+whether the ``lora_reload_cache`` patch wraps the in-process engine core's ``add_lora`` and, with
+``"off": true``, unwraps it (needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); ``probe`` runs one prompt with
+:mod:`kimi_vllm_plugin.probe` armed and writes what each layer / LoRA linear computed to ``out``
+(safetensors). ``model_info`` and ``probe`` ship functions to the worker (``LLM.apply_model``): they need
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1``. ``engine_kwargs`` override the defaults below (e.g.
+``enforce_eager``, ``gpu_memory_utilization``; ``kv_cache_memory_bytes`` for a stock checkpoint, whose KV size
+``cpu_engine_kwargs`` cannot compute).
 """
 
 import json
