@@ -44,17 +44,31 @@ def _sdpa_block(q, k, v, idx, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, :, :Sk], scale=scale)
 
 
-def _sparse_sdpa(q, k, v, idx, scale):
-    """The CUDA path: ``[B, S, n, d]`` layout in and out, SDPA per query block under checkpointing."""
+def _sparse_sdpa(q, k, v, idx, scale, q_pos=None):
+    """The CUDA path: ``[B, S, n, d]`` layout in and out, SDPA per query block under checkpointing.
+
+    ``q_pos [S]``: non-decreasing key positions of the queries (a context-parallel rank's), default ``arange(S)``."""
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, n, S, d]
     S = q.shape[1]
+    q0s = list(range(0, S, SDPA_BLOCK_Q))
+    if q_pos is None:
+        ends = [min(q0 + SDPA_BLOCK_Q, S) for q0 in q0s]
+    else:  # one host sync: each block's last position + 1
+        last = torch.tensor([min(q0 + SDPA_BLOCK_Q, S) - 1 for q0 in q0s], dtype=torch.int64, device=q_pos.device)
+        ends = (q_pos[last] + 1).tolist() if q0s else []
     parts = []
-    for q0 in range(0, S, SDPA_BLOCK_Q):
+    for q0, k_end in zip(q0s, ends):
         q1 = min(q0 + SDPA_BLOCK_Q, S)
         # keys past the block's last query are never selected under causal top-k: cut them off
         parts.append(
             checkpoint(
-                _sdpa_block, qt[:, :, q0:q1], kt[:, :, :q1], vt[:, :, :q1], idx[:, q0:q1], scale, use_reentrant=False
+                _sdpa_block,
+                qt[:, :, q0:q1],
+                kt[:, :, :k_end],
+                vt[:, :, :k_end],
+                idx[:, q0:q1],
+                scale,
+                use_reentrant=False,
             )
         )
     return torch.cat(parts, dim=2).transpose(1, 2)
@@ -126,7 +140,12 @@ class _SparseTopk(torch.autograd.Function):
 
 
 def sparse_topk_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    idx: torch.Tensor,
+    scale: float,
+    q_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each query over its selected keys: ``[B, S, n, dv]`` in ``q``'s dtype.
 
@@ -134,11 +153,13 @@ def sparse_topk_attention(
     :param idx: ``[B, S, K]`` int64 key positions per query, ``-1`` for an empty slot; every query needs
         at least one valid slot (its own position, under causal top-k selection).
     :param scale: softmax scale applied to ``q . k``.
-    Differentiable in ``q``, ``k``, ``v``. Self-attention on CUDA with ``idx`` selecting only keys at or
-    before each query (the indexer's causal top-k) takes the fused SDPA path.
+    :param q_pos: optional ``[S]`` non-decreasing key positions of the queries (a context-parallel rank's queries
+        against the gathered keys); lets the fused path cut each block's keys at its last position.
+    Differentiable in ``q``, ``k``, ``v``. Self-attention (or ``q_pos`` given) on CUDA with ``idx`` selecting only
+    keys at or before each query (the indexer's causal top-k) takes the fused SDPA path.
     """
     if idx.shape[:2] != q.shape[:2]:
         raise ValueError(f"sparse_topk_attention: idx {tuple(idx.shape)} does not match q {tuple(q.shape)}")
-    if uses_fused_attention(q) and q.shape[1] == k.shape[1]:
-        return _sparse_sdpa(q, k, v, idx.to(torch.int64), scale)
+    if uses_fused_attention(q) and (q_pos is not None or q.shape[1] == k.shape[1]):
+        return _sparse_sdpa(q, k, v, idx.to(torch.int64), scale, q_pos)
     return _SparseTopk.apply(q, k, v, idx.to(torch.int64), scale)

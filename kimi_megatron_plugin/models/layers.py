@@ -202,7 +202,7 @@ def _cp_attention(query, key, value, scale, cp: CPLayout, topk_idx):
     k, v = kv[..., :dk], kv[..., dk:]
     if topk_idx is not None:
         q, k, v = (t.transpose(0, 1) for t in (query, k, v))  # [B, S, n, d]
-        o = sparse_topk_attention(q, k, v, topk_idx, scale)  # [B, S_local, n, dv]
+        o = sparse_topk_attention(q, k, v, topk_idx, scale, q_pos=cp.positions)  # [B, S_local, n, dv]
         return o.transpose(0, 1).reshape(S, B, -1)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, k, v))  # [B, n, S, d]
     o = causal_attention(q, k, v, scale, cp.cu_seqlens, q_pos=cp.positions)  # [B, n, S_local, dv]

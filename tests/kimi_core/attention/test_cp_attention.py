@@ -130,3 +130,32 @@ def test_cp_index_topk_equals_rows_of_full_topk(packed):
                 sel, ref = got[b, i][got[b, i] >= 0], full[b, t][full[b, t] >= 0]
                 assert (sel <= t).all() and (seg is None or (seg[sel] == seg[t]).all())
                 assert torch.equal(scores[b, t, sel].sort().values, scores[b, t, ref].sort().values), (r, b, t)
+
+
+def test_sparse_fused_blocks_with_q_pos_equal_gather(monkeypatch):
+    """K3.1 under CP: the fused path's masked SDPA blocks, each cut at its last query position, equal the gather path
+    for a CP rank's queries against the whole sequence (forward and gradients; forced on the CPU, blocks of 8)."""
+    from kimi_core.attention import sparse_topk
+
+    S, cp = 40, 2
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, S, 3, d, generator=g).requires_grad_() for d in (8, 8, 6))
+    iq, ik, iw = (
+        torch.randn(2, S, 2, 4, generator=g),
+        torch.randn(2, S, 4, generator=g),
+        torch.randn(2, S, 2, generator=g),
+    )
+    monkeypatch.setattr(sparse_topk, "SDPA_BLOCK_Q", 8)
+    for r in range(cp):
+        pos = load_balanced_positions(cp, r, seq_len=S)
+        idx = blockwise_index_topk(iq[:, pos], ik, iw[:, pos], 6, q_pos=pos)
+        ql = q.detach()[:, pos].requires_grad_()
+        ref = sparse_topk.sparse_topk_attention(ql, k, v, idx, 0.4, q_pos=pos)
+        ref_g = torch.autograd.grad(ref.pow(2).sum(), (ql, k, v))
+        with monkeypatch.context() as m:
+            m.setattr(sparse_topk, "uses_fused_attention", lambda q: True)
+            got = sparse_topk.sparse_topk_attention(ql, k, v, idx, 0.4, q_pos=pos)
+        got_g = torch.autograd.grad(got.pow(2).sum(), (ql, k, v))
+        assert_close(f"rank {r} sparse fused", ref, got, 1e-6)
+        for name, a, b in zip("qkv", ref_g, got_g):
+            assert_close(f"rank {r} sparse fused d{name}", a, b, 1e-5)
