@@ -159,3 +159,40 @@ def test_sparse_fused_blocks_with_q_pos_equal_gather(monkeypatch):
         assert_close(f"rank {r} sparse fused", ref, got, 1e-6)
         for name, a, b in zip("qkv", ref_g, got_g):
             assert_close(f"rank {r} sparse fused d{name}", a, b, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_cp_fused_paths_on_cuda(packed, monkeypatch):
+    """CUDA, bf16, K2 head widths (qk 192, v 128): a CP = 2 rank's causal attention through SDPA runs, and its K3.1
+    sparse attention through the masked SDPA blocks, equal the blockwise / gather kernels (output and gradients)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from kimi_core.attention import sparse_topk, sparse_topk_attention
+
+    monkeypatch.setattr(sparse_topk, "SDPA_BLOCK_Q", 64)
+    S = 512
+    cu = torch.tensor([0, 128, 384, 512], device="cuda") if packed else None
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 4, S, d, generator=g).cuda().bfloat16().requires_grad_() for d in (192, 192, 128))
+    iq, ik, iw = (torch.randn(*s, generator=g).cuda() for s in ((1, S, 2, 8), (1, S, 8), (1, S, 2)))
+    seg = segment_ids(cu, S) if packed else None
+    for r in range(2):
+        pos = load_balanced_positions(2, r, **({"cu_seqlens": cu} if packed else {"seq_len": S})).cuda()
+        ql = q.detach()[:, :, pos].requires_grad_()
+        fused = causal_attention(ql, k, v, 192**-0.5, cu, q_pos=pos)
+        fg = torch.autograd.grad(fused.float().pow(2).sum(), (ql, k, v))
+        with monkeypatch.context() as m:
+            m.setenv("KIMI_ATTENTION", "blockwise")
+            block = causal_attention(ql, k, v, 192**-0.5, cu, q_pos=pos)
+        bg = torch.autograd.grad(block.float().pow(2).sum(), (ql, k, v))
+        assert_close(f"rank {r} fused causal", block.float(), fused.float(), 1e-2)
+        for name, a, b in zip("qkv", bg, fg):
+            assert_close(f"rank {r} fused causal d{name}", a.float(), b.float(), 2e-2)
+        idx = blockwise_index_topk(iq[:, pos], ik, iw[:, pos], 32, seg, q_pos=pos)
+        qs, ks, vs = (t.detach().float().transpose(1, 2).contiguous().requires_grad_() for t in (ql, k, v))
+        fused = sparse_topk_attention(qs, ks, vs, idx, 192**-0.5, q_pos=pos)
+        with monkeypatch.context() as m:
+            m.setenv("KIMI_ATTENTION", "blockwise")
+            gathered = sparse_topk_attention(qs, ks, vs, idx, 192**-0.5, q_pos=pos)
+        assert_close(f"rank {r} sparse sdpa vs gather", gathered, fused, 1e-4)
