@@ -2,8 +2,9 @@
 
 Every rank builds the tiny model for its (TP, CP) coordinates, takes its CP shard of a fixed batch, runs forward and
 backward of ``sum(logits * w)`` on its tokens, and returns the whole batch's logits (the CP shards put back at their
-global positions, vocab gathered over TP) and the full gradients (summed over CP: megatron's data-parallel x CP
-gradient reduction; TP pieces gathered). Each layout runs an unpacked ``[B, S]`` batch and a packed THD batch.
+global positions, vocab gathered over TP) and the full gradients of every parameter and of the LoRA factors of a
+random adapter applied on top (summed over CP: megatron's data-parallel x CP gradient reduction; TP pieces
+gathered). Each layout runs an unpacked ``[B, S]`` batch and a packed THD batch.
 
 The CP split of the inputs is written here from megatron's and SkyRL's own recipes (``get_batch_on_this_cp_rank``:
 view as ``2 * cp`` chunks, keep chunks ``r`` and ``2 * cp - 1 - r``; ``preprocess_packed_seqs``: the same per padded
@@ -20,6 +21,7 @@ B, S = 2, 16
 PADDED_LENS = (8, 16, 12)  # packed sequences, each a multiple of 2 * cp for cp <= 2 (SkyRL pads them so)
 
 LAYOUTS = {"cp1": (1, 1), "cp2": (1, 2), "tp2cp2": (2, 2)}  # name -> (TP, CP)
+LORA = dict(rank=4, alpha=8, expert_layout="shared_outer", normalize_moe_lora=True)
 
 
 def unpacked_split(n: int, cp: int, r: int) -> torch.Tensor:
@@ -61,7 +63,7 @@ def _batch(vocab: int, packed: bool):
     return torch.randint(0, vocab, (b, n), generator=g), torch.randn(b, n, vocab, generator=g)
 
 
-def _step(model, packed: bool, tp: int, cp: int) -> dict:
+def _step(model, lora, packed: bool, tp: int, cp: int) -> dict:
     """Forward + backward of one batch on this rank's CP shard; returns the whole logits and the full gradients."""
     import mp_worker
     from megatron.core import parallel_state as ps
@@ -73,6 +75,7 @@ def _step(model, packed: bool, tp: int, cp: int) -> dict:
     pos = split(r)
     pos_ids = torch.cat([torch.arange(n) for n in PADDED_LENS])[None] if packed else torch.arange(S)[None].expand(B, -1)
     model.zero_grad(set_to_none=True)
+    lora.zero_grad(set_to_none=True)
     logits = gather_vocab(
         model(
             ids[:, pos],
@@ -84,7 +87,7 @@ def _step(model, packed: bool, tp: int, cp: int) -> dict:
     (logits.float() * w[:, pos]).sum().backward()
     if cp > 1:
         group = ps.get_context_parallel_group()
-        for p in model.parameters():
+        for p in [*model.parameters(), *lora.parameters()]:
             if p.grad is not None:
                 torch.distributed.all_reduce(p.grad, group=group)
         parts = [torch.empty_like(logits) for _ in range(cp)]
@@ -93,17 +96,34 @@ def _step(model, packed: bool, tp: int, cp: int) -> dict:
         for rr, part in enumerate(parts):
             full[:, split(rr)] = part
         logits = full
+    from kimi_megatron_plugin.lora import lora_decomposed
+
     grads = mp_worker._full_grads(
         model, ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group(), None
     )
-    return {"logits": logits.detach().float(), "grads": {k: v.float() for k, v in grads.items()}}
+    dec = lora_decomposed(lora, torch.float32, grads=True)
+    factors = {**dec.dense, **{f"{k[0]}.experts.{k[1]}": v for k, v in dec.experts.items()}}
+    return {
+        "logits": logits.detach().float(),
+        "grads": {k: v.float() for k, v in grads.items()},
+        "lora": {f"{k} {ab}": _flat(v[i]) for k, v in factors.items() for i, ab in enumerate("AB")},
+    }
+
+
+def _flat(v) -> torch.Tensor:
+    """A factor gradient (a tensor, or a tuple/list of per-expert ones) as one fp32 tensor."""
+    if isinstance(v, torch.Tensor):
+        return v.detach().float().reshape(-1)
+    return torch.cat([_flat(x) for x in v])
 
 
 def one_layout(ckpt: str, tp: int, cp: int) -> dict:
     """Build and load the model for (TP, CP); run the unpacked and the packed batch."""
     from megatron.core import parallel_state as ps
 
+    from kimi_core.lora import LoraSpec, random_adapter
     from kimi_megatron_plugin import checkpoint
+    from kimi_megatron_plugin.lora import apply_lora
     from kimi_megatron_plugin.models import provider
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp, expert_tensor_parallel_size=1)
@@ -111,7 +131,11 @@ def one_layout(ckpt: str, tp: int, cp: int) -> dict:
         ckpt, tensor_parallel=tp, context_parallel_size=cp, perform_initialization=False
     )
     checkpoint.load_hf_checkpoint(model, ckpt)
-    out = {"unpacked": _step(model, False, tp, cp), "packed": _step(model, True, tp, cp)}
+    spec = LoraSpec(**LORA)
+    lora = apply_lora(model, spec, freeze_base=False)  # base weights keep their gradients too
+    lora.load_adapter(random_adapter(model.kimi_config, spec, seed=11, layout=spec.expert_layout))
+    out = {"unpacked": _step(model, lora, False, tp, cp), "packed": _step(model, lora, True, tp, cp)}
+    lora.remove()
     ps.destroy_model_parallel()
     return out
 

@@ -1,6 +1,7 @@
 """Context parallelism: CP = 2 (two gloo processes, megatron's load-balanced split) gives the CP = 1 logits and
 gradients of the tiny K2 (RoPE/YaRN MLA), K3 (KDA + gated NoPE MLA + attention-residual bank) and K3.1 (+ DSA
-indexer and sparse attention), unpacked and packed (THD), fp32."""
+indexer and sparse attention), unpacked and packed (THD), fp32: every parameter's gradient and those of a random LoRA
+adapter on top."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ def _compare(res, base: str, got: str):
         assert set(ref["grads"]) == set(out["grads"])
         for name in ref["grads"]:
             assert_close(f"{got} {kind} grad {name}", ref["grads"][name], out["grads"][name], 1e-4)
+        assert set(ref["lora"]) == set(out["lora"]) and len(ref["lora"]) > 10
+        for name in ref["lora"]:
+            assert_close(f"{got} {kind} lora grad {name}", ref["lora"][name], out["lora"][name], 1e-4)
 
 
 @pytest.fixture(scope="module")
