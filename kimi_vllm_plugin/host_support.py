@@ -24,7 +24,9 @@ punica ``bgmv_shrink`` / ``bgmv_expand`` / ``bgmv_expand_slice``, ``LoRARequest`
 overlap hook our CPU build swaps out is absent in 0.27.0, ``maybe_init_gemm_rs`` in 0.28.0 and
 ``maybe_init_gemm_rs_ar`` in 0.32/0.33 (GPU serving does not touch it). 0.33.0 adds
 ``supports_lora`` to ``_ModelInfo`` and refuses ``enable_lora`` before construction for a class
-without it.
+without it. For the ``lora_reload_cache`` patch, read in 0.26.0, 0.30.0, 0.32.0 and 0.33.0 (the same in all):
+``v1.engine.core.EngineCore.add_lora`` / ``list_loras`` / ``reset_prefix_cache(reset_running_requests,
+reset_connector)``, ``LoRARequest.load_inplace``, ``WorkerLoRAManager.add_adapter`` (re-reads in place).
 
 Test hook: the environment variable ``KIMI_VLLM_FAKE_VERSION`` (tests only) replaces the installed
 release in :func:`vllm_version`; a value that is not ``X.Y...`` counts as "version unknown". The
