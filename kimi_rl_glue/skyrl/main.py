@@ -145,6 +145,10 @@ def _build():
 
         register_skyrl_losses()
         register_skyrl_envs()
+        if cfg.trainer.strategy == "megatron":  # SkyRL imports its Megatron worker (and so Bridge) here
+            from kimi_megatron_plugin.patches import te_stub
+
+            te_stub.install()
         KimiExp(cfg).run()
 
     return KimiConfig, entry

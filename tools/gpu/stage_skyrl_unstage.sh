@@ -88,6 +88,13 @@ if [ "$BUILD_TE" = 1 ]; then
   [ "$(cat "$B/status")" = ok ] || { tail -40 "$B/build.log"; echo "transformer-engine-torch build failed (log: $B/build.log)"; exit 1; }
   ls -la "$B"/whl/
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$B"/whl/*.whl 2>&1 | grep -v "already exists" || true
+  # TransformerEngine finds its torch extension only as <site>/transformer_engine_torch*.so (or under
+  # transformer_engine/ or transformer_engine/wheel_lib/): put it there wherever the build left it
+  python3 -m zipfile -l "$B"/whl/*.whl | grep -E "\.so" || echo "the transformer-engine-torch wheel holds no .so"
+  if ! compgen -G "$SITE/transformer_engine_torch*.so" > /dev/null; then
+    so=$(find "$SITE" "$B" -name "transformer_engine_torch*.so" 2> /dev/null | head -1)
+    if [ -n "$so" ]; then cp "$so" "$SITE/" && echo "TE torch extension: $so -> $SITE/"; else echo "no transformer_engine_torch*.so found"; fi
+  fi
   step te_install
 fi
 
