@@ -13,14 +13,15 @@ import time
 
 import torch
 
+from kimi_core.errors import PluginError
 from kimi_megatron_plugin.patches import te_stub
+from kimi_rl_glue.skyrl.worker import expert_mode_of, lora_spec_of, say
 
 te_stub.install()
 
-from skyrl.backends.skyrl_train.workers.megatron.megatron_worker import MegatronPolicyWorkerBase  # noqa: E402
-
-from kimi_core.errors import PluginError  # noqa: E402
-from kimi_rl_glue.skyrl.worker import expert_mode_of, lora_spec_of, say  # noqa: E402
+from skyrl.backends.skyrl_train.workers.megatron.megatron_worker import (  # noqa: E402 - after te_stub.install()
+    MegatronPolicyWorkerBase,
+)
 
 __all__ = ["KimiMegatronPolicyWorker"]
 
