@@ -4,8 +4,9 @@ Each CP rank holds megatron's load-balanced share of every sequence (:mod:`kimi_
 chunks ``r`` and ``2 * cp - 1 - r`` of ``2 * cp``; packed THD batches split each sequence on its own, the
 ``packed_seq_params`` bounds being the global, padded ones). What crosses ranks:
 
-* MLA: the keys and values after RoPE, all-gathered into global order (:func:`gather_sequence`; its backward
-  reduce-scatters their gradient); the local queries attend them at their global positions.
+* MLA: the compressed KV latent (normed ``kv_compressed`` and the rotated ``k_pe``, ``kv_lora_rank + rope`` values
+  a token), all-gathered into global order (:func:`gather_sequence`; its backward reduce-scatters the gradient)
+  and up-projected for every token; the local queries attend the keys and values at their global positions.
 * K3.1's indexer: its keys (frozen: a plain all-gather); the top-k indices are global positions.
 * KDA: the inputs of its two sequence mixers (the short conv and the delta-rule recurrence) are gathered and both
   run over the whole sequence on every rank, which keeps its output rows: the conv's left context and the

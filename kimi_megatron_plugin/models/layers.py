@@ -126,9 +126,9 @@ class KimiCoreAttention(MegatronModule):
     any other explicit mask (True = masked out, ``[B, 1, S, S]``) takes the dense path, since the mask
     itself is already ``S x S``.
 
-    Context parallelism: ``query`` holds this rank's load-balanced tokens; the keys and values are all-gathered
-    over the CP group into global order (backward: reduce-scatter) and each local query attends them at its global
-    position (``topk_idx`` then holds global key positions). Explicit masks are refused under CP.
+    Context parallelism: ``query`` holds this rank's load-balanced tokens and ``key``/``value`` the whole sequence
+    in global order (:class:`KimiMLA` gathers the compressed latent and up-projects it); each local query attends
+    them at its global position (``topk_idx`` then holds global key positions). Explicit masks are refused under CP.
 
     :param softmax_scale: from ``MultiLatentAttention`` (``qk_head_dim^-1/2 * mscale^2``).
     """
@@ -164,8 +164,8 @@ class KimiCoreAttention(MegatronModule):
         **_,
     ):
         cu = packed_bounds(packed_seq_params)
-        if query.dim() == 3:  # THD: [T, n, d] -> [T, 1, n, d]
-            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
+        # THD: [T, n, d] -> [T, 1, n, d]
+        query, key, value = (t.unsqueeze(1) if t.dim() == 3 else t for t in (query, key, value))
         S, B, n, d = query.shape
         scale = self.softmax_scale if self.softmax_scale is not None else d**-0.5
         if cp is None and self.cp_group is not None:
@@ -177,6 +177,11 @@ class KimiCoreAttention(MegatronModule):
                 raise ValueError(
                     "kimi_megatron_plugin: KimiCoreAttention with --context-parallel-size > 1 takes no explicit "
                     "attention_mask beyond the causal one (pass None)"
+                )
+            if key.shape[0] != cp.total:
+                raise ValueError(
+                    f"kimi_megatron_plugin: KimiCoreAttention with --context-parallel-size {cp.size} takes the whole "
+                    f"sequence's keys and values ({cp.total} tokens, as KimiMLA gathers them), got {key.shape[0]}"
                 )
             return _cp_attention(query, key, value, scale, cp, topk_idx)
         if attention_mask is not None:
@@ -192,14 +197,10 @@ class KimiCoreAttention(MegatronModule):
         return o.permute(2, 0, 1, 3).reshape(S, B, -1)
 
 
-def _cp_attention(query, key, value, scale, cp: CPLayout, topk_idx):
-    """This CP rank's queries ``[S_local, B, n, d]`` against the keys and values of every rank -> ``[S_local, B, n*dv]``.
-
-    K and V travel in one all-gather (concatenated on the head dim) and come back in global order."""
+def _cp_attention(query, k, v, scale, cp: CPLayout, topk_idx):
+    """This CP rank's queries ``[S_local, B, n, d]`` against the whole sequence's ``k``/``v [S_global, B, n, d]``
+    (global order) -> ``[S_local, B, n * dv]``."""
     S, B = query.shape[:2]
-    dk = key.shape[-1]
-    kv = gather_sequence(torch.cat([key, value], dim=-1), cp)  # [S_global, B, n, dk + dv]
-    k, v = kv[..., :dk], kv[..., dk:]
     if topk_idx is not None:
         q, k, v = (t.transpose(0, 1) for t in (query, k, v))  # [B, S, n, d]
         o = sparse_topk_attention(q, k, v, topk_idx, scale, q_pos=cp.positions)  # [B, S_local, n, dv]
@@ -454,11 +455,13 @@ class KimiMLA(MLASelfAttention):
             raise NotImplementedError(
                 "kimi_megatron_plugin: KimiMLA supports the training/prefill path only (no inference_context)"
             )
-        q, k, v, qr, _ = self.get_query_key_value_tensors(hidden_states, None, position_ids, packed_seq_params)
+        q, k, v, qr, kv_latent = self.get_query_key_value_tensors(hidden_states, None, position_ids, packed_seq_params)
         if qr.dim() == 2:  # THD: megatron squeezes the batch dim of packed latents
             qr = qr.unsqueeze(1)
         cu = packed_bounds(packed_seq_params)
         cp = cp_layout(hidden_states.shape[0], cu, hidden_states.device, self.cp_group) if self.cp_group else None
+        if cp is not None:
+            k, v = self._whole_sequence_kv(k, kv_latent, cp)
         topk_idx = self.indexer(hidden_states, qr, cu, cp) if self.indexer is not None else None
         core = self.core_attention(
             q, k, v, attention_mask, packed_seq_params=packed_seq_params, topk_idx=topk_idx, cp=cp
@@ -466,6 +469,27 @@ class KimiMLA(MLASelfAttention):
         if self.linear_g_proj is not None:
             core = core * torch.sigmoid(self.linear_g_proj(hidden_states)[0])
         return self.linear_proj(core)
+
+    def _whole_sequence_kv(self, key, kv_latent, cp: CPLayout):
+        """Keys and values of the whole sequence from every CP rank's compressed latent.
+
+        Gathers ``[kv_compressed (normed) | k_pe (rotated)]`` (``kv_lora_rank + rope`` values a token, against
+        ``n/tp * (dqk + dv)`` for the up-projected K/V) and runs ``linear_kv_up_proj`` on every token. ``key`` is
+        megatron's ``[S, B, n, dqk]`` (THD ``[T, n, dqk]``), read for its rotated rope part (the same in every head);
+        ``kv_latent`` ``[S, B, kv_lora_rank]`` (THD ``[T, kv_lora_rank]``). Returns ``[S_global, B, n, dqk]``,
+        ``[S_global, B, n, dv]`` in global order."""
+        c = self.config
+        if kv_latent.dim() == 2:  # THD
+            kv_latent, key = kv_latent.unsqueeze(1), key.unsqueeze(1)
+        k_pe = key[:, :, 0, c.qk_head_dim :].to(kv_latent.dtype)  # [S, B, rope]
+        full = gather_sequence(torch.cat([kv_latent, k_pe], dim=-1), cp)  # [S_global, B, kv_lora_rank + rope]
+        kv_c, k_pe = full.split([c.kv_lora_rank, c.qk_pos_emb_head_dim], dim=-1)
+        kv = self.linear_kv_up_proj(kv_c)[0]
+        n = self.num_attention_heads_per_partition
+        kv = kv.view(*kv.shape[:2], n, c.qk_head_dim + c.v_head_dim)
+        k_nope, v = kv.split([c.qk_head_dim, c.v_head_dim], dim=-1)
+        k_pe = k_pe.to(k_nope.dtype).unsqueeze(2).expand(-1, -1, n, -1)
+        return torch.cat([k_nope, k_pe], dim=-1).contiguous(), v.contiguous()
 
 
 # ---------------------------------------------------------------------------------------------- KDA
