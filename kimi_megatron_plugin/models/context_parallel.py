@@ -18,6 +18,7 @@ builds a pinned CUDA index, which a CPU process cannot).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -79,29 +80,40 @@ class CPLayout:
 
 
 def cp_layout(local_len: int, cu_seqlens: torch.Tensor | None, device, group) -> CPLayout | None:
-    """The layout of a ``local_len``-token shard (``cu_seqlens``: the global packed bounds), or None at CP = 1."""
+    """The layout of a ``local_len``-token shard (``cu_seqlens``: the global packed bounds), or None at CP = 1.
+
+    One host read of the bounds per call; the index tensors are cached per (shape, bounds, device), so the layers of
+    one forward share them."""
     size = group.size() if group is not None else 1
     if size <= 1:
         return None
-    rank = group.rank()
+    bounds = None if cu_seqlens is None else tuple(int(b) for b in cu_seqlens.tolist())
     total = local_len * size
-    if cu_seqlens is not None and int(cu_seqlens[-1]) != total:
+    if bounds is not None and bounds[-1] != total:
         raise ValueError(
             f"kimi_megatron_plugin: with --context-parallel-size {size} the packed bounds "
             f"(packed_seq_params.cu_seqlens_q_padded) must end at {total} = {local_len} local tokens x {size} ranks, "
-            f"got {int(cu_seqlens[-1])}"
+            f"got {bounds[-1]}"
         )
+    positions, order, seg = _layout_tensors(size, group.rank(), total, bounds, str(torch.device(device)))
+    return CPLayout(group, size, group.rank(), positions, order, total, cu_seqlens, seg)
+
+
+@functools.lru_cache(maxsize=8)
+def _layout_tensors(size: int, rank: int, total: int, bounds: tuple[int, ...] | None, device: str):
+    """``(positions [total / size], order [total], seg [total] or None)`` on ``device`` (see :class:`CPLayout`)."""
+    cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int64)
 
     def where(r):
-        if cu_seqlens is None:
+        if cu is None:
             return load_balanced_positions(size, r, seq_len=total)
-        return load_balanced_positions(size, r, cu_seqlens=cu_seqlens.cpu())
+        return load_balanced_positions(size, r, cu_seqlens=cu)
 
     every = torch.cat([where(r) for r in range(size)])
     order = torch.empty_like(every)
     order[every] = torch.arange(total)
-    seg = None if cu_seqlens is None else segment_ids(cu_seqlens.to(device), total)
-    return CPLayout(group, size, rank, where(rank).to(device), order.to(device), total, cu_seqlens, seg)
+    seg = None if cu is None else segment_ids(cu, total).to(device)
+    return where(rank).to(device), order.to(device), seg
 
 
 class _AllGatherSeq(torch.autograd.Function):
