@@ -5,21 +5,23 @@
 # adapter hot-loaded after every step (merge_lora=false); Megatron TP2 x CP8 (DP1), EP16, ETP1, PP1;
 # the full 262,144-token context (8k prompt). docs/recipes/kimi_k2_int4_qat_lora.md has the story.
 #
-# What our plugins replace, compared with the seed:
-#   - No BF16 copy (default EXPERT_WEIGHTS=int4): the seed dequantized the 595 GB INT4 release into
-#     about 2.1 TB of BF16 masters on every node (127 GB of frozen experts per GPU, offloaded to
-#     1.1 TB of mmaps per node while the engines generate) and fake-quantized them back onto the
-#     INT4 grid in every forward. kimi_megatron_plugin keeps the frozen routed experts as the
-#     release's packed INT4 bytes (W4A16, about 0.56 B/param) and dequantizes inside the grouped
-#     GEMM: for Kimi-QAT checkpoints that is exactly the grid vLLM serves, so the trainer's experts
-#     stay bit-exact with the engine with no fake-quant pass and no dequantize step.
-#     EXPERT_WEIGHTS=bf16 keeps the seed's path (BF16 masters from `kimi-rl dequantize`, SkyRL's
-#     fake_int4_qat) for comparison.
-#   - vLLM through its plugin entry point (VLLM_PLUGINS=kimi): LoRA-capable K2.x classes with MoE
-#     LoRA, capacity-normalised expert ranks as rank_pattern, and a fresh adapter name per step,
-#     instead of SkyRL's in-tree monkey-patch of KimiK25ForConditionalGeneration.
-#   - trainer.override_entrypoint=kimi_rl_glue.skyrl.main: our model bridges and specs, the DAPO
-#     overlong penalty and the adapter-only sync, with no SkyRL fork and no examples/ entry module.
+# What runs (trainer.override_entrypoint=kimi_rl_glue.skyrl.main; tools/gpu/skyrl_loop.sh runs the same pieces on
+# one GPU with a tiny K2, docs/performance.md#skyrl-loop):
+#   - SkyRL's own loop (main_base, RayPPOTrainer, its vLLM generator, its Megatron policy worker) with
+#     kimi_rl_glue.skyrl.policy_worker in place of SkyRL's policy worker: the K2.x model through
+#     kimi_megatron_plugin's Megatron-Bridge bridge, Kimi LoRA on attention-out and every MLP including the routed
+#     experts (Bridge PEFT would skip them), the adapter exported per expert each step and loaded into vLLM under
+#     SkyRL's adapter name (prefix cache reset by SkyRL before the sync and by kimi_vllm_plugin on in-place reloads).
+#   - No BF16 copy (default EXPERT_WEIGHTS=int4): the frozen routed experts stay the release's packed INT4 bytes
+#     (W4A16, about 0.56 B/param), dequantized inside the grouped GEMM: for Kimi-QAT checkpoints exactly the grid vLLM
+#     serves, so there is no fake-quant pass and no dequantize step. EXPERT_WEIGHTS=bf16 is the seed's path: BF16
+#     masters (BF16_BASE_PATH, or dequantized from the release at load) fake-quantized by our experts (QAT_MODE=on).
+#   - vLLM through its plugin entry point (VLLM_PLUGINS=kimi): LoRA-capable K2.x classes with MoE LoRA; any adapter
+#     folder vLLM loads for them is prepared by the plugin (rank_pattern / alpha_pattern folded, expert layouts).
+#   - Our DAPO losses (kimi_dapo) and the overlong penalty, through SkyRL's registries.
+# Not yet: expert parallelism above 1 with LoRA (the worker refuses it until the expert factors' gradient reduction
+# is wired into SkyRL's DDP), so the seed's EP16 layout below stops at model setup with that message; the layouts
+# run so far are TP1 / EP1 / CP1 on one GPU.
 #
 # Usage: export VLLM_PLUGINS=kimi in the shell that runs `ray start` on every node (Ray workers
 # inherit the raylet's environment), start Ray on both nodes, then on the head node:
