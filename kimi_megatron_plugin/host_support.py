@@ -90,8 +90,8 @@ MEGATRON_CORE = HostSupport(
 
 MEGATRON_BRIDGE = HostSupport(
     distribution="megatron-bridge",
-    releases="==0.6.2",
-    tested=("0.6.2 on Python 3.12",),
+    releases=">=0.6.0,<=0.6.2",
+    tested=("0.6.2 on Python 3.12", "0.6.0 inside SkyRL's Megatron worker (tools/gpu/skyrl_loop.sh)"),
     why="the bridge subclasses MegatronModelBridge and routes get_model_bridge's K2 entry; the TE stand-in "
     "names the one Bridge module that imports TransformerEngine unguarded",
     install="Install 'kimi-megatron-plugin[bridge]' (megatron-bridge==0.6.2, Python 3.12); without Bridge, load "
