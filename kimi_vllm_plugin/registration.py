@@ -117,8 +117,22 @@ def register() -> None:
         )
 
 
+def _share_vllm_log_handlers() -> None:
+    """Route this package's log records to vLLM's handlers (vLLM configures only its ``vllm`` logger, so a
+    plugin's INFO lines would otherwise be dropped in the engine's processes)."""
+    ours, host = logging.getLogger("kimi_vllm_plugin"), logging.getLogger("vllm")
+    if ours.handlers or not host.handlers:
+        return
+    for handler in host.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(host.getEffectiveLevel())
+    ours.propagate = False
+
+
 def _register() -> None:
     from vllm import ModelRegistry
+
+    _share_vllm_log_handlers()
 
     report = host_support.host_report()
     targets = registry_targets(report)

@@ -22,6 +22,8 @@ patch (file)           when                                    what
 =====================  ======================================  =====================================================
 """
 
+import logging
+
 from kimi_core.patch_ledger import PatchEntry, check_patch
 from kimi_vllm_plugin.patches import (
     cpu_punica_no_lora,
@@ -68,6 +70,9 @@ def build_upstream(model, parent_init, cpu_swap, **kwargs) -> None:
 
     model.packed_modules_mapping = {k: list(v) for k, v in type(model).packed_modules_mapping.items()}
     model._cpu_moe = current_platform.is_cpu()
+    logging.getLogger("kimi_vllm_plugin").info(
+        "kimi_vllm_plugin: building %s (%s MoE)", type(model).__name__, "CPU" if model._cpu_moe else "vLLM's fused"
+    )
     lora_dir_prepare.mark_model(model, kwargs["vllm_config"])
     lora_dir_prepare.install()
     if not model._cpu_moe:
