@@ -26,6 +26,7 @@ SYNC = re.compile(r"\[kimi-skyrl-worker\] adapter synced: (\d+) tensors .* sync_
 MARKERS = {
     "worker_built_kimi_model": r"\[kimi-skyrl-worker\] bridge Kimi\w+Bridge, experts (\w+)",
     "worker_lora": r"\[kimi-skyrl-worker\] LoRA rank \d+",
+    "vllm_built_kimi_class": r"kimi_vllm_plugin: building \w+ \(vLLM's fused MoE\)",
     "vllm_marlin_wna16_moe": r"Using CompressedTensorsWNA16MarlinMoEMethod",
     "vllm_fused_moe_lora": r"Using fused MoE LoRA implementation",
     "vllm_plugin_served_adapter": r"kimi_vllm_plugin: LoRA '[^']+' from \S+ served in its prepared form",
