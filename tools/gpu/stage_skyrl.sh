@@ -97,7 +97,9 @@ LOOP_DEPS="datasets==5.0.1 multiprocess==0.70.19 fsspec==2026.6.0 torchdata==0.1
  cloudpathlib==0.24.0 zstandard==0.25.0 orjson==3.11.9 importlib-metadata==8.9.0
  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.6.3
  nvdlfw-inspect==0.2.2 diffusers==0.39.0 tokenizers==0.22.2 jmespath==1.0.1 supervisor==4.3.0
- pycountry==26.2.16 nvidia-cublas==13.2.0.9"
+ pycountry==26.2.16 nvidia-cublas==13.2.0.9
+ jaxtyping==0.3.11 wadler-lindig==0.1.8 accelerate==1.16.0 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2
+ pygments==2.21.0"
 echo "downloading the engines (~600 MB) and $(echo $VLLM_DEPS $LOOP_DEPS | wc -w) small packages"
 fetch "$W/whl" $ENGINES $VLLM_DEPS $LOOP_DEPS
 # sdist OUTDIR NAME VERSION: the sdist of NAME==VERSION, taken from the index's simple page (`pip download`
