@@ -23,13 +23,23 @@ from collections.abc import Callable
 
 import torch
 
+from kimi_core.errors import KimiError
 from kimi_rl_glue.losses.kl import kl_estimate
 from kimi_rl_glue.losses.policy import clipped_pg_token_loss
-from kimi_rl_glue.losses.score_centering import score_centering_from_logits
+from kimi_rl_glue.losses.score_centering import score_centering_loss as score_centering_per_token
 from kimi_rl_glue.losses.tis import apply_tis
-from kimi_rl_glue.miles.responses import cat_field, check_unsharded, iter_response_logits, pad_ragged, unpad
+from kimi_rl_glue.miles.responses import (
+    ShardLayout,
+    cat_field,
+    current_layout,
+    iter_local_responses,
+    iter_response_logits,
+    pad_ragged,
+    unpad,
+)
+from kimi_rl_glue.miles.vocab_parallel import log_probs_at
 
-__all__ = ["score_centering_loss", "dapo_loss"]
+__all__ = ["MissingRolloutField", "score_centering_loss", "score_centering_loss_sharded", "dapo_loss"]
 
 
 def _active(batch: dict, device) -> torch.Tensor:
@@ -54,58 +64,116 @@ def _mismatch(
     }
 
 
+class MissingRolloutField(KimiError, KeyError):
+    """The miles batch lacks a per-token field a loss needs; the message names it and where it comes from.
+
+    A ``KeyError`` too, for callers that catch the bare lookup error."""
+
+    def __str__(self) -> str:  # KeyError would print the message as a quoted repr
+        return str(self.args[0]) if self.args else super().__str__()
+
+
+# Where each field score centering reads is produced in miles' rollout.
+_ROLLOUT_FIELD_SOURCE = {
+    "rollout_topk_token_ids": "--rollout-top-logprobs-num K (the sampler's top-K per generated token)",
+    "rollout_topk_log_probs": "--rollout-top-logprobs-num K (the sampler's top-K per generated token)",
+    "rollout_log_probs": "--use-rollout-logprobs",
+    "advantages": "an --advantage-estimator (grpo)",
+}
+
+
+def _require_rollout_fields(batch: dict) -> None:
+    for key, source in _ROLLOUT_FIELD_SOURCE.items():
+        if batch.get(key) is None:
+            raise MissingRolloutField(
+                f"kimi_rl_glue.miles.losses.score_centering_loss needs batch[{key!r}], which miles fills from "
+                f"{source}; run miles with --rollout-top-logprobs-num K and --use-rollout-logprobs. A miles "
+                "without --rollout-top-logprobs-num (radixark/miles main up to the native-LoRA PR #1792) records "
+                "no top-K: see docs/miles.md for the miles to use"
+            )
+
+
 def score_centering_loss(
     args, batch: dict, logits: torch.Tensor, sum_of_sample_mean: Callable[[torch.Tensor], torch.Tensor]
 ):
     """Score centering (``kimi_rl_glue.losses.score_centering``) as a miles custom loss.
 
+    Works on miles' sharded logits: the vocabulary split over tensor parallelism and the tokens split
+    over context parallelism, as :func:`kimi_rl_glue.miles.responses.current_layout` reads them from
+    miles' parallel state (see :func:`score_centering_loss_sharded`).
+    """
+    return score_centering_loss_sharded(args, batch, logits, sum_of_sample_mean, current_layout(args))
+
+
+def score_centering_loss_sharded(
+    args,
+    batch: dict,
+    logits: torch.Tensor,
+    sum_of_sample_mean: Callable[[torch.Tensor], torch.Tensor],
+    layout: ShardLayout,
+):
+    """:func:`score_centering_loss` for an explicit :class:`~kimi_rl_glue.miles.responses.ShardLayout`.
+
+    :param logits: ``[1, T_local, V / tp]`` (thd) or ``[B, S_local, V / tp]`` (bshd), float32 or float64.
+    :param sum_of_sample_mean: miles' reducer for this rank: it takes the flat per-token values of the
+        local response tokens (in :func:`~kimi_rl_glue.miles.responses.iter_local_responses` order).
     Batch keys: ``unconcat_tokens``, ``total_lengths``, ``response_lengths``, ``loss_masks``,
-    ``advantages``, ``rollout_log_probs`` (``[resp]`` each) and ``rollout_topk_token_ids`` /
-    ``rollout_topk_log_probs`` (``[resp, K]`` each, padding id -1 / log-prob -inf).
+    ``advantages``, ``rollout_log_probs`` (full ``[resp]`` each) and ``rollout_topk_token_ids`` /
+    ``rollout_topk_log_probs`` (full ``[resp, K]`` each, padding id -1 / log-prob -inf).
     Metrics: ``loss``, ``pg_loss``, the ``sc_*`` metrics, ``train_rollout_logprob_abs_diff``,
     ``train_rollout_kl``.
+
+    Tensor parallelism: log-probs come from :func:`kimi_rl_glue.miles.vocab_parallel.log_probs_at`
+    (all-reduces over the TP group; every TP rank returns the same loss). Context parallelism: every
+    quantity is per token, so each CP rank computes its own tokens' terms with no communication; the
+    sums across CP ranks are miles' (``sum_of_sample_mean`` divides by whole-sample token counts and the
+    gradient all-reduce adds the ranks' parts).
     """
-    check_unsharded("kimi_rl_glue.miles.losses.score_centering_loss")
-    for key in ("rollout_topk_token_ids", "rollout_topk_log_probs", "rollout_log_probs", "advantages"):
-        if batch.get(key) is None:
-            raise KeyError(
-                f"score_centering_loss needs batch[{key!r}]; run miles with "
-                "--rollout-top-logprobs-num K and --use-rollout-logprobs"
-            )
+    _require_rollout_fields(batch)
     dev = logits.device
     dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    losses, lps, metric_parts = [], [], {}
-    for i, (chunk, tokens) in enumerate(iter_response_logits(args, batch, logits)):
-        ids = torch.as_tensor(batch["rollout_topk_token_ids"][i]).to(dev).long()
-        head = torch.as_tensor(batch["rollout_topk_log_probs"][i]).to(dev, dt)
-        if ids.shape[0] != tokens.shape[0]:
+    chunks, ids, rollout_lp, head, adv, active = [], [], [], [], [], []
+    for i, (chunk, tokens, rows) in enumerate(iter_local_responses(args, batch, logits, layout)):
+        sample_ids = torch.as_tensor(batch["rollout_topk_token_ids"][i]).to(dev).long()
+        resp = int(batch["response_lengths"][i])
+        if sample_ids.dim() != 2 or sample_ids.shape[0] != resp:
             raise ValueError(
-                f"sample {i}: rollout_topk_token_ids has {ids.shape[0]} rows, the response has {tokens.shape[0]} tokens"
+                f"sample {i}: rollout_topk_token_ids has shape {tuple(sample_ids.shape)}, expected [{resp}, K] "
+                "(one row of candidates per response token)"
             )
-        loss_i, m_i, lp_i = score_centering_from_logits(
-            chunk,
-            tokens,
-            ids,
-            torch.as_tensor(batch["rollout_log_probs"][i]).to(dev, dt),
-            head,
-            torch.as_tensor(batch["advantages"][i]).to(dev, dt),
-            importance=getattr(args, "score_centering_is", "none") or "none",
-            tis_clip=float(getattr(args, "score_centering_tis_clip", 2.0)),
-            mis_low=float(getattr(args, "score_centering_mis_low", 0.5)),
-            mis_high=float(getattr(args, "score_centering_mis_high", 5.0)),
-        )
-        losses.append(loss_i)
-        lps.append(lp_i)
-        for k, v in m_i.items():
-            metric_parts.setdefault(k, []).append(v)
-    if not losses:  # empty micro-batch: keep the graph connected, report nothing
+        chunks.append(chunk)
+        ids.append(torch.cat([tokens[:, None], sample_ids[rows]], dim=1))
+        head.append(torch.as_tensor(batch["rollout_topk_log_probs"][i]).to(dev, dt)[rows])
+        rollout_lp.append(torch.as_tensor(batch["rollout_log_probs"][i]).to(dev, dt)[rows])
+        adv.append(torch.as_tensor(batch["advantages"][i]).to(dev, dt)[rows])
+        active.append(torch.as_tensor(batch["loss_masks"][i]).to(dev)[rows].bool())
+    n_local = sum(c.shape[0] for c in chunks)
+    if n_local == 0:  # no response token on this rank: keep the graph connected, report nothing
         zero = 0 * logits.sum()
         return zero, {"loss": zero.detach(), "pg_loss": zero.detach()}
-    active = _active(batch, dev)
-    pg_loss = sum_of_sample_mean(_where(active, torch.cat(losses)))
-    metrics = {k: sum_of_sample_mean(_where(active, torch.cat(v).to(dt))).detach() for k, v in metric_parts.items()}
-    rollout = cat_field(batch, "rollout_log_probs", device=dev, dtype=dt)
-    metrics.update(_mismatch(torch.cat(lps), rollout, active, sum_of_sample_mean))
+    all_ids = torch.cat(ids)
+    if (all_ids[:, 0] < 0).any():
+        raise ValueError("unconcat_tokens holds negative token ids in a response")
+    lp_all = log_probs_at(
+        torch.cat(chunks), all_ids, group=layout.tp_group, tp_rank=layout.tp_rank, tp_size=layout.tp_size
+    )
+    lp, topk_ids = lp_all[:, 0], all_ids[:, 1:]
+    loss, per_token = score_centering_per_token(
+        lp,
+        lp_all[:, 1:],
+        torch.cat(rollout_lp),
+        torch.cat(head),
+        torch.cat(adv),
+        head_mask=topk_ids >= 0,
+        importance=getattr(args, "score_centering_is", "none") or "none",
+        tis_clip=float(getattr(args, "score_centering_tis_clip", 2.0)),
+        mis_low=float(getattr(args, "score_centering_mis_low", 0.5)),
+        mis_high=float(getattr(args, "score_centering_mis_high", 5.0)),
+    )
+    act = torch.cat(active)
+    pg_loss = sum_of_sample_mean(_where(act, loss))
+    metrics = {k: sum_of_sample_mean(_where(act, v.to(dt))).detach() for k, v in per_token.items()}
+    metrics.update(_mismatch(lp, torch.cat(rollout_lp), act, sum_of_sample_mean))
     metrics.update(loss=pg_loss.detach(), pg_loss=pg_loss.detach())
     return pg_loss, metrics
 
