@@ -27,7 +27,7 @@ _BRIDGES = "kimi_megatron_plugin.bridge"
 MODEL_CLASSES: dict[str, str] = {
     K3: f"{_BRIDGES}:KimiK3Bridge",
     K31: f"{_BRIDGES}:KimiK31Bridge",
-    K25: f"{_BRIDGES}:KimiK25Bridge",
+    K25: f"{_BRIDGES}:KimiK25TextBridge",
     K2: f"{_BRIDGES}:KimiK2TextBridge",
 }
 

@@ -23,7 +23,7 @@ from kimi_megatron_plugin.bridge.autobridge import bridge_available, import_brid
 __all__ = ["BRIDGE_CLASSES", "bridge_available", "import_bridge", "register", "registered_bridges"]
 
 #: the classes of :mod:`kimi_megatron_plugin.bridge.model_bridge` reachable as attributes of this package
-BRIDGE_CLASSES = ("KimiBridge", "KimiK3Bridge", "KimiK31Bridge", "KimiK25Bridge", "KimiK2TextBridge")
+BRIDGE_CLASSES = ("KimiBridge", "KimiK3Bridge", "KimiK31Bridge", "KimiK25TextBridge", "KimiK2TextBridge")
 
 
 def __getattr__(name: str):

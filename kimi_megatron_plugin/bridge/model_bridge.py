@@ -30,7 +30,7 @@ from kimi_megatron_plugin.bridge.param_mapping import build_mapping_registry
 from kimi_megatron_plugin.bridge.provider import KimiBridgeProvider
 from kimi_megatron_plugin.registration import MODEL_TYPES
 
-__all__ = ["KimiBridge", "KimiK3Bridge", "KimiK31Bridge", "KimiK25Bridge", "KimiK2TextBridge", "kimi_config_of"]
+__all__ = ["KimiBridge", "KimiK3Bridge", "KimiK31Bridge", "KimiK25TextBridge", "KimiK2TextBridge", "kimi_config_of"]
 
 
 def kimi_config_of(hf) -> KimiConfig:
@@ -98,8 +98,12 @@ class KimiK31Bridge(KimiBridge):
     """``KimiK31ForConditionalGeneration`` (text model, with the DSA indexer)."""
 
 
-class KimiK25Bridge(KimiBridge):
-    """``KimiK25ForConditionalGeneration`` (text model)."""
+class KimiK25TextBridge(KimiBridge):
+    """``KimiK25ForConditionalGeneration`` (text model).
+
+    Named as SkyRL's own K2.5 text bridge: SkyRL's Megatron worker (skyrl 0.4.0, ``init_configs``) refuses a
+    ``kimi_k25`` checkpoint with ``language_model_only`` unless ``type(bridge._model_bridge).__name__`` is
+    ``"KimiK25TextBridge"``, so this class passes that check where ``kimi_rl_glue.skyrl`` registers it."""
 
 
 class KimiK2TextBridge(KimiBridge):
