@@ -19,9 +19,9 @@
 #   - vLLM through its plugin entry point (VLLM_PLUGINS=kimi): LoRA-capable K2.x classes with MoE LoRA; any adapter
 #     folder vLLM loads for them is prepared by the plugin (rank_pattern / alpha_pattern folded, expert layouts).
 #   - Our DAPO losses (kimi_dapo) and the overlong penalty, through SkyRL's registries.
-# Not yet: expert parallelism above 1 with LoRA (the worker refuses it until the expert factors' gradient reduction
-# is wired into SkyRL's DDP), so the seed's EP16 layout below stops at model setup with that message; the layouts
-# run so far are TP1 / EP1 / CP1 on one GPU.
+# Not yet run: the seed's multi-node layout below (TP2 CP8 EP16). Under EP the per-expert LoRA factors are marked as
+# Megatron expert parameters (reduced over expert-DP like Megatron's own expert weights); the shared-outer layout is
+# refused under EP. What has run: tools/gpu/README-skyrl.md.
 #
 # Usage: export VLLM_PLUGINS=kimi in the shell that runs `ray start` on every node (Ray workers
 # inherit the raylet's environment), start Ray on both nodes, then on the head node:

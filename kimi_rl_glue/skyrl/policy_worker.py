@@ -65,16 +65,10 @@ class KimiMegatronPolicyWorker(MegatronPolicyWorkerBase):
                 "INT4 / MXFP4 experts; this one has none (use expert_weights=bf16)"
             )
         self.provider.expert_mode, self.provider.expert_kwargs = mode, kw
-        ep = self.provider.expert_model_parallel_size
-        if self._is_lora and ep > 1:
-            raise PluginError(
-                f"trainer.policy.megatron_config.expert_model_parallel_size={ep}: the Kimi LoRA's shared expert "
-                "factors need their EP reduction wired into SkyRL's DDP; use expert parallel size 1"
-            )
         say(self._rank, "bridge %s, experts %s%s", type(chosen).__name__, mode, f" {kw}" if kw else "")
 
     def make_megatron_module(self, wrap_with_ddp=True, ddp_config=None, lora_config=None, lora_type="lora", bf16=True):
-        from kimi_megatron_plugin.lora import attach_lora
+        from kimi_megatron_plugin.lora.attach import attach_lora, needs_ep_reduction
 
         if lora_config is not None:
             if lora_type != "lora":
@@ -89,6 +83,11 @@ class KimiMegatronPolicyWorker(MegatronPolicyWorkerBase):
             def kimi_lora_hook(chunks):
                 for chunk in chunks:
                     lora = attach_lora(chunk, spec, seed=seed)
+                    if needs_ep_reduction(lora):
+                        raise PluginError(
+                            "shared-outer expert LoRA under expert parallelism needs its EP gradient sum, which "
+                            "SkyRL's DDP does not do; use the per-expert layout"
+                        )
                     n = sum(p.numel() for p in lora.parameters())
                     say(
                         rank,
