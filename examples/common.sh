@@ -7,6 +7,7 @@
 #   kimi_divides A B WHAT       fail early, naming the knobs, unless A divides B
 #   kimi_pp_split LAYERS PP     sets KIMI_PP_SPLIT_ARGS: Megatron first/last-stage layer counts for an uneven split
 #   kimi_launch CMD...          run CMD, or with DRY_RUN=1 print the env and the exact command instead
+#   kimi_miles_require FLAG...  fail first, naming the flag and the miles commit to use, unless miles has FLAG
 #
 # Our entry points are named here and nowhere else, so a rename is one edit
 # (docs/recipes/*.md and ARCHITECTURE.md "How a user switches it on" describe them).
@@ -109,10 +110,58 @@ kimi_launch() {
 
 # --- miles (seeds 000 and 001) ---------------------------------------------------------------------
 
+# The miles the recipes need (docs/miles.md): native LoRA's --lora-provider-path is only on radixark/miles
+# PR #1792 (branch zhichen/lora-native); main up to 31f1ca961 lacks it and then silently trains full weights.
+KIMI_MILES_DIR_DEFAULT=/root/miles
+KIMI_MILES_COMMIT=0aceece44be760beee8b7088d922105c39e80cf0   # radixark/miles PR #1792 head
+KIMI_MEGATRON_COMMIT=2e64d788b67fe8155774200c87606e1e449c494b  # radixark/Megatron-LM miles-main
+
+_kimi_miles_flag_source() {
+  case $1 in
+    --lora-provider-path)
+      echo "radixark/miles@$KIMI_MILES_COMMIT (PR #1792, branch zhichen/lora-native)" ;;
+    --rollout-top-logprobs-num)
+      echo "a radixark/miles main newer than 31f1ca961 (2026-08-21) that has it, with PR #1792 merged" ;;
+    *) echo "a radixark/miles that defines it" ;;
+  esac
+}
+
+kimi_miles_require() {
+  # Checks, before anything else, that the miles train.py will run defines each FLAG (a grep of its
+  # sources: no import). miles is $MILES_DIR/miles, else the importable package. Missing miles or flag:
+  # exit 2 with one message; under DRY_RUN=1 only a warning on stderr, and the command is still printed.
+  local dir=${MILES_DIR:-$KIMI_MILES_DIR_DEFAULT} src flag
+  if [[ -d "$dir/miles" ]]; then
+    src="$dir/miles"
+  else
+    src=$(python3 -c 'import importlib.util as u; s = u.find_spec("miles"); print(s.submodule_search_locations[0])' \
+      2>/dev/null) || src=""
+  fi
+  if [[ -z "$src" ]]; then
+    if [[ "${DRY_RUN:-0}" == 1 ]]; then
+      echo "warning: no miles at MILES_DIR=$dir nor importable; not checked for: $*" >&2
+      return 0
+    fi
+    echo "error: no miles at MILES_DIR=$dir and none importable; check out radixark/miles@$KIMI_MILES_COMMIT" \
+      "there (docs/miles.md)" >&2
+    exit 2
+  fi
+  for flag in "$@"; do
+    if ! grep -rqF --include='*.py' -- "\"$flag\"" "$src"; then
+      if [[ "${DRY_RUN:-0}" == 1 ]]; then
+        echo "warning: the miles in $src lacks $flag; use $(_kimi_miles_flag_source "$flag") (docs/miles.md)" >&2
+        continue
+      fi
+      echo "error: the miles in $src lacks $flag; use $(_kimi_miles_flag_source "$flag") (docs/miles.md)" >&2
+      exit 2
+    fi
+  done
+}
+
 kimi_miles_knobs() {
   # Paths and cluster address shared by the miles recipes (the seeds' image layout as defaults).
-  kimi_knob MILES_DIR /root/miles                  # radixark/miles checkout: stock main, no Kimi branch
-  kimi_knob MEGATRON_DIR /root/Megatron-LM         # radixark/Megatron-LM miles-main: stock, no Kimi patch
+  kimi_knob MILES_DIR "$KIMI_MILES_DIR_DEFAULT"    # radixark/miles checkout at $KIMI_MILES_COMMIT (docs/miles.md)
+  kimi_knob MEGATRON_DIR /root/Megatron-LM         # radixark/Megatron-LM miles-main at $KIMI_MEGATRON_COMMIT, no Kimi patch
   kimi_knob RAY_ADDRESS http://127.0.0.1:8265      # the Ray cluster's job server (bring the cluster up first)
   kimi_knob TRITON_CACHE_DIR /root/.cache/kimi-triton   # persistent: the first KDA backward autotunes ~30 min
   kimi_knob RUN_ID "kimi-$(date +%Y%m%d-%H%M%S)"
@@ -138,7 +187,7 @@ kimi_miles_plugin_args() {
   # Sets KIMI_MILES_PLUGIN_ARGS: our entry points in miles, replacing the seeds' Kimi branches.
   # $1: --model-name, the key of our raw-mode converter (kimi_k3 or kimi_k31).
   KIMI_MILES_PLUGIN_ARGS=(
-    --custom-megatron-init-path "$KIMI_MILES_INIT"        # registers our raw-mode converter and loaders in every train actor
+    --custom-megatron-init-path "$KIMI_MILES_INIT"        # every train actor: megatron-core check, Megatron-Bridge registration if installed
     --lora-provider-path "$KIMI_MILES_LORA_PROVIDER"      # native Kimi LoRA (shared-outer expert factors), HF export
     --megatron-to-hf-mode raw
     --model-name "$1"

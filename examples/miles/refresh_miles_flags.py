@@ -33,14 +33,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "miles_flags.txt"
 
-# Flags our scripts need that appeared in radixark/miles main after the commit this list is built
-# from. Each names where it is documented; rebuild from a newer checkout to drop this section.
+# Flags our scripts need that the miles commit this list is built from (radixark/miles PR #1792, the
+# native-LoRA branch docs/miles.md pins) does not define; each names where it is documented. Rebuild
+# from a checkout that has them to drop this section.
 NEWER_MAIN = {
-    "--lora-provider-path": (
-        "1",
-        "newer main: miles/utils/arguments.py (module with wrap_model_provider_with_lora, "
-        "load_lora_adapter_hf, export_lora_hf_named; radixark/miles#1792)",
-    ),
     "--rollout-top-logprobs-num": (
         "1",
         "newer main: miles/utils/arguments.py (sampler top-K candidates for score "
@@ -159,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# Megatron-LM: {a.megatron_ref} (megatron/training/arguments.py add_megatron_arguments;",
         "#              dataclass-generated groups come from megatron/training/argument_utils.py)",
         "# FILE 'Megatron-LM:...' is in Megatron-LM, a bare path is in miles, 'newer main: ...' is a flag of",
-        "# radixark/miles main after the miles commit above (documented where stated).",
+        "# a radixark/miles main newer than the miles commit above (documented where stated).",
         "# Not listed: --sglang-<flag> / --eval-sglang-<flag>, generated from the installed SGLang's",
         "# ServerArgs.add_cli_args by miles/backends/sglang_utils/arguments.py (checked against ServerArgs).",
         f"# modules stubbed while importing: {','.join(stubs)}",

@@ -8,7 +8,8 @@
 # script; docs/recipes/kimi_k31_w4a16_lora.md has the numbers.
 #
 # What our plugins replace, compared with the seed:
-#   - No patched branches: stock miles main (no PRs #4666/#4667), stock Megatron-LM miles-main and
+#   - No Kimi branches: miles at its native-LoRA PR #1792 plus --rollout-top-logprobs-num (docs/miles.md;
+#     no PRs #4666/#4667), stock Megatron-LM miles-main and
 #     stock SGLang 0.5.23 instead of the sglang-miles-kimi-k31 branch in the radixark/miles:kimi-k31
 #     image. kimi_sglang_plugin (SGLANG_PLUGINS=kimi) supplies K3.1 (K3 + DSA indexer, with SGLang's
 #     DSA pools selected), MoE LoRA on the Marlin MXFP4 runner with SiTU, and the K3 LoRA fixes of
@@ -29,6 +30,7 @@
 KIMI_SCRIPT_NAME=${KIMI_SCRIPT_NAME:-examples/miles/run_kimi_k31_w4a16_lora_32xh200.sh}
 # shellcheck source=examples/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+kimi_miles_require --lora-provider-path --rollout-top-logprobs-num   # first: a miles without these fails here, naming the commit
 # shellcheck source=examples/miles/models/kimi_k31.sh
 source "$KIMI_EXAMPLES_DIR/miles/models/kimi_k31.sh"
 

@@ -5,11 +5,12 @@
 # one colocated SGLang engine per 16 GPUs. docs/recipes/kimi_k3_lora.md has the full story.
 #
 # What our plugins replace, compared with the seed:
-#   - No patched branches: stock miles main, stock Megatron-LM miles-main and stock SGLang 0.5.23.
+#   - No Kimi branches: miles at its native-LoRA PR #1792 (docs/miles.md; main lacks --lora-provider-path),
+#     stock Megatron-LM miles-main and stock SGLang 0.5.23.
 #     The seed needed miles PR #1825 (kimi_k3 if/elif branches in model.py, lora_utils.py and the
 #     raw converter), radixark/Megatron-LM#94 and the sglang-miles-k3 branch in a dedicated image.
 #     Here: --spec kimi_megatron_plugin.spec get_spec (KDA, attention residuals, latent MoE),
-#     --custom-megatron-init-path kimi_rl_glue.miles.init (raw-mode converter, checkpoint loader),
+#     --custom-megatron-init-path kimi_rl_glue.miles.init (megatron-core check, Megatron-Bridge registration),
 #     --lora-provider-path kimi_rl_glue.miles.lora_provider (native Kimi LoRA, shared-outer experts),
 #     SGLANG_PLUGINS=kimi (K3 MoE LoRA on MXFP4/SiTU experts, the sglang#37704 fixes as hooks).
 #   - No BF16 copy and no torch_dist conversion: the seed ran tools/convert_mxfp4_to_bf16.py and a
@@ -29,6 +30,7 @@
 KIMI_SCRIPT_NAME=examples/miles/run_kimi_k3_lora.sh
 # shellcheck source=examples/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+kimi_miles_require --lora-provider-path   # first: a miles without these fails here, naming the commit
 # shellcheck source=examples/miles/models/kimi_k3.sh
 source "$KIMI_EXAMPLES_DIR/miles/models/kimi_k3.sh"
 
