@@ -140,8 +140,11 @@ def one_layout(ckpt: str, tp: int, cp: int) -> dict:
     return out
 
 
-def run(rank: int, world: int, ckpt: str, port: int, out_path: str, names: list[str]) -> None:
-    """The layouts ``names`` one after the other in one ``world``-process gloo world; rank 0 saves rank 0's results."""
+def run(rank: int, world: int, jobs: list[tuple[str, str, str]], port: int, out_path: str) -> None:
+    """The ``jobs`` (``(key, ckpt, layout name)``) one after the other in one ``world``-process gloo world; rank 0
+    saves rank 0's results as ``{key: {name: ...}}``. Each layout builds its own model-parallel groups and model
+    and destroys them after, so a job runs as it would in a world of its own; only the process start, the imports
+    and the gloo world are shared."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -149,14 +152,17 @@ def run(rank: int, world: int, ckpt: str, port: int, out_path: str, names: list[
 
     patches.apply_cpu_shims()
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    results = {name: one_layout(ckpt, *LAYOUTS[name]) for name in names}
+    results: dict = {}
+    for key, ckpt, name in jobs:
+        results.setdefault(key, {})[name] = one_layout(ckpt, *LAYOUTS[name])
     if rank == 0:
         torch.save(results, out_path)
     torch.distributed.destroy_process_group()
 
 
-def spawn(ckpt: str, out_path: str, names=("cp1", "cp2"), world: int = 2) -> dict:
-    """Run ``names`` in ``world`` spawned processes; returns ``{name: {"unpacked"|"packed": {"logits", "grads"}}}``."""
+def spawn_jobs(jobs: list[tuple[str, str, str]], out_path: str, world: int = 2) -> dict:
+    """Run ``jobs`` (``(key, ckpt, layout name)``) in one spawn of ``world`` processes; returns
+    ``{key: {name: {"unpacked"|"packed": {"logits", "grads", "lora"}}}}``."""
     import socket
 
     import torch.multiprocessing as mp
@@ -164,5 +170,10 @@ def spawn(ckpt: str, out_path: str, names=("cp1", "cp2"), world: int = 2) -> dic
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(run, args=(world, ckpt, port, out_path, list(names)), nprocs=world, join=True)
+    mp.spawn(run, args=(world, list(jobs), port, out_path), nprocs=world, join=True)
     return torch.load(out_path, weights_only=False)  # written by run() above, never a foreign file
+
+
+def spawn(ckpt: str, out_path: str, names=("cp1", "cp2"), world: int = 2) -> dict:
+    """Run ``names`` on ``ckpt`` in ``world`` spawned processes; returns ``{name: {"unpacked"|"packed": ...}}``."""
+    return spawn_jobs([("run", ckpt, n) for n in names], out_path, world)["run"]
