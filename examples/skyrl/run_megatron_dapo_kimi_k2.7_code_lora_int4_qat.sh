@@ -5,8 +5,8 @@
 # adapter hot-loaded after every step (merge_lora=false); Megatron TP2 x CP8 (DP1), EP16, ETP1, PP1;
 # the full 262,144-token context (8k prompt). docs/recipes/kimi_k2_int4_qat_lora.md has the story.
 #
-# What runs (trainer.override_entrypoint=kimi_rl_glue.skyrl.main; tools/gpu/skyrl_loop.sh runs the same pieces on
-# one GPU with a tiny K2, docs/performance.md#skyrl-loop):
+# What our plugins replace, compared with the seed (trainer.override_entrypoint=kimi_rl_glue.skyrl.main;
+# tools/gpu/skyrl_loop.sh runs the same pieces on one GPU with a tiny K2):
 #   - SkyRL's own loop (main_base, RayPPOTrainer, its vLLM generator, its Megatron policy worker) with
 #     kimi_rl_glue.skyrl.policy_worker in place of SkyRL's policy worker: the K2.x model through
 #     kimi_megatron_plugin's Megatron-Bridge bridge, Kimi LoRA on attention-out and every MLP including the routed
