@@ -43,6 +43,24 @@ def run_engine(
     ``plugins`` is ``VLLM_PLUGINS`` (``"none"``: stock vLLM, no plugin); ``result["log"]`` holds the
     engine's stderr (vLLM's log), for tests that assert which kernels ran.
     """
+    return finish_engine(start_engine(tmp, ckpt, dtype, enable_lora, steps, engine_kwargs, plugins, env, prompts))
+
+
+def start_engine(
+    tmp,
+    ckpt: str,
+    dtype: str,
+    enable_lora: bool,
+    steps: list[dict],
+    engine_kwargs=None,
+    plugins: str = "kimi",
+    env: dict | None = None,
+    prompts: list[list[int]] | None = None,
+) -> dict:
+    """:func:`run_engine`'s engine started and not waited for (its log goes to ``tmp/engine.log``): a module with
+    two independent engines starts both, then :func:`finish_engine` each, so one engine's single-threaded start
+    (imports, model build) runs beside the other's on a second core. Each engine is its own process with its own
+    plan, exactly as :func:`run_engine` runs it alone."""
     plan = {
         "ckpt": ckpt,
         "max_lora_rank": MAX_LORA_RANK,
@@ -53,22 +71,36 @@ def run_engine(
         "dtype": dtype,
         "engine_kwargs": engine_kwargs or {},
     }
-    pp, out = tmp / "plan.json", tmp / "result.json"
+    pp, out, log = tmp / "plan.json", tmp / "result.json", tmp / "engine.log"
     pp.write_text(json.dumps(plan))
     # model_info ships a function to the worker (LLM.apply_model), which vLLM only unpickles with this set
     env = dict(os.environ, VLLM_PLUGINS=plugins, VLLM_ALLOW_INSECURE_SERIALIZATION="1", **(env or {}))
-    r = subprocess.run(
-        [sys.executable, os.path.join(HERE, "engine_script.py"), str(pp), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
-    assert r.returncode == 0 and out.exists(), f"engine failed:\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
+    with open(log, "w") as f:  # a file, not a pipe: an engine left waiting never blocks on a full pipe
+        proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "engine_script.py"), str(pp), str(out)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+    return {"proc": proc, "out": out, "log": log, "ckpt": ckpt, "dtype": dtype}
+
+
+def finish_engine(started: dict, timeout: float = 900):
+    """Wait for an engine of :func:`start_engine`; returns ``(result, {tag: step})`` as :func:`run_engine` does."""
+    proc, out = started["proc"], started["out"]
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    log = started["log"].read_text()
+    assert proc.returncode == 0 and out.exists(), f"engine failed:\n{log[-10000:]}"
     res = json.loads(out.read_text())
-    res["log"] = r.stderr + r.stdout
+    res["log"] = log
     print(
-        f"[{os.path.basename(ckpt)} {dtype}] engine start {res['start_s']:.1f}s, "
+        f"[{os.path.basename(started['ckpt'])} {started['dtype']}] engine start {res['start_s']:.1f}s, "
         f"first generate {res['first_generate_s']:.1f}s"
     )
     return res, {s.get("tag") or s["kind"]: s for s in res["steps"]}

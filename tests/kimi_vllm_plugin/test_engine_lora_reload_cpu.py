@@ -29,10 +29,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from engine_harness import FP32_TOL, reference_scorer, run_engine
+from engine_harness import FP32_TOL, finish_engine, reference_scorer, start_engine
 from vllm_adapters import write_all
 
-pytestmark = pytest.mark.slow  # one engine start per fixture
+pytestmark = pytest.mark.slow  # two engine starts, side by side (`engines`)
 
 #: 37 tokens: 32 in whole KV blocks (what a prefix cache serves) and 5 more
 PROMPT = torch.randint(3, 1024, (37,), generator=torch.Generator().manual_seed(57)).tolist()
@@ -88,19 +88,6 @@ def k2(tiny_ckpt):
 
 
 @pytest.fixture(scope="module")
-def k2_run(k2, tmp_path_factory):
-    from kimi_core.config import load_config
-
-    tmp = tmp_path_factory.mktemp("engine_reload_k2")
-    ads = write_all(load_config(k2), str(tmp / "adapters"))
-    kw = {"enable_prefix_caching": True, "max_cpu_loras": 4}
-    res, s = run_engine(
-        tmp, k2, "float32", True, reload_steps(ads["A"], ads["B"], tmp), kw, prompts=[PROMPT], env=IN_PROCESS_CORE
-    )
-    return res, s, ads
-
-
-@pytest.fixture(scope="module")
 def k2_next(k2):
     """``lp(adapter, token)``: float64 ``kimi_core.reference`` logprob of ``token`` after :data:`PROMPT`."""
     lps = reference_scorer(k2)
@@ -145,15 +132,45 @@ def llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llama_run(llama, tmp_path_factory):
+def engines(k2, llama, tmp_path_factory):
+    """``{"k2": (started, adapters), "llama": (started, adapters)}``: the module's two engines, independent
+    processes with their own plans, started together (``start_engine``) so one's start runs beside the other's;
+    each is what ``run_engine`` would run alone. An engine no test waited for is killed at the module's end."""
+    from kimi_core.config import load_config
+
+    tmp = tmp_path_factory.mktemp("engine_reload_k2")
+    k2_ads = write_all(load_config(k2), str(tmp / "adapters"))
+    kw = {"enable_prefix_caching": True, "max_cpu_loras": 4}
+    steps = reload_steps(k2_ads["A"], k2_ads["B"], tmp)
+    k2_engine = start_engine(tmp, k2, "float32", True, steps, kw, prompts=[PROMPT], env=IN_PROCESS_CORE)
     ckpt, ads = llama
     tmp = tmp_path_factory.mktemp("engine_reload_llama")
     # block 32 (CPU attention prefers multiples of 32); the KV size given: kimi_core cannot size a Llama's
     kw = {"enable_prefix_caching": True, "max_cpu_loras": 4, "block_size": 32, "kv_cache_memory_bytes": 64 << 20}
     env = {**IN_PROCESS_CORE, "KIMI_TEST_RELOAD_CACHE_ANY_MODEL": "1"}
-    res, s = run_engine(
-        tmp, ckpt, "float32", True, reload_steps(ads["A"], ads["B"], tmp), kw, prompts=[PROMPT], env=env
-    )
+    steps = reload_steps(ads["A"], ads["B"], tmp)
+    out = {
+        "k2": (k2_engine, k2_ads),
+        "llama": (start_engine(tmp, ckpt, "float32", True, steps, kw, prompts=[PROMPT], env=env), ads),
+    }
+    yield out
+    for started, _ in out.values():
+        if started["proc"].poll() is None:
+            started["proc"].kill()
+            started["proc"].wait()
+
+
+@pytest.fixture(scope="module")
+def k2_run(engines):
+    started, ads = engines["k2"]
+    res, s = finish_engine(started)
+    return res, s, ads
+
+
+@pytest.fixture(scope="module")
+def llama_run(engines):
+    started, ads = engines["llama"]
+    res, s = finish_engine(started)
     return res, s, ads
 
 
