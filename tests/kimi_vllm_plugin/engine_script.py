@@ -19,7 +19,8 @@ over ``dst`` (a host rewriting its fixed sync folder); ``next_token`` records th
 after prompt ``prompt`` (default 0) with a ``raw_load``-ed adapter, and how many prompt tokens the prefix cache
 served (``num_cached_tokens``; no ``prompt_logprobs``, which would skip the cache); ``reload_patch`` records
 whether the ``lora_reload_cache`` patch wraps the in-process engine core's ``add_lora`` and, with
-``"off": true``, unwraps it (needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); ``probe`` runs one prompt with
+``"off": true``, unwraps it (needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); ``wait_file`` waits for the file ``path`` (a folder's writer, started beside the engine, writes it when
+done) and records whether it says ``ok``; ``probe`` runs one prompt with
 :mod:`kimi_vllm_plugin.probe` armed and writes what each layer / LoRA linear computed to ``out``
 (safetensors). ``model_info`` and ``probe`` ship functions to the worker (``LLM.apply_model``): they need
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``. ``engine_kwargs`` override the defaults below (e.g.
@@ -135,6 +136,15 @@ def main(plan_path: str, out_path: str) -> None:
                 ok = llm.llm_engine.add_lora(req)
                 rec["ok"] = bool(ok)
                 raw[step.get("tag") or req.lora_name] = req
+            elif step["kind"] == "wait_file":
+                # a folder another process writes while this engine starts: its writer's marker file, "ok" or why not
+                deadline = time.time() + step.get("timeout", 900)
+                while not os.path.exists(step["path"]):
+                    if time.time() > deadline:
+                        raise TimeoutError(f"{step['path']} did not appear")
+                    time.sleep(0.2)
+                with open(step["path"]) as f:
+                    rec["ok"], rec["text"] = (text := f.read()) == "ok", text
             elif step["kind"] == "copy_adapter":
                 shutil.rmtree(step["dst"], ignore_errors=True)
                 shutil.copytree(step["src"], step["dst"])

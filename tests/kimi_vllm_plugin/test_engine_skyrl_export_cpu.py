@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from engine_harness import BF16_PROMPTS, BF16_RATIO, BF16_SLACK, reference_scorer, run_engine
+from engine_harness import BF16_PROMPTS, BF16_RATIO, BF16_SLACK, finish_engine, reference_scorer, start_engine
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY312 = os.environ.get("KIMI_PY312_PYTHON") or os.path.join(REPO, ".venv-py312", "bin", "python")
@@ -33,36 +33,64 @@ def k2(tiny_ckpt):
 
 
 @pytest.fixture(scope="module")
-def folders(k2, tmp_path_factory):
-    """``{"trained": DIR, "skyrl": DIR, "weak": DIR}``; ``weak``: the trained adapter as a host without SkyRL's
-    rank fold would serve it (experts at alpha / r = 32 / 16, 4x too weak)."""
-    from kimi_core.lora import Adapter
-
+def export_and_engine(k2, tmp_path_factory):
+    """SkyRL's export (the py312 script) and the bf16 engine started at once: the engine's first step waits for the
+    export's marker (``wait_file``), so its start (imports, model build, first generate) runs beside the export's
+    imports; the engine then loads and scores the two folders as it would after a finished export.
+    ``(export paths, started engine)``; an engine no test waited for is killed at the module's end."""
     if not os.access(PY312, os.X_OK):
         pytest.skip(
             f"SkyRL's export needs the py312 lane's interpreter ({PY312}; make venv-py312 or KIMI_PY312_PYTHON)"
         )
     out = tmp_path_factory.mktemp("skyrl_export")
-    r = subprocess.run([PY312, EXPORT_SCRIPT, k2, str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert r.returncode == 0, f"{EXPORT_SCRIPT} failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
-    paths = json.loads(r.stdout.strip().splitlines()[-1])
+    marker = out / "export_done"
+    trained, skyrl = str(out / "trained"), str(out / "skyrl")
+    steps = [
+        {"kind": "wait_file", "path": str(marker), "tag": "export"},
+        {"kind": "raw_load", "path": trained, "tag": "raw_trained"},
+        {"kind": "score", "raw": "raw_trained", "tag": "S_trained"},
+        {"kind": "raw_load", "path": skyrl, "tag": "raw_skyrl"},
+        {"kind": "score", "raw": "raw_skyrl", "tag": "S_skyrl"},
+    ]
+    engine = start_engine(tmp_path_factory.mktemp("engine_skyrl"), k2, "bfloat16", True, steps, prompts=BF16_PROMPTS)
+    ok = False
+    try:
+        r = subprocess.run([PY312, EXPORT_SCRIPT, k2, str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
+        ok = r.returncode == 0
+        paths = json.loads(r.stdout.strip().splitlines()[-1]) if ok else None
+        ok = ok and (paths["trained"], paths["skyrl"]) == (trained, skyrl)
+    finally:  # the engine waits for the marker whatever happened
+        (out / "export_done.tmp").write_text("ok" if ok else "export failed")
+        os.replace(out / "export_done.tmp", marker)
+    if not ok:
+        engine["proc"].kill()
+        engine["proc"].wait()
+    assert ok, f"{EXPORT_SCRIPT} failed or wrote elsewhere:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    yield paths, engine
+    if engine["proc"].poll() is None:
+        engine["proc"].kill()
+        engine["proc"].wait()
+
+
+@pytest.fixture(scope="module")
+def folders(export_and_engine):
+    """``{"trained": DIR, "skyrl": DIR, "weak": DIR}``; ``weak``: the trained adapter as a host without SkyRL's
+    rank fold would serve it (experts at alpha / r = 32 / 16, 4x too weak)."""
+    from kimi_core.lora import Adapter
+
+    paths = dict(export_and_engine[0])
     weak = Adapter.load(paths["trained"])
     cfg = weak.adapter_config
     cfg["alpha_pattern"] = {k: cfg["lora_alpha"] * r_e / cfg["r"] for k, r_e in cfg["rank_pattern"].items()}
-    paths["weak"] = weak.save(out / "weak")
+    paths["weak"] = weak.save(os.path.join(os.path.dirname(paths["trained"]), "weak"))
     return paths
 
 
 @pytest.fixture(scope="module")
-def run(k2, folders, tmp_path_factory):
-    steps = [
-        {"kind": "raw_load", "path": folders["trained"], "tag": "raw_trained"},
-        {"kind": "score", "raw": "raw_trained", "tag": "S_trained"},
-        {"kind": "raw_load", "path": folders["skyrl"], "tag": "raw_skyrl"},
-        {"kind": "score", "raw": "raw_skyrl", "tag": "S_skyrl"},
-    ]
-    tmp = tmp_path_factory.mktemp("engine_skyrl")
-    _, by_tag = run_engine(tmp, k2, "bfloat16", True, steps, prompts=BF16_PROMPTS)
+def run(export_and_engine, wants):
+    """``{tag: step}`` of the engine, waited for after ``wants`` (the reference's values, computed meanwhile)."""
+    _, by_tag = finish_engine(export_and_engine[1])
+    assert by_tag["export"]["ok"], by_tag["export"]
     return by_tag
 
 
