@@ -32,10 +32,8 @@ class KimiK2Config(DeepseekV3Config):
 
 def write_remote_config(directory: str) -> str:
     """Write :data:`MODULE_FILE` into ``directory`` (atomically); returns its path."""
+    from kimi_core.checkpoint.writer import atomic_write_text
+
     path = os.path.join(directory, MODULE_FILE)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(_SOURCE)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    atomic_write_text(path, _SOURCE)
     return path
