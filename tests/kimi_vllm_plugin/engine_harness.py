@@ -106,6 +106,20 @@ def finish_engine(started: dict, timeout: float = 900):
     return res, {s.get("tag") or s["kind"]: s for s in res["steps"]}
 
 
+def stop_engine(started: dict) -> None:
+    """Kill an engine of :func:`start_engine` that no test waited for (a module fixture's teardown)."""
+    if started["proc"].poll() is None:
+        started["proc"].kill()
+        started["proc"].wait()
+
+
+def selected_tests(request) -> set[str]:
+    """Names (parameters stripped) of the tests of ``request``'s module that this session runs (after ``-k``,
+    ``-m`` and deselection): a module fixture starts only the engines a selected test reads."""
+    prefix = request.node.nodeid + "::"
+    return {i.originalname for i in request.session.items if i.nodeid.startswith(prefix)}
+
+
 def base_and_ab_steps(ckpt: str, tmp) -> tuple[dict, list[dict]]:
     """Write the test adapters of ``ckpt`` under ``tmp/adapters``; returns ``(paths by name, steps)``: the
     base scored, then adapter ``A`` (per-expert) and ``B`` (shared-outer) each loaded and scored."""

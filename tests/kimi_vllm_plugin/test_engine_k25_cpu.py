@@ -19,9 +19,12 @@ from engine_harness import (
     check_adapter,
     check_base,
     check_base_bf16,
+    finish_engine,
     maxdiff,
     reference_scorer,
-    run_engine,
+    selected_tests,
+    start_engine,
+    stop_engine,
 )
 
 TEXT_ONLY = {"language_model_only": True}
@@ -37,11 +40,35 @@ def reference(k25):
     return reference_scorer(k25)
 
 
+BF16_TEST = "test_bf16_engine_base_logprobs_within_tolerance"
+
+
 @pytest.fixture(scope="module")
-def fp32_run(k25, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("engine_k25_fp32")
-    ads, steps = base_and_ab_steps(k25, tmp)
-    res, by_tag = run_engine(tmp, k25, "float32", True, [{"kind": "model_info", "tag": "info"}, *steps], TEXT_ONLY)
+def engines(k25, request, tmp_path_factory):
+    """``{"fp32": (started, adapters), "bf16": started}``: the module's two independent engines (each its own
+    process and plan, what ``run_engine`` would run alone), started together so one's single-threaded start runs
+    beside the other's; each only if a selected test reads it. Engines no test waited for are killed at the end."""
+    wanted = selected_tests(request)
+    out = {}
+    if wanted - {BF16_TEST}:
+        tmp = tmp_path_factory.mktemp("engine_k25_fp32")
+        ads, steps = base_and_ab_steps(k25, tmp)
+        started = start_engine(tmp, k25, "float32", True, [{"kind": "model_info", "tag": "info"}, *steps], TEXT_ONLY)
+        out["fp32"] = (started, ads)
+    if BF16_TEST in wanted:
+        tmp = tmp_path_factory.mktemp("engine_k25_bf16")
+        out["bf16"] = start_engine(tmp, k25, "bfloat16", False, [{"kind": "base"}], TEXT_ONLY, prompts=BF16_PROMPTS)
+    yield out
+    if "fp32" in out:
+        stop_engine(out["fp32"][0])
+    if "bf16" in out:
+        stop_engine(out["bf16"])
+
+
+@pytest.fixture(scope="module")
+def fp32_run(engines):
+    started, ads = engines["fp32"]
+    res, by_tag = finish_engine(started)
     return res, by_tag, ads
 
 
@@ -71,9 +98,8 @@ def test_adapter_logprobs_match_reference(fp32_run, reference, tag):
 
 
 @pytest.mark.slow
-def test_bf16_engine_base_logprobs_within_tolerance(k25, reference, tmp_path_factory):
+def test_bf16_engine_base_logprobs_within_tolerance(k25, reference, engines):
     """The serving dtype: a bf16 text-only K2.5 engine is as close to the fp64 reference as bf16 itself gets
     (median over 312 fixed positions within 1.5x kimi_core.reference run in bf16, check_base_bf16)."""
-    tmp = tmp_path_factory.mktemp("engine_k25_bf16")
-    res, s = run_engine(tmp, k25, "bfloat16", False, [{"kind": "base"}], TEXT_ONLY, prompts=BF16_PROMPTS)
+    res, s = finish_engine(engines["bf16"])
     check_base_bf16(res, s["base"], k25, reference, "k25 bf16")

@@ -21,9 +21,12 @@ from engine_harness import (
     check_adapter,
     check_base,
     check_base_bf16,
+    finish_engine,
     maxdiff,
     reference_scorer,
-    run_engine,
+    selected_tests,
+    start_engine,
+    stop_engine,
 )
 
 BAD = ("rank32", "unknown", "nan", "missing", "kv_b")
@@ -39,15 +42,42 @@ def reference(k2):
     return reference_scorer(k2)
 
 
+BF16_TEST = "test_bf16_engine_base_logprobs_within_tolerance"
+
+
 @pytest.fixture(scope="module")
-def fp32_run(k2, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("engine_fp32")
-    ads, steps = base_and_ab_steps(k2, tmp)
-    (tmp / "probe").mkdir()
-    steps += [{"kind": "probe", "client": "policy", "tag": "probe_B", "out": str(tmp / "probe" / "B.safetensors")}]
-    steps += [{"kind": "load", "path": ads[b], "tag": b} for b in BAD]
-    steps += [{"kind": "raw_load", "path": ads["rank32"], "tag": "raw_rank32"}, {"kind": "score", "tag": "after_bad"}]
-    res, by_tag = run_engine(tmp, k2, "float32", True, steps)
+def engines(k2, request, tmp_path_factory):
+    """``{"fp32": (started, adapters), "bf16": started}``: the module's two independent engines (each its own
+    process and plan, what ``run_engine`` would run alone), started together so one's single-threaded start runs
+    beside the other's; each only if a selected test reads it. Engines no test waited for are killed at the end."""
+    wanted = selected_tests(request)
+    out = {}
+    if wanted - {BF16_TEST}:
+        tmp = tmp_path_factory.mktemp("engine_fp32")
+        ads, steps = base_and_ab_steps(k2, tmp)
+        (tmp / "probe").mkdir()
+        steps += [{"kind": "probe", "client": "policy", "tag": "probe_B", "out": str(tmp / "probe" / "B.safetensors")}]
+        steps += [{"kind": "load", "path": ads[b], "tag": b} for b in BAD]
+        steps += [
+            {"kind": "raw_load", "path": ads["rank32"], "tag": "raw_rank32"},
+            {"kind": "score", "tag": "after_bad"},
+        ]
+        started = start_engine(tmp, k2, "float32", True, steps)
+        out["fp32"] = (started, ads)
+    if BF16_TEST in wanted:
+        tmp = tmp_path_factory.mktemp("engine_bf16")
+        out["bf16"] = start_engine(tmp, k2, "bfloat16", False, [{"kind": "base"}], prompts=BF16_PROMPTS)
+    yield out
+    if "fp32" in out:
+        stop_engine(out["fp32"][0])
+    if "bf16" in out:
+        stop_engine(out["bf16"])
+
+
+@pytest.fixture(scope="module")
+def fp32_run(engines):
+    started, ads = engines["fp32"]
+    res, by_tag = finish_engine(started)
     return res, by_tag, ads
 
 
@@ -155,9 +185,8 @@ def test_probe_replays_every_sublayer_and_lora_linear(fp32_run, k2):
 
 
 @pytest.mark.slow
-def test_bf16_engine_base_logprobs_within_tolerance(k2, reference, tmp_path_factory):
+def test_bf16_engine_base_logprobs_within_tolerance(k2, reference, engines):
     """The serving dtype: a bf16 engine's prompt logprobs are as close to the fp64 reference as bf16 itself gets
     (median over 312 fixed positions within 1.5x kimi_core.reference run in bf16, check_base_bf16)."""
-    tmp = tmp_path_factory.mktemp("engine_bf16")
-    res, s = run_engine(tmp, k2, "bfloat16", False, [{"kind": "base"}], prompts=BF16_PROMPTS)
+    res, s = finish_engine(engines["bf16"])
     check_base_bf16(res, s["base"], k2, reference, "k2 bf16")
