@@ -107,6 +107,8 @@ P312_DEPS := "transformers==5.12.1" "peft==0.18.1" "ray==2.57.0" "datasets>=4" t
 	omegaconf cloudpathlib rich typer zstandard xxhash aiohttp orjson pybase64 func_timeout pandas requests pillow \
 	einops pyyaml safetensors numpy tqdm pluggy packaging pytest pytest-timeout
 P312_SKIP := SKIPPED: no Python 3.12 interpreter (tried python3.12 and $${PYENV_ROOT:-~/.pyenv}/versions/3.12*); skyrl 0.4.0 and megatron-bridge 0.6.2 need Python 3.12, so tests/py312 (real SkyRL registries and config, real Megatron-Bridge) do not run
+# glue tests that also run against the real skyrl_gym / SkyRL dataset code in this lane (a stand-in in the main lane)
+P312_GLUE_TESTS := tests/kimi_rl_glue/test_token_set_env.py tests/kimi_rl_glue/test_data_skyrl.py
 
 venv-py312:
 	@if [ -z "$(PY312)" ]; then echo "venv-py312: $(P312_SKIP)"; else $(MAKE) --no-print-directory $(P312_STAMP); fi
@@ -124,7 +126,7 @@ $(P312_STAMP): pyproject.toml $(MEMBER_PYPROJECTS) Makefile
 	touch $(P312_STAMP)
 
 test-py312: venv-py312
-	@if [ -f $(P312_STAMP) ]; then $(P312_PY) -m pytest -q -m "not gpu" tests/py312 $(PYTEST_ARGS); else echo "tests/py312: $(P312_SKIP)"; fi
+	@if [ -f $(P312_STAMP) ]; then $(P312_PY) -m pytest -q -m "not gpu" tests/py312 $(P312_GLUE_TESTS) $(PYTEST_ARGS); else echo "tests/py312: $(P312_SKIP)"; fi
 
 demo: venv
 	$(VENV)/bin/kimi-rl demo --overwrite  # make demo again starts a clean run in runs/demo
