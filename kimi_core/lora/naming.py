@@ -46,6 +46,7 @@ __all__ = [
     "PEFT_PREFIX",
     "MEGATRON_TO_HF",
     "hf_leaves",
+    "target_names",
     "Target",
     "TargetGroup",
     "dense_targets",
@@ -383,6 +384,15 @@ MEGATRON_TO_HF = {
 # the expert projections of the two families: K2.x gate / up / down, K3 w1 / w3 / w2
 _FAMILY_ALIASES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _FAMILY_ALIASES.update({v: k for k, v in _FAMILY_ALIASES.items()})
+
+
+def target_names(value) -> list[str]:
+    """A host's LoRA target flag as a list of names: ``None`` -> ``[]``, a comma-separated string split, any other
+    iterable taken item by item (each stripped, empty items dropped)."""
+    if value is None:
+        return []
+    items = value.split(",") if isinstance(value, str) else value
+    return [s for s in (str(v).strip() for v in items) if s]
 
 
 def hf_leaves(names) -> tuple[str, ...]:

@@ -23,6 +23,7 @@ from collections import OrderedDict
 import torch
 
 from kimi_core.lora import LoraSpec
+from kimi_megatron_plugin.checkpoint import unwrap_model
 from kimi_megatron_plugin.lora.apply import KimiLora, LoraApplyError, apply_lora
 
 __all__ = ["SLOT", "attach_lora", "lora_of", "needs_ep_reduction"]
@@ -51,19 +52,13 @@ def _ignore_slot_keys(_module, incompatible) -> None:
     incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if f".{SLOT}." not in f".{k}"]
 
 
-def _unwrap(chunk):
-    from kimi_megatron_plugin.checkpoint import unwrap_model
-
-    return unwrap_model(chunk)
-
-
 def attach_lora(model, spec: LoraSpec, seed: int = 0) -> KimiLora:
     """Give one model chunk (a ``GPTModel`` built by this plugin, possibly wrapped) Kimi LoRA; base frozen.
 
     :returns: the chunk's :class:`KimiLora` (also ``unwrap(model).kimi_lora``).
     :raises LoraApplyError: the chunk was not built by this plugin (no ``kimi_config``).
     """
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     if getattr(inner, "kimi_config", None) is None:
         raise LoraApplyError(
             f"{type(inner).__name__} has no kimi_config: Kimi LoRA attaches to models built by kimi_megatron_plugin"
@@ -85,7 +80,7 @@ def attach_lora(model, spec: LoraSpec, seed: int = 0) -> KimiLora:
 
 def lora_of(chunk) -> KimiLora | None:
     """The :class:`KimiLora` of a (wrapped) chunk, or ``None``."""
-    return getattr(_unwrap(chunk), "kimi_lora", None)
+    return getattr(unwrap_model(chunk), "kimi_lora", None)
 
 
 def needs_ep_reduction(lora: KimiLora) -> bool:

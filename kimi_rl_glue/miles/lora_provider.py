@@ -40,8 +40,9 @@ import torch
 
 from kimi_core.errors import KimiError
 from kimi_core.lora import ALL_LINEAR, Adapter, LoraSpec
-from kimi_core.lora.naming import PEFT_PREFIX, hf_leaves
-from kimi_megatron_plugin.lora.attach import SLOT
+from kimi_core.lora.naming import PEFT_PREFIX, hf_leaves, target_names
+from kimi_megatron_plugin.checkpoint import unwrap_model
+from kimi_megatron_plugin.lora.attach import SLOT, attach_lora, lora_of
 
 __all__ = [
     "SLOT",
@@ -59,14 +60,6 @@ class LoraProviderError(KimiError, ValueError):
     """A miles flag cannot be mapped onto Kimi LoRA, or a model chunk has none; names the flag."""
 
 
-def _names(value) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    return [str(v).strip() for v in value]
-
-
 def lora_spec_from_args(args) -> LoraSpec:
     """The :class:`LoraSpec` of miles' LoRA flags (see the module docstring)."""
     rank = int(getattr(args, "lora_rank", 0) or 0)
@@ -76,7 +69,7 @@ def lora_spec_from_args(args) -> LoraSpec:
         raise LoraProviderError(
             f"--lora-dropout {args.lora_dropout}: kimi_megatron_plugin LoRA has no dropout; use --lora-dropout 0"
         )
-    targets = _names(getattr(args, "target_modules", None))
+    targets = target_names(getattr(args, "target_modules", None))
     if not targets:
         raise LoraProviderError(
             "--target-modules is empty; give HF leaves (q_a_proj,o_proj,gate_proj,...), "
@@ -86,23 +79,15 @@ def lora_spec_from_args(args) -> LoraSpec:
         rank=rank,
         alpha=float(getattr(args, "lora_alpha", 16)),
         target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else hf_leaves(targets),
-        exclude_modules=hf_leaves(_names(getattr(args, "exclude_modules", None))),
+        exclude_modules=hf_leaves(target_names(getattr(args, "exclude_modules", None))),
         expert_layout="shared_outer" if getattr(args, "experts_shared_outer_loras", False) else "per_expert",
         normalize_moe_lora=bool(getattr(args, "kimi_normalize_moe_lora", False)),
         base_model_name_or_path=getattr(args, "hf_checkpoint", None) or "",
     )
 
 
-def _unwrap(chunk):
-    from kimi_megatron_plugin.checkpoint import unwrap_model
-
-    return unwrap_model(chunk)
-
-
 def _attach(model, spec: LoraSpec, seed: int, hf_checkpoint: str | None):
-    from kimi_megatron_plugin.lora.attach import attach_lora
-
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     if getattr(inner, "kimi_config", None) is None:
         if not hf_checkpoint:
             raise LoraProviderError("--hf-checkpoint is required: its config.json describes the Kimi LoRA targets")
@@ -134,7 +119,7 @@ def _chunks(model_chunks) -> list:
 
 
 def _lora_of(chunk):
-    lora = getattr(_unwrap(chunk), "kimi_lora", None)
+    lora = lora_of(chunk)
     if lora is None:
         raise LoraProviderError(
             "model chunk has no Kimi LoRA: build it through wrap_model_provider_with_lora "

@@ -152,6 +152,11 @@ class KimiMegatronPolicyWorker(MegatronPolicyWorkerBase):
         loras = [lora_of(chunk) for chunk in self.actor_module]
         if any(lora is None for lora in loras):
             raise PluginError("the policy has no Kimi LoRA (trainer.policy.model.lora.rank must be > 0)")
+        if len(loras) > 1:  # the export gathers pipeline stages, not virtual-pipeline chunks of one stage
+            raise PluginError(
+                f"{len(loras)} model chunks on this rank: the Kimi adapter sync exports one chunk per pipeline "
+                "stage and does not support virtual pipeline parallelism"
+            )
         # per-expert layout with rank_pattern / alpha_pattern: the vLLM plugin prepares it inside vLLM
         return export_adapter(loras[0], layout="per_expert", dtype=torch.bfloat16)
 

@@ -28,9 +28,11 @@ Everything else (the forward / backward, losses, optimizer, scheduler, packing, 
 
 from __future__ import annotations
 
+import ast
+
 from kimi_core.errors import PluginError
 from kimi_core.lora import ALL_LINEAR, LoraSpec
-from kimi_core.lora.naming import hf_leaves
+from kimi_core.lora.naming import hf_leaves, target_names
 
 __all__ = ["build_policy_worker", "expert_mode_of", "lora_spec_of", "say", "LOG_PREFIX"]
 
@@ -63,11 +65,11 @@ def expert_mode_of(model_cfg, checkpoint_group_size: int | None = None) -> tuple
 
 
 def _names(value) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [v.strip() for v in value.strip("[]").replace("'", "").replace('"', "").split(",") if v.strip()]
-    return [str(v).strip() for v in value]
+    """SkyRL's target flag as names: a list, a comma-separated string, or the string form of a list literal
+    (``"['linear_proj', 'linear_fc1']"``, as its dotlist parser can hand it over)."""
+    if isinstance(value, str) and value.strip().startswith("["):
+        value = ast.literal_eval(value.strip())
+    return target_names(value)
 
 
 def lora_spec_of(lora_cfg, model_cfg, base_path: str, skyrl_normalize: bool | None = None) -> LoraSpec:
