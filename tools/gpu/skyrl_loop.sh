@@ -21,8 +21,26 @@ t0=$(date +%s)
 step() { local t=$(date +%s); echo "time $1 $((t - t0))"; t0=$t; }
 
 # small wheels the staging lacks (jaxtyping for SkyRL's Megatron strategy, accelerate for Megatron-Bridge, ...)
+# or replaces (megatron-core built from SkyRL's locked git revision): installed beside the site, then moved in
+# package by package; `megatron` is a namespace shared by megatron-core and megatron-bridge, so its
+# subpackages are replaced one by one
 if compgen -G ".gpu/extra/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .gpu/extra/*.whl 2>&1 | grep -v "already exists" || true
+  X=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$X" .gpu/extra/*.whl \
+    || { echo "the wheels in .gpu/extra did not install"; exit 1; }
+  for d in "$X"/*; do
+    n=$(basename "$d")
+    case "$n" in
+      *.dist-info) rm -rf "$SITE/${n%%-*}"-*.dist-info ;;
+    esac
+    if [ -d "$d" ] && [ ! -f "$d/__init__.py" ] && [ "${n%.dist-info}" = "$n" ] && [ -d "$SITE/$n" ]; then
+      for sub in "$d"/*; do rm -rf "$SITE/$n/$(basename "$sub")" && mv "$sub" "$SITE/$n/"; done
+    else
+      rm -rf "${SITE:?}/$n" && mv "$d" "$SITE/"
+    fi
+  done
+  rm -rf "$X"
+  echo "extra wheels: $(cd .gpu/extra && ls *.whl | tr '\n' ' ')"
 fi
 python3 tools/gpu/write_entry_points.py "$SITE" > /dev/null
 if [ "${NO_TE:-0}" = 1 ]; then  # without TransformerEngine: our model uses the local spec, kimi's te_stub lets Bridge import
