@@ -17,8 +17,10 @@
 #   transformer-engine 2.16.0 + transformer-engine-cu13 2.16.0 (PyPI wheels) + transformer-engine-torch
 #     2.16.0 as its PyPI sdist, built on the GPU machine by stage_skyrl_unstage.sh (the lock's Astral
 #     prebuilt wheel is not reachable);
-#   megatron-core 0.19.0 and megatron-bridge 0.6.0 from PyPI (the lock builds 0.19.0+71e418ea7 and
-#     0.6.0+91a15142 from git);
+#   megatron-core 0.19.0+71e418ea7 built here from the lock's git revision (MCORE_REF, from MCORE_GIT):
+#     SkyRL's Megatron strategy imports megatron.core.dist_checkpointing.strategies.base, which the
+#     PyPI 0.19.0 wheel does not have; megatron-bridge 0.6.0 from PyPI (the lock's 0.6.0+91a15142 imports
+#     nvidia-modelopt at module level, which nothing on the loop's path needs);
 #   vllm-router 0.1.15 (the lock's 0.1.14.post1 is a fork wheel whose fix 0.1.15 carries);
 #   flash-attn: not staged (no wheel for torch 2.11 on PyPI, its CUDA build takes hours). SkyRL imports
 #     only flash_attn.bert_padding {pad_input, unpad_input} at module level; tools/gpu/
@@ -46,6 +48,9 @@
 set -euo pipefail
 SKYRL_GIT=${SKYRL_GIT:-/work/.mirror/NovaSky-AI+SkyRL/repo}
 SKYRL_REF=${SKYRL_REF:-a9564572eb8e91076be43c1bd5e4615e3de17265}
+MCORE_GIT=${MCORE_GIT:-/work/.mirror/NVIDIA+Megatron-LM/repo}
+MCORE_REF=${MCORE_REF:-71e418ea7d7b3a6c9a53238c543c3e0b43e11026}
+PY312=${PY312:-python3.12}  # builds megatron-core's optional C++ dataset helper for the GPU machine's Python
 OUTDIR=${1:-.gpu}
 LIMIT=${PART_BYTES:-48000000}
 ROOT=$(pwd)
@@ -73,7 +78,7 @@ fetch() {
 
 # The engines and libraries. Large: vllm (304 MB), transformer-engine-cu13 (190 MB), ray (78 MB).
 ENGINES="vllm==0.26.0 ray==2.57.0 transformer-engine==2.16.0 transformer-engine-cu13==2.16.0
- megatron-core==0.19.0 megatron-bridge==0.6.0 transformers==5.8.0 vllm-router==0.1.15"
+ megatron-bridge==0.6.0 transformers==5.8.0 vllm-router==0.1.15"
 # vLLM 0.26.0's module-level imports (list verified on this machine for the offline engine) plus what
 # its OpenAI server module imports (SkyRL's vLLM server actor imports vllm.entrypoints.openai.api_server).
 VLLM_DEPS="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
@@ -137,6 +142,13 @@ GIT_INDEX_FILE="$W/git-index" git --git-dir="$SKYRL_GIT" read-tree "$SKYRL_REF"
 GIT_INDEX_FILE="$W/git-index" git --git-dir="$SKYRL_GIT" ls-files -- pyproject.toml README.md LICENSE skyrl skyrl-gym \
   | GIT_INDEX_FILE="$W/git-index" git --git-dir="$SKYRL_GIT" --work-tree="$W/src" checkout-index -f --stdin
 pip wheel -q --no-deps -w "$W/whl" "$W/src" "$W/src/skyrl-gym"
+
+echo "building megatron-core from $MCORE_GIT at $MCORE_REF"
+mkdir -p "$W/mcore"
+GIT_INDEX_FILE="$W/git-index-mcore" git --git-dir="$MCORE_GIT" read-tree "$MCORE_REF"
+GIT_INDEX_FILE="$W/git-index-mcore" git --git-dir="$MCORE_GIT" ls-files -- megatron setup.py pyproject.toml MANIFEST.in \
+  README.md LICENSE | GIT_INDEX_FILE="$W/git-index-mcore" git --git-dir="$MCORE_GIT" --work-tree="$W/mcore" checkout-index -f --stdin
+"$PY312" -m pip --disable-pip-version-check wheel -q --no-deps -w "$W/whl" "$W/mcore"
 
 # Members no step of SkyRL's loop loads, deleted from the wheels without recompressing the rest (the wheels
 # are deflate-compressed already; xz over the 1.4 GB they unpack to saves about two parts but takes far
