@@ -6,6 +6,11 @@ doc: docs/performance.md is edited by hand from these tables):
 * ``table``: every benchmark shape x format x tokens per expert: BF16, the fused and chunked paths, the path the
   dispatcher picks (:func:`kimi_core.kernels.w4a16.choose_path`; BF16 and that path timed in turns, the speed ratio
   of the table), chunked memory, roofline; then the decode kernel's bandwidth. About two minutes on one GPU.
+* ``launch``: every Kimi expert shape (K2.x / K2.5 / K3 / K3.1 fc1, gate and fc2 at expert TP 1, 2, 4, 8:
+  :mod:`kimi_core.kernels.w4a16.expert_shapes`) x format x tokens per expert x uniform / Zipf-skewed tokens: BF16
+  ``_grouped_mm`` and the dispatcher timed in turns, launch included (no head start: the host's launch on the GPU's
+  timeline) and kernels only (head start); host ms per call (``time.perf_counter`` around the launch, no sync) beside
+  GPU ms, and the host ms of a new split pattern's first call. ``m_splits`` as a list, a CPU or a device tensor.
 * ``sweep``: the fused kernels' tile configs next to BF16 (what :mod:`kimi_core.kernels.w4a16.fused.plans` picks).
 * ``gluon``: the Gluon register kernels in the given configs (:func:`parse_gluon_config`).
 * ``clocks``: SM clock and board power while BF16 and the W4A16 path run back to back (``nvidia-smi`` samples).
@@ -19,6 +24,7 @@ GPU times are the kernels' alone; speeds are BF16 ms / ours (1.00x = BF16, highe
 
     python benchmarks/w4a16.py table --json w4a16.json
     python benchmarks/w4a16.py sweep --tokens 8 --shapes "K2 fc1"
+    python benchmarks/w4a16.py launch --shapes K3 --formats mxfp4 --json launch_k3.json
 """
 
 from __future__ import annotations
@@ -83,11 +89,28 @@ def _time_once(fn, flush: torch.Tensor) -> tuple[float, float]:
     return a.elapsed_time(b), host_ms
 
 
-def timed_alternating(fns: dict, reps: int = REPS, warmup: int = 3) -> dict:
+def _time_launch_included(fn, flush: torch.Tensor) -> tuple[float, float]:
+    """(GPU ms, host ms) of one call of ``fn`` with its launch on the GPU's timeline: L2 flushed, the GPU idle (no
+    head start), then the start event, the host's launches and the end event, as in a training step whose GPU waits
+    for the host after the MoE layer's token-count sync."""
+    flush.zero_()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    t0 = time.perf_counter()
+    fn()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b), host_ms
+
+
+def timed_alternating(fns: dict, reps: int = REPS, warmup: int = 3, head_start: bool = True) -> dict:
     """``{name: (median GPU ms, median host ms)}`` of each of ``fns``, timed in turns: each rep runs every function
-    once (L2 flushed and the head start before each), in the given order on even reps and reversed on odd ones. A
-    speed ratio at the board's power cap depends on what the card ran just before (its SM clock follows the power of
-    the last milliseconds: ``clocks``); timed in turns, both see the same recent load."""
+    once (L2 flushed and, with ``head_start``, the head start before each; without it the launch is timed too:
+    :func:`_time_launch_included`), in the given order on even reps and reversed on odd ones. A speed ratio at the
+    board's power cap depends on what the card ran just before (its SM clock follows the power of the last
+    milliseconds: ``clocks``); timed in turns, both see the same recent load."""
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device=DEV)
     for fn in fns.values():
         for _ in range(warmup):
@@ -96,7 +119,7 @@ def timed_alternating(fns: dict, reps: int = REPS, warmup: int = 3) -> dict:
     order = list(fns)
     for rep in range(reps):
         for name in order if rep % 2 == 0 else order[::-1]:
-            gpu_ms, host_ms = _time_once(fns[name], flush)
+            gpu_ms, host_ms = _time_once(fns[name], flush) if head_start else _time_launch_included(fns[name], flush)
             times[name][0].append(gpu_ms)
             times[name][1].append(host_ms)
     return {name: (statistics.median(gpu), statistics.median(host)) for name, (gpu, host) in times.items()}
@@ -385,6 +408,190 @@ def run_table(args) -> None:
         workspace_bytes=wc.workspace_bound(),
         rows=rows,
         decode=decodes,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ launch
+
+LAUNCH_HEADER = (
+    "| shape | N | K | E | fmt | tok/exp | dist | op | path | BF16 ms launch incl. | W4A16 ms launch incl. "
+    "| speed launch incl. | BF16 ms kernels | W4A16 ms kernels | speed kernels | BF16 host ms | W4A16 host ms "
+    "| W4A16 host ms new pattern |"
+)
+#: Zipf exponent of the skewed tokens per expert
+ZIPF_S = 1.0
+#: launch-included speed vs BF16 the issue asks for: 2.5x at 8 tokens per expert, 0.95x from 512; host time per call
+LAUNCH_TARGETS = {8: 2.5, 512: 0.95, 2048: 0.95}
+HOST_TARGET_MS = 0.05
+
+
+def token_splits(E: int, tokens_per_expert: int, dist: str, seed: int = 0) -> list[int]:
+    """``E`` tokens per expert summing to ``E * tokens_per_expert``: ``"uniform"`` (all equal) or ``"zipf"`` (expert
+    of rank ``r`` gets a share ``1 / r^ZIPF_S``, ranks shuffled; rounded down, the remainder to the largest shares)."""
+    T = E * tokens_per_expert
+    if dist == "uniform":
+        return [tokens_per_expert] * E
+    if dist != "zipf":
+        raise SystemExit(f"--dists: unknown distribution {dist!r}; known: uniform, zipf")
+    g = torch.Generator().manual_seed(seed)
+    share = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** ZIPF_S
+    share = share[torch.randperm(E, generator=g)]
+    exact = share / share.sum() * T
+    splits = exact.floor().long()
+    left = T - int(splits.sum())
+    splits[torch.argsort(exact - splits, descending=True)[:left]] += 1
+    return [int(v) for v in splits]
+
+
+def splits_as(splits: list[int], form: str):
+    """``splits`` as Megatron's dispatchers hand them: ``"list"``, ``"cpu"`` (a CPU int64 tensor, the all-to-all
+    dispatcher) or ``"cuda"`` (a device tensor)."""
+    if form == "list":
+        return list(splits)
+    if form in ("cpu", "cuda"):
+        return torch.tensor(splits, dtype=torch.int64, device=form)
+    raise SystemExit(f"--splits: unknown form {form!r}; known: list, cpu, cuda")
+
+
+def pick_launch_shapes(names: str | None) -> list:
+    """The Kimi expert shapes (:func:`kimi_core.kernels.w4a16.expert_shapes.unique_shapes`, one row per distinct
+    ``(N, K)``) any of whose names contains one of the comma-separated ``names`` (all when empty)."""
+    from kimi_core.kernels.w4a16.expert_shapes import unique_shapes
+
+    shapes = unique_shapes()
+    if not names:
+        return shapes
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    picked = [s for s in shapes if any(w in name for w in wanted for name in s[2])]
+    if not picked:
+        raise SystemExit(f"--shapes: no Kimi expert shape matches {wanted}; e.g. 'K3 fc1', 'etp2', 'K2 fc2 etp8'")
+    return picked
+
+
+def new_pattern_host_ms(call, splits: list[int], form: str, reps: int = 5) -> float:
+    """Median host ms of ``call(m_splits)`` on split patterns not seen before (one token moved between two experts
+    each time, so every per-pattern table is built): the first call of a MoE layer's pattern; GPU idle before each."""
+    out = []
+    for r in range(reps):
+        moved = list(splits)
+        src = max(range(len(moved)), key=lambda e: moved[e])
+        dst = (src + 1 + r) % len(moved)
+        moved[src] -= 1 + r
+        moved[dst] += 1 + r
+        m = splits_as(moved, form)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call(m)
+        out.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def measure_launch(names, E, K, N, fmt, wp, ws, w_bf16, tpe, dist, form, reps) -> list[dict]:
+    """Rows (forward, dgrad) of one shape, format, tokens per expert and distribution: BF16 ``_grouped_mm`` (its
+    offsets already on the device) and the dispatcher's op (``m_splits`` in ``form``) timed in turns, launch included
+    and with the head start (kernels only)."""
+    splits = token_splits(E, tpe, dist)
+    T = sum(splits)
+    offs = torch.tensor(splits, device=DEV).cumsum(0).to(torch.int32)
+    x = torch.randn(T, K, device=DEV).bfloat16()
+    dy = torch.randn(T, N, device=DEV).bfloat16()
+    bf16 = bf16_ops(x, dy, w_bf16, offs)
+    m = splits_as(splits, form)
+    ours = {
+        "fwd": lambda ms=m: kernels.w4a16_grouped_gemm(x, wp, ws, fmt, ms),
+        "dgrad": lambda ms=m: kernels.w4a16_grouped_gemm_dgrad(dy, wp, ws, fmt, ms),
+    }
+    rows = []
+    for op in ("fwd", "dgrad"):
+        row = dict(
+            shape=names[0],
+            names=names,
+            N=N,
+            K=K,
+            E=E,
+            fmt=fmt,
+            tokens_per_expert=tpe,
+            dist=dist,
+            splits_form=form,
+            tokens=T,
+            op=op,
+            path=kernels.choose_path(op, T, E, N, K, x.device),
+        )
+        row["rel_err"] = rel_err(bf16[op](), ours[op]())
+        if row["rel_err"] > 1e-2:
+            print(f"WARNING {names[0]} {fmt} tpe={tpe} {dist} {op}: relative error vs BF16 {row['rel_err']:.2e}")
+        for mode, head_start in (("launch", False), ("kernels", True)):
+            t = timed_alternating({"bf16": bf16[op], "w4a16": ours[op]}, reps=reps, head_start=head_start)
+            row[f"bf16_{mode}_ms"], row[f"bf16_{mode}_host_ms"] = t["bf16"]
+            row[f"w4a16_{mode}_ms"], row[f"w4a16_{mode}_host_ms"] = t["w4a16"]
+            row[f"speed_{mode}"] = row[f"bf16_{mode}_ms"] / row[f"w4a16_{mode}_ms"]
+        row["w4a16_host_ms_new_pattern"] = new_pattern_host_ms(ours[op], splits, form)
+        rows.append(row)
+    return rows
+
+
+def format_launch_row(r: dict) -> str:
+    return (
+        f"| {r['shape']} | {r['N']} | {r['K']} | {r['E']} | {fmt_name(r['fmt'])} | {r['tokens_per_expert']} "
+        f"| {r['dist']} | {r['op']} | {r['path']} | {r['bf16_launch_ms']:.3f} | {r['w4a16_launch_ms']:.3f} "
+        f"| {r['speed_launch']:.2f}x | {r['bf16_kernels_ms']:.3f} | {r['w4a16_kernels_ms']:.3f} "
+        f"| {r['speed_kernels']:.2f}x | {r['bf16_launch_host_ms']:.3f} | {r['w4a16_launch_host_ms']:.3f} "
+        f"| {r['w4a16_host_ms_new_pattern']:.3f} |"
+    )
+
+
+def launch_summary(rows: list[dict]) -> str:
+    """Rows that miss the issue's bars: launch-included speed (:data:`LAUNCH_TARGETS`) and host ms per call
+    (:data:`HOST_TARGET_MS`, the launch-included median; a new pattern's first call listed apart)."""
+    slow = [
+        f"{r['shape']} {fmt_name(r['fmt'])} {r['tokens_per_expert']} {r['dist']} {r['op']} {r['speed_launch']:.2f}x"
+        for r in rows
+        if r["tokens_per_expert"] in LAUNCH_TARGETS and r["speed_launch"] < LAUNCH_TARGETS[r["tokens_per_expert"]]
+    ]
+    host = [
+        f"{r['shape']} {fmt_name(r['fmt'])} {r['tokens_per_expert']} {r['dist']} {r['op']} "
+        f"{r['w4a16_launch_host_ms'] * 1e3:.0f} us"
+        for r in rows
+        if r["w4a16_launch_host_ms"] > HOST_TARGET_MS
+    ]
+    worst_new = max((r["w4a16_host_ms_new_pattern"] for r in rows), default=float("nan"))
+    return (
+        f"Launch-included speed (2.5x at 8 tok/exp, 0.95x at 512 and 2048): {len(slow)} rows missed: "
+        f"{', '.join(slow) or 'none'}.\nHost time per call over {HOST_TARGET_MS * 1e3:.0f} us: {len(host)} rows: "
+        f"{', '.join(host) or 'none'}.\nWorst host time of a new split pattern's first call: {worst_new:.3f} ms."
+    )
+
+
+def run_launch(args) -> None:
+    os.environ.pop(kernels.PATH_ENV, None)  # the dispatcher's own choice
+    torch.manual_seed(0)
+    fmts = [SHORT_FORMATS[f.strip()] for f in args.formats.split(",")]
+    tokens = [int(t) for t in args.tokens.split(",")]
+    dists = [d.strip() for d in args.dists.split(",")]
+    rows = []
+    print(LAUNCH_HEADER + "\n" + "|" + "---|" * (LAUNCH_HEADER.count("|") - 1), flush=True)
+    for N, K, names, E in pick_launch_shapes(args.shapes):
+        w_bf16 = None
+        for fmt in fmts:
+            wp, ws = random_weights(fmt, E, N, K)
+            w_bf16 = bf16_layer(fmt, wp, ws, w_bf16)
+            for tpe in tokens:
+                for dist in dists:
+                    for r in measure_launch(names, E, K, N, fmt, wp, ws, w_bf16, tpe, dist, args.splits, args.reps):
+                        rows.append(r)
+                        print(format_launch_row(r), flush=True)
+                    torch.cuda.empty_cache()
+            del wp, ws
+        del w_bf16
+        torch.cuda.empty_cache()
+    print("\n" + launch_summary(rows), flush=True)
+    write_json(
+        args.json,
+        f"launch {' '.join(sys.argv[2:])}",
+        dispatch=json.loads(dispatch_tables()),
+        zipf_s=ZIPF_S,
+        rows=rows,
     )
 
 
@@ -971,6 +1178,17 @@ def parser() -> argparse.ArgumentParser:
         default="auto,rs,rsp,rsn128ap,rsn128afp",
         help="auto or rs[<block_m>][s<load_stages>][n<block_n>][a][f][p], comma-separated",
     )
+    la = sub.add_parser(
+        "launch",
+        help="every Kimi expert shape: BF16 and the dispatcher in turns, launch included and kernels only, host ms",
+    )
+    la.add_argument("--json", default=None, help="also write the measurements as JSON to this path")
+    la.add_argument("--shapes", default=None, help="only shapes with a name containing one of these, e.g. 'K3,etp2'")
+    la.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="tokens per expert, comma-separated")
+    la.add_argument("--formats", default="mxfp4,int4", help="mxfp4 and / or int4")
+    la.add_argument("--dists", default="uniform,zipf", help="tokens per expert: uniform and / or zipf")
+    la.add_argument("--splits", default="cpu", choices=["list", "cpu", "cuda"], help="m_splits as handed over")
+    la.add_argument("--reps", type=int, default=15, help="timed calls per path and mode")
     c = sub.add_parser("clocks", help="SM clock and power under sustained calls, BF16 and W4A16 alternating")
     c.add_argument("--json", default=None)
     c.add_argument("--shapes", default="K3 fc1")
@@ -1020,6 +1238,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     {
         "table": run_table,
+        "launch": run_launch,
         "sweep": run_sweep,
         "gluon": run_gluon_configs,
         "clocks": run_clocks,

@@ -26,7 +26,8 @@ call returns, so callers see an ordinary single-stream op. CPU tensors run the s
 
 **Host offsets.** The chunk boundaries over experts depend only on ``E, N, K`` and the bound, but slicing the
 rows of a chunk needs the host to know the split: with ``m_splits`` a CUDA tensor and more than one chunk, the
-call reads the ``[E]`` splits back once (one device-to-host sync). A layer that fits in one chunk needs no sync:
+call reads the ``[E]`` splits back once (one device-to-host sync). Host splits' per-chunk offsets are built and
+copied once per split pattern (:func:`chunk_ends`, cached on the :class:`~kimi_core.kernels.host_ints.SplitPattern`). A layer that fits in one chunk needs no sync:
 the device offsets go to ``_grouped_mm`` as they are. Chunks whose experts have no rows are skipped.
 
 **Alignment.** ``_grouped_mm`` wants 16-byte aligned data pointers and a row stride that is a multiple of 16
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from kimi_core.kernels.device import interpreting
-from kimi_core.kernels.host_ints import host_offsets, int32_on
+from kimi_core.kernels.host_ints import int32_on, split_pattern
 from kimi_core.quant.formats import weight_format
 
 DEFAULT_WORKSPACE_BYTES = 1 << 30
@@ -247,6 +248,20 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def chunk_ends(pattern, plan: ChunkPlan, device) -> tuple[torch.Tensor, list[int]]:
+    """``(ends, chunks)`` of host splits ``pattern`` (:class:`~kimi_core.kernels.host_ints.SplitPattern`) under
+    ``plan``: int32 ``[E]`` on ``device``, each expert's end row relative to its chunk's first row (the ``offs`` of
+    that chunk's ``_grouped_mm``), and the chunks that have rows."""
+    off = pattern.offsets
+    rel = [
+        off[e + 1] - off[plan.bounds[c]]
+        for c in range(plan.num_chunks)
+        for e in range(plan.bounds[c], plan.bounds[c + 1])
+    ]
+    chunks = [c for c in range(plan.num_chunks) if off[plan.bounds[c + 1]] > off[plan.bounds[c]]]
+    return int32_on(rel, device), chunks
+
+
 @torch.no_grad()  # like the Triton kernels: no autograd graph (it would keep the workspace alive)
 def _grouped(
     a: torch.Tensor,
@@ -273,18 +288,15 @@ def _grouped(
         a = torch.nn.functional.pad(a, (0, plan.n_out - N))
     a = _aligned(a)  # [T, K] (fwd) or [T, n_out] (dgrad)
     single = plan.num_chunks == 1
-    if single and isinstance(m_splits, torch.Tensor) and m_splits.device.type != "cpu":
+    pattern = split_pattern(m_splits)
+    if single and pattern is None:
         off, ends = None, m_splits.to(device=dev, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         chunks = [0]
     else:
-        off = host_offsets(m_splits)
-        rel = [
-            off[e + 1] - off[plan.bounds[c]]
-            for c in range(plan.num_chunks)
-            for e in range(plan.bounds[c], plan.bounds[c + 1])
-        ]  # per chunk: ends relative to its first row
-        ends = int32_on(rel, dev)
-        chunks = [c for c in range(plan.num_chunks) if off[plan.bounds[c + 1]] > off[plan.bounds[c]]]
+        if pattern is None:  # a device tensor over several chunks: read back once (a sync)
+            pattern = split_pattern(m_splits.cpu())
+        off = pattern.offsets
+        ends, chunks = pattern.table(("chunk_ends", plan.bounds, dev), lambda: chunk_ends(pattern, plan, dev), dev)
     if streams is None:
         streams = CudaStreams(dev) if dev.type == "cuda" and len(chunks) > 1 else InlineStreams()
     ws = torch.empty(

@@ -3,8 +3,10 @@
 Paths: ``"fused"`` (:mod:`.fused`, the weights decoded in registers; off CUDA the naive twin :mod:`.naive`),
 ``"chunked"`` (:mod:`.chunked`, a few experts decoded into a bounded bf16 workspace, then ``torch._grouped_mm``)
 and ``"gluon"`` (:mod:`.gluon`, Hopper only, the weights decoded into the wgmma's register fragment). The tables are
-keyed per op (``"fwd"``, ``"dgrad"``); an ``(N, K)`` weight-shape key overrides ``"default"``.
-``benchmarks/w4a16.py table`` measures every path on the benchmark shapes and regenerates them.
+keyed per op (``"fwd"``, ``"dgrad"``); their ``"default"`` rows apply to every shape whose constraints the path meets
+(:func:`gluon_fits`, :func:`.chunked.fits`), an ``(N, K)`` weight-shape key overrides ``"default"`` for a measured
+exception. ``benchmarks/w4a16.py table`` measures every path on the benchmark shapes and ``benchmarks/w4a16.py
+launch`` the dispatcher's pick on every Kimi expert shape (:mod:`.expert_shapes`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from kimi_core.kernels.w4a16.chunked import fits as chunked_fits
 __all__ = [
     "FUSED_OPTIONS",
     "GLUON_OPTIONS",
-    "MEASURED_SHAPES",
     "PATHS",
     "PATH_ENV",
     "W4A16_CROSSOVER",
@@ -32,19 +33,16 @@ __all__ = [
 PATH_ENV = "KIMI_W4A16_PATH"
 PATHS = ("fused", "chunked", "gluon", "auto")
 
-# (N, K) of the expert weights the tables were measured on: K3 fc1, K3 fc2, K2 fc1, K2 fc2
-MEASURED_SHAPES = ((6144, 3584), (3584, 3072), (4096, 7168), (7168, 2048))
-
-#: From this mean number of tokens per expert (``T / E``) on, ``"chunked"`` is chosen over ``"fused"``.
+#: From this mean number of tokens per expert (``T / E``) on, ``"chunked"`` is chosen over ``"fused"`` (where the
+#: Gluon kernels do not take the shape or their range excludes it).
 # measured: docs/performance.md#w4a16-dispatch
 W4A16_CROSSOVER: dict[str, dict] = {"fwd": {"default": 512}, "dgrad": {"default": 512}}
 
 #: Where auto picks ``"gluon"``: a half-open range ``(from, to)`` of mean tokens per expert (``to`` None: no upper
-#: end), or None (never). Shapes not listed keep the fused / chunked table.
+#: end), or None (never). ``"default"`` holds for every shape the Gluon kernels take (:func:`gluon_fits`, a rule from
+#: their constraints, not a list of shapes); an ``(N, K)`` key overrides it for one measured shape.
 # measured: docs/performance.md#w4a16-dispatch
-W4A16_GLUON: dict[str, dict] = {
-    op: {"default": None, **{shape: (128, None) for shape in MEASURED_SHAPES}} for op in ("fwd", "dgrad")
-}
+W4A16_GLUON: dict[str, dict] = {op: {"default": (128, None)} for op in ("fwd", "dgrad")}
 
 #: Keyword arguments the ``"gluon"`` path passes to :func:`.gluon.grouped_gemm` / :func:`.gluon.grouped_gemm_dgrad`.
 # measured: docs/performance.md#w4a16-launch-plans
@@ -67,8 +65,8 @@ def forced_path(path: str | None) -> str:
 
 
 def gluon_fits(N: int, K: int) -> bool:
-    """Whether the Gluon kernels take ``[N, K]`` experts in either format (MXFP4's 1-byte scales, the strictest)
-    and this Triton has Gluon to run them."""
+    """Whether the Gluon kernels take ``[N, K]`` experts in either format (:func:`.gluon.tiles.shape_fits`: ``K`` a
+    multiple of 64, ``N`` of 8) and this Triton has Gluon to run them."""
     from kimi_core.kernels.w4a16.gluon.pipeline import HAVE_GLUON
     from kimi_core.kernels.w4a16.gluon.tiles import shape_fits
 

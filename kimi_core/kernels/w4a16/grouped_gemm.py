@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kimi_core.kernels.host_ints import split_pattern
 from kimi_core.kernels.w4a16 import chunked, naive
 from kimi_core.kernels.w4a16.dispatch import FUSED_OPTIONS, GLUON_OPTIONS, choose_path
 from kimi_core.kernels.w4a16.operands import check_operands
@@ -60,12 +61,13 @@ def w4a16_grouped_gemm(
         :mod:`kimi_core.quant.mxfp4` / :mod:`kimi_core.quant.int4`).
     :param w_scale: MXFP4 E8M0 uint8 ``[E, N, K/32]`` or INT4 bf16 ``[E, N, K/32]``.
     :param fmt: :data:`kimi_core.quant.formats.MXFP4` / ``INT4`` or its config string.
-    :param m_splits: rows per expert, ``list[int]`` or integer tensor ``[E]``; zeros allowed.
+    :param m_splits: rows per expert, ``list[int]``, CPU or device integer tensor ``[E]``; zeros allowed. Host splits
+        are read once per call and their tables cached per split pattern; device splits are never read back.
     :param path: ``"fused"``, ``"chunked"``, ``"gluon"`` or ``"auto"`` (default: ``$KIMI_W4A16_PATH``, else auto),
         see :func:`.dispatch.choose_path`.
     :returns: ``[T, N]`` bf16 (fp32 accumulation). Naive twin: :func:`.naive.w4a16_grouped_gemm`.
     """
-    E, N, K = check_operands(x, "x", w_packed, w_scale, fmt, m_splits, "K")
+    E, N, K, m_splits = check_operands(x, "x", w_packed, w_scale, fmt, m_splits, "K")
     chosen = choose_path("fwd", x.shape[0], E, N, K, x.device, path)
     if chosen == "chunked":
         return chunked.grouped_gemm(x, w_packed, w_scale, fmt, m_splits)
@@ -92,7 +94,7 @@ def w4a16_grouped_gemm_dgrad(
     :param dy: ``[T, N]`` bf16, rows sorted by expert; other arguments as in the forward.
     :returns: ``[T, K]`` bf16 (fp32 accumulation). Naive twin: :func:`.naive.w4a16_grouped_gemm_dgrad`.
     """
-    E, N, K = check_operands(dy, "dy", w_packed, w_scale, fmt, m_splits, "N")
+    E, N, K, m_splits = check_operands(dy, "dy", w_packed, w_scale, fmt, m_splits, "N")
     chosen = choose_path("dgrad", dy.shape[0], E, N, K, dy.device, path)
     if chosen == "chunked":
         return chunked.grouped_gemm_dgrad(dy, w_packed, w_scale, fmt, m_splits)
@@ -116,6 +118,9 @@ class W4A16GroupedGemm(torch.autograd.Function):
     def forward(ctx, x, w_packed, w_scale, fmt, m_splits, *path):
         ctx.save_for_backward(w_packed, w_scale)
         ctx.n_inputs = 5 + len(path)  # ``path`` is optional: apply(x, w_packed, w_scale, fmt, m_splits[, path])
+        # host splits read once for the forward and the dgrad (their tables cached per pattern)
+        pattern = split_pattern(m_splits)
+        m_splits = pattern if pattern is not None else m_splits
         ctx.fmt, ctx.m_splits, ctx.path = fmt, m_splits, path[0] if path else None
         return w4a16_grouped_gemm(x, w_packed, w_scale, fmt, m_splits, path=ctx.path)
 

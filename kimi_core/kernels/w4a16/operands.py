@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kimi_core.kernels.host_ints import SplitPattern, split_pattern
 from kimi_core.quant.formats import INT4, MXFP4, WEIGHT_FORMATS, WeightFormat
 
 __all__ = ["WHERE", "check_operands", "operand_format"]
@@ -29,13 +30,17 @@ def operand_format(fmt: str | WeightFormat) -> WeightFormat:
     return found
 
 
-def check_operands(a: torch.Tensor, a_name: str, w_packed, w_scale, fmt, m_splits, a_cols: str) -> tuple[int, int, int]:
-    """Check shapes, dtypes and devices of one call; returns ``(E, N, K)``.
+def check_operands(
+    a: torch.Tensor, a_name: str, w_packed, w_scale, fmt, m_splits, a_cols: str
+) -> tuple[int, int, int, SplitPattern | torch.Tensor]:
+    """Check shapes, dtypes and devices of one call; returns ``(E, N, K, splits)``, ``splits`` the
+    :class:`~kimi_core.kernels.host_ints.SplitPattern` of host splits (read once here, its tables cached per
+    pattern) or the device tensor as given (never read back).
 
     :param a: the activation, ``x`` ``[T, K]`` (``a_cols="K"``) or ``dy`` ``[T, N]`` (``a_cols="N"``), bf16.
     :param w_packed: ``fmt.packed_dtype`` ``[E, N, K / fmt.codes_per_packed]``.
     :param w_scale: ``fmt.scale_dtype`` ``[E, N, K / 32]``.
-    :param m_splits: ``E`` row counts (list or integer tensor); a host list or CPU tensor must sum to ``T``.
+    :param m_splits: ``E`` row counts (list, CPU or device integer tensor); host splits must sum to ``T``.
     """
     wf = operand_format(fmt)
     _check_tensor("w_packed", w_packed, 3, wf.packed_dtype)
@@ -51,16 +56,15 @@ def check_operands(a: torch.Tensor, a_name: str, w_packed, w_scale, fmt, m_split
     want = K if a_cols == "K" else N
     if a.shape[1] != want:
         raise ValueError(f"{WHERE}: {a_name} has {a.shape[1]} columns, expected {a_cols} = {want}")
-    n_splits = m_splits.numel() if isinstance(m_splits, torch.Tensor) else len(m_splits)
+    pattern = split_pattern(m_splits)
+    n_splits = len(pattern) if pattern is not None else m_splits.numel()
     if n_splits != E:
         raise ValueError(f"{WHERE}: m_splits has {n_splits} entries, expected one per expert ({E})")
-    if not isinstance(m_splits, torch.Tensor) or m_splits.device.type == "cpu":
-        total = int(sum(int(v) for v in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)))
-        if total != a.shape[0]:
-            raise ValueError(f"{WHERE}: m_splits sum to {total}, but {a_name} has {a.shape[0]} rows")
+    if pattern is not None and pattern.total != a.shape[0]:
+        raise ValueError(f"{WHERE}: m_splits sum to {pattern.total}, but {a_name} has {a.shape[0]} rows")
     if a.device != w_packed.device or a.device != w_scale.device:
         raise ValueError(
             f"{WHERE}: {a_name}, w_packed and w_scale must share a device, got "
             f"{a.device}, {w_packed.device}, {w_scale.device}"
         )
-    return E, N, K
+    return E, N, K, pattern if pattern is not None else m_splits

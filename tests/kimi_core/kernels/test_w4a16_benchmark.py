@@ -260,3 +260,23 @@ def test_shapes_flag_picks_named_shapes_and_refuses_unknown_ones():
     assert bench.pick_shapes(None) == bench.SHAPES
     with pytest.raises(SystemExit, match=r"--shapes: unknown shape\(s\) \['K9 fc1'\]; known: \['K3 fc1'"):
         bench.pick_shapes("K9 fc1")
+
+
+def test_launch_token_splits_and_shapes():
+    """``launch``'s tokens per expert sum to ``E x tokens``: uniform all equal; Zipf-skewed with the largest expert
+    near ``1 / H_E`` of the tokens (``H_E`` the harmonic number, exponent 1) and every expert's share within one token
+    of ``T / (r H_E)``; its ``--shapes`` picks the Kimi expert shapes by any of their names."""
+    bench = load_benchmark("w4a16")
+    assert bench.token_splits(4, 8, "uniform") == [8] * 4
+    E, tpe = 112, 512
+    z = bench.token_splits(E, tpe, "zipf", seed=1)
+    T = E * tpe
+    harmonic = sum(1 / r for r in range(1, E + 1))
+    assert sum(z) == T and len(z) == E
+    for r, m in enumerate(sorted(z, reverse=True), start=1):
+        assert abs(m - T / (r * harmonic)) <= 1, (r, m)
+    picked = bench.pick_launch_shapes("K3 fc2 etp8")
+    assert [(N, K) for N, K, _, _ in picked] == [(3584, 384)]
+    assert len(bench.pick_launch_shapes(None)) == 18
+    with pytest.raises(SystemExit, match="no Kimi expert shape matches"):
+        bench.pick_launch_shapes("K9")

@@ -7,7 +7,7 @@ import torch
 import triton
 
 from kimi_core.kernels.device import interpreting, sm_count
-from kimi_core.kernels.host_ints import host_offsets, int32_on
+from kimi_core.kernels.host_ints import split_pattern
 from kimi_core.kernels.w4a16.format_ids import format_id, kernel_format_id
 from kimi_core.kernels.w4a16.fused.dgrad import sum_partials_kernel, w4a16_dgrad_kernel, w4a16_dgrad_perm_kernel
 from kimi_core.kernels.w4a16.fused.forward import w4a16_fwd_kernel, w4a16_fwd_perm_kernel
@@ -45,23 +45,22 @@ def as_words(w_packed):
 
 
 def expert_offsets(m_splits, num_experts: int, device):
-    """``(offsets int32 [E + 1] on device, host list of splits or None)``."""
-    if isinstance(m_splits, torch.Tensor):
-        if m_splits.device.type == "cpu":
-            splits = [int(v) for v in m_splits.tolist()]
-        else:
-            off = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
-            off[1:] = torch.cumsum(m_splits.to(device=device, dtype=torch.int32), 0)
-            return off, None
-    else:
-        splits = [int(v) for v in m_splits]
-    return int32_on(host_offsets(splits), device), splits
+    """``(offsets int32 [E + 1] on device, host splits as a SplitPattern or None)``: host splits' offsets copied once
+    per split pattern and device (:meth:`~kimi_core.kernels.host_ints.SplitPattern.device_offsets`); a device tensor's
+    summed on the device (no sync)."""
+    pattern = split_pattern(m_splits)
+    if pattern is not None:
+        return pattern.device_offsets(device), pattern
+    off = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
+    torch.cumsum(m_splits.to(device=device, dtype=torch.int32), 0, out=off[1:])
+    return off, None
 
 
 def num_programs(splits, total_rows: int, num_experts: int, block_m: int, num_cols: int) -> int:
     """Programs of a launch: row tiles of ``block_m`` over the experts times ``num_cols`` column tiles."""
     if splits is not None:
-        tiles = sum((v + block_m - 1) // block_m for v in splits)
+        pattern = split_pattern(splits)
+        tiles = pattern.row_tiles(block_m)
     else:  # device-side splits: an upper bound; programs past the last tile exit at once
         tiles = (total_rows + block_m - 1) // block_m + num_experts
     return max(tiles, 1) * num_cols

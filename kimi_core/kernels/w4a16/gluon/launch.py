@@ -4,7 +4,8 @@
 Shapes and dtypes: ``x`` bf16 ``[T, K]`` with rows sorted by expert; ``w_packed`` ``[E, N, K/2]`` uint8 (MXFP4,
 element ``2j`` in the low nibble) or ``[E, N, K/8]`` int32 (INT4, element ``8m + j`` in nibble ``j``: the same
 bytes); ``w_scale`` ``[E, N, K/32]`` uint8 E8M0 or bf16; ``y`` bf16 ``[T, N]`` (dgrad: ``dy`` ``[T, N]`` -> ``dx``
-``[T, K]``). Extra memory: the output, the tile table and (dgrad) the transposed scales.
+``[T, K]``). Extra memory: the output, the tile table (kept per split pattern) and, kept per weight, the dgrad's
+transposed scales and, where a scale row is no multiple of 16 bytes, the forward's padded scales.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import dataclasses
 
 import torch
 
+from kimi_core.kernels.host_ints import split_pattern
+from kimi_core.kernels.w4a16.derived import derived
 from kimi_core.kernels.w4a16.format_ids import format_id, kernel_format_id
 from kimi_core.kernels.w4a16.gluon.pipeline import HAVE_GLUON
 from kimi_core.kernels.w4a16.gluon.tiles import (
@@ -62,6 +65,41 @@ def scale_smem_layout(s_block: list[int], scale_bytes: int, dgrad: bool):
     return gl.NVMMASharedLayout.get_default_for(s_block, gl.uint8 if scale_bytes == 1 else gl.bfloat16)
 
 
+def forward_scales(w_scale: torch.Tensor) -> torch.Tensor:
+    """The forward's scales ``[E * N, K / 32]`` (``w_scale`` ``[E, N, K / 32]``, contiguous): a view where a row is a
+    multiple of 16 bytes (TMA's stride), else a view of a copy whose rows are padded to 16 bytes (zeros, past the
+    ``K / 32`` groups a step reads), made once per weight and version (:func:`..derived.derived`)."""
+    E, N, G = w_scale.shape
+    unit = 16 // w_scale.element_size()  # scales per 16 bytes
+    if G % unit == 0:
+        return w_scale.reshape(E * N, G)
+
+    def padded(w: torch.Tensor) -> torch.Tensor:
+        rows = torch.zeros((E * N, -(-G // unit) * unit), dtype=w.dtype, device=w.device)
+        rows[:, :G].copy_(w.reshape(E * N, G))
+        return rows[:, :G]
+
+    return derived(w_scale, "gluon_forward_scales", padded)
+
+
+def dgrad_scales(w_scale: torch.Tensor) -> torch.Tensor:
+    """The dgrad's scales transposed, ``[E * K / 32, N]`` (``w_scale`` ``[E, N, K / 32]``, contiguous): each kw
+    group's scales along n, one TMA box per step; rows padded to 16 bytes for TMA (the box past N zero-filled: a
+    finite scale, whose weights meet dy's zero fill). Made by :mod:`kimi_core.kernels.transpose` (tiled: coalesced
+    both ways) once per weight and version (:func:`..derived.derived`)."""
+    E, N, G = w_scale.shape
+
+    def transposed(w: torch.Tensor) -> torch.Tensor:
+        from kimi_core.kernels.transpose import transpose_last_two
+
+        pad = -N % (16 // w.element_size())
+        scales = torch.empty((E * G, N + pad), dtype=w.dtype, device=w.device)[:, :N]
+        transpose_last_two(w, scales.view(E, G, N))
+        return scales
+
+    return derived(w_scale, "gluon_dgrad_scales", transposed)
+
+
 @dataclasses.dataclass
 class Launch:
     """What a Gluon W4A16 kernel is launched with, once the arguments are checked (:func:`prepare`): the output,
@@ -100,16 +138,19 @@ def prepare(
     persistent: bool | int,
 ) -> Launch:
     """Check one call's arguments (``where`` names the entry point in errors) and build its :class:`Launch`;
-    ``stages`` None: :func:`.tiles.default_load_stages`. The dgrad's scales go as a transposed copy
-    ``[E * K / 32, N]`` (made here by :mod:`kimi_core.kernels.transpose`: 1/16 of the packed bytes)."""
+    ``stages`` None: :func:`.tiles.default_load_stages`. The scales go as :func:`forward_scales` /
+    :func:`dgrad_scales` (the dgrad's a transposed copy ``[E * K / 32, N]``, 1/16 of the packed bytes, made once per
+    weight)."""
     if not HAVE_GLUON:
         raise RuntimeError(f"{where} needs Triton >= 3.5 (triton.experimental.gluon)")
-    E, N, K = check_operands(a, "dy" if dgrad else "x", w_packed, w_scale, fmt, m_splits, "N" if dgrad else "K")
+    E, N, K, m_splits = check_operands(
+        a, "dy" if dgrad else "x", w_packed, w_scale, fmt, m_splits, "N" if dgrad else "K"
+    )
     scale_bytes = w_scale.element_size()
-    if not shape_fits(N, K, scale_bytes):
+    if not shape_fits(N, K):
         raise ValueError(
-            f"{where}: needs K a multiple of {BK} and of {512 // scale_bytes} and N of 8 "
-            f"(TMA rows of 16 bytes for x, dy and the {fmt} scales), got K={K}, N={N}"
+            f"{where}: needs K a multiple of {BK} (whole K steps) and N of 8 (TMA rows of 16 bytes for dy), "
+            f"got K={K}, N={N}"
         )
     choices = block_m_choices(block_n)
     if block_m not in choices:
@@ -133,15 +174,7 @@ def prepare(
         return Launch(out=y)
     a, w_scale = a.contiguous(), w_scale.contiguous()
     packed = w_packed.contiguous().view(torch.uint8).reshape(E * N, K // 2)  # INT4 words are the same bytes
-    if dgrad:  # [E, N, K/32] -> [E, K/32, N]: each kw group's scales along n, one TMA box per step; rows
-        # padded to 16 bytes for TMA, the box past N zero-filled (a finite scale: its weights meet dy's zero fill)
-        from kimi_core.kernels.transpose import transpose_last_two
-
-        pad = -N % (16 // scale_bytes)
-        scales = torch.empty((E * K // 32, N + pad), dtype=w_scale.dtype, device=a.device)[:, :N]
-        transpose_last_two(w_scale.reshape(E, N, K // 32), scales.view(E, K // 32, N))  # tiled: coalesced both ways
-    else:
-        scales = w_scale.reshape(E * N, K // 32)
+    scales = dgrad_scales(w_scale) if dgrad else forward_scales(w_scale)
     a_block, p_block, s_block = descriptor_blocks(dgrad, block_m, scale_bytes, block_n)
     descs = (
         TensorDescriptor.from_tensor(a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl.bfloat16)),
@@ -181,6 +214,8 @@ def _run(
     fold_scales: bool,
 ) -> torch.Tensor:
     where = f"{WHERE}.{'grouped_gemm_dgrad' if dgrad else 'grouped_gemm'}"
+    pattern = split_pattern(m_splits)  # host splits read once; their tables cached per pattern
+    m_splits = pattern if pattern is not None else m_splits
     block_n, decode_ahead = resolve_columns(where, m_splits, block_n, decode_ahead)
     if decode_ahead and block_n != 128:
         raise ValueError(
@@ -229,8 +264,8 @@ def grouped_gemm(
 ) -> torch.Tensor:
     """``y[T, N]`` bf16, ``y[rows_e] = x[rows_e] . dequant(W_e)^T`` with fp32 accumulation, for ``fmt``
     :data:`kimi_core.quant.formats.MXFP4` / ``INT4`` (inputs checked as the public ops check them). Needs a Hopper
-    GPU and Triton with Gluon; ``K`` a multiple of 64 (and of 512 for MXFP4 / 256 for INT4 scale rows);
-    ``m_splits`` is read on the host.
+    GPU and Triton with Gluon; ``K`` a multiple of 64, ``N`` of 8 (:func:`.tiles.shape_fits`); host ``m_splits``
+    are read once per call (tables cached per pattern), a device tensor is read back (a sync).
 
     :param out: a bf16 ``[T, N]`` to write into.
     :param block_n: output columns per tile, 256 or 128 (default :func:`.tiles.pick_block_n`).
@@ -276,8 +311,8 @@ def grouped_gemm_dgrad(
 ) -> torch.Tensor:
     """``dx[T, K]`` bf16, ``dx[rows_e] = dy[rows_e] . dequant(W_e)`` with fp32 accumulation (``dy`` bf16 ``[T,
     N]``), the weights decoded into the wgmma's register A fragment as ``W^T`` (``K`` output columns x ``N``); the
-    scales go as a transposed copy ``[E * K / 32, N]`` made per call (1/16 of the packed bytes). Arguments as
-    :func:`grouped_gemm`."""
+    scales go as a transposed copy ``[E * K / 32, N]`` made once per weight and version (:func:`dgrad_scales`, 1/16
+    of the packed bytes). Arguments as :func:`grouped_gemm`."""
     return _run(
         dy,
         w_packed,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi_core.kernels.host_ints import int32_on
+from kimi_core.kernels.host_ints import SplitPattern, int32_on, split_pattern
 
 __all__ = [
     "BK",
@@ -55,10 +55,10 @@ def default_load_stages(block_m: int, block_n: int, dgrad: bool = False) -> int:
 
 
 def mean_rows(m_splits) -> float:
-    """Mean rows of the non-empty experts (0 when every expert is empty); ``m_splits`` is read on the host."""
-    splits = [int(v) for v in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)]
-    busy = [m for m in splits if m]
-    return sum(busy) / len(busy) if busy else 0.0
+    """Mean rows of the non-empty experts (0 when every expert is empty); host splits (a list, a CPU tensor or a
+    :class:`~kimi_core.kernels.host_ints.SplitPattern`) cached per pattern, a device tensor read back (a sync)."""
+    pattern = split_pattern(m_splits)
+    return (pattern if pattern is not None else split_pattern(m_splits.cpu())).busy_mean()
 
 
 def block_m_choices(block_n: int) -> tuple[int, ...]:
@@ -106,22 +106,37 @@ def resolve_columns(where: str, m_splits, block_n: int | None, decode_ahead: boo
     return block_n, bool(decode_ahead)
 
 
+def tile_rows(pattern: SplitPattern, block_m: int) -> torch.Tensor:
+    """int32 ``[tiles, 3]`` on the CPU: rows (expert, first row, end row) covering each expert's rows in ``block_m``
+    steps, experts in order; empty experts get no tile. Vectorized: no Python loop over the tiles."""
+    m = torch.tensor(pattern, dtype=torch.int64)
+    n = (m + block_m - 1) // block_m  # tiles per expert
+    expert = torch.repeat_interleave(torch.arange(len(pattern)), n)
+    off = torch.tensor(pattern.offsets, dtype=torch.int64)
+    first_tile = torch.cumsum(n, 0) - n
+    row0 = off[:-1][expert] + (torch.arange(expert.numel()) - first_tile[expert]) * block_m
+    return torch.stack([expert, row0, off[1:][expert]], 1).to(torch.int32)
+
+
 def tile_table(m_splits, block_m: int, device) -> torch.Tensor:
-    """``[tiles, 3]`` int32 rows (expert, first row, end row) covering each expert's rows in ``block_m`` steps;
-    empty experts get no tile. ``m_splits`` is read on the host."""
-    splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
-    rows, start = [], 0
-    for e, m in enumerate(int(v) for v in splits):
-        rows += [(e, r, start + m) for r in range(start, start + m, block_m)]
-        start += m
-    return int32_on(rows, device).reshape(-1, 3)  # reshape: no tiles at all gives [0] -> [0, 3]
+    """``[tiles, 3]`` int32 rows (expert, first row, end row) on ``device`` covering each expert's rows in ``block_m``
+    steps (:func:`tile_rows`); empty experts get no tile. Host splits: built and copied once per split pattern,
+    ``block_m`` and device; a device tensor is read back (a sync)."""
+    pattern = split_pattern(m_splits)
+    if pattern is None:
+        pattern = split_pattern(m_splits.cpu())
+    device = torch.device(device)
+    return pattern.table(
+        ("gluon_tiles", block_m, device), lambda: int32_on(tile_rows(pattern, block_m), device), device
+    )
 
 
-def shape_fits(N: int, K: int, scale_bytes: int = 1) -> bool:
-    """Whether the Gluon kernels take ``[N, K]`` experts whose scales have ``scale_bytes`` bytes (1: MXFP4's E8M0,
-    the strictest; 2: INT4's bf16): ``K`` a multiple of :data:`BK`, 16-byte scale rows for TMA (``K`` a multiple of
-    512 / ``scale_bytes``) and ``N`` a multiple of 8."""
-    return not (K % BK or N % 8 or (K // 32 * scale_bytes) % 16)
+def shape_fits(N: int, K: int) -> bool:
+    """Whether the Gluon kernels take ``[N, K]`` experts in either format: ``K`` a multiple of :data:`BK` (whole K
+    steps) and ``N`` of 8 (16-byte rows of ``dy`` for TMA). Scale rows that are no multiple of 16 bytes (MXFP4 ``K``
+    no multiple of 512, INT4 of 256) go to the forward as a padded copy made once per weight
+    (:func:`.launch.forward_scales`); the dgrad's transposed scales are padded anyway."""
+    return not (K % BK or N % 8)
 
 
 def programs(n_tiles: int, persistent: bool | int, device) -> int:

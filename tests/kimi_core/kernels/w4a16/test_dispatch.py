@@ -40,7 +40,7 @@ def test_forced_gluon_path_reaches_the_kernel_and_refuses_a_cpu_tensor(monkeypat
 
 def test_auto_picks_gluon_only_inside_its_measured_range(monkeypatch):
     """A ``W4A16_GLUON`` range ``[from, to)`` of mean tokens per expert wins over the fused / chunked table (an
-    ``(N, K)`` row over ``"default"``), only on shapes the Gluon kernels take (K a multiple of 512, N of 8) and only
+    ``(N, K)`` row over ``"default"``), only on shapes the Gluon kernels take (K a multiple of 64, N of 8) and only
     on sm90+ CUDA."""
     monkeypatch.setattr(dispatch, "device_capability", lambda device: (9, 0))
     monkeypatch.delenv(kernels.PATH_ENV, raising=False)
@@ -52,7 +52,8 @@ def test_auto_picks_gluon_only_inside_its_measured_range(monkeypatch):
     picks = [kernels.choose_path("fwd", E * tpe, E, N, K, cuda) for tpe in (8, 128, 512, 2048)]
     assert picks == ["gluon", "gluon", "chunked", "chunked"]
     assert kernels.choose_path("dgrad", E * 8, E, N, K, cuda) == "fused"  # per op
-    assert kernels.choose_path("fwd", E * 8, E, N, 2880, cuda) == "fused"  # K = 2880 is no multiple of 512
+    assert kernels.choose_path("fwd", E * 8, E, N, 2080, cuda) == "fused"  # K = 2080 is no multiple of 64
+    assert kernels.choose_path("fwd", E * 8, E, 6148, K, cuda) == "fused"  # N = 6148 is no multiple of 8
     assert kernels.choose_path("fwd", E * 8, E, N, K, "cpu") == "fused"
     monkeypatch.setitem(dispatch.W4A16_GLUON["fwd"], (N, K), (128, None))
     picks = [kernels.choose_path("fwd", E * tpe, E, N, K, cuda) for tpe in (8, 128, 512, 2048)]
@@ -71,13 +72,17 @@ def test_auto_picks_gluon_only_inside_its_measured_range(monkeypatch):
         ("dgrad", 6144, 3584, ["fused", "gluon", "gluon", "gluon"]),
         ("dgrad", 4096, 7168, ["fused", "gluon", "gluon", "gluon"]),
         ("dgrad", 7168, 2048, ["fused", "gluon", "gluon", "gluon"]),
-        ("fwd", 512, 512, ["fused", "fused", "chunked", "chunked"]),  # not measured (the demos' small K3 fc1)
+        # not in the benchmark table: the rule from the kernels' constraints gives them the same picks
+        ("fwd", 512, 512, ["fused", "gluon", "gluon", "gluon"]),  # the demos' small K3 fc1
+        ("dgrad", 3584, 384, ["fused", "gluon", "gluon", "gluon"]),  # K3 fc2 at expert TP 8
+        # K no multiple of 64: no Gluon; fused up to the crossover, then chunked
+        ("fwd", 512, 480, ["fused", "fused", "chunked", "chunked"]),
     ],
 )
 def test_shipped_tables_pick_the_measured_fastest_path(monkeypatch, op, N, K, want):
     """The dispatcher's shipped tables reproduce the benchmark's per-row winner (fused at 8 tokens per expert
-    everywhere; the register-fragment Gluon kernels from 128, forward and dgrad); a shape not measured keeps the fused
-    / chunked table."""
+    everywhere; the register-fragment Gluon kernels from 128, forward and dgrad); a shape outside the benchmark gets
+    the same rule wherever the Gluon kernels take it, else the fused / chunked table."""
     monkeypatch.setattr(dispatch, "device_capability", lambda device: (9, 0))
     monkeypatch.delenv(kernels.PATH_ENV, raising=False)
     E = 112

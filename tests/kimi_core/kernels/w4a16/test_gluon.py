@@ -110,3 +110,25 @@ def test_bad_tile_arguments_are_refused_before_any_launch(op, kw, match):
         fn, a, name = gluon.grouped_gemm_dgrad, torch.zeros(16, 256, dtype=torch.bfloat16), "grouped_gemm_dgrad"
     with pytest.raises(ValueError, match=rf"w4a16.gluon.{name}: " + match):
         fn(a, wp, ws, MXFP4, [8, 8], **kw)
+
+
+@pytest.mark.parametrize("fmt,K", [(MXFP4, 384), (MXFP4, 768), ("pack-quantized", 384), (MXFP4, 1024)])
+def test_forward_scales_rows_are_16_bytes_and_kept_per_weight_version(fmt, K):
+    """The forward's scale rows as TMA gets them: where ``K / 32`` scales are no multiple of 16 bytes a padded copy
+    (zeros past the scales, the scales unchanged), made once per weight and again after an in-place write; else a
+    view of the weight itself."""
+    from kimi_core.kernels.w4a16.gluon.launch import forward_scales
+
+    _, ws = random_packed(fmt, 3, 16, K)
+    rows = forward_scales(ws)
+    assert rows.shape == (48, K // 32) and rows.stride(0) * rows.element_size() % 16 == 0
+    assert torch.equal(rows, ws.reshape(48, K // 32))
+    if (K // 32 * ws.element_size()) % 16 == 0:
+        assert rows.data_ptr() == ws.data_ptr()
+        return
+    assert forward_scales(ws) is rows  # kept
+    full = rows.as_strided((48, rows.stride(0)), (rows.stride(0), 1))
+    assert not full[:, K // 32 :].any()
+    ws.add_(1)  # a new version of the weight
+    again = forward_scales(ws)
+    assert again is not rows and torch.equal(again, ws.reshape(48, K // 32))
