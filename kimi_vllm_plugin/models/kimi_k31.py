@@ -9,6 +9,10 @@ indexer's top-k (vLLM's K3 MLA has no slot for it). A query at position p sees p
 p+1 <= ``index_topk`` the top-k keeps all of them, so dense MLA is exact there. Construction
 therefore requires ``max_model_len <= index_topk`` (2048 tokens for the [I] K3.1 config) and
 refuses longer contexts with an error naming the flag, instead of silently serving K3 attention.
+
+Registered for vLLM 0.27 - 0.33 only: vLLM 0.34 serves K3.1 itself (its K3 class with DSA sparse attention, the
+indexer read from ``text_config.dsa_config`` into ``self_attn.dsa_indexer``), which this class would shadow and
+whose config it cannot read (``kimi_vllm_plugin.host_support.SUPPORT``; ``docs/vllm.md``).
 """
 
 from __future__ import annotations

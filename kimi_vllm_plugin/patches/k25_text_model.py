@@ -13,11 +13,13 @@ ENTRY = PatchEntry(
     name="k25_text_model",
     target="vllm.model_executor.models.kimi_k25.init_vllm_registered_model",
     host="vllm",
-    versions=">=0.26,<0.34",
+    versions=">=0.26,<0.35",
     why="upstream K2.5 hard-codes architectures=['DeepseekV2ForCausalLM'] for its text model, which is not our "
     "LoRA-capable K2.x class (and re-registering DeepseekV2 would hijack real DeepSeek-V2 checkpoints)",
     how="while our K2.5 class's upstream __init__ runs, the module global is wrapped so that the text model is built "
-    "as DeepseekV3ForCausalLM (our registered K2.x class); restored afterwards, also on error",
+    "as DeepseekV3ForCausalLM (our registered K2.x class); restored afterwards, also on error. Target read in vLLM "
+    "0.26.0 - 0.34.0: kimi_k25 imports init_vllm_registered_model(vllm_config, *, prefix, hf_config, architectures) "
+    "into its module and calls it with architectures=['DeepseekV2ForCausalLM']",
     upstream="vllm-project/vllm#43840 (K2.5 LoRA) would remove the need",
     remove_when="upstream K2.5 is LoRA-capable or takes its text architecture from the config",
     expect="type:function",

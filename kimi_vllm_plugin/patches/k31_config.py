@@ -21,9 +21,10 @@ ENTRY = PatchEntry(
     why="vLLM and transformers do not know model_type kimi_k31, and vLLM parses config.json before it looks at the "
     "model registry; K3.1's config is K3's plus index_* fields",
     how="register() adds the key kimi_k31 with a KimiK3Config subclass (register_k31_config) where K3.1 is "
-    "supported; idempotent",
-    upstream="none: K3.1 is not in vLLM",
-    remove_when="vLLM ships a K3.1 config",
+    "supported; idempotent, and an existing kimi_k31 key is left alone",
+    upstream="vLLM 0.34 ships its own (kimi_k31 -> KimiK3Config, K3.1's indexer in text_config.dsa_config), where "
+    "our K3.1 range has ended; before 0.34 K3.1 is not in vLLM",
+    remove_when="the K3.1 range starts at a vLLM with its own K3.1 config (0.34)",
 )
 
 

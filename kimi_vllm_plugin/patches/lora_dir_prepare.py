@@ -57,7 +57,7 @@ ENTRY = PatchEntry(
     name="lora_dir_prepare",
     target="vllm.lora.worker_manager.WorkerLoRAManager._load_adapter",
     host="vllm",
-    versions=">=0.26,<0.33",
+    versions=">=0.26,<0.35",
     why="a host that hands vLLM a PEFT folder itself (LoRARequest with a path) bypasses the client's "
     "prepare_adapter; vLLM 0.26's PEFTHelper ignores rank_pattern / alpha_pattern and scales every module by "
     "lora_alpha / r, so capacity-normalised experts (rank r // top_k) are served top_k times too weak, silently; "
@@ -66,7 +66,9 @@ ENTRY = PatchEntry(
     "carries _kimi_checkpoint (set by our classes' __init__), validate the folder with prepare_adapter, load a "
     "temporary prepared copy when the layout or scaling must change, the host's folder otherwise; "
     "AdapterRejected before vLLM evicts anything. Installed from our model classes' __init__, idempotent; "
-    "other models call the original unchanged",
+    "other models call the original unchanged. Target read in vLLM 0.26.0, 0.30.0, 0.32.0, 0.33.0 and 0.34.0: the same "
+    "signature, reads self._adapter_manager.model and self.lora_config.max_lora_rank, LoRARequest a msgspec "
+    "Struct (0.34 also refuses LoRA on modules that share a LoRA suffix but are not LoRA layers: none of ours)",
     upstream="none yet: vLLM has no adapter-preparation hook per model class; vLLM 0.32 reads the patterns "
     "(vllm/lora/peft_helper.py get_rank_and_scaling) but not the Kimi expert layouts",
     remove_when="every supported vLLM release applies rank_pattern / alpha_pattern and every host stages "

@@ -1,7 +1,7 @@
 """Patch ``lora_reload_cache``: reloading a LoRA adapter under a name or id the engine has served before resets
 the prefix cache, so no request reuses KV computed under the previous adapter (the row is :data:`ENTRY`).
 
-vLLM's prefix cache keys a LoRA request's blocks on the adapter's name (0.26, 0.30) or name and path (0.32, 0.33),
+vLLM's prefix cache keys a LoRA request's blocks on the adapter's name (0.26, 0.30) or name and path (0.32 - 0.34),
 never on its content, and no release resets it when an adapter is reloaded. A host that reloads a new version in
 place under one fixed name and folder (SkyRL's ``/skyrl/v1/load_lora_adapter``: ``"skyrl-lora"``, the same
 ``lora_int_id``, ``load_inplace=True``, one ``lora_sync_path``; miles alike) therefore gets cache hits on KV the
@@ -54,9 +54,9 @@ ENTRY = PatchEntry(
     name="lora_reload_cache",
     target="vllm.v1.engine.core.EngineCore.add_lora",
     host="vllm",
-    versions=">=0.26,<0.34",
+    versions=">=0.26,<0.35",
     why="vLLM keys prefix-cache blocks of a LoRA request on the adapter's name (0.26, 0.30) or name and path "
-    "(0.32, 0.33), not its content, and neither add_lora nor the /v1/load_lora_adapter route resets the cache: "
+    "(0.32 - 0.34), not its content, and neither add_lora nor the /v1/load_lora_adapter route resets the cache: "
     "a host that reloads a new adapter version in place under a fixed name and folder (SkyRL's "
     "/skyrl/v1/load_lora_adapter, 'skyrl-lora' with load_inplace; miles) serves cached prefixes computed under "
     "the previous version",
@@ -64,11 +64,11 @@ ENTRY = PatchEntry(
     "of our architectures, when the load (re)reads an adapter under an id or name this core served before "
     "(load_inplace of a loaded or earlier id/name, or an unloaded earlier id/name loaded again), call the "
     "original, then reset_prefix_cache() (with reset_running_requests=True when running requests hold blocks) "
-    "and log one line. Target read in vLLM 0.26.0, 0.30.0, 0.32.0 and 0.33.0: "
+    "and log one line. Target read in vLLM 0.26.0, 0.30.0, 0.32.0, 0.33.0 and 0.34.0: "
     "add_lora(self, lora_request: LoRARequest) -> bool, "
     "reset_prefix_cache(self, reset_running_requests=False, reset_connector=False) -> bool, list_loras() -> "
     "set[int], LoRARequest.load_inplace, and WorkerLoRAManager.add_adapter re-reading the files when "
-    "load_inplace is set, in all four. Installed by register(): at once in an engine-core process, else by a "
+    "load_inplace is set, in all five. Installed by register(): at once in an engine-core process, else by a "
     "one-module import hook on vllm.v1.engine.core; idempotent",
     upstream="vllm-project/vllm#42125 (stale prefix-cache KV after an in-place LoRA reload); "
     "vllm-project/vllm#48352 (open: keys the cache on adapter content, for local paths only)",

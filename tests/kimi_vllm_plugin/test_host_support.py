@@ -20,28 +20,49 @@ K3X = (K3, K31)
 
 
 def test_support_table_covers_every_architecture():
-    """Every architecture of MODELS has a support row and a stand-in class that names it; ranges are 0.26/0.27..0.33."""
+    """Every architecture of MODELS has a support row and a stand-in class that names it; ranges are 0.26/0.27..0.34,
+    K3.1 ..0.33 (vLLM 0.34 ships its own K3.1); the package requirement spans them all."""
     assert set(host_support.SUPPORT) == set(registration.MODEL_CLASSES)
     for arch, row in host_support.SUPPORT.items():
         assert getattr(host_support, "Unsupported" + arch).arch == arch
-        assert row.first == ((0, 27) if arch in K3X else (0, 26)) and row.last == (0, 33), arch
+        assert row.first == ((0, 27) if arch in K3X else (0, 26)), arch
+        assert row.last == ((0, 33) if arch == K31 else (0, 34)), arch
+    assert host_support.supported_pip() == "vllm>=0.26,<0.35"
     assert host_support.parse_release("0.32.0+cpu") == (0, 32) and host_support.parse_release("dev") is None
 
 
 @pytest.mark.parametrize(
     "version,supported",
-    [("0.26.0", K2X), ("0.27.0", K2X + K3X), ("0.33.2", K2X + K3X), ("0.25.1", ()), ("0.34.0", ()), ("", ())],
+    [
+        ("0.26.0", K2X),
+        ("0.27.0", K2X + K3X),
+        ("0.33.2", K2X + K3X),
+        ("0.34.0", (*K2X, K3)),
+        ("0.25.1", ()),
+        ("0.35.0", ()),
+        ("", ()),
+    ],
 )
 def test_host_report_by_feature(version, supported):
-    """host_report: K2.x on 0.26..0.33, K3/K3.1 on 0.27..0.33; every other architecture gets a reason naming
-    the release found (or 'unknown'), the releases supported and a pip fix."""
+    """host_report: K2.x on 0.26..0.34, K3 on 0.27..0.34, K3.1 on 0.27..0.33; every other architecture gets a
+    reason naming the release found (or 'unknown'), the releases supported and a pip fix."""
     r = host_support.host_report(version=version)
     assert r.supported == supported
     assert set(r.unsupported) == set(registration.MODEL_CLASSES) - set(supported)
+    releases = {K3: "0.27 .. 0.34.x", K31: "0.27 .. 0.33.x"}
     for arch, reason in r.unsupported.items():
         assert arch in reason and "pip install '" in reason
         assert (f"found vLLM {version}" if version else "version is unknown") in reason
-        assert ("0.27 .. 0.33.x" if arch in K3X else "0.26 .. 0.33.x") in reason
+        assert releases.get(arch, "0.26 .. 0.34.x") in reason
+    if version == "0.34.0":  # K3.1 alone: vLLM's own K3.1 named, how to reach it, what to install
+        assert f"{K31} (Kimi K3.1) is supported on vLLM 0.27 .. 0.33.x; found vLLM 0.34.0" in r.unsupported[K31]
+        assert (
+            "vLLM 0.34 serves K3.1 itself" in r.unsupported[K31] and "VLLM_PLUGINS without kimi" in r.unsupported[K31]
+        )
+        assert ">=0.27,<0.34', or a kimi-rl-plugins release written for vLLM 0.34" in r.unsupported[K31]
+        assert f"Supported on vLLM 0.34.0: {', '.join(supported)}." in r.unsupported[K31]
+    if version == "0.35.0":
+        assert "serves K3.1 itself" in r.unsupported[K31] and "serves K3.1 itself" not in r.unsupported[K3]
     if version == "0.26.0":
         assert "first in 0.27" in r.unsupported["KimiK3ForConditionalGeneration"]
         assert "Supported on vLLM 0.26.0: DeepseekV3ForCausalLM" in r.unsupported["KimiK3ForConditionalGeneration"]
@@ -77,7 +98,7 @@ def test_stand_in_construction_raises_the_reason(monkeypatch):
     name is not a stand-in."""
     monkeypatch.setenv(host_support.FAKE_VERSION_ENV, "0.26.0")
     with pytest.raises(
-        PluginError, match=rf"{K3} \(Kimi K3\) is supported on vLLM 0\.27 \.\. 0\.33\.x.*found vLLM 0\.26\.0"
+        PluginError, match=rf"{K3} \(Kimi K3\) is supported on vLLM 0\.27 \.\. 0\.34\.x.*found vLLM 0\.26\.0"
     ):
         host_support.refusal_class(K3)(vllm_config=None)
     assert host_support.refusal_class(K3) is getattr(host_support, "Unsupported" + K3)  # one class per architecture

