@@ -103,12 +103,15 @@ def dgrad_scales(w_scale: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass
 class Launch:
     """What a Gluon W4A16 kernel is launched with, once the arguments are checked (:func:`prepare`): the output,
-    the TMA descriptors of the activation, packed bytes and scales, the tile table and the work-item grid;
+    the TMA descriptors of the activation, packed bytes and scales, the tile table and the work-item grid (device
+    splits: a table sized for the most tiles, :attr:`n_tiles` and the grid sized for it, and the real row-tile count
+    on the device in :attr:`tile_count`, which the kernel reads);
     no tile table (:attr:`empty`): nothing to compute (no rows or no output columns), ``out`` is returned as it is."""
 
     out: torch.Tensor
     descs: tuple = ()
     tiles: torch.Tensor | None = None
+    tile_count: torch.Tensor | None = None
     n_tiles: int = 0
     n_col_tiles: int = 0
     N: int = 0
@@ -168,7 +171,12 @@ def prepare(
             f"{torch.cuda.get_device_capability(a.device)}"
         )
     out_cols = K if dgrad else N
-    tiles = tile_table(m_splits, block_m, a.device)
+    if isinstance(m_splits, torch.Tensor):  # device splits: the table built on the GPU, its count read there too
+        from kimi_core.kernels.w4a16.gluon.device_tiles import device_tile_table
+
+        tiles, tile_count = device_tile_table(m_splits, block_m, a.shape[0], a.device)
+    else:
+        tiles, tile_count = tile_table(m_splits, block_m, a.device), None
     y = torch.empty((a.shape[0], out_cols), dtype=torch.bfloat16, device=a.device) if out is None else out
     if tiles.shape[0] == 0 or out_cols == 0:
         return Launch(out=y)
@@ -187,6 +195,7 @@ def prepare(
         out=y,
         descs=descs,
         tiles=tiles,
+        tile_count=tile_count,
         n_tiles=n_tiles,
         n_col_tiles=n_col_tiles,
         N=N,
@@ -216,12 +225,14 @@ def _run(
     where = f"{WHERE}.{'grouped_gemm_dgrad' if dgrad else 'grouped_gemm'}"
     pattern = split_pattern(m_splits)  # host splits read once; their tables cached per pattern
     m_splits = pattern if pattern is not None else m_splits
-    block_n, decode_ahead = resolve_columns(where, m_splits, block_n, decode_ahead)
+    # the tile picks' mean rows per expert: the non-empty experts' (host splits), else T / E (device splits: no sync)
+    rows = pattern if pattern is not None else a.shape[0] / max(1, m_splits.numel())
+    block_n, decode_ahead = resolve_columns(where, rows, block_n, decode_ahead)
     if decode_ahead and block_n != 128:
         raise ValueError(
             f"{where}: decode_ahead runs on 128-column tiles (two fragments in registers), got block_n {block_n}"
         )
-    block_m = pick_block_m(m_splits, block_n) if block_m is None else block_m
+    block_m = pick_block_m(rows, block_n) if block_m is None else block_m
     run = prepare(a, w_packed, w_scale, fmt, m_splits, out, dgrad, where, block_m, block_n, load_stages, persistent)
     if run.empty:
         return run.out
@@ -230,6 +241,7 @@ def _run(
         *run.descs,
         run.out,
         run.tiles,
+        run.tile_count if run.tile_count is not None else run.tiles,
         run.n_tiles,
         run.n_col_tiles,
         run.N,
@@ -243,6 +255,7 @@ def _run(
         CONSUMER_REGS,
         decode_ahead,
         dgrad,
+        run.tile_count is not None,
         num_warps=4,
     )
     return run.out
@@ -265,7 +278,8 @@ def grouped_gemm(
     """``y[T, N]`` bf16, ``y[rows_e] = x[rows_e] . dequant(W_e)^T`` with fp32 accumulation, for ``fmt``
     :data:`kimi_core.quant.formats.MXFP4` / ``INT4`` (inputs checked as the public ops check them). Needs a Hopper
     GPU and Triton with Gluon; ``K`` a multiple of 64, ``N`` of 8 (:func:`.tiles.shape_fits`); host ``m_splits``
-    are read once per call (tables cached per pattern), a device tensor is read back (a sync).
+    are read once per call (tables cached per pattern); a device tensor is never read back (the tile table built on
+    the GPU, :mod:`.device_tiles`; the tile picks from ``T / E``): no host sync, capturable in a CUDA graph.
 
     :param out: a bf16 ``[T, N]`` to write into.
     :param block_n: output columns per tile, 256 or 128 (default :func:`.tiles.pick_block_n`).

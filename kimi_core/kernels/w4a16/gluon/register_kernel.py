@@ -460,6 +460,7 @@ if HAVE_GLUON:
         s_desc,
         out_ptr,
         tiles_ptr,
+        tile_count_ptr,
         n_tiles,
         n_col_tiles,
         N,
@@ -473,12 +474,17 @@ if HAVE_GLUON:
         CONSUMER_REGS: gl.constexpr,
         DECODE_AHEAD: gl.constexpr,
         DGRAD: gl.constexpr,
+        COUNT_ON_DEVICE: gl.constexpr,
     ):
         """Forward ``y [T, N] = x . dequant(W)^T`` or (``DGRAD``) ``dx [T, K] = dy . dequant(W)`` over the
         ``BN``-column work items (``BN`` = 256 or 128, half per consumer warpgroup) ``t = program_id, program_id +
         programs, ...`` below ``n_tiles`` (``t`` = row tile ``t // n_col_tiles`` of the tile table, column tile ``t %
         n_col_tiles``); TMA descriptors of the activation, packed bytes and scales in the blocks of
-        :func:`.launch.descriptor_blocks`."""
+        :func:`.launch.descriptor_blocks`. ``COUNT_ON_DEVICE`` (device splits): the table holds ``tile_count_ptr[0]``
+        row tiles (written on the GPU, :mod:`.device_tiles`) and ``n_tiles`` only bounds the grid; the work items are
+        that count times ``n_col_tiles``, so the programs past them do nothing."""
+        if COUNT_ON_DEVICE:
+            n_tiles = gl.load(tile_count_ptr) * n_col_tiles
         if DGRAD:  # the last step's rows past N: dy's TMA zero fill times finite weights (zero-filled scales)
             steps = gl.cdiv(N, BK)
             out_cols = K

@@ -56,7 +56,10 @@ def default_load_stages(block_m: int, block_n: int, dgrad: bool = False) -> int:
 
 def mean_rows(m_splits) -> float:
     """Mean rows of the non-empty experts (0 when every expert is empty); host splits (a list, a CPU tensor or a
-    :class:`~kimi_core.kernels.host_ints.SplitPattern`) cached per pattern, a device tensor read back (a sync)."""
+    :class:`~kimi_core.kernels.host_ints.SplitPattern`) cached per pattern, a device tensor read back (a sync); a
+    number is taken as the mean already known (the launcher's ``T / E`` for device splits: no sync)."""
+    if isinstance(m_splits, (int, float)):
+        return float(m_splits)
     pattern = split_pattern(m_splits)
     return (pattern if pattern is not None else split_pattern(m_splits.cpu())).busy_mean()
 

@@ -132,3 +132,45 @@ def test_forward_scales_rows_are_16_bytes_and_kept_per_weight_version(fmt, K):
     ws.add_(1)  # a new version of the weight
     again = forward_scales(ws)
     assert again is not rows and torch.equal(again, ws.reshape(48, K // 32))
+
+
+# run as a child process: TRITON_INTERPRET must be set before triton is imported
+_DEVICE_TILES_SCRIPT = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from kimi_core.kernels.w4a16.gluon.device_tiles import device_tile_table, most_tiles
+
+g = torch.Generator().manual_seed(0)
+for E, block in ((5, 8), (37, 64), (100, 256), (3, 16), (4, 128)):
+    s = torch.randint(0, 300, (E,), generator=g)
+    s[::4] = 0
+    if E == 4:
+        s[:] = 0  # every expert empty
+    T = int(s.sum())
+    table, count = device_tile_table(s, block, T, "cpu")
+    assert table.shape == (most_tiles(T, E, block), 3) and table.dtype == torch.int32 and count.dtype == torch.int32
+    want, start = [], 0  # the loop over each expert's rows in block steps
+    for e, m in enumerate(s.tolist()):
+        want += [[e, r, start + m] for r in range(start, start + m, block)]
+        start += m
+    n = int(count)
+    assert n == len(want) and table[:n].tolist() == want, (E, block)
+    assert not table[n:].any(), (E, block)
+print("OK")
+"""
+
+
+def test_device_tile_table_in_interpreter():
+    """The tile table built on the GPU from device splits (:mod:`.gluon.device_tiles`, here in Triton's interpreter):
+    its first ``count`` rows equal the loop over each expert's rows in ``block_m`` steps, the rest are zeros, in a
+    table sized for the most tiles any split of ``T`` rows can have (every expert empty included)."""
+    pytest.importorskip("triton")
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run(
+        [sys.executable, "-c", _DEVICE_TILES_SCRIPT], capture_output=True, text=True, env=env, timeout=600, cwd=root
+    )
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]

@@ -93,6 +93,26 @@ def test_gluon_decoded_weights_are_bit_exact_over_every_scale(fmt, kernel, block
             assert_bit_exact(f"gluon {kernel} {rs_kw} {name} {fmt} block_n {block_n} expert {e}", w, want)
 
 
+@pytest.mark.parametrize("block_n", [256, 128])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gluon_padded_scales_decode_bit_exact(fmt, block_n):
+    """K = 384 (12 scale groups a row: 12 bytes for MXFP4, 24 for INT4, no multiple of 16): the forward reads the
+    launcher's padded copy of the scales; an identity activation reads every decoded weight back equal to
+    :func:`kimi_core.quant.dequantize`, over every scale."""
+    from kimi_core.kernels.w4a16 import gluon
+    from kimi_core.quant import dequantize
+
+    if not gluon.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    E, N, K = 2, 256, 384
+    wp, ws = random_packed(fmt, E, N, K, seed=12, device="cuda")
+    ws = every_scale(ws, seed=13)
+    for e in range(E):
+        want = dequantize(fmt, wp[e], ws[e], torch.bfloat16)
+        for name, w in read_back_weights("registers", wp, ws, fmt, e, block_n, {}).items():
+            assert_bit_exact(f"gluon padded scales {name} {fmt} block_n {block_n} expert {e}", w, want)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_forced_gluon_path_through_autograd_with_device_splits(fmt):
     """``path="gluon"`` through the public autograd op (as the Megatron experts call it): ``m_splits`` a CUDA tensor,
@@ -155,6 +175,10 @@ def register_kernel_against_oracle(op: str, fmt: str, E: int, K: int, N: int, me
             id="masked-N-256rows-2stages-3prog",
         ),
         pytest.param(7, 512, 72, 70, {"block_n": 128, "block_m": 128, "persistent": 2}, id="masked-N72-128rows-2prog"),
+        # scale rows of no multiple of 16 bytes (MXFP4 K 384 / 768, INT4 K 384: K3 fc2 at expert TP 8 / 4): the
+        # launcher's padded copy of the scales
+        pytest.param(7, 384, 200, 70, {}, id="K384-padded-scales"),
+        pytest.param(9, 768, 256, 130, {"block_n": 128, "decode_ahead": True}, id="K768-padded-scales-ahead"),
         # decode ahead (step i + 1 decoded while step i's wgmma runs; the pipeline unrolled by two): the fewest steps
         # (K 512: 8), rings that wrap across tiles, few rows
         pytest.param(112, 3584, 6144, 128, {"decode_ahead": True}, id="K3-fc1-128tok-ahead"),
@@ -216,6 +240,9 @@ def test_gluon_rs_forward_matches_oracle(fmt, E, K, N, mean, kw):
         pytest.param(9, 1024, 328, 40, {"decode_ahead": True, "block_m": 16}, id="N328-ahead-16rows"),
         pytest.param(9, 1024, 136, 40, {"decode_ahead": True, "block_m": 64}, id="N136-3steps-ahead"),
         pytest.param(5, 512, 64, 70, {"decode_ahead": True}, id="N64-1step-ahead"),
+        # K (the output columns) 384 / 768: K3 fc2 at expert TP 8 / 4; column tiles past K masked
+        pytest.param(7, 384, 200, 70, {}, id="K384"),
+        pytest.param(9, 768, 512, 130, {"decode_ahead": True, "persistent": True}, id="K768-ahead-persistent"),
     ],
 )
 def test_gluon_rs_dgrad_matches_oracle(fmt, E, K, N, mean, kw):
