@@ -6,6 +6,9 @@ hidden-state tensor megatron moves (:mod:`kimi_megatron_plugin.models.pipeline`)
 
 * :class:`KimiAttnResLayer` - a ``TransformerLayer`` whose attention and MLP inputs are aggregated from the bank.
 * :class:`KimiOutputNorm` - the block's final norm: output aggregator + model norm.
+
+Sequence parallelism: the bank, the aggregation and the norms are per token and run on this TP rank's ``[S/tp]``
+rows; their replicated weights are marked ``sequence_parallel`` (megatron sums their gradients over TP).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from kimi_core.reference.ops import rms_norm
 from kimi_megatron_plugin.models.layers import KimiRMSNorm
 from kimi_megatron_plugin.models.parameters import compute_device, new_parameter
 from kimi_megatron_plugin.models.pipeline import pack_bank, unpack_bank
+from kimi_megatron_plugin.models.sequence_parallel import mark_sequence_parallel
 
 __all__ = ["KimiAttnResLayer", "KimiOutputNorm"]
 
@@ -51,6 +55,7 @@ class KimiAttnResLayer(TransformerLayer):
             setattr(self, f"{n}_norm", KimiRMSNorm(config, H, kimi.rms_norm_eps))
             proj = torch.nn.Module()
             proj.weight = new_parameter(config, 1, H)
+            mark_sequence_parallel([proj.weight], config)
             setattr(self, f"{n}_proj", proj)
 
     def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None, **kwargs):
@@ -91,6 +96,7 @@ class KimiOutputNorm(torch.nn.Module):
         self.output_attn_res_norm = KimiRMSNorm(config, hidden_size, eps)
         self.output_attn_res_proj = torch.nn.Module()
         self.output_attn_res_proj.weight = new_parameter(config, 1, hidden_size)
+        mark_sequence_parallel([self.weight, self.output_attn_res_proj.weight], config)
 
     def forward(self, packed: torch.Tensor) -> torch.Tensor:
         prefix, bank = unpack_bank(packed, self.hidden)

@@ -19,6 +19,8 @@ never rewritten here:
 
 Context parallelism (``--context-parallel-size``): every module takes megatron's load-balanced shard of the
 sequence; what each gathers over the CP group is in :mod:`kimi_megatron_plugin.models.context_parallel`.
+Sequence parallelism (``--sequence-parallel``): :class:`KimiMLA` and :class:`KimiKDA` gather the sequence at their
+entry and return their output's own rows (:mod:`kimi_megatron_plugin.models.sequence_parallel`).
 
 The MLP slot (dense MLP, router, MoE layer) is :mod:`kimi_megatron_plugin.models.mlp`, the attention-residual
 layer and output norm :mod:`kimi_megatron_plugin.models.attn_res`, the routed experts
@@ -51,6 +53,13 @@ from kimi_megatron_plugin.models.context_parallel import (
     without_cp,
 )
 from kimi_megatron_plugin.models.parameters import compute_device, new_parameter, tp_size_rank
+from kimi_megatron_plugin.models.sequence_parallel import (
+    gather_tokens,
+    mark_sequence_parallel,
+    scatter_tokens,
+    sequence_parallel_group,
+    without_sequence_parallel,
+)
 from kimi_megatron_plugin.patches import apply_no_te_shims
 
 apply_no_te_shims()
@@ -69,7 +78,11 @@ __all__ = [
 class KimiRMSNorm(torch.nn.Module):
     """``x * rsqrt(mean(x^2) + eps) * weight`` with fp32 statistics; ``weight [hidden_size]``.
 
-    Accepts megatron's norm-builder keywords (``config``, ``hidden_size``, ``eps``).
+    Accepts megatron's norm-builder keywords (``config``, ``hidden_size``, ``eps``). With
+    ``config.sequence_parallel`` the weight is marked ``sequence_parallel`` (it sees this rank's tokens only; megatron
+    sums its gradient over TP), as megatron's own norms are. ``row_group`` (a TP group, set by :class:`KimiMLA` on its
+    latent norms under sequence parallelism): the input is the whole sequence, the norm runs on this rank's rows and
+    the result is gathered back, as megatron's sequence-parallel MLA norms its latents.
     """
 
     def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-5, **_):
@@ -77,9 +90,14 @@ class KimiRMSNorm(torch.nn.Module):
         dtype = config.params_dtype if config is not None else torch.float32
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=compute_device(), dtype=dtype))
         self.eps = eps
+        self.row_group = None
+        if config is not None:
+            mark_sequence_parallel([self.weight], config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        if self.row_group is None:
+            return rms_norm(x, self.weight, self.eps)
+        return gather_tokens(rms_norm(scatter_tokens(x, self.row_group), self.weight, self.eps), self.row_group)
 
 
 class ReplicatedLinear(torch.nn.Module):
@@ -374,6 +392,12 @@ class KimiMLA(MLASelfAttention):
     ``packed_seq_params``) come as ``[T, 1, H]``, RoPE restarting per sequence (megatron's own).
     With context parallelism the rotary table is taken at this rank's global positions (:class:`CPRotary`) and the
     indexer and core attention see every rank's keys.
+
+    Sequence parallelism: ``hidden_states`` is this TP rank's ``[S/tp, B, H]``; the layer gathers the sequence once,
+    runs megatron's MLA with its linears built without sequence parallelism (whole sequence, this rank's heads) and
+    returns ``linear_proj``'s output rows of this rank. The latent norms ``q_layernorm`` / ``kv_layernorm`` run on
+    this rank's rows (megatron's sequence-parallel MLA does the same; their gradients are partial, marked
+    ``sequence_parallel``).
     """
 
     def __init__(
@@ -389,6 +413,8 @@ class KimiMLA(MLASelfAttention):
     ):
         from megatron.core.transformer.enums import AttnMaskType
 
+        sp = sequence_parallel_group(config)
+        outer, config = config, without_sequence_parallel(config)
         self_cp = cp_group(pg_collection) if config.context_parallel_size > 1 else None
         if self_cp is not None:
             # megatron's YaRN table slices itself for CP at construction, with a pinned CUDA index a CPU process
@@ -406,6 +432,11 @@ class KimiMLA(MLASelfAttention):
         self.kimi = kimi
         if kimi.mla_use_nope:
             self.rotary_pos_emb = _NoRotation(config.qk_pos_emb_head_dim)
+        self.sp_group = sp
+        if sp is not None:
+            for norm in (self.q_layernorm, self.kv_layernorm):
+                norm.row_group = sp
+                mark_sequence_parallel([norm.weight], outer)
         self.cp_group = self_cp
         if self_cp is not None:
             self.pg_collection.cp = self_cp  # megatron's THD RoPE picks each sequence's rows by this group
@@ -428,11 +459,6 @@ class KimiMLA(MLASelfAttention):
         # get only the owning rank's heads' gradient. The layer (weights still column-split, same
         # checkpoint slices) instead returns the gathered output through ``GatherKVLatent``.
         if tp_size_rank()[0] > 1:
-            if config.sequence_parallel:
-                raise NotImplementedError(
-                    "kimi_megatron_plugin: KimiMLA with TP > 1 does not support "
-                    "--sequence-parallel (linear_kv_down_proj gather)"
-                )
             if not isinstance(self.linear_kv_down_proj, ColumnParallelLinear):
                 raise TypeError(
                     f"kimi_megatron_plugin: KimiMLA needs linear_kv_down_proj=ColumnParallelLinear, "
@@ -455,6 +481,7 @@ class KimiMLA(MLASelfAttention):
             raise NotImplementedError(
                 "kimi_megatron_plugin: KimiMLA supports the training/prefill path only (no inference_context)"
             )
+        hidden_states = gather_tokens(hidden_states, self.sp_group)  # sequence parallel: [S/tp] -> [S]
         q, k, v, qr, kv_latent = self.get_query_key_value_tensors(hidden_states, None, position_ids, packed_seq_params)
         if qr.dim() == 2:  # THD: megatron squeezes the batch dim of packed latents
             qr = qr.unsqueeze(1)
@@ -468,7 +495,8 @@ class KimiMLA(MLASelfAttention):
         )  # [S, B, n_local * dv]
         if self.linear_g_proj is not None:
             core = core * torch.sigmoid(self.linear_g_proj(hidden_states)[0])
-        return self.linear_proj(core)
+        out, bias = self.linear_proj(core)
+        return scatter_tokens(out, self.sp_group), bias
 
     def _whole_sequence_kv(self, key, kv_latent, cp: CPLayout):
         """Keys and values of the whole sequence from every CP rank's compressed latent.
@@ -510,6 +538,9 @@ class KimiKDA(MegatronModule):
     ``A_log [heads/tp]`` (fp32, stored unpadded: see the mapping hooks), ``dt_bias [P/tp]`` (fp32),
     ``f_a_proj [head_dim, H]`` and ``o_norm.weight [head_dim]`` replicated, ``o_proj`` row-parallel.
     ``P = heads * head_dim``. Maths: ``kimi_core.reference.kda`` (module docstring there).
+
+    Sequence parallelism: the layer gathers its ``[S/tp, B, H]`` input once, runs its linears (built without
+    sequence parallelism), convs and recurrence on the whole sequence and returns ``o_proj``'s rows of this rank.
     """
 
     def __init__(
@@ -524,6 +555,8 @@ class KimiKDA(MegatronModule):
         **_,
     ):
         super().__init__(config=config)
+        self.sp_group = sequence_parallel_group(config)
+        config = without_sequence_parallel(config)  # the linears below see the gathered sequence
         la = kimi.linear_attn
         tp, _r = tp_size_rank()
         if la.num_heads % tp:
@@ -606,6 +639,7 @@ class KimiKDA(MegatronModule):
         """
         if inference_context is not None:
             raise NotImplementedError("kimi_megatron_plugin: KimiKDA supports the training/prefill path only")
+        hidden_states = gather_tokens(hidden_states, self.sp_group)  # sequence parallel: [S/tp] -> [S]
         x = hidden_states.transpose(0, 1)  # [B, T, H]
         B, T, _ = x.shape
         H, D = self.H, self.D
@@ -627,7 +661,7 @@ class KimiKDA(MegatronModule):
         )
         o = rms_norm(o, w_norm.to(a), self.eps) * torch.sigmoid(gate.to(a).view(B, T, H, D))
         out, bias = self.o_proj(o.reshape(B, T, H * D).to(x.dtype))
-        return out.transpose(0, 1), bias
+        return scatter_tokens(out.transpose(0, 1), self.sp_group), bias
 
     def _mix(self, yq, yk, yv, f, b, cu):
         """The sequence mixers over whole sequences: short conv + l2norm of q/k, the gate, beta and ``chunk_kda``.

@@ -6,6 +6,11 @@
   :mod:`kimi_megatron_plugin.models.experts`) plus K3's latent projections and post-combine RMSNorm.
 
 The maths comes from :mod:`kimi_core.reference`; activations are ``[S, B, H]`` (sequence first).
+
+Sequence parallelism (:mod:`kimi_megatron_plugin.models.sequence_parallel`): the MLPs gather their ``[S/tp, B, H]``
+input and return their own rows; in the MoE layer the router, the dispatcher and the routed experts work on this
+rank's tokens (megatron's own sequence-parallel MoE), the shared experts and K3's latent projections on the gathered
+sequence.
 """
 
 from __future__ import annotations
@@ -19,6 +24,12 @@ from megatron.core.transformer.moe.router import TopKRouter
 from kimi_core.reference.ops import glu
 from kimi_megatron_plugin.models.layers import KimiRMSNorm, ReplicatedLinear
 from kimi_megatron_plugin.models.parameters import tp_size_rank
+from kimi_megatron_plugin.models.sequence_parallel import (
+    gather_tokens,
+    scatter_tokens,
+    sequence_parallel_group,
+    without_sequence_parallel,
+)
 
 __all__ = ["KimiMLP", "KimiSharedMLP", "KimiRouter", "KimiMoELayer"]
 
@@ -33,10 +44,15 @@ class KimiMLP(MegatronModule):
     A module of our own rather than megatron's ``MLP``: 0.16.1's ``MLP`` sizes ``linear_fc2`` from
     ``config.ffn_hidden_size`` whatever ``ffn_hidden_size`` it is given, and its GLU cannot express
     SiTU's transform of the linear half.
+
+    Sequence parallelism: ``forward`` gathers the ``[S/tp, B, H]`` input, runs :meth:`forward_full` (linears built
+    without sequence parallelism) and returns this rank's rows.
     """
 
     def __init__(self, config, submodules=None, kimi=None, ffn_hidden_size: int | None = None, tp_group=None, **_):
         super().__init__(config=config)
+        self.sp_group = sequence_parallel_group(config)
+        config = without_sequence_parallel(config)
         self.kimi = kimi
         ffn = ffn_hidden_size or config.ffn_hidden_size
         tp, _r = tp_size_rank()
@@ -62,6 +78,11 @@ class KimiMLP(MegatronModule):
         )
 
     def forward(self, hidden_states, *args, **kwargs):
+        out, bias = self.forward_full(gather_tokens(hidden_states, self.sp_group))
+        return scatter_tokens(out, self.sp_group), bias
+
+    def forward_full(self, hidden_states):
+        """The MLP on the whole sequence ``[S, B, H]`` (every TP rank the same) -> ``([S, B, H], None)``."""
         h = self.linear_fc1(hidden_states)[0]
         gate, up = h.chunk(2, dim=-1)
         return self.linear_fc2(glu(self.kimi, gate, up))
@@ -110,6 +131,11 @@ class KimiMoELayer(MoELayer):
     megatron's own ``moe_latent_size`` asserts TransformerEngine, so the latent projections are
     replicated modules of ours. ``forward`` composes ``MoELayer``'s steps itself; unlike
     ``MoELayer.forward`` it does not refuse TP > 1 without sequence parallelism in training mode.
+
+    Sequence parallelism: the router, the dispatcher and the routed experts see this rank's ``[S/tp * B]`` tokens
+    (megatron's sequence-parallel MoE: with ``expert_tensor_parallel_size`` 1 every TP rank routes its own tokens);
+    the shared experts and the latent projections and norm run on the gathered sequence (one gather of ``x`` and one
+    of the combined latent output), and the sum is scattered back to this rank's rows.
     """
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, kimi=None, **_):
@@ -120,26 +146,35 @@ class KimiMoELayer(MoELayer):
             )
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
         self.kimi = kimi
+        self.sp_group = sequence_parallel_group(config)
         lat = kimi.routed_expert_hidden_size
         self.latent = bool(lat)
         if self.latent:
-            self.routed_expert_down_proj = ReplicatedLinear(config, config.hidden_size, lat)
-            self.routed_expert_up_proj = ReplicatedLinear(config, lat, config.hidden_size)
-            self.routed_expert_norm = KimiRMSNorm(config, lat, kimi.rms_norm_eps) if kimi.latent_moe_use_norm else None
+            full = without_sequence_parallel(config)  # they see the gathered sequence
+            self.routed_expert_down_proj = ReplicatedLinear(full, config.hidden_size, lat)
+            self.routed_expert_up_proj = ReplicatedLinear(full, lat, config.hidden_size)
+            self.routed_expert_norm = KimiRMSNorm(full, lat, kimi.rms_norm_eps) if kimi.latent_moe_use_norm else None
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None, **_):
-        shared = self.shared_experts(hidden_states)[0] if self.shared_experts is not None else None
+        sp = self.sp_group
+        gathered = self.latent or self.shared_experts is not None
+        full = gather_tokens(hidden_states, sp) if gathered else hidden_states  # [S, B, H] under SP
+        shared = self.shared_experts.forward_full(full)[0] if self.shared_experts is not None else None
         probs, routing_map = self.router(hidden_states)
-        x = self.routed_expert_down_proj(hidden_states) if self.latent else hidden_states
+        x = scatter_tokens(self.routed_expert_down_proj(full), sp) if self.latent else hidden_states
         x, probs = self.token_dispatcher.dispatch_preprocess(x, routing_map, probs)
         x, probs = self.token_dispatcher.token_dispatch(x, probs)
         out, _bias = self.routed_experts_compute(x, probs)
         out = self.token_dispatcher.token_combine(out)
-        out = self.token_dispatcher.combine_postprocess(out)
+        out = self.token_dispatcher.combine_postprocess(out)  # [S/tp, B, *] under SP
         if self.latent:
+            out = gather_tokens(out, sp)
             if self.routed_expert_norm is not None:
                 out = self.routed_expert_norm(out)
             out = self.routed_expert_up_proj(out)
+            if shared is not None:
+                out = out + shared
+            return scatter_tokens(out, sp), None
         if shared is not None:
-            out = out + shared
+            out = out + scatter_tokens(shared, sp)
         return out, None

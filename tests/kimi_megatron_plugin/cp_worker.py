@@ -1,10 +1,17 @@
-"""One rank of a context-parallel equivalence run (spawned by ``models/test_context_parallel.py``).
+"""One rank of a context- / sequence-parallel equivalence run (spawned by ``models/test_context_parallel.py``).
 
-Every rank builds the tiny model for its (TP, CP) coordinates, takes its CP shard of a fixed batch, runs forward and
-backward of ``sum(logits * w)`` on its tokens, and returns the whole batch's logits (the CP shards put back at their
-global positions, vocab gathered over TP) and the full gradients of every parameter and of the LoRA factors of a
-random adapter applied on top (summed over CP: megatron's data-parallel x CP gradient reduction; TP pieces
-gathered). Each layout runs an unpacked ``[B, S]`` batch and a packed THD batch.
+Every rank builds the tiny model for its (TP, CP, sequence parallel) coordinates, takes its CP shard of a fixed
+batch, runs forward and backward of ``sum(logits * w)`` on its tokens, and returns the whole batch's logits (the CP
+shards put back at their global positions, vocab gathered over TP) and the full gradients of every parameter and of
+the LoRA factors of a random adapter applied on top (summed over CP: megatron's data-parallel x CP gradient
+reduction; TP pieces gathered). Each layout runs an unpacked ``[B, S]`` batch with rollout routing replay (R3, a
+fixed random expert choice) and a packed THD batch with the router's own choice.
+
+Sequence parallelism: the model input is the same as without it (megatron's embedding scatters the sequence over
+TP); after the backward the gradients are reduced as megatron's training step reduces them: megatron-core's own
+``_allreduce_non_tensor_model_parallel_grads`` (the TP sum of parameters marked ``sequence_parallel``, and of
+``q_layernorm``), and the routed experts' LoRA factors summed over TP as well (their expert-data-parallel group
+spans the TP ranks at ``expert_tensor_parallel_size`` 1, and each TP rank routed only its own tokens).
 
 The CP split of the inputs is written here from megatron's and SkyRL's own recipes (``get_batch_on_this_cp_rank``:
 view as ``2 * cp`` chunks, keep chunks ``r`` and ``2 * cp - 1 - r``; ``preprocess_packed_seqs``: the same per padded
@@ -20,7 +27,14 @@ import torch
 B, S = 2, 16
 PADDED_LENS = (8, 16, 12)  # packed sequences, each a multiple of 2 * cp for cp <= 2 (SkyRL pads them so)
 
-LAYOUTS = {"cp1": (1, 1), "cp2": (1, 2), "tp2cp2": (2, 2)}  # name -> (TP, CP)
+# name -> (TP, CP, sequence parallel)
+LAYOUTS = {
+    "cp1": (1, 1, False),
+    "cp2": (1, 2, False),
+    "tp2cp2": (2, 2, False),
+    "tp2sp": (2, 1, True),
+    "tp2spcp2": (2, 2, True),
+}
 LORA = dict(rank=4, alpha=8, expert_layout="shared_outer", normalize_moe_lora=True)
 
 
@@ -63,28 +77,55 @@ def _batch(vocab: int, packed: bool):
     return torch.randint(0, vocab, (b, n), generator=g), torch.randn(b, n, vocab, generator=g)
 
 
-def _step(model, lora, packed: bool, tp: int, cp: int) -> dict:
+def _routed(kimi, b: int, n: int) -> torch.Tensor:
+    """A fixed random replayed expert choice ``[b, n, layers, k]`` (distinct experts per token and layer)."""
+    g = torch.Generator().manual_seed(5)
+    r = torch.rand(b, n, kimi.num_hidden_layers, kimi.n_routed_experts, generator=g).argsort(-1)
+    return r[..., : kimi.num_experts_per_tok]
+
+
+class _Wrapped:
+    """What megatron's gradient finalisation expects of a model chunk: ``ddp_config`` and the model as ``module``."""
+
+    def __init__(self, model):
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        self.ddp_config, self.module = DistributedDataParallelConfig(), model
+
+
+def _step(model, lora, packed: bool, tp: int, cp: int, sp: bool) -> dict:
     """Forward + backward of one batch on this rank's CP shard; returns the whole logits and the full gradients."""
     import mp_worker
     from megatron.core import parallel_state as ps
+    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region as gather_vocab
+
+    from kimi_megatron_plugin.routing_replay import replay_routing
 
     ids, w = _batch(model.kimi_config.vocab_size, packed)
     r = ps.get_context_parallel_rank()
     split = (lambda rr: packed_split(PADDED_LENS, cp, rr)) if packed else (lambda rr: unpacked_split(S, cp, rr))
     pos = split(r)
     pos_ids = torch.cat([torch.arange(n) for n in PADDED_LENS])[None] if packed else torch.arange(S)[None].expand(B, -1)
+    routed = None if packed else _routed(model.kimi_config, *ids.shape)[:, pos]
     model.zero_grad(set_to_none=True)
     lora.zero_grad(set_to_none=True)
-    logits = gather_vocab(
-        model(
-            ids[:, pos],
-            pos_ids[:, pos],
-            attention_mask=None,
-            packed_seq_params=_packed_params() if packed else None,
-        )
-    )  # [b, n / cp, V]
+    with replay_routing(model, routed):
+        logits = gather_vocab(
+            model(
+                ids[:, pos],
+                pos_ids[:, pos],
+                attention_mask=None,
+                packed_seq_params=_packed_params() if packed else None,
+            )
+        )  # [b, n / cp, V]
     (logits.float() * w[:, pos]).sum().backward()
+    if sp:
+        tp_group = ps.get_tensor_model_parallel_group()
+        _allreduce_non_tensor_model_parallel_grads([_Wrapped(model)], model.config, tp_group)
+        for p in lora.experts.parameters():
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad, group=tp_group)
     if cp > 1:
         group = ps.get_context_parallel_group()
         for p in [*model.parameters(), *lora.parameters()]:
@@ -117,8 +158,8 @@ def _flat(v) -> torch.Tensor:
     return torch.cat([_flat(x) for x in v])
 
 
-def one_layout(ckpt: str, tp: int, cp: int) -> dict:
-    """Build and load the model for (TP, CP); run the unpacked and the packed batch."""
+def one_layout(ckpt: str, tp: int, cp: int, sp: bool = False) -> dict:
+    """Build and load the model for (TP, CP, sequence parallel); run the unpacked and the packed batch."""
     from megatron.core import parallel_state as ps
 
     from kimi_core.lora import LoraSpec, random_adapter
@@ -128,16 +169,38 @@ def one_layout(ckpt: str, tp: int, cp: int) -> dict:
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp, expert_tensor_parallel_size=1)
     model = provider.build_model_from_hf(
-        ckpt, tensor_parallel=tp, context_parallel_size=cp, perform_initialization=False
+        ckpt,
+        tensor_parallel=tp,
+        context_parallel_size=cp,
+        sequence_parallel=sp,
+        moe_enable_routing_replay=True,
+        perform_initialization=False,
     )
     checkpoint.load_hf_checkpoint(model, ckpt)
     spec = LoraSpec(**LORA)
     lora = apply_lora(model, spec, freeze_base=False)  # base weights keep their gradients too
     lora.load_adapter(random_adapter(model.kimi_config, spec, seed=11, layout=spec.expert_layout))
-    out = {"unpacked": _step(model, lora, False, tp, cp), "packed": _step(model, lora, True, tp, cp)}
+    out = {"unpacked": _step(model, lora, False, tp, cp, sp), "packed": _step(model, lora, True, tp, cp, sp)}
     lora.remove()
     ps.destroy_model_parallel()
     return out
+
+
+def _cpu_rng_tracker() -> None:
+    """megatron forks its model-parallel CUDA RNG around the dropout of sequence-parallel regions (the embedding,
+    the block); a CPU process has no CUDA generator, and these runs have no dropout (``hidden_dropout`` 0), so the
+    fork is replaced by a no-op for this process."""
+    import contextlib
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class _NoDropoutTracker(mrandom.CudaRNGStatesTracker):
+        @contextlib.contextmanager
+        def fork(self, name=None):
+            yield
+
+    mrandom._CUDA_RNG_STATE_TRACKER = _NoDropoutTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
 def run(rank: int, world: int, jobs: list[tuple[str, str, str]], port: int, out_path: str) -> None:
@@ -151,6 +214,7 @@ def run(rank: int, world: int, jobs: list[tuple[str, str, str]], port: int, out_
     from kimi_megatron_plugin import patches
 
     patches.apply_cpu_shims()
+    _cpu_rng_tracker()
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     results: dict = {}
     for key, ckpt, name in jobs:
