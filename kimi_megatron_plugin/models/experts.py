@@ -137,7 +137,11 @@ class KimiExperts(MegatronModule):
 
     def _grouped(self, x: torch.Tensor, proj: str, splits: list[int]) -> torch.Tensor:
         y = self._grouped_base(x, proj, splits)
-        d = self.lora_delta(x, proj, splits) if self.lora_delta is not None else None
+        d = (
+            self.lora_delta(x, proj, splits.tolist() if torch.is_tensor(splits) else splits)
+            if self.lora_delta is not None
+            else None
+        )
         return y if d is None else (y.to(d.dtype) + d).to(y.dtype)
 
     def _grouped_base(self, x: torch.Tensor, proj: str, splits: list[int]) -> torch.Tensor:
@@ -153,7 +157,7 @@ class KimiExperts(MegatronModule):
             return bf16_grouped_linear(x, getattr(self, f"{proj}_weight"), splits)
         outs = [
             F.linear(xe, self.expert_weight(proj, e, x.dtype)) if xe.shape[0] else x.new_zeros(0, self.shapes[proj][0])
-            for e, xe in enumerate(x.split(splits))
+            for e, xe in enumerate(x.split(splits.tolist() if torch.is_tensor(splits) else splits))
         ]
         return torch.cat(outs) if outs else x.new_zeros(0, self.shapes[proj][0])
 
@@ -161,9 +165,9 @@ class KimiExperts(MegatronModule):
         self, permuted_tokens: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor | None = None
     ):
         """``[T, D]`` tokens sorted by local expert -> ``(probs * E(x) [T, D], None)``."""
-        splits = [
-            int(v) for v in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else tokens_per_expert)
-        ]
+        # a tensor (CPU or device) goes to the grouped GEMMs as it is: the W4A16 kernels read a CPU tensor once per
+        # split pattern and never read a device one back (no host sync); the per-expert paths take it as a list
+        splits = tokens_per_expert if torch.is_tensor(tokens_per_expert) else [int(v) for v in tokens_per_expert]
         x = permuted_tokens
         h = glu(self.kimi, self._grouped(x, "gate", splits), self._grouped(x, "up", splits))
         y = self._grouped(h.to(x.dtype), "down", splits)
