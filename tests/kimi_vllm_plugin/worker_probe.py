@@ -26,6 +26,13 @@ def model_info(model) -> dict:
         "punica": sorted(
             {type(getattr(m, "punica_wrapper", None)).__name__ for m in model.modules() if hasattr(m, "punica_wrapper")}
         ),
+        # vLLM's LoRA manager: its multimodal path (get_mm_mapping) and the module prefixes it keeps wrappers for
+        "lora_mm": getattr(getattr(model, "lora_manager", None), "supports_mm", None),
+        "lora_wrappers": sorted(getattr(getattr(model, "lora_manager", None), "punica_wrapper_mapping", {})),
+        # a vLLM class in the model's MRO that declares supports_lora itself (a host's patch of vLLM's class)
+        "vllm_bases_with_lora": sorted(
+            c.__name__ for c in type(model).__mro__ if c.__module__.startswith("vllm.") and "supports_lora" in vars(c)
+        ),
     }
 
 
