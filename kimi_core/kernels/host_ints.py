@@ -13,6 +13,7 @@ splits is never read here (the callers build what they need on the device, no sy
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 
@@ -59,11 +60,8 @@ class SplitPattern(tuple):
 
     def __new__(cls, splits):
         self = super().__new__(cls, splits)
-        off = [0]
-        for v in self:
-            off.append(off[-1] + v)
-        self.offsets = tuple(off)
-        self.total = off[-1]
+        self.offsets = tuple(itertools.accumulate(self, initial=0))
+        self.total = self.offsets[-1]
         self._tables = {}
         return self
 
@@ -98,27 +96,45 @@ class SplitPattern(tuple):
 
 
 _PATTERNS: OrderedDict[tuple, SplitPattern] = OrderedDict()
+_BY_BYTES: OrderedDict[tuple, SplitPattern] = OrderedDict()  # CPU tensors: (dtype, raw bytes) -> pattern
 _PATTERNS_LOCK = threading.Lock()
+
+
+def _remember(cache: OrderedDict, key, pattern: SplitPattern) -> None:
+    cache[key] = pattern
+    cache.move_to_end(key)
+    if len(cache) > CACHED_PATTERNS:
+        cache.popitem(last=False)
+
+
+def _pattern_of_ints(key: tuple) -> SplitPattern:
+    """The kept pattern equal to ``key`` (a tuple of ints or of anything whose ``int`` is the count), else a new
+    one."""
+    found = _PATTERNS.get(key)
+    if found is None:
+        ints = tuple(map(int, key))
+        found = _PATTERNS.get(ints) or SplitPattern(ints)
+        _remember(_PATTERNS, ints, found)
+    else:
+        _PATTERNS.move_to_end(key)
+    return found
 
 
 def split_pattern(m_splits) -> SplitPattern | None:
     """The :class:`SplitPattern` of ``m_splits`` (a list / tuple of ints, a CPU integer tensor, or a
     :class:`SplitPattern`, returned as it is); None for a tensor on another device (never read back here). The last
-    :data:`CACHED_PATTERNS` patterns are kept, so their tables are built once."""
+    :data:`CACHED_PATTERNS` patterns are kept, so their tables are built once; a list is looked up by its tuple and a
+    CPU tensor by its bytes, without converting each count."""
     if isinstance(m_splits, SplitPattern):
         return m_splits
-    if isinstance(m_splits, torch.Tensor):
-        if m_splits.device.type != "cpu":
-            return None
-        key = tuple(map(int, m_splits.tolist()))
-    else:
-        key = tuple(map(int, m_splits))
     with _PATTERNS_LOCK:
-        found = _PATTERNS.get(key)
-        if found is None:
-            found = _PATTERNS[key] = SplitPattern(key)
-            if len(_PATTERNS) > CACHED_PATTERNS:
-                _PATTERNS.popitem(last=False)
-        else:
-            _PATTERNS.move_to_end(key)
-    return found
+        if isinstance(m_splits, torch.Tensor):
+            if m_splits.device.type != "cpu":
+                return None
+            key = (m_splits.dtype, m_splits.contiguous().numpy().tobytes())
+            found = _BY_BYTES.get(key)
+            if found is None:
+                found = _pattern_of_ints(tuple(m_splits.tolist()))
+            _remember(_BY_BYTES, key, found)
+            return found
+        return _pattern_of_ints(tuple(m_splits))

@@ -7,6 +7,7 @@ dispatcher and the tests read these on any machine.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kimi_core.kernels.host_ints import SplitPattern, int32_on, split_pattern
@@ -111,14 +112,15 @@ def resolve_columns(where: str, m_splits, block_n: int | None, decode_ahead: boo
 
 def tile_rows(pattern: SplitPattern, block_m: int) -> torch.Tensor:
     """int32 ``[tiles, 3]`` on the CPU: rows (expert, first row, end row) covering each expert's rows in ``block_m``
-    steps, experts in order; empty experts get no tile. Vectorized: no Python loop over the tiles."""
-    m = torch.tensor(pattern, dtype=torch.int64)
+    steps, experts in order; empty experts get no tile. Vectorized (numpy: a few microseconds, no Python loop over
+    the tiles)."""
+    m = np.asarray(pattern, dtype=np.int64).reshape(-1)
     n = (m + block_m - 1) // block_m  # tiles per expert
-    expert = torch.repeat_interleave(torch.arange(len(pattern)), n)
-    off = torch.tensor(pattern.offsets, dtype=torch.int64)
-    first_tile = torch.cumsum(n, 0) - n
-    row0 = off[:-1][expert] + (torch.arange(expert.numel()) - first_tile[expert]) * block_m
-    return torch.stack([expert, row0, off[1:][expert]], 1).to(torch.int32)
+    expert = np.repeat(np.arange(m.size, dtype=np.int64), n)
+    off = np.asarray(pattern.offsets, dtype=np.int64)
+    first_tile = np.cumsum(n) - n
+    row0 = off[:-1][expert] + (np.arange(expert.size, dtype=np.int64) - first_tile[expert]) * block_m
+    return torch.from_numpy(np.stack([expert, row0, off[1:][expert]], 1).astype(np.int32))
 
 
 def tile_table(m_splits, block_m: int, device) -> torch.Tensor:
