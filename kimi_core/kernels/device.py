@@ -24,10 +24,17 @@ def device_capability(device: torch.device) -> tuple[int, int]:
     return capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def sm_count(device) -> int:
     """Streaming multiprocessors of ``device`` (a CPU run under the interpreter: 1, so nothing splits)."""
     device = torch.device(device)
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    if device.type != "cuda":
+        return 1
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def interpreting() -> bool:

@@ -102,7 +102,7 @@ def decode_experts(
     br = block_r or (8 if interp else 16)
     bw = block_w or (16 if interp else 64)
     rows = n_experts * n_out
-    grid = (triton.cdiv(rows, br), triton.cdiv(K // 8, bw))
+    grid = (-(-rows // br), -(-(K // 8) // bw))
     w4a16_decode_kernel[grid](
         wq,
         ws,

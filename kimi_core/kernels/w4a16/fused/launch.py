@@ -4,7 +4,6 @@ the forward's resident-program count that sizes its last-wave split (:mod:`kimi_
 from __future__ import annotations
 
 import torch
-import triton
 
 from kimi_core.kernels.device import interpreting, sm_count
 from kimi_core.kernels.host_ints import split_pattern
@@ -34,7 +33,7 @@ def sum_partials(part, out) -> None:
         return
     numel = out.numel()
     block = 1024
-    sum_partials_kernel[(triton.cdiv(numel, block),)](part, out, numel, SPLIT=part.shape[0], BLOCK=block, num_warps=4)
+    sum_partials_kernel[(-(-numel // block),)](part, out, numel, SPLIT=part.shape[0], BLOCK=block, num_warps=4)
 
 
 def as_words(w_packed):
@@ -68,7 +67,7 @@ def num_programs(splits, total_rows: int, num_experts: int, block_m: int, num_co
 
 def e_pow2(num_experts: int) -> int:
     """The kernels' vector width over experts: a power of two, at least 16."""
-    return max(16, triton.next_power_of_2(num_experts))
+    return max(16, 1 << max(0, num_experts - 1).bit_length())
 
 
 # resident programs per SM of the compiled forward, per device, constants and specialization (fwd_slots_per_sm)
@@ -159,7 +158,7 @@ def grouped_gemm(x, w_packed, w_scale, fmt, m_splits, config: dict | None = None
     k_pairs = bool(cfg.pop("K_PAIRS", False)) and K % 256 == 0  # permuted kernel: two K steps per iteration
     if K % 128 == 0 and cfg.pop("PERM", True):
         wq = as_words(w_packed)
-        programs = num_programs(splits, T, E, cfg["BLOCK_M"], triton.cdiv(N, cfg["BLOCK_N"]))
+        programs = num_programs(splits, T, E, cfg["BLOCK_M"], -(-N // cfg["BLOCK_N"]))
         grid = (min(programs, per_sm * sm_count(x.device)) if per_sm else programs,)
         args = (
             x,
@@ -199,7 +198,7 @@ def grouped_gemm(x, w_packed, w_scale, fmt, m_splits, config: dict | None = None
     else:
         wq = w_packed.contiguous()
         cfg.setdefault("BLOCK_K", 128 if K % 128 == 0 else 32)
-        grid = (num_programs(splits, T, E, cfg["BLOCK_M"], triton.cdiv(N, cfg["BLOCK_N"])),)
+        grid = (num_programs(splits, T, E, cfg["BLOCK_M"], -(-N // cfg["BLOCK_N"])),)
         w4a16_fwd_kernel[grid](
             x,
             wq,
@@ -254,7 +253,7 @@ def grouped_gemm_dgrad(
         if config is None:
             cfg = dgrad_occupancy(cfg, programs, sm_count(dy.device), kernel_fmt)
         row_loads = cfg.pop("ROW_LOADS", False)
-        split = min(cfg.pop("SPLIT_N", 1), triton.cdiv(N, cfg["BLOCK_N"]))
+        split = min(cfg.pop("SPLIT_N", 1), -(-N // cfg["BLOCK_N"]))
         # split > 1: fp32 partial sums [split, T, K], summed below; automatic only under 2 programs per SM (64-row
         # tiles) or 8 (16-row tiles), where T * K < 128 * SMs * 256 bounds them
         part = dx if split == 1 else torch.empty((split, T, K), dtype=torch.float32, device=dy.device)

@@ -60,7 +60,7 @@ def device_tile_table(
     table = torch.empty((slots, 3), dtype=torch.int32, device=device)
     count = torch.empty(1, dtype=torch.int32, device=device)
     splits = m_splits.to(device=device)
-    grid = (max(1, triton.cdiv(slots, SLOTS_PER_PROGRAM)),)
+    grid = (max(1, -(-slots // SLOTS_PER_PROGRAM)),)
     tile_table_kernel[grid](
         splits,
         table,
@@ -68,7 +68,7 @@ def device_tile_table(
         E,
         slots,
         BLOCK_M=block_m,
-        E_POW2=max(16, triton.next_power_of_2(E)),
+        E_POW2=max(16, 1 << max(0, E - 1).bit_length()),
         BLOCK=SLOTS_PER_PROGRAM,
         num_warps=4,
     )

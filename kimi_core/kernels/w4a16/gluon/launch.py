@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from kimi_core.kernels.device import device_capability
 from kimi_core.kernels.host_ints import split_pattern
 from kimi_core.kernels.w4a16.derived import derived
 from kimi_core.kernels.w4a16.format_ids import format_id, kernel_format_id
@@ -100,6 +101,27 @@ def dgrad_scales(w_scale: torch.Tensor) -> torch.Tensor:
     return derived(w_scale, "gluon_dgrad_scales", transposed)
 
 
+def weight_descriptors(w_packed: torch.Tensor, w_scale: torch.Tensor, dgrad: bool, p_block: list, s_block: list):
+    """TMA descriptors ``(packed bytes, scales)`` of one weight in the boxes ``p_block`` / ``s_block``
+    (:func:`descriptor_blocks`): the packed bytes ``[E * N, K / 2]`` (INT4 words are the same bytes) and the scales of
+    :func:`dgrad_scales` / :func:`forward_scales`; kept per weight, version and boxes (:func:`..derived.derived`)."""
+    E, N, G = w_scale.shape
+    scale_bytes = w_scale.element_size()
+
+    def packed_desc(w: torch.Tensor):
+        packed = w.view(torch.uint8).reshape(E * N, G * 16)
+        return TensorDescriptor.from_tensor(packed, p_block, gl.NVMMASharedLayout.get_default_for(p_block, gl.uint8))
+
+    def scale_desc(w: torch.Tensor):
+        scales = dgrad_scales(w) if dgrad else forward_scales(w)
+        return TensorDescriptor.from_tensor(scales, s_block, scale_smem_layout(s_block, scale_bytes, dgrad))
+
+    return (
+        derived(w_packed, f"gluon_packed_desc_{p_block}", packed_desc),
+        derived(w_scale, f"gluon_scale_desc_{'dgrad' if dgrad else 'fwd'}_{s_block}", scale_desc),
+    )
+
+
 @dataclasses.dataclass
 class Launch:
     """What a Gluon W4A16 kernel is launched with, once the arguments are checked (:func:`prepare`): the output,
@@ -165,10 +187,10 @@ def prepare(
         raise ValueError(f"{where}: load_stages must be 2 to {MAX_LOAD_STAGES}, got {stages}")
     if a.device.type != "cuda":
         raise RuntimeError(f"{where}: runs on Hopper GPUs only (wgmma, TMA); {'dy' if dgrad else 'x'} is on {a.device}")
-    if torch.cuda.get_device_capability(a.device)[0] != 9:
+    if device_capability(a.device)[0] != 9:
         raise RuntimeError(
             f"{where}: runs on Hopper GPUs only (wgmma, TMA); {a.device} has compute capability "
-            f"{torch.cuda.get_device_capability(a.device)}"
+            f"{device_capability(a.device)}"
         )
     out_cols = K if dgrad else N
     if isinstance(m_splits, torch.Tensor):  # device splits: the table built on the GPU, its count read there too
@@ -180,14 +202,11 @@ def prepare(
     y = torch.empty((a.shape[0], out_cols), dtype=torch.bfloat16, device=a.device) if out is None else out
     if tiles.shape[0] == 0 or out_cols == 0:
         return Launch(out=y)
-    a, w_scale = a.contiguous(), w_scale.contiguous()
-    packed = w_packed.contiguous().view(torch.uint8).reshape(E * N, K // 2)  # INT4 words are the same bytes
-    scales = dgrad_scales(w_scale) if dgrad else forward_scales(w_scale)
+    a = a.contiguous()
     a_block, p_block, s_block = descriptor_blocks(dgrad, block_m, scale_bytes, block_n)
     descs = (
         TensorDescriptor.from_tensor(a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl.bfloat16)),
-        TensorDescriptor.from_tensor(packed, p_block, gl.NVMMASharedLayout.get_default_for(p_block, gl.uint8)),
-        TensorDescriptor.from_tensor(scales, s_block, scale_smem_layout(s_block, scale_bytes, dgrad)),
+        *weight_descriptors(w_packed.contiguous(), w_scale.contiguous(), dgrad, p_block, s_block),
     )
     n_col_tiles = -(-out_cols // block_n)
     n_tiles = n_col_tiles * tiles.shape[0]
