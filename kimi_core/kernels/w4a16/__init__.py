@@ -3,7 +3,11 @@ layout, forward and dgrad, with autograd to the activations.
 
 * :mod:`.grouped_gemm`: the public ops, validated once, each asking :mod:`.dispatch` for a backend.
 * :mod:`.naive`: the pure-torch twin (same signature and return), the oracle of every backend and the CPU path.
-* :mod:`.dispatch`: the dispatch tables (data) and :func:`choose_path`.
+* :mod:`.dispatch`: the dispatch tables (data) and :func:`choose_path`, a rule over the kernels' shape constraints;
+  :mod:`.expert_shapes`: every Kimi expert shape it must serve (releases x projections x expert TP).
+* :mod:`.operands`: the checks at the boundary; host ``m_splits`` read once per call into a
+  :class:`~kimi_core.kernels.host_ints.SplitPattern` whose device tables are kept per pattern; :mod:`.derived`: the
+  operands derived from a frozen weight (repacked scales, TMA descriptors), kept per weight version.
 * Backends: :mod:`.fused` (Triton, decoded in registers), :mod:`.chunked` (decoded into a bounded bf16 workspace,
   then ``torch._grouped_mm``; its Triton decode is :mod:`.dequant_experts`), :mod:`.gluon` (Hopper, decoded into
   the wgmma's register fragment).

@@ -280,3 +280,31 @@ def test_launch_token_splits_and_shapes():
     assert len(bench.pick_launch_shapes(None)) == 18
     with pytest.raises(SystemExit, match="no Kimi expert shape matches"):
         bench.pick_launch_shapes("K9")
+
+
+def test_launch_rows_on_the_cpu(monkeypatch):
+    """``launch``'s row of one small shape, run on the CPU (the naive twin; GPU timing replaced by fixed numbers):
+    forward and dgrad rows with the dispatcher's path, an error against BF16 well under the warning bound, both
+    timing modes, the speed as BF16 ms over ours, and a table line and summary that name what misses the bars."""
+    bench = load_benchmark("w4a16")
+    monkeypatch.setattr(bench, "DEV", "cpu")
+    times = {True: {"bf16": (1.0, 0.01), "w4a16": (0.5, 0.2)}, False: {"bf16": (2.0, 0.01), "w4a16": (4.0, 0.03)}}
+    monkeypatch.setattr(bench, "timed_alternating", lambda fns, reps, head_start: times[head_start])
+    monkeypatch.setattr(
+        bench, "new_pattern_host_ms", lambda call, splits, form: (call(bench.splits_as(splits, form)), 0.3)[1]
+    )
+    fmt = bench.SHORT_FORMATS["mxfp4"]
+    E, N, K = 3, 64, 128
+    wp, ws = bench.random_weights(fmt, E, N, K)
+    w_bf16 = bench.bf16_layer(fmt, wp, ws)
+    rows = bench.measure_launch(["TINY fc1 etp1"], E, K, N, fmt, wp, ws, w_bf16, 8, "zipf", "cpu", reps=3)
+    assert [r["op"] for r in rows] == ["fwd", "dgrad"] and all(r["path"] == "fused" for r in rows)
+    for r in rows:
+        assert r["rel_err"] < 1e-2 and r["tokens"] == 24
+        assert r["speed_kernels"] == 2.0 and r["speed_launch"] == 0.5
+        assert r["w4a16_launch_host_ms"] == 0.03 and r["w4a16_host_ms_new_pattern"] == 0.3
+        line = bench.format_launch_row(r)
+        assert line.count("|") == bench.LAUNCH_HEADER.count("|") and "| 0.50x |" in line
+    summary = bench.launch_summary(rows)
+    assert "2 rows missed" in summary and "TINY fc1 etp1 MXFP4 8 zipf fwd 0.50x" in summary
+    assert "Host time per call over 50 us: 0 rows" in summary
