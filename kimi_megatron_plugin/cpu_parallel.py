@@ -16,7 +16,7 @@ import torch
 
 from kimi_megatron_plugin.patches import apply_cpu_shims
 
-__all__ = ["initialize_cpu_parallel", "destroy_cpu_parallel"]
+__all__ = ["initialize_cpu_parallel", "destroy_cpu_parallel", "cpu_rng_tracker"]
 
 DEFAULT_PORT = 29571
 
@@ -35,9 +35,12 @@ def initialize_cpu_parallel(
     ``rank`` / ``world_size`` default to the ``RANK`` / ``WORLD_SIZE`` environment (torchrun) or 0 / 1;
     ``port`` (default :data:`DEFAULT_PORT`) is used when ``MASTER_PORT`` is unset. Expert tensor parallelism
     is 1 (whole experts per rank). ``context_parallel`` > 1: each rank then feeds its load-balanced share of every
-    sequence (:mod:`kimi_core.attention.cp_layout`).
+    sequence (:mod:`kimi_core.attention.cp_layout`). Without CUDA, megatron's RNG tracker is its no-op one
+    (:func:`cpu_rng_tracker`), so sequence parallelism (``sequence_parallel=True`` in the model config) runs.
     """
     apply_cpu_shims()
+    if not torch.cuda.is_available():
+        cpu_rng_tracker()
     from megatron.core import parallel_state
 
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
@@ -62,3 +65,15 @@ def destroy_cpu_parallel() -> None:
     parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def cpu_rng_tracker() -> None:
+    """Install megatron-core's no-op RNG tracker (``initialize_rng_tracker(inference_rng_tracker=True)``).
+
+    Under sequence parallelism megatron forks its model-parallel CUDA RNG around the dropout of the sequence-parallel
+    regions (the embedding, the block: ``Exception: cuda rng state model-parallel-rng is not added`` otherwise);
+    a CPU process has no CUDA generator. The Kimi configs have no dropout (``hidden_dropout`` 0, checked by the
+    attention-residual layer), so nothing random happens inside those forks."""
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

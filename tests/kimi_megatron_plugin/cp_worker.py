@@ -186,23 +186,6 @@ def one_layout(ckpt: str, tp: int, cp: int, sp: bool = False) -> dict:
     return out
 
 
-def _cpu_rng_tracker() -> None:
-    """megatron forks its model-parallel CUDA RNG around the dropout of sequence-parallel regions (the embedding,
-    the block); a CPU process has no CUDA generator, and these runs have no dropout (``hidden_dropout`` 0), so the
-    fork is replaced by a no-op for this process."""
-    import contextlib
-
-    from megatron.core.tensor_parallel import random as mrandom
-
-    class _NoDropoutTracker(mrandom.CudaRNGStatesTracker):
-        @contextlib.contextmanager
-        def fork(self, name=None):
-            yield
-
-    mrandom._CUDA_RNG_STATE_TRACKER = _NoDropoutTracker()
-    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-
-
 def run(rank: int, world: int, jobs: list[tuple[str, str, str]], port: int, out_path: str) -> None:
     """The ``jobs`` (``(key, ckpt, layout name)``) one after the other in one ``world``-process gloo world; rank 0
     saves rank 0's results as ``{key: {name: ...}}``. Each layout builds its own model-parallel groups and model
@@ -211,10 +194,10 @@ def run(rank: int, world: int, jobs: list[tuple[str, str, str]], port: int, out_
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    from kimi_megatron_plugin import patches
+    from kimi_megatron_plugin import cpu_parallel, patches
 
     patches.apply_cpu_shims()
-    _cpu_rng_tracker()
+    cpu_parallel.cpu_rng_tracker()  # megatron's dropout RNG fork under sequence parallelism, without CUDA
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     results: dict = {}
     for key, ckpt, name in jobs:
