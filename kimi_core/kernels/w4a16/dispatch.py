@@ -81,9 +81,10 @@ def choose_path(op: str, T: int, E: int, N: int, K: int, device, path: str | Non
     :param device: where the operands live; ``"fused"`` on a CPU means the naive twin.
     :param path: ``"fused"`` / ``"chunked"`` / ``"gluon"`` forces a path; ``"auto"`` or ``None`` (then
         ``$KIMI_W4A16_PATH``, default ``auto``) asks the tables, on a CUDA device of compute capability 9.0+ only:
-        ``"gluon"`` where ``T / E`` lies in :data:`W4A16_GLUON`'s range for ``(N, K)`` and the shape suits the
-        Gluon kernels, else ``"chunked"`` when one expert fits the workspace bound and ``T / E`` reaches
-        :data:`W4A16_CROSSOVER`, else ``"fused"``.
+        ``"gluon"`` where ``T / E`` lies in :data:`W4A16_GLUON`'s range for ``(N, K)``, the shape suits the
+        Gluon kernels (:func:`gluon_fits`) and the device is a Hopper (compute capability 9.x: wgmma), else
+        ``"chunked"`` when one expert fits the workspace bound and ``T / E`` reaches :data:`W4A16_CROSSOVER`, else
+        ``"fused"``.
     """
     forced = forced_path(path)
     if forced != "auto":
@@ -91,10 +92,12 @@ def choose_path(op: str, T: int, E: int, N: int, K: int, device, path: str | Non
     device = torch.device(device)
     if device.type != "cuda" or E == 0:
         return "fused"
-    if device_capability(device)[0] < 9:
+    major = device_capability(device)[0]
+    if major < 9:
         return "fused"
     gluon = W4A16_GLUON[op].get((N, K), W4A16_GLUON[op]["default"])
-    if gluon is not None and gluon_fits(N, K) and gluon[0] <= T / E and (gluon[1] is None or T / E < gluon[1]):
+    in_range = gluon is not None and gluon[0] <= T / E and (gluon[1] is None or T / E < gluon[1])
+    if in_range and major == 9 and gluon_fits(N, K):  # wgmma: Hopper only
         return "gluon"
     if not chunked_fits(N, K, op):
         return "fused"

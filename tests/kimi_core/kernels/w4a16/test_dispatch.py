@@ -41,7 +41,7 @@ def test_forced_gluon_path_reaches_the_kernel_and_refuses_a_cpu_tensor(monkeypat
 def test_auto_picks_gluon_only_inside_its_measured_range(monkeypatch):
     """A ``W4A16_GLUON`` range ``[from, to)`` of mean tokens per expert wins over the fused / chunked table (an
     ``(N, K)`` row over ``"default"``), only on shapes the Gluon kernels take (K a multiple of 64, N of 8) and only
-    on sm90+ CUDA."""
+    on Hopper (compute capability 9.x: wgmma)."""
     monkeypatch.setattr(dispatch, "device_capability", lambda device: (9, 0))
     monkeypatch.delenv(kernels.PATH_ENV, raising=False)
     monkeypatch.setattr(dispatch, "W4A16_GLUON", {"fwd": {"default": None}, "dgrad": {"default": None}})
@@ -58,6 +58,9 @@ def test_auto_picks_gluon_only_inside_its_measured_range(monkeypatch):
     monkeypatch.setitem(dispatch.W4A16_GLUON["fwd"], (N, K), (128, None))
     picks = [kernels.choose_path("fwd", E * tpe, E, N, K, cuda) for tpe in (8, 128, 512, 2048)]
     assert picks == ["fused", "gluon", "gluon", "gluon"]
+    monkeypatch.setattr(dispatch, "device_capability", lambda device: (10, 0))  # no wgmma: never Gluon
+    picks = [kernels.choose_path("fwd", E * tpe, E, N, K, cuda) for tpe in (8, 128, 512, 2048)]
+    assert picks == ["fused", "fused", "chunked", "chunked"]
 
 
 @pytest.mark.parametrize(
