@@ -25,6 +25,7 @@ KIMI_MILES_INIT=kimi_rl_glue.miles.init                      # --custom-megatron
 KIMI_MILES_LORA_PROVIDER=kimi_rl_glue.miles.lora_provider    # --lora-provider-path (a module)
 KIMI_MILES_REWARD=kimi_rl_glue.miles.reward.math_rm          # --custom-rm-path: deepscaler-style 0/1 math reward
 KIMI_MILES_LOSS_SCORE_CENTERING=kimi_rl_glue.miles.losses.score_centering_loss  # --custom-loss-function-path
+KIMI_MILES_TOPK_GENERATE=kimi_rl_glue.miles.topk_rollout.generate  # --custom-generate-function-path: SGLang top-K per token
 KIMI_SKYRL_ENTRYPOINT=kimi_rl_glue.skyrl.main                # SkyRL trainer.override_entrypoint (module with main())
 
 KIMI_KNOBS=()
@@ -121,7 +122,7 @@ _kimi_miles_flag_source() {
     --lora-provider-path)
       echo "radixark/miles@$KIMI_MILES_COMMIT (PR #1792, branch zhichen/lora-native)" ;;
     --rollout-top-logprobs-num)
-      echo "a radixark/miles main newer than 31f1ca961 (2026-08-21) that has it, with PR #1792 merged" ;;
+      echo "--custom-generate-function-path $KIMI_MILES_TOPK_GENERATE, which defines it" ;;
     *) echo "a radixark/miles that defines it" ;;
   esac
 }

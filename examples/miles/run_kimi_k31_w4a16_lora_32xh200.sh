@@ -8,8 +8,8 @@
 # script; docs/recipes/kimi_k31_w4a16_lora.md has the numbers.
 #
 # What our plugins replace, compared with the seed:
-#   - No Kimi branches: miles at its native-LoRA PR #1792 plus --rollout-top-logprobs-num (docs/miles.md;
-#     no PRs #4666/#4667), stock Megatron-LM miles-main and
+#   - No Kimi branches: miles at its native-LoRA PR #1792 (docs/miles.md; no PRs #4666/#4667), stock
+#     Megatron-LM miles-main and
 #     stock SGLang 0.5.23 instead of the sglang-miles-kimi-k31 branch in the radixark/miles:kimi-k31
 #     image. kimi_sglang_plugin (SGLANG_PLUGINS=kimi) supplies K3.1 (K3 + DSA indexer, with SGLang's
 #     DSA pools selected), MoE LoRA on the Marlin MXFP4 runner with SiTU, and the K3 LoRA fixes of
@@ -20,7 +20,9 @@
 #     rows. The sync is checked by our bucket checksums; the seed's --check-lora-weight-equal
 #     (SHA-256 of every tensor, about 167 s of a 187 s sync) stays off.
 #   - Score centering and the reward come from kimi_rl_glue (--loss-type custom_loss,
-#     --custom-rm-path) instead of the branch's built-in --loss-type score_centering.
+#     --custom-rm-path) instead of the branch's built-in --loss-type score_centering; the sampler's
+#     top-K per token from our generate function (--custom-generate-function-path, which also defines
+#     --rollout-top-logprobs-num) instead of the branch's rollout.
 #
 # Usage: start one Ray cluster over the nodes, then from node 0
 #   SAVE_DIR=/shared/ckpt bash examples/miles/run_kimi_k31_w4a16_lora_32xh200.sh
@@ -30,7 +32,7 @@
 KIMI_SCRIPT_NAME=${KIMI_SCRIPT_NAME:-examples/miles/run_kimi_k31_w4a16_lora_32xh200.sh}
 # shellcheck source=examples/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
-kimi_miles_require --lora-provider-path --rollout-top-logprobs-num   # first: a miles without these fails here, naming the commit
+kimi_miles_require --lora-provider-path   # first: a miles without it fails here, naming the commit
 # shellcheck source=examples/miles/models/kimi_k31.sh
 source "$KIMI_EXAMPLES_DIR/miles/models/kimi_k31.sh"
 
@@ -89,6 +91,9 @@ if (( ROLLOUT_ATTN_DP > 1 )); then
   kimi_env SGLANG_DSA_TOPK_BROADCAST 1
 fi
 
+# attention DP in SGLang 0.5.17's spelling (the one this miles imports; --attn-dp-size is 0.5.23's)
+ATTN_DP_ARGS=()
+(( ROLLOUT_ATTN_DP > 1 )) && ATTN_DP_ARGS=(--sglang-dp-size "$ROLLOUT_ATTN_DP" --sglang-enable-dp-attention)
 OPTIONAL=()
 [[ "$LORA_BASE_CPU_BACKUP" == 1 ]] && OPTIONAL+=(--lora-base-cpu-backup)
 if [[ "$DYNAMIC_SAMPLING" == 1 ]]; then
@@ -120,7 +125,7 @@ ARGS=(
   --rollout-temperature 1 --rollout-top-p 1
   # score centering: REINFORCE-style, A = R - group mean, per-token loss, rollout log-probs as old policy
   --loss-type custom_loss --custom-loss-function-path "$KIMI_MILES_LOSS_SCORE_CENTERING"
-  --rollout-top-logprobs-num "$TOP_LOGPROBS_NUM"
+  --custom-generate-function-path "$KIMI_MILES_TOPK_GENERATE" --rollout-top-logprobs-num "$TOP_LOGPROBS_NUM"
   --advantage-estimator grpo --disable-grpo-std-normalization
   --use-rollout-logprobs --calculate-per-token-loss
   --kl-loss-coef 0 --entropy-coef 0
@@ -140,7 +145,7 @@ ARGS=(
   # one SGLang engine over all GPUs, colocated, attention DP with one group per node
   --colocate --offload-train
   --rollout-num-gpus-per-engine "$ROLLOUT_TP"
-  --sglang-tp-size "$ROLLOUT_TP" --sglang-ep-size "$ROLLOUT_EP" --sglang-attn-dp-size "$ROLLOUT_ATTN_DP"
+  --sglang-tp-size "$ROLLOUT_TP" --sglang-ep-size "$ROLLOUT_EP" "${ATTN_DP_ARGS[@]}"
   --sglang-moe-runner-backend marlin
   --sglang-lora-backend triton
   --sglang-kv-cache-dtype bfloat16

@@ -56,11 +56,13 @@ def test_miles_without_lora_provider_fails_first(tmp_path, script):
     assert "--lora-provider-path" in lines[0] and _pinned_commit() in lines[0] and "docs/miles.md" in lines[0]
 
 
-def test_k31_needs_rollout_top_logprobs_num(tmp_path):
-    """PR #1792's miles has --lora-provider-path but not --rollout-top-logprobs-num: the K3.1 script names the latter."""
-    r = _run(K31, _miles(tmp_path, "--lora-provider-path"))
-    assert r.returncode == 2 and r.stdout == ""
-    assert "--rollout-top-logprobs-num" in r.stderr and "--lora-provider-path" not in r.stderr
+def test_k31_needs_only_the_native_lora_miles(tmp_path):
+    """PR #1792's miles (--lora-provider-path, no --rollout-top-logprobs-num) runs the K3.1 script: the top-K
+    flag comes from our --custom-generate-function-path (kimi_rl_glue.miles.topk_rollout), not from miles."""
+    r = _run(K31, _miles(tmp_path, "--lora-provider-path"), DRY_RUN="1")
+    assert r.returncode == 0 and "lacks" not in r.stderr, r.stderr
+    assert "--custom-generate-function-path kimi_rl_glue.miles.topk_rollout.generate" in r.stdout
+    assert "--rollout-top-logprobs-num 128" in r.stdout
 
 
 def test_supported_miles_passes_and_dry_run_only_warns(tmp_path):

@@ -1,0 +1,120 @@
+"""miles' own argument parser (train.py's ``parse_args``, at the commit examples/common.sh pins, on its Megatron-LM
+fork, with ``--sglang-*`` from SGLang's ``ServerArgs``) accepts each miles launch script's whole command line,
+and resolves our entry points to the values the scripts name.
+
+The scripts run as shipped (``DRY_RUN=1`` prints the command) on a smoke layout of one 8-GPU node with a tiny
+K3 / K3.1 ``config.json`` as ``--hf-checkpoint``, so miles' check of the Megatron sizes against the HF config
+runs too. Skipped, with the reason, when the lane has no miles sources (``miles_lane.missing_sources``).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+
+import pytest
+from miles_lane import REPO, missing_sources, run_check, source_root
+from py312_lane import require
+
+require("torch", "torch")
+if (why := missing_sources()) is not None:
+    pytest.skip(f"miles sources: {why}", allow_module_level=True)
+
+K3 = "examples/miles/run_kimi_k3_lora.sh"
+K31 = "examples/miles/run_kimi_k31_w4a16_lora_32xh200.sh"
+K31_B300 = "examples/miles/run_kimi_k31_w4a16_lora_16xb300.sh"
+SMOKE = dict(NUM_NODES="1", GPUS_PER_NODE="8", TP="2", PP="2", CP="2", EP="4", ROLLOUT_TP="8", ROLLOUT_EP="8")
+SMOKE_K31 = dict(SMOKE, ROLLOUT_ATTN_DP="1", GLOBAL_BATCH_SIZE="32", ROLLOUT_BATCH_SIZE="2")
+KEYS = [
+    "spec",
+    "custom_megatron_init_path",
+    "lora_provider_path",
+    "custom_rm_path",
+    "loss_type",
+    "custom_loss_function_path",
+    "custom_generate_function_path",
+    "rollout_top_logprobs_num",
+    "megatron_to_hf_mode",
+    "model_name",
+    "lora_rank",
+    "num_layers",
+    "tensor_model_parallel_size",
+    "context_parallel_size",
+    "sglang_tp_size",
+    "use_rollout_routing_replay",
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Config-only tiny K3 and K3.1 folders (config.json and its remote-code module, no weights)."""
+    from kimi_core.checkpoint.remote_config import write_remote_config
+    from kimi_core.checkpoint.tiny import tiny_config
+
+    out = {}
+    for model in ("k3", "k31"):
+        d = tmp_path_factory.mktemp(model)
+        (d / "config.json").write_text(json.dumps(tiny_config(model)))
+        write_remote_config(str(d))
+        out[model] = d
+    return out
+
+
+def _command(script: str, checkpoint, knobs: dict) -> tuple[list[str], dict]:
+    """train.py's arguments and the workers' environment (the ``export`` lines) as ``DRY_RUN=1`` prints them,
+    the model sizes read from ``checkpoint``."""
+    env = {"MILES_DIR": str(source_root() / "miles"), "HF_CHECKPOINT": str(checkpoint), "DRY_RUN": "1", **knobs}
+    cmd = f"source examples/common.sh && kimi_local_k3_sizes {shlex.quote(str(checkpoint))} && bash {script}"
+    r = subprocess.run(
+        ["bash", "-c", cmd],
+        cwd=REPO,
+        env={**_base_env(), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "lacks" not in r.stderr, r.stderr  # kimi_miles_require found every flag in the pinned miles
+    lines = r.stdout.strip().splitlines()
+    env = dict(shlex.split(ln[len("export ") :])[0].split("=", 1) for ln in lines if ln.startswith("export "))
+    env.pop("PYTHONPATH", None)  # the fork's path is the lane's own (miles_lane.child_env)
+    words = shlex.split(lines[-1])
+    return words[next(i for i, w in enumerate(words) if w.endswith("/train.py")) + 1 :], env
+
+
+def _base_env() -> dict:
+    import os
+
+    drop = ("DRY_RUN", "MILES_DIR", "EXTRA_ARGS", "HF_CHECKPOINT") + tuple(k for k in os.environ if k.startswith("K3"))
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def _parse(command: tuple[list[str], dict]) -> dict:
+    argv, env = command
+    return run_check("parse", {"argv": argv, "keys": KEYS}, env=env)
+
+
+def test_k3_script_parses_in_miles(checkpoints):
+    """The K3 script's flags: miles resolves --spec, the init, LoRA provider and reward paths as the script names."""
+    args = _parse(_command(K3, checkpoints["k3"], SMOKE))
+    assert args["spec"] == ["kimi_megatron_plugin.spec", "get_spec"]
+    assert args["custom_megatron_init_path"] == "kimi_rl_glue.miles.init"
+    assert args["lora_provider_path"] == "kimi_rl_glue.miles.lora_provider"
+    assert args["custom_rm_path"] == "kimi_rl_glue.miles.reward.math_rm"
+    assert (args["megatron_to_hf_mode"], args["model_name"], args["lora_rank"]) == ("raw", "kimi_k3", 32)
+    assert (args["num_layers"], args["tensor_model_parallel_size"], args["context_parallel_size"]) == (5, 2, 2)
+    assert args["sglang_tp_size"] == 8
+
+
+@pytest.mark.parametrize("script", [K31, K31_B300])
+def test_k31_scripts_parse_in_miles(checkpoints, script):
+    """The K3.1 scripts: score centering as miles' custom loss, and --rollout-top-logprobs-num defined by our
+    generate function (miles calls its add_arguments while parsing) with the script's K."""
+    args = _parse(_command(script, checkpoints["k31"], SMOKE_K31))
+    assert args["loss_type"] == "custom_loss"
+    assert args["custom_loss_function_path"] == "kimi_rl_glue.miles.losses.score_centering_loss"
+    assert args["custom_generate_function_path"] == "kimi_rl_glue.miles.topk_rollout.generate"
+    assert args["rollout_top_logprobs_num"] == 128
+    assert args["lora_provider_path"] == "kimi_rl_glue.miles.lora_provider"
+    assert (args["model_name"], args["use_rollout_routing_replay"]) == ("kimi_k31", True)
