@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,39 @@ def missing_sources() -> str | None:
         if found != pins[key]:
             return f"{tree} is at {found}, examples/common.sh pins {key}={pins[key]} (make venv-py312 refreshes it)"
     return None
+
+
+def tiny_checkpoint(model: str, folder: Path) -> Path:
+    """A weightless tiny ``model`` (k3, k31) folder: config.json, its remote-code module and the tokenizer."""
+    from kimi_core.checkpoint.remote_config import write_remote_config
+    from kimi_core.checkpoint.tiny import tiny_config
+    from kimi_core.checkpoint.tokenizer import write_tokenizer
+
+    cfg = tiny_config(model)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    write_remote_config(str(folder))
+    text = cfg.get("text_config", cfg)
+    write_tokenizer(folder, text["vocab_size"], text["max_position_embeddings"])
+    return folder
+
+
+def script_command(script: str, checkpoint: Path, knobs: dict) -> tuple[list[str], dict]:
+    """train.py's arguments and the workers' environment (the ``export`` lines) as ``DRY_RUN=1 bash script``
+    prints them, run as shipped against the lane's miles with the model sizes read from ``checkpoint``."""
+    drop = ("DRY_RUN", "MILES_DIR", "EXTRA_ARGS", "HF_CHECKPOINT")
+    base = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("K3")}
+    env = {"MILES_DIR": str(source_root() / "miles"), "HF_CHECKPOINT": str(checkpoint), "DRY_RUN": "1", **knobs}
+    cmd = f"source examples/common.sh && kimi_local_k3_sizes '{checkpoint}' && bash {script}"
+    r = subprocess.run(["bash", "-c", cmd], cwd=REPO, env={**base, **env}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "lacks" not in r.stderr, r.stderr  # kimi_miles_require found every flag in the pinned miles
+    lines = r.stdout.strip().splitlines()
+    exports = [shlex.split(ln[len("export ") :])[0] for ln in lines if ln.startswith("export ")]
+    workers = dict(e.split("=", 1) for e in exports)
+    workers.pop("PYTHONPATH", None)  # the fork's path is the lane's own (child_env)
+    words = shlex.split(lines[-1])
+    return words[next(i for i, w in enumerate(words) if w.endswith("/train.py")) + 1 :], workers
 
 
 def child_env(extra: dict | None = None) -> dict:
@@ -99,7 +133,7 @@ def _emit(result: dict) -> None:
 # --- checks, run in the child ------------------------------------------------------------------------
 
 
-def check_parse(payload: dict) -> dict:
+def parse_miles_args(argv: list[str]):
     """miles' ``parse_args`` (train.py's parser: Megatron's plus miles' plus ``--sglang-*``) on ``argv``."""
     import types
 
@@ -111,10 +145,15 @@ def check_parse(payload: dict) -> dict:
     h200 = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, total_memory=141 * 2**30)
     torch.cuda.get_device_capability = lambda device=None: (h200.major, h200.minor)
     torch.cuda.get_device_properties = lambda device=None: h200
-    sys.argv = ["train.py", *payload["argv"]]
+    sys.argv = ["train.py", *argv]
     from miles.utils.arguments import parse_args
 
-    args = parse_args()
+    return parse_args()
+
+
+def check_parse(payload: dict) -> dict:
+    """The values of ``payload["keys"]`` in miles' parsed ``payload["argv"]``."""
+    args = parse_miles_args(payload["argv"])
     return {k: _jsonable(getattr(args, k, None)) for k in payload["keys"]}
 
 

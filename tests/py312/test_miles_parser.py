@@ -9,12 +9,8 @@ runs too. Skipped, with the reason, when the lane has no miles sources (``miles_
 
 from __future__ import annotations
 
-import json
-import shlex
-import subprocess
-
 import pytest
-from miles_lane import REPO, missing_sources, run_check, source_root
+from miles_lane import missing_sources, run_check, script_command, tiny_checkpoint
 from py312_lane import require
 
 require("torch", "torch")
@@ -48,56 +44,18 @@ KEYS = [
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Config-only tiny K3 and K3.1 folders (config.json and its remote-code module, no weights)."""
-    from kimi_core.checkpoint.remote_config import write_remote_config
-    from kimi_core.checkpoint.tiny import tiny_config
-
-    out = {}
-    for model in ("k3", "k31"):
-        d = tmp_path_factory.mktemp(model)
-        (d / "config.json").write_text(json.dumps(tiny_config(model)))
-        write_remote_config(str(d))
-        out[model] = d
-    return out
+    root = tmp_path_factory.mktemp("ckpt")
+    return {m: tiny_checkpoint(m, root / m) for m in ("k3", "k31")}
 
 
-def _command(script: str, checkpoint, knobs: dict) -> tuple[list[str], dict]:
-    """train.py's arguments and the workers' environment (the ``export`` lines) as ``DRY_RUN=1`` prints them,
-    the model sizes read from ``checkpoint``."""
-    env = {"MILES_DIR": str(source_root() / "miles"), "HF_CHECKPOINT": str(checkpoint), "DRY_RUN": "1", **knobs}
-    cmd = f"source examples/common.sh && kimi_local_k3_sizes {shlex.quote(str(checkpoint))} && bash {script}"
-    r = subprocess.run(
-        ["bash", "-c", cmd],
-        cwd=REPO,
-        env={**_base_env(), **env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert r.returncode == 0, r.stderr
-    assert "lacks" not in r.stderr, r.stderr  # kimi_miles_require found every flag in the pinned miles
-    lines = r.stdout.strip().splitlines()
-    env = dict(shlex.split(ln[len("export ") :])[0].split("=", 1) for ln in lines if ln.startswith("export "))
-    env.pop("PYTHONPATH", None)  # the fork's path is the lane's own (miles_lane.child_env)
-    words = shlex.split(lines[-1])
-    return words[next(i for i, w in enumerate(words) if w.endswith("/train.py")) + 1 :], env
-
-
-def _base_env() -> dict:
-    import os
-
-    drop = ("DRY_RUN", "MILES_DIR", "EXTRA_ARGS", "HF_CHECKPOINT") + tuple(k for k in os.environ if k.startswith("K3"))
-    return {k: v for k, v in os.environ.items() if k not in drop}
-
-
-def _parse(command: tuple[list[str], dict]) -> dict:
-    argv, env = command
+def _parse(script: str, checkpoint, knobs: dict) -> dict:
+    argv, env = script_command(script, checkpoint, knobs)
     return run_check("parse", {"argv": argv, "keys": KEYS}, env=env)
 
 
 def test_k3_script_parses_in_miles(checkpoints):
     """The K3 script's flags: miles resolves --spec, the init, LoRA provider and reward paths as the script names."""
-    args = _parse(_command(K3, checkpoints["k3"], SMOKE))
+    args = _parse(K3, checkpoints["k3"], SMOKE)
     assert args["spec"] == ["kimi_megatron_plugin.spec", "get_spec"]
     assert args["custom_megatron_init_path"] == "kimi_rl_glue.miles.init"
     assert args["lora_provider_path"] == "kimi_rl_glue.miles.lora_provider"
@@ -111,7 +69,7 @@ def test_k3_script_parses_in_miles(checkpoints):
 def test_k31_scripts_parse_in_miles(checkpoints, script):
     """The K3.1 scripts: score centering as miles' custom loss, and --rollout-top-logprobs-num defined by our
     generate function (miles calls its add_arguments while parsing) with the script's K."""
-    args = _parse(_command(script, checkpoints["k31"], SMOKE_K31))
+    args = _parse(script, checkpoints["k31"], SMOKE_K31)
     assert args["loss_type"] == "custom_loss"
     assert args["custom_loss_function_path"] == "kimi_rl_glue.miles.losses.score_centering_loss"
     assert args["custom_generate_function_path"] == "kimi_rl_glue.miles.topk_rollout.generate"

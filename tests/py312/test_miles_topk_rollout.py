@@ -1,0 +1,93 @@
+"""The rollout's top-K fields, produced by our ``--custom-generate-function-path`` inside miles' own rollout step.
+
+miles (the pinned commit, on its Megatron-LM fork) parses the K3.1 script's command line, builds its
+``GenerateState`` and runs ``generate_and_rm`` for one sample against a fake SGLang ``/generate`` that
+answers in SGLang 0.5.17's JSON shape from seeded float64 logits (tests/py312/miles_hooks.py). The
+sample's ``rollout_topk_token_ids`` / ``rollout_topk_log_probs`` must equal a float64 recomputation from
+those logits (``log_softmax(logits / T)``, top K), and the reward comes from our ``--custom-rm-path``
+through miles' ``async_rm``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from miles_lane import missing_sources, run_check, script_command, tiny_checkpoint
+from py312_lane import require
+
+require("torch", "torch")
+if (why := missing_sources()) is not None:
+    pytest.skip(f"miles sources: {why}", allow_module_level=True)
+
+K31 = "examples/miles/run_kimi_k31_w4a16_lora_32xh200.sh"
+SMOKE = dict(NUM_NODES="1", GPUS_PER_NODE="8", TP="2", PP="2", CP="2", EP="4", ROLLOUT_TP="8", ROLLOUT_EP="8")
+SMOKE.update(ROLLOUT_ATTN_DP="1", GLOBAL_BATCH_SIZE="32", ROLLOUT_BATCH_SIZE="2", TOP_LOGPROBS_NUM="16")
+N_NEW, TEMPERATURE = 5, 0.7
+
+
+@pytest.fixture(scope="module")
+def command(tmp_path_factory):
+    ckpt = tiny_checkpoint("k31", tmp_path_factory.mktemp("k31"))
+    argv, env = script_command(K31, ckpt, SMOKE)
+    return [*argv, "--rollout-temperature", str(TEMPERATURE)], env, ckpt
+
+
+def _rollout(command, **extra) -> dict:
+    argv, env, _ckpt = command
+    payload = dict(
+        argv=argv,
+        env=env,
+        vocab=1024,
+        n_new=N_NEW,
+        seed=7,
+        prompt="what is 2 + 2 ?",
+        label="4",
+        text="<think> 2 + 2 </think> the answer is \\boxed{4}",
+    )
+    return run_check("topk_rollout", {**payload, **extra})
+
+
+def test_topk_fields_equal_float64_recomputation(command):
+    """[N_NEW, K] ids and log-probs of the sampler's top-K, equal to log_softmax(logits / T).topk(K) in float64;
+    the request carried top_logprobs_num = K and return_logprob; miles' reward path scored the response."""
+    out = _rollout(command)
+    assert "error" not in out, out.get("error")
+    k = out["k"]
+    assert k == 16 and out["temperature"] == TEMPERATURE
+    (req,) = out["requests"]
+    assert req["top_logprobs_num"] == k and req["return_logprob"] is True
+    assert "top_logprobs_num" not in req["sampling_params"]
+    logits = torch.tensor(out["logits"][0], dtype=torch.float64)  # [N_NEW, V]
+    lp = torch.log_softmax(logits / TEMPERATURE, dim=-1)
+    want_lp, want_ids = lp.topk(k, dim=-1)
+    ids = torch.tensor(out["rollout_topk_token_ids"], dtype=torch.int64)
+    lps = torch.tensor(out["rollout_topk_log_probs"], dtype=torch.float64)
+    assert ids.shape == lps.shape == (N_NEW, k) == (out["response_length"], k)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(lps, want_lp, rtol=0, atol=1e-12)
+    # the sampled token's log-prob (miles' rollout_log_probs) is the same distribution's
+    new_tokens = torch.tensor(out["tokens"][-N_NEW:])
+    torch.testing.assert_close(
+        torch.tensor(out["rollout_log_probs"], dtype=torch.float64),
+        lp.gather(1, new_tokens[:, None])[:, 0],
+        rtol=0,
+        atol=1e-12,
+    )
+    assert out["reward"] == 1.0
+
+
+def test_sglang_without_top_logprobs_is_named(command):
+    """An SGLang that answers no top-K rows stops the rollout with our error naming the SGLang field."""
+    out = _rollout(command, drop_top=True)
+    assert out["error"].startswith("MissingTopLogprobs")
+    assert "output_top_logprobs" in out["error"] and "SGLang" in out["error"]
+
+
+def test_padding_values():
+    """Rows shorter than K are padded with id -1 and log-prob -inf (the loss's head mask)."""
+    from kimi_rl_glue.miles.topk_rollout import topk_rows
+
+    ids, lps = topk_rows({"output_top_logprobs": [[[-0.1, 3, None], [-2.5, 9, None]]]}, [3], 3)
+    assert ids == [[3, 9, -1]] and lps[0][:2] == [-0.1, -2.5] and lps[0][2] == -math.inf
