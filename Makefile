@@ -106,6 +106,16 @@ P312_HOSTS := "skyrl==0.4.0" "skyrl-gym==0.4.0" "megatron-core==0.19.2" "megatro
 P312_DEPS := "transformers==5.12.1" "peft==0.18.1" "ray==2.57.0" "datasets>=4" torchdata jaxtyping loguru cloudpickle \
 	omegaconf cloudpathlib rich typer zstandard xxhash aiohttp orjson pybase64 func_timeout pandas requests pillow \
 	einops pyyaml safetensors numpy tqdm pluggy packaging pytest pytest-timeout
+# miles' own code in this lane (tests/py312/test_miles_*.py, docs/miles.md): miles and its Megatron-LM fork at the
+# commits examples/common.sh pins are unpacked from GitHub archives (or KIMI_MILES_GIT_DIR / KIMI_MEGATRON_GIT_DIR
+# clones, KIMI_*_TARBALL archives) into P312_MILES_SRC, each path checked by its git object id
+# (tests/py312/miles_sources.py); without them those tests skip, saying why. miles imports SGLang's ServerArgs
+# and sglang.srt.entrypoints.openai.encoding_dsv4 (in 0.5.17, gone in 0.5.23), so SGLang 0.5.17 goes in with
+# --no-deps beside P312_MILES_DEPS, the packages miles' parser and rollout imports reach.
+P312_MILES_SRC := $(P312_VENV)/src-miles
+P312_MILES_HOSTS := "sglang==0.5.17" "torchvision==0.29.1"
+P312_MILES_DEPS := "sglang-router==0.3.2" "openai==2.6.1" "xgrammar==0.2.1" "apache-tvm-ffi==0.1.11" "polars==1.42.1" \
+	fastapi uvicorn setproctitle IPython msgspec pyzmq partial_json_parser sentencepiece six matplotlib pylatexenc
 P312_SKIP := SKIPPED: no Python 3.12 interpreter (tried python3.12 and $${PYENV_ROOT:-~/.pyenv}/versions/3.12*); skyrl 0.4.0 and megatron-bridge 0.6.2 need Python 3.12, so tests/py312 (real SkyRL registries and config, real Megatron-Bridge) do not run
 # glue tests that also run against the real skyrl_gym / SkyRL dataset code in this lane (a stand-in in the main lane)
 P312_GLUE_TESTS := tests/kimi_rl_glue/test_token_set_env.py tests/kimi_rl_glue/test_data_skyrl.py
@@ -121,6 +131,9 @@ $(P312_STAMP): pyproject.toml $(MEMBER_PYPROJECTS) Makefile
 	$(P312_PIP) install -q --no-deps $(P312_HOSTS); \
 	$(P312_PIP) install -q $(P312_DEPS); \
 	$(P312_PIP) install -q --no-deps $(EDITABLE_MEMBERS) -e .; \
+	$(P312_PIP) install -q --no-deps $(P312_MILES_HOSTS); \
+	$(P312_PIP) install -q $(P312_MILES_DEPS); \
+	$(P312_PY) tests/py312/miles_sources.py $(P312_MILES_SRC) || echo "venv-py312: tests/py312/test_miles_*.py will skip (no miles sources)"; \
 	$(P312_PY) -c "import kimi_megatron_plugin.patches.te_stub as s; s.install(); import torch, skyrl, megatron.core, megatron.bridge; from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry; print('py312 venv ready: torch', torch.__version__, '| skyrl', skyrl.__version__, '| megatron-core', megatron.core.__version__)"; \
 	echo "py312 venv built in $$(( $$(date +%s) - start )) s, $$(du -sh $(P312_VENV) | cut -f1)"
 	touch $(P312_STAMP)
