@@ -74,27 +74,17 @@ HEAD_START_CYCLES = int(HEAD_START_MS * 2.0e6)  # at ~2 GHz SM clock
 # ------------------------------------------------------------------------------------------------ timing
 
 
-def _time_once(fn, flush: torch.Tensor) -> tuple[float, float]:
-    """(GPU ms, host ms) of one call of ``fn`` after flushing L2 (``flush``: a 256 MiB int32 buffer) and giving the
-    GPU the :data:`HEAD_START_MS` head start."""
-    flush.zero_()
-    torch.cuda._sleep(HEAD_START_CYCLES)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    t0 = time.perf_counter()
-    fn()
-    host_ms = (time.perf_counter() - t0) * 1e3
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b), host_ms
+def _time_once(fn, flush: torch.Tensor, head_start: bool = True) -> tuple[float, float]:
+    """(GPU ms, host ms) of one call of ``fn`` after flushing L2 (``flush``: a 256 MiB int32 buffer).
 
-
-def _time_launch_included(fn, flush: torch.Tensor) -> tuple[float, float]:
-    """(GPU ms, host ms) of one call of ``fn`` with its launch on the GPU's timeline: L2 flushed, the GPU idle (no
-    head start), then the start event, the host's launches and the end event, as in a training step whose GPU waits
-    for the host after the MoE layer's token-count sync."""
+    ``head_start``: the GPU first sleeps :data:`HEAD_START_MS`, so only kernel time counts. Without it the GPU is
+    idle when the start event is recorded and the host's launches lie on the GPU's timeline, as in a training step
+    whose GPU waits for the host after the MoE layer's token-count sync."""
     flush.zero_()
-    torch.cuda.synchronize()
+    if head_start:
+        torch.cuda._sleep(HEAD_START_CYCLES)
+    else:
+        torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     t0 = time.perf_counter()
@@ -108,7 +98,7 @@ def _time_launch_included(fn, flush: torch.Tensor) -> tuple[float, float]:
 def timed_alternating(fns: dict, reps: int = REPS, warmup: int = 3, head_start: bool = True) -> dict:
     """``{name: (median GPU ms, median host ms)}`` of each of ``fns``, timed in turns: each rep runs every function
     once (L2 flushed and, with ``head_start``, the head start before each; without it the launch is timed too:
-    :func:`_time_launch_included`), in the given order on even reps and reversed on odd ones. A speed ratio at the
+    :func:`_time_once`), in the given order on even reps and reversed on odd ones. A speed ratio at the
     board's power cap depends on what the card ran just before (its SM clock follows the power of the last
     milliseconds: ``clocks``); timed in turns, both see the same recent load."""
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device=DEV)
@@ -119,7 +109,7 @@ def timed_alternating(fns: dict, reps: int = REPS, warmup: int = 3, head_start: 
     order = list(fns)
     for rep in range(reps):
         for name in order if rep % 2 == 0 else order[::-1]:
-            gpu_ms, host_ms = _time_once(fns[name], flush) if head_start else _time_launch_included(fns[name], flush)
+            gpu_ms, host_ms = _time_once(fns[name], flush, head_start)
             times[name][0].append(gpu_ms)
             times[name][1].append(host_ms)
     return {name: (statistics.median(gpu), statistics.median(host)) for name, (gpu, host) in times.items()}
