@@ -119,3 +119,52 @@ def check_topk_rollout(payload: dict) -> dict:
 
 
 CHECKS = {"topk_rollout": check_topk_rollout}
+
+
+def _outcome(fn):
+    try:
+        return {"ok": fn()}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def check_train_hooks(payload: dict) -> dict:
+    """In a 1-rank gloo world with Megatron's model-parallel state up: miles' ``--custom-megatron-init-path``
+    loader on our init, then miles' LoRA resolver and ``wrap_model_provider_with_lora`` around miles' own
+    model provider (``--spec``), building the actor chunk as ``setup_model_and_optimizer`` does."""
+    os.environ.update(payload["env"])
+    args = parse_miles_args(payload["argv"])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(payload["port"]))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1)
+    from miles.utils.misc import load_function
+
+    out = {"init_target": None}
+    init = load_function(args.custom_megatron_init_path)
+    out["init_target"] = f"{init.__module__}.{init.__qualname__}"
+    out["init"] = _outcome(lambda: _jsonable(init(args)))
+
+    def build():
+        from miles.backends.megatron_utils.lora_utils import resolve_lora_provider
+        from miles.backends.megatron_utils.model_provider import get_model_provider_func
+
+        module = resolve_lora_provider(args)
+        provider = module.wrap_model_provider_with_lora(get_model_provider_func(args, "actor"), args)
+        model = provider(pre_process=True, post_process=True, vp_stage=None)
+        lora = [n for n, p in model.named_parameters() if p.requires_grad]
+        return {"provider": module.__name__, "model": type(model).__name__, "trainable": len(lora)}
+
+    from miles.backends.megatron_utils.lora_utils import resolve_lora_provider
+
+    out["lora_provider_module"] = _outcome(lambda: resolve_lora_provider(args).__name__)
+    out["provider"] = _outcome(build)
+    return out
+
+
+def _jsonable(v):
+    return json.loads(json.dumps(v, default=repr))
+
+
+CHECKS["train_hooks"] = check_train_hooks
