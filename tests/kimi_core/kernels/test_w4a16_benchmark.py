@@ -21,7 +21,7 @@ def test_timed_alternating_order_and_medians(monkeypatch):
     calls = []
     gpu_ms = {"bf16": iter([5.0, 1.0, 3.0, 9.0]), "auto": iter([4.0, 2.0, 8.0, 6.0])}
 
-    def fake_time_once(fn, flush):
+    def fake_time_once(fn, flush, head_start=True):
         name = fn()
         calls.append(name)
         return next(gpu_ms[name]), 0.5
