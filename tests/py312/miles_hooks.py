@@ -83,39 +83,44 @@ class FakeSGLang:
 def check_topk_rollout(payload: dict) -> dict:
     """miles' rollout step for one sample (``inference_rollout_common.generate_and_rm``: our generate function
     from ``--custom-generate-function-path``, then the reward from ``--custom-rm-path`` through miles'
-    ``async_rm``) against :class:`FakeSGLang`; returns the sample's fields, the request and the logits."""
+    ``async_rm``) against a :class:`FakeSGLang` per entry of ``payload["servers"]`` (its keyword
+    arguments); returns, per server, the sample's fields, the requests and the logits, or the error."""
     os.environ.update(payload["env"])
     args = parse_miles_args(payload["argv"])
     from miles.rollout.inference_rollout.inference_rollout_common import GenerateState, generate_and_rm
     from miles.utils import http_utils
     from miles.utils.types import Sample
 
-    vocab = payload["vocab"]
-    fake = FakeSGLang(vocab, payload["n_new"], payload["text"], payload["seed"], payload.get("drop_top", False))
-    try:
-        args.sglang_router_ip, args.sglang_router_port = "127.0.0.1", fake.port
-        http_utils.init_http_client(args)
-        state = GenerateState(args)
+    args.sglang_router_ip = "127.0.0.1"
+    http_utils.init_http_client(args)
+    state = GenerateState(args)
+    out = []
+    for server in payload["servers"]:
+        fake = FakeSGLang(**server)
+        args.sglang_router_port = fake.port
         sample = Sample(index=0, prompt=payload["prompt"], label=payload["label"])
         try:
             sample = asyncio.run(generate_and_rm(state, sample, dict(state.sampling_params)))
         except Exception as e:
-            return {"error": f"{type(e).__name__}: {e}", "requests": fake.requests}
-    finally:
-        fake.close()
-    return {
-        "temperature": args.rollout_temperature,
-        "k": args.rollout_top_logprobs_num,
-        "requests": fake.requests,
-        "logits": fake.logits,
-        "tokens": sample.tokens,
-        "response_length": sample.response_length,
-        "rollout_log_probs": sample.rollout_log_probs,
-        "rollout_topk_token_ids": getattr(sample, "rollout_topk_token_ids", None),
-        "rollout_topk_log_probs": getattr(sample, "rollout_topk_log_probs", None),
-        "reward": sample.reward,
-        "status": str(sample.status),
-    }
+            out.append({"error": f"{type(e).__name__}: {e}", "requests": fake.requests})
+            continue
+        finally:
+            fake.close()
+        out.append(
+            {
+                "temperature": args.rollout_temperature,
+                "k": args.rollout_top_logprobs_num,
+                "requests": fake.requests,
+                "logits": fake.logits,
+                "tokens": sample.tokens,
+                "response_length": sample.response_length,
+                "rollout_log_probs": sample.rollout_log_probs,
+                "rollout_topk_token_ids": getattr(sample, "rollout_topk_token_ids", None),
+                "rollout_topk_log_probs": getattr(sample, "rollout_topk_log_probs", None),
+                "reward": sample.reward,
+            }
+        )
+    return {"runs": out}
 
 
 CHECKS = {"topk_rollout": check_topk_rollout}

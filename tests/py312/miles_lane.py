@@ -152,9 +152,19 @@ def parse_miles_args(argv: list[str]):
 
 
 def check_parse(payload: dict) -> dict:
-    """The values of ``payload["keys"]`` in miles' parsed ``payload["argv"]``."""
-    args = parse_miles_args(payload["argv"])
-    return {k: _jsonable(getattr(args, k, None)) for k in payload["keys"]}
+    """For each of ``payload["runs"]`` (``{"argv", "env"}``, parsed one after the other in this process, each
+    with its script's environment): the values of ``payload["keys"]`` in miles' parsed arguments."""
+    out = []
+    for run in payload["runs"]:
+        saved = dict(os.environ)
+        os.environ.update(run["env"])
+        try:
+            args = parse_miles_args(run["argv"])
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        out.append({k: _jsonable(getattr(args, k, None)) for k in payload["keys"]})
+    return {"parsed": out}
 
 
 def _jsonable(v):

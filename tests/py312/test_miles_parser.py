@@ -43,19 +43,19 @@ KEYS = [
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def parsed(tmp_path_factory):
+    """miles' parsed arguments of each script, all parsed in one child process (one import of miles)."""
     root = tmp_path_factory.mktemp("ckpt")
-    return {m: tiny_checkpoint(m, root / m) for m in ("k3", "k31")}
+    ckpt = {m: tiny_checkpoint(m, root / m) for m in ("k3", "k31")}
+    runs = {K3: ("k3", SMOKE), K31: ("k31", SMOKE_K31), K31_B300: ("k31", SMOKE_K31)}
+    commands = {script: script_command(script, ckpt[m], knobs) for script, (m, knobs) in runs.items()}
+    payload = {"runs": [{"argv": a, "env": e} for a, e in commands.values()], "keys": KEYS}
+    return dict(zip(commands, run_check("parse", payload)["parsed"], strict=True))
 
 
-def _parse(script: str, checkpoint, knobs: dict) -> dict:
-    argv, env = script_command(script, checkpoint, knobs)
-    return run_check("parse", {"argv": argv, "keys": KEYS}, env=env)
-
-
-def test_k3_script_parses_in_miles(checkpoints):
+def test_k3_script_parses_in_miles(parsed):
     """The K3 script's flags: miles resolves --spec, the init, LoRA provider and reward paths as the script names."""
-    args = _parse(K3, checkpoints["k3"], SMOKE)
+    args = parsed[K3]
     assert args["spec"] == ["kimi_megatron_plugin.spec", "get_spec"]
     assert args["custom_megatron_init_path"] == "kimi_rl_glue.miles.init"
     assert args["lora_provider_path"] == "kimi_rl_glue.miles.lora_provider"
@@ -66,10 +66,10 @@ def test_k3_script_parses_in_miles(checkpoints):
 
 
 @pytest.mark.parametrize("script", [K31, K31_B300])
-def test_k31_scripts_parse_in_miles(checkpoints, script):
+def test_k31_scripts_parse_in_miles(parsed, script):
     """The K3.1 scripts: score centering as miles' custom loss, and --rollout-top-logprobs-num defined by our
     generate function (miles calls its add_arguments while parsing) with the script's K."""
-    args = _parse(script, checkpoints["k31"], SMOKE_K31)
+    args = parsed[script]
     assert args["loss_type"] == "custom_loss"
     assert args["custom_loss_function_path"] == "kimi_rl_glue.miles.losses.score_centering_loss"
     assert args["custom_generate_function_path"] == "kimi_rl_glue.miles.topk_rollout.generate"

@@ -28,31 +28,27 @@ N_NEW, TEMPERATURE = 5, 0.7
 
 
 @pytest.fixture(scope="module")
-def command(tmp_path_factory):
+def rollouts(tmp_path_factory):
+    """One miles rollout step against an SGLang that returns the top-K and one against an SGLang that returns
+    none (one child process: miles parses and builds its GenerateState once)."""
     ckpt = tiny_checkpoint("k31", tmp_path_factory.mktemp("k31"))
     argv, env = script_command(K31, ckpt, SMOKE)
-    return [*argv, "--rollout-temperature", str(TEMPERATURE)], env, ckpt
-
-
-def _rollout(command, **extra) -> dict:
-    argv, env, _ckpt = command
+    answer = dict(vocab=1024, n_new=N_NEW, seed=7, text="<think> 2 + 2 </think> the answer is \\boxed{4}")
     payload = dict(
-        argv=argv,
+        argv=[*argv, "--rollout-temperature", str(TEMPERATURE)],
         env=env,
-        vocab=1024,
-        n_new=N_NEW,
-        seed=7,
         prompt="what is 2 + 2 ?",
         label="4",
-        text="<think> 2 + 2 </think> the answer is \\boxed{4}",
+        servers=[answer, dict(answer, drop_top=True)],
     )
-    return run_check("topk_rollout", {**payload, **extra})
+    good, dropped = run_check("topk_rollout", payload)["runs"]
+    return {"good": good, "dropped": dropped}
 
 
-def test_topk_fields_equal_float64_recomputation(command):
+def test_topk_fields_equal_float64_recomputation(rollouts):
     """[N_NEW, K] ids and log-probs of the sampler's top-K, equal to log_softmax(logits / T).topk(K) in float64;
     the request carried top_logprobs_num = K and return_logprob; miles' reward path scored the response."""
-    out = _rollout(command)
+    out = rollouts["good"]
     assert "error" not in out, out.get("error")
     k = out["k"]
     assert k == 16 and out["temperature"] == TEMPERATURE
@@ -78,9 +74,9 @@ def test_topk_fields_equal_float64_recomputation(command):
     assert out["reward"] == 1.0
 
 
-def test_sglang_without_top_logprobs_is_named(command):
+def test_sglang_without_top_logprobs_is_named(rollouts):
     """An SGLang that answers no top-K rows stops the rollout with our error naming the SGLang field."""
-    out = _rollout(command, drop_top=True)
+    out = rollouts["dropped"]
     assert out["error"].startswith("MissingTopLogprobs")
     assert "output_top_logprobs" in out["error"] and "SGLang" in out["error"]
 
