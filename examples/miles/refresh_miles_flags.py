@@ -33,15 +33,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "miles_flags.txt"
 
-# Flags our scripts need that the miles commit this list is built from (radixark/miles PR #1792, the
-# native-LoRA branch docs/miles.md pins) does not define; each names where it is documented. Rebuild
-# from a checkout that has them to drop this section.
+# Flags our scripts pass that the miles commit this list is built from (radixark/miles PR #1792, the
+# native-LoRA branch docs/miles.md pins) does not define itself; each names what defines it at run time.
 NEWER_MAIN = {
     "--rollout-top-logprobs-num": (
         "1",
-        "newer main: miles/utils/arguments.py (sampler top-K candidates for score "
-        "centering; parsed in miles' "
-        "tests/fast/utils/test_arguments.py of newer main)",
+        "kimi_rl_glue: kimi_rl_glue/miles/topk_rollout.py add_arguments (miles' parser calls it for "
+        "--custom-generate-function-path kimi_rl_glue.miles.topk_rollout.generate)",
     ),
 }
 
@@ -154,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         f"# miles:       {a.miles_ref} (miles/utils/arguments.py get_miles_extra_args_provider and the files it calls)",
         f"# Megatron-LM: {a.megatron_ref} (megatron/training/arguments.py add_megatron_arguments;",
         "#              dataclass-generated groups come from megatron/training/argument_utils.py)",
-        "# FILE 'Megatron-LM:...' is in Megatron-LM, a bare path is in miles, 'newer main: ...' is a flag of",
-        "# a radixark/miles main newer than the miles commit above (documented where stated).",
+        "# FILE 'Megatron-LM:...' is in Megatron-LM, a bare path is in miles, 'kimi_rl_glue: ...' is a flag our",
+        "# --custom-generate-function-path adds to miles' parser (miles calls its add_arguments).",
         "# Not listed: --sglang-<flag> / --eval-sglang-<flag>, generated from the installed SGLang's",
         "# ServerArgs.add_cli_args by miles/backends/sglang_utils/arguments.py (checked against ServerArgs).",
         f"# modules stubbed while importing: {','.join(stubs)}",

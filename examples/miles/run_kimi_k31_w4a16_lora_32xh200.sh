@@ -9,9 +9,8 @@
 #
 # What our plugins replace, compared with the seed:
 #   - No Kimi branches: miles at its native-LoRA PR #1792 (docs/miles.md; no PRs #4666/#4667), stock
-#     Megatron-LM miles-main and
-#     stock SGLang 0.5.23 instead of the sglang-miles-kimi-k31 branch in the radixark/miles:kimi-k31
-#     image. kimi_sglang_plugin (SGLANG_PLUGINS=kimi) supplies K3.1 (K3 + DSA indexer, with SGLang's
+#     Megatron-LM miles-main and stock SGLang 0.5.17 instead of the sglang-miles-kimi-k31 branch in the
+#     radixark/miles:kimi-k31 image. kimi_sglang_plugin (SGLANG_PLUGINS=kimi) supplies K3.1 (K3 + DSA indexer, with SGLang's
 #     DSA pools selected), MoE LoRA on the Marlin MXFP4 runner with SiTU, and the K3 LoRA fixes of
 #     sglang#37704 as version-checked hooks; our Megatron spec supplies K3.1 and the W4A16 experts.
 #   - Still no BF16 copy and no torch_dist conversion (the seed already read the release as

@@ -6,7 +6,7 @@
 #
 # What our plugins replace, compared with the seed:
 #   - No Kimi branches: miles at its native-LoRA PR #1792 (docs/miles.md; main lacks --lora-provider-path),
-#     stock Megatron-LM miles-main and stock SGLang 0.5.23.
+#     stock Megatron-LM miles-main and stock SGLang 0.5.17 (this miles imports a module 0.5.23 dropped).
 #     The seed needed miles PR #1825 (kimi_k3 if/elif branches in model.py, lora_utils.py and the
 #     raw converter), radixark/Megatron-LM#94 and the sglang-miles-k3 branch in a dedicated image.
 #     Here: --spec kimi_megatron_plugin.spec get_spec (KDA, attention residuals, latent MoE),
