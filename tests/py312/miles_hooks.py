@@ -173,3 +173,126 @@ def _jsonable(v):
 
 
 CHECKS["train_hooks"] = check_train_hooks
+
+
+# The keys miles' train step asks get_batch for (``forward_step`` in radixark/miles:miles/backends/megatron_utils/
+# model.py at the pinned commit); rollout_topk_* are not among them.
+TRAIN_STEP_KEYS = [
+    "tokens",
+    "multimodal_train_inputs",
+    "packed_seq_params",
+    "total_lengths",
+    "response_lengths",
+    "loss_masks",
+    "log_probs",
+    "ref_log_probs",
+    "values",
+    "advantages",
+    "returns",
+    "rollout_log_probs",
+    "max_seq_lens",
+    "witness_ids",
+    "opd_reverse_kl",
+    "rollout_mask_sums",
+]
+TOPK_KEYS = ["rollout_topk_token_ids", "rollout_topk_log_probs"]
+
+
+def _score_centering_data(vocab: int, seed: int):
+    """Three samples of miles' per-sample rollout lists and the sampler's top-K (float64), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, resps, k = [3, 2, 5], [4, 3, 6], 4
+    totals = [p + r for p, r in zip(prompts, resps, strict=True)]
+    q = [torch.log_softmax(2 * torch.randn(r, vocab, generator=g, dtype=torch.float64), -1) for r in resps]
+    tokens = [torch.randint(0, vocab, (t,), generator=g) for t in totals]
+    ids = [torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(r)]) for r in resps]
+    ids[0][1, -1] = -1
+    head = [torch.where(i >= 0, qq.gather(1, i.clamp(min=0)), -torch.inf) for qq, i in zip(q, ids, strict=True)]
+    masks = [torch.ones(r, dtype=torch.int) for r in resps]
+    masks[2][2] = 0
+    return {
+        "tokens": tokens,
+        "total_lengths": totals,
+        "response_lengths": resps,
+        "loss_masks": masks,
+        "advantages": [torch.full((r,), float(a)) for r, a in zip(resps, torch.randn(3, generator=g), strict=True)],
+        "rollout_log_probs": [qq.gather(1, t[-r:, None])[:, 0] for qq, t, r in zip(q, tokens, resps, strict=True)],
+        "rollout_topk_token_ids": ids,
+        "rollout_topk_log_probs": head,
+    }
+
+
+def check_loss_dispatch(payload: dict) -> dict:
+    """Our ``--custom-loss-function-path`` through miles' ``loss_function`` (``training_utils/loss.py``: its
+    dispatch, ``sum_of_sample_mean`` / per-token reducer and Megatron scaling) on a micro-batch miles' own
+    ``get_batch`` packs from a ``DataIterator``, 1 rank; against the plain per-sample score-centering loss
+    (``score_centering_from_logits``) on the same float64 logits, value and logits gradient."""
+    os.environ.update(payload["env"])
+    args = parse_miles_args(payload["argv"])
+    # no GPU here: miles' get_batch puts cu_seqlens on the current CUDA device
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    from miles.backends.training_utils.data import DataIterator, get_batch
+    from miles.backends.training_utils.loss import loss_function
+    from miles.backends.training_utils.parallel import ParallelState, set_parallel_state
+    from miles.utils.ft_utils.process_group_utils import GroupInfo
+
+    one = GroupInfo(rank=0, size=1, group=None)
+    set_parallel_state(ParallelState(one, one, one, one, one, one, one, one))
+    vocab = payload["vocab"]
+    data = _score_centering_data(vocab, payload["seed"])
+
+    def batch_for(keys):
+        it = DataIterator(data, micro_batch_size=len(data["tokens"]))
+        return get_batch(it, keys, args.data_pad_size_multiplier, args.qkv_format, allgather_cp=args.allgather_cp)
+
+    out = {"calculate_per_token_loss": args.calculate_per_token_loss}
+    batch = batch_for(TRAIN_STEP_KEYS)
+    n = batch["tokens"].shape[-1]
+    g = torch.Generator().manual_seed(payload["seed"] + 1)
+    base = 3 * torch.randn(1, n, vocab, generator=g, dtype=torch.float64)
+    out.update(packed_positions=n, train_step_keys=_outcome(lambda: float(loss_function(args, batch, 1, base)[0])))
+
+    logits = base.clone().requires_grad_(True)
+    loss, normalizer, _log = loss_function(args, batch_for(TRAIN_STEP_KEYS + TOPK_KEYS), 1, logits, True)
+    loss.backward()
+
+    from kimi_rl_glue.losses.score_centering import score_centering_from_logits
+
+    ref_logits = base.clone().requires_grad_(True)
+    ref, off = 0, 0
+    for i, (total, resp) in enumerate(zip(data["total_lengths"], data["response_lengths"], strict=True)):
+        rows = ref_logits[0, off + total - resp - 1 : off + total - 1] / float(args.rollout_temperature)
+        off += total
+        per_token, _, _ = score_centering_from_logits(
+            rows,
+            data["tokens"][i][-resp:],
+            data["rollout_topk_token_ids"][i],
+            data["rollout_log_probs"][i].double(),
+            data["rollout_topk_log_probs"][i],
+            data["advantages"][i].double(),
+            importance=getattr(args, "score_centering_is", "none") or "none",
+        )
+        m = data["loss_masks"][i].double()
+        ref = ref + ((per_token * m).sum() if args.calculate_per_token_loss else (per_token * m).sum() / m.sum())
+    ref.backward()
+    out.update(
+        loss=float(loss),
+        reference=float(ref),
+        normalizer=float(normalizer),
+        grad_max_abs_diff=float((logits.grad - ref_logits.grad).abs().max()),
+        grad_max_abs=float(ref_logits.grad.abs().max()),
+    )
+    return out
+
+
+CHECKS["loss_dispatch"] = check_loss_dispatch
+
+
+def check_train_side(payload: dict) -> dict:
+    """:func:`check_loss_dispatch` then :func:`check_train_hooks` in one process (miles imported and the
+    arguments parsed once)."""
+    return {"loss": check_loss_dispatch(payload), "hooks": check_train_hooks(payload)}
+
+
+CHECKS["train_side"] = check_train_side

@@ -1,6 +1,14 @@
-"""Our train-side hooks reached through miles' own loaders, in a 1-rank gloo world on the pinned Megatron-LM fork.
+"""Our train-side hooks reached through miles' own code, on the pinned Megatron-LM fork, one rank (one child
+process: miles parses the K3.1 script, one GPU's layout, tiny K3.1 config, once).
 
-miles parses the K3 script (one GPU's layout, tiny K3 config) and then, as its actor does:
+Loss: score centering through miles' own loss path: a micro-batch packed by miles' ``get_batch`` from a
+``DataIterator`` and miles' ``loss_function`` (dispatch on ``--loss-type custom_loss
+--custom-loss-function-path``, its per-token reducer and scaling), float64 logits. With the keys miles' train
+step asks ``get_batch`` for, the batch has no ``rollout_topk_*`` and our loss stops naming the field
+(docs/miles.md: PR #1792 carries no top-K into the train batch); with the two keys added, the loss and its
+logits gradient equal the plain per-sample loss (``score_centering_from_logits``) summed per token.
+
+Init and LoRA provider, in a gloo world of one, as miles' actor calls them:
 ``load_function(args.custom_megatron_init_path)(args)`` (``megatron_utils/initialize.py``) and
 ``resolve_lora_provider(args).wrap_model_provider_with_lora(get_model_provider_func(args, "actor"), args)``
 called like ``get_model`` (``megatron_utils/model.py``). What resolves is asserted; what runs is the open
@@ -20,17 +28,41 @@ require("torch", "torch")
 if (why := missing_sources()) is not None:
     pytest.skip(f"miles sources: {why}", allow_module_level=True)
 
-K3 = "examples/miles/run_kimi_k3_lora.sh"
+K31 = "examples/miles/run_kimi_k31_w4a16_lora_32xh200.sh"
 ONE_GPU = dict(NUM_NODES="1", GPUS_PER_NODE="1", TP="1", PP="1", CP="1", EP="1", ROLLOUT_TP="1", ROLLOUT_EP="1")
+ONE_GPU.update(ROLLOUT_ATTN_DP="1", GLOBAL_BATCH_SIZE="16", ROLLOUT_BATCH_SIZE="1")
 
 
 @pytest.fixture(scope="module")
-def hooks(tmp_path_factory):
-    argv, env = script_command(K3, tiny_checkpoint("k3", tmp_path_factory.mktemp("k3")), ONE_GPU)
+def train_side(tmp_path_factory):
+    argv, env = script_command(K31, tiny_checkpoint("k31", tmp_path_factory.mktemp("k31")), ONE_GPU)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return run_check("train_hooks", {"argv": argv, "env": env, "port": port})
+    return run_check("train_side", {"argv": argv, "env": env, "port": port, "vocab": 64, "seed": 3})
+
+
+@pytest.fixture(scope="module")
+def hooks(train_side):
+    return train_side["hooks"]
+
+
+@pytest.fixture(scope="module")
+def dispatched(train_side):
+    return train_side["loss"]
+
+
+def test_train_step_keys_lack_topk(dispatched):
+    """miles' own get_batch key list: our loss raises MissingRolloutField naming rollout_topk_token_ids."""
+    err = dispatched["train_step_keys"]["error"]
+    assert err.startswith("MissingRolloutField") and "rollout_topk_token_ids" in err
+
+
+def test_loss_and_grad_equal_plain_per_sample_loss(dispatched):
+    """Per-token loss (--calculate-per-token-loss) through miles' loss_function equals the plain float64 sum."""
+    assert dispatched["calculate_per_token_loss"] is True
+    assert dispatched["loss"] == pytest.approx(dispatched["reference"], rel=1e-12, abs=1e-12)
+    assert dispatched["grad_max_abs_diff"] <= 1e-12 * max(1.0, dispatched["grad_max_abs"])
 
 
 def test_miles_loaders_reach_our_hooks(hooks):
