@@ -10,8 +10,6 @@ through miles' ``async_rm``.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from miles_lane import missing_sources, run_check, script_command, tiny_checkpoint
@@ -79,11 +77,3 @@ def test_sglang_without_top_logprobs_is_named(rollouts):
     out = rollouts["dropped"]
     assert out["error"].startswith("MissingTopLogprobs")
     assert "output_top_logprobs" in out["error"] and "SGLang" in out["error"]
-
-
-def test_padding_values():
-    """Rows shorter than K are padded with id -1 and log-prob -inf (the loss's head mask)."""
-    from kimi_rl_glue.miles.topk_rollout import topk_rows
-
-    ids, lps = topk_rows({"output_top_logprobs": [[[-0.1, 3, None], [-2.5, 9, None]]]}, [3], 3)
-    assert ids == [[3, 9, -1]] and lps[0][:2] == [-0.1, -2.5] and lps[0][2] == -math.inf
