@@ -40,3 +40,17 @@ def mcore_world():
     cpu_parallel.initialize_cpu_parallel(1, 1, 1, rank=0, world_size=1, port=port)
     yield
     cpu_parallel.destroy_cpu_parallel()
+
+
+@pytest.fixture(scope="session")
+def started_ahead():
+    """``{name: started}``: processes a module fixture started for a LATER module's tests (each a dict holding its
+    ``subprocess.Popen`` as ``"proc"``), so its single-threaded start runs beside the first module's work on the
+    second core; the later module pops its entry, or starts its own when the first module did not run. Processes
+    no test waited for are killed at the session's end."""
+    ahead: dict[str, dict] = {}
+    yield ahead
+    for started in ahead.values():
+        if started["proc"].poll() is None:
+            started["proc"].kill()
+            started["proc"].wait()

@@ -113,11 +113,12 @@ def stop_engine(started: dict) -> None:
         started["proc"].wait()
 
 
-def selected_tests(request) -> set[str]:
-    """Names (parameters stripped) of the tests of ``request``'s module that this session runs (after ``-k``,
-    ``-m`` and deselection): a module fixture starts only the engines a selected test reads."""
-    prefix = request.node.nodeid + "::"
-    return {i.originalname for i in request.session.items if i.nodeid.startswith(prefix)}
+def selected_tests(request, module: str | None = None) -> set[str]:
+    """Names (parameters stripped) of the tests of ``request``'s module (or of the module file ``module`` in the same
+    folder) that this session runs (after ``-k``, ``-m`` and deselection): a module fixture starts only the engines
+    a selected test reads."""
+    path = request.node.path if module is None else request.node.path.parent / module
+    return {i.originalname for i in request.session.items if i.path == path}
 
 
 def base_and_ab_steps(ckpt: str, tmp) -> tuple[dict, list[dict]]:
@@ -190,3 +191,30 @@ def check_base_bf16(res: dict, step: dict, ckpt: str, reference, label: str) -> 
         f"median {own.median():.4f} mean {own.mean():.4f} max {own.max():.4f} ({eng.numel()} positions)"
     )
     assert eng.median() <= BF16_RATIO * own.median() + BF16_SLACK, (label, eng.median().item(), own.median().item())
+
+
+#: test module of the K2.5 engine with SkyRL's own K2.5 patch in its worker (:func:`start_k25_skyrl_patch_engine`)
+K25_SKYRL_PATCH_MODULE = "test_engine_k25_skyrl_patch_cpu.py"
+
+
+def start_k25_skyrl_patch_engine(k25: str, patch: str, tmp) -> dict:
+    """:func:`start_engine`'s dict, the adapter paths under ``"adapters"``, of :data:`K25_SKYRL_PATCH_MODULE`'s one
+    fp32 text-only K2.5 engine, SkyRL's patch file ``patch`` applied in its worker by
+    ``skyrl_k25_patch.SkyRLK25PatchExtension``; model info, then the base and adapters A / B
+    (:func:`base_and_ab_steps`). Started by that module, or ahead by ``test_engine_k25_cpu.py``'s
+    fixture beside its own two engines (``started_ahead``); the same process and plan either way."""
+    from skyrl_k25_patch import PATCH_ENV
+
+    ads, steps = base_and_ab_steps(k25, tmp)
+    pythonpath = os.pathsep.join(p for p in (os.path.abspath(HERE), os.environ.get("PYTHONPATH")) if p)
+    started = start_engine(
+        tmp,
+        k25,
+        "float32",
+        True,
+        [{"kind": "model_info", "tag": "info"}, *steps],
+        {"language_model_only": True, "worker_extension_cls": "skyrl_k25_patch.SkyRLK25PatchExtension"},
+        env={PATCH_ENV: patch, "PYTHONPATH": pythonpath},
+    )
+    started["adapters"] = ads
+    return started

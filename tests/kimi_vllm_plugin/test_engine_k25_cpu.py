@@ -14,6 +14,7 @@ pytest.importorskip("vllm")
 from engine_harness import (
     BF16_PROMPTS,
     FP32_TOL,
+    K25_SKYRL_PATCH_MODULE,
     PROMPTS,
     base_and_ab_steps,
     check_adapter,
@@ -24,8 +25,10 @@ from engine_harness import (
     reference_scorer,
     selected_tests,
     start_engine,
+    start_k25_skyrl_patch_engine,
     stop_engine,
 )
+from skyrl_k25_patch import patch_file
 
 TEXT_ONLY = {"language_model_only": True}
 
@@ -44,11 +47,19 @@ BF16_TEST = "test_bf16_engine_base_logprobs_within_tolerance"
 
 
 @pytest.fixture(scope="module")
-def engines(k25, request, tmp_path_factory):
+def engines(k25, request, tmp_path_factory, started_ahead):
     """``{"fp32": (started, adapters), "bf16": started}``: the module's two independent engines (each its own
     process and plan, what ``run_engine`` would run alone), started together so one's single-threaded start runs
-    beside the other's; each only if a selected test reads it. Engines no test waited for are killed at the end."""
+    beside the other's; each only if a selected test reads it. Engines no test waited for are killed at the end.
+    When this session also runs ``K25_SKYRL_PATCH_MODULE`` (and the py312 lane has SkyRL's patch), that module's
+    own engine (``start_k25_skyrl_patch_engine``) starts here too, beside these two, for that module to wait for
+    (``started_ahead``)."""
     wanted = selected_tests(request)
+    if selected_tests(request, K25_SKYRL_PATCH_MODULE) and K25_SKYRL_PATCH_MODULE not in started_ahead:
+        patch = patch_file()
+        if patch is not None:  # else that module skips, saying why
+            tmp = tmp_path_factory.mktemp("engine_k25_skyrl")
+            started_ahead[K25_SKYRL_PATCH_MODULE] = start_k25_skyrl_patch_engine(k25, patch, tmp)
     out = {}
     if wanted - {BF16_TEST}:
         tmp = tmp_path_factory.mktemp("engine_k25_fp32")

@@ -9,17 +9,21 @@ multimodal path; base and adapters must be served exactly as without the patch (
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 pytest.importorskip("vllm")
 
-from engine_harness import FP32_TOL, PROMPTS, base_and_ab_steps, check_adapter, check_base, maxdiff, run_engine
-from skyrl_k25_patch import PATCH_ENV, PY312, SKYRL_PATCH, patch_file
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-EXTENSION = "skyrl_k25_patch.SkyRLK25PatchExtension"
+from engine_harness import (
+    FP32_TOL,
+    K25_SKYRL_PATCH_MODULE,
+    PROMPTS,
+    check_adapter,
+    check_base,
+    finish_engine,
+    maxdiff,
+    start_k25_skyrl_patch_engine,
+)
+from skyrl_k25_patch import PY312, SKYRL_PATCH, patch_file
 
 
 @pytest.fixture(scope="module")
@@ -35,24 +39,20 @@ def reference(k25):
 
 
 @pytest.fixture(scope="module")
-def run(k25, tmp_path_factory):
-    """``(result, steps by tag, adapter paths)`` of one fp32 text-only engine with SkyRL's patch in its worker."""
-    path = patch_file()
-    if path is None:
-        pytest.skip(f"SkyRL's {SKYRL_PATCH} lives in the py312 lane ({PY312}; make venv-py312 or KIMI_PY312_PYTHON)")
-    tmp = tmp_path_factory.mktemp("engine_k25_skyrl")
-    ads, steps = base_and_ab_steps(k25, tmp)
-    pythonpath = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
-    res, by_tag = run_engine(
-        tmp,
-        k25,
-        "float32",
-        True,
-        [{"kind": "model_info", "tag": "info"}, *steps],
-        {"language_model_only": True, "worker_extension_cls": EXTENSION},
-        env={PATCH_ENV: path, "PYTHONPATH": pythonpath},
-    )
-    return res, by_tag, ads
+def run(k25, tmp_path_factory, started_ahead):
+    """``(result, steps by tag, adapter paths)`` of one fp32 text-only engine with SkyRL's patch in its worker
+    (``start_k25_skyrl_patch_engine``): the one ``test_engine_k25_cpu.py`` started ahead in this session, else
+    started here."""
+    started = started_ahead.pop(K25_SKYRL_PATCH_MODULE, None)
+    if started is None:
+        path = patch_file()
+        if path is None:
+            pytest.skip(
+                f"SkyRL's {SKYRL_PATCH} lives in the py312 lane ({PY312}; make venv-py312 or KIMI_PY312_PYTHON)"
+            )
+        started = start_k25_skyrl_patch_engine(k25, path, tmp_path_factory.mktemp("engine_k25_skyrl"))
+    res, by_tag = finish_engine(started)
+    return res, by_tag, started["adapters"]
 
 
 @pytest.mark.slow
