@@ -115,7 +115,8 @@ P312_DEPS := "transformers==5.12.1" "peft==0.18.1" "ray==2.57.0" "datasets>=4" t
 P312_MILES_SRC := $(P312_VENV)/src-miles
 P312_MILES_HOSTS := "sglang==0.5.17" "torchvision==0.29.1"
 P312_MILES_DEPS := "sglang-router==0.3.2" "openai==2.6.1" "xgrammar==0.2.1" "apache-tvm-ffi==0.1.11" "polars==1.42.1" \
-	fastapi uvicorn setproctitle IPython msgspec pyzmq partial_json_parser sentencepiece six matplotlib pylatexenc
+	"compressed-tensors==0.18.0" fastapi uvicorn setproctitle IPython msgspec pyzmq partial_json_parser sentencepiece \
+	six matplotlib pylatexenc gguf
 P312_SKIP := SKIPPED: no Python 3.12 interpreter (tried python3.12 and $${PYENV_ROOT:-~/.pyenv}/versions/3.12*); skyrl 0.4.0 and megatron-bridge 0.6.2 need Python 3.12, so tests/py312 (real SkyRL registries and config, real Megatron-Bridge) do not run
 # glue tests that also run against the real skyrl_gym / SkyRL dataset code in this lane (a stand-in in the main lane)
 P312_GLUE_TESTS := tests/kimi_rl_glue/test_token_set_env.py tests/kimi_rl_glue/test_data_skyrl.py

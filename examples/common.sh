@@ -26,6 +26,7 @@ KIMI_MILES_LORA_PROVIDER=kimi_rl_glue.miles.lora_provider    # --lora-provider-p
 KIMI_MILES_REWARD=kimi_rl_glue.miles.reward.math_rm          # --custom-rm-path: deepscaler-style 0/1 math reward
 KIMI_MILES_LOSS_SCORE_CENTERING=kimi_rl_glue.miles.losses.score_centering_loss  # --custom-loss-function-path
 KIMI_MILES_TOPK_GENERATE=kimi_rl_glue.miles.topk_rollout.generate  # --custom-generate-function-path: SGLang top-K per token
+KIMI_MILES_TOPK_TRAIN_DATA=kimi_rl_glue.miles.topk_transport.convert_samples_to_train_data  # --custom-convert-samples-to-train-data-path
 KIMI_SKYRL_ENTRYPOINT=kimi_rl_glue.skyrl.main                # SkyRL trainer.override_entrypoint (module with main())
 
 KIMI_KNOBS=()

@@ -21,7 +21,8 @@
 #   - Score centering and the reward come from kimi_rl_glue (--loss-type custom_loss,
 #     --custom-rm-path) instead of the branch's built-in --loss-type score_centering; the sampler's
 #     top-K per token from our generate function (--custom-generate-function-path, which also defines
-#     --rollout-top-logprobs-num) instead of the branch's rollout.
+#     --rollout-top-logprobs-num) and carried into the train batch by our conversion
+#     (--custom-convert-samples-to-train-data-path) instead of the branch's rollout.
 #
 # Usage: start one Ray cluster over the nodes, then from node 0
 #   SAVE_DIR=/shared/ckpt bash examples/miles/run_kimi_k31_w4a16_lora_32xh200.sh
@@ -125,6 +126,7 @@ ARGS=(
   # score centering: REINFORCE-style, A = R - group mean, per-token loss, rollout log-probs as old policy
   --loss-type custom_loss --custom-loss-function-path "$KIMI_MILES_LOSS_SCORE_CENTERING"
   --custom-generate-function-path "$KIMI_MILES_TOPK_GENERATE" --rollout-top-logprobs-num "$TOP_LOGPROBS_NUM"
+  --custom-convert-samples-to-train-data-path "$KIMI_MILES_TOPK_TRAIN_DATA"
   --advantage-estimator grpo --disable-grpo-std-normalization
   --use-rollout-logprobs --calculate-per-token-loss
   --kl-loss-coef 0 --entropy-coef 0

@@ -12,6 +12,8 @@ imports the left part and takes the attribute, so:
 
 What :func:`init` does, each step idempotent:
 
+0. :func:`kimi_rl_glue.miles.topk_transport.install_train_side`: miles' train step also asks its
+   ``get_batch`` for the rollout's top-K fields when the rollout data has them (score centering);
 1. no GPU: :func:`kimi_megatron_plugin.patches.apply_cpu_shims` (nothing on a GPU);
 2. imports :mod:`kimi_megatron_plugin.spec`, which checks the megatron-core version and fixes its
    TransformerEngine-absent flags, so a wrong install fails here with the version named;
@@ -38,14 +40,17 @@ log = logging.getLogger(__name__)
 def init(args) -> dict:
     """``--custom-megatron-init-path`` hook; returns what was done (miles ignores the value).
 
-    :returns: ``{"cpu_shims": bool, "bridge": {architecture: model_type} | None,
+    :returns: ``{"topk_transport": bool, "cpu_shims": bool, "bridge": {architecture: model_type} | None,
         "plugin_models": [architecture, ...]}``.
     """
     import torch
 
+    from kimi_rl_glue.miles import topk_transport
+
+    done: dict = {"topk_transport": topk_transport.install_train_side()}
+    done.update(cpu_shims=False, bridge=None, plugin_models=[])
     from kimi_megatron_plugin import bridge, patches
 
-    done: dict = {"cpu_shims": False, "bridge": None, "plugin_models": []}
     if not torch.cuda.is_available():
         done["cpu_shims"] = patches.apply_cpu_shims()
         log.info("kimi_rl_glue.miles.init: no GPU, megatron-core CPU shims applied")

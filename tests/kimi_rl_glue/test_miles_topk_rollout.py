@@ -76,3 +76,14 @@ def test_append_topk_extends_a_partial_rollout():
     tr.append_topk(s, [[1, 2]], [[-0.1, -0.2]])
     tr.append_topk(s, [[3, -1]], [[-0.3, -math.inf]])
     assert s.rollout_topk_token_ids == [[1, 2], [3, -1]] and len(s.rollout_topk_log_probs) == 2
+
+
+def test_transport_refusals_without_miles():
+    """topk_transport: the dynamic global batch size (which needs the rollout metadata miles withholds from
+    custom conversions) is refused by name; without miles' Megatron backend the train side installs nothing."""
+    from kimi_rl_glue.miles import topk_transport
+
+    with pytest.raises(topk_transport.TopkTransportError, match="--use-dynamic-global-batch-size"):
+        topk_transport.convert_samples_to_train_data(SimpleNamespace(use_dynamic_global_batch_size=True), [])
+    assert topk_transport.install_train_side() is False
+    assert [p.target.rsplit(".", 1)[1] for p in topk_transport.PATCHES] == ["_package_shards", "get_batch"]

@@ -138,7 +138,7 @@ def check_train_hooks(payload: dict) -> dict:
     loader on our init, then miles' LoRA resolver and ``wrap_model_provider_with_lora`` around miles' own
     model provider (``--spec``), building the actor chunk as ``setup_model_and_optimizer`` does."""
     os.environ.update(payload["env"])
-    args = parse_miles_args(payload["argv"])
+    args = payload.get("args") or parse_miles_args(payload["argv"])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(payload["port"]))
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     from megatron.core import parallel_state
@@ -228,7 +228,7 @@ def check_loss_dispatch(payload: dict) -> dict:
     ``get_batch`` packs from a ``DataIterator``, 1 rank; against the plain per-sample score-centering loss
     (``score_centering_from_logits``) on the same float64 logits, value and logits gradient."""
     os.environ.update(payload["env"])
-    args = parse_miles_args(payload["argv"])
+    args = payload.get("args") or parse_miles_args(payload["argv"])
     # no GPU here: miles' get_batch puts cu_seqlens on the current CUDA device
     torch.cuda.current_device = lambda: "cpu"
     torch.Tensor.cuda = lambda self, *a, **k: self
@@ -290,9 +290,85 @@ CHECKS["loss_dispatch"] = check_loss_dispatch
 
 
 def check_train_side(payload: dict) -> dict:
-    """:func:`check_loss_dispatch` then :func:`check_train_hooks` in one process (miles imported and the
-    arguments parsed once)."""
-    return {"loss": check_loss_dispatch(payload), "hooks": check_train_hooks(payload)}
+    """:func:`check_loss_dispatch`, :func:`check_train_hooks` and :func:`check_topk_transport` in one process
+    (miles imported and the arguments parsed once)."""
+    os.environ.update(payload["env"])
+    payload = {**payload, "args": parse_miles_args(payload["argv"])}
+    out = {"loss": check_loss_dispatch(payload), "hooks": check_train_hooks(payload)}
+    out["transport"] = _outcome(lambda: check_topk_transport(payload))
+    return out
 
 
 CHECKS["train_side"] = check_train_side
+
+
+def check_topk_transport(payload: dict) -> dict:
+    """The top-K fields from miles samples to the loss through miles' own code: our
+    ``--custom-convert-samples-to-train-data-path`` (miles' conversion inside), miles' DP split
+    (``split_train_data_by_dp_raw``, its ``_package_shards`` wrapped), then the train step's own
+    ``get_batch`` name in ``megatron_utils/model.py`` (wrapped by :func:`install_train_side`) with the train
+    step's key list, and miles' ``loss_function``; loss against the plain per-sample float64 loss."""
+    from miles.backends.training_utils.data import DataIterator
+    from miles.backends.training_utils.loss import loss_function
+    from miles.ray.rollout import train_data_conversion
+    from miles.utils.types import Sample
+
+    from kimi_rl_glue.miles import topk_transport
+
+    args = payload["args"]
+    data = _score_centering_data(payload["vocab"], payload["seed"])
+    samples = []
+    for i, (tok, resp) in enumerate(zip(data["tokens"], data["response_lengths"], strict=True)):
+        s = Sample(index=i, group_index=0, tokens=tok.tolist(), response_length=resp, reward=float(i))
+        s.loss_mask = data["loss_masks"][i].tolist()
+        s.rollout_log_probs = data["rollout_log_probs"][i].tolist()
+        s.status = Sample.Status.COMPLETED
+        setattr(s, TOPK_KEYS[0], data[TOPK_KEYS[0]][i].tolist())
+        setattr(s, TOPK_KEYS[1], data[TOPK_KEYS[1]][i].tolist())
+        samples.append(s)
+    topk_transport.install_train_side()  # done already where our init ran (its first step); idempotent
+    from miles.backends.megatron_utils import model as train_step
+
+    out = {"get_batch_wrapped": bool(getattr(train_step.get_batch, "_kimi_topk_transport", False))}
+    train = topk_transport.convert_samples_to_train_data(args, samples)
+    (shard,) = train_data_conversion.split_train_data_by_dp_raw(args, train, dp_size=1)
+    out["shard_keys"] = sorted(shard)
+    # what get_rollout_data does on the train side for the keys miles knows; advantages as its GRPO step leaves them
+    shard["tokens"] = [torch.tensor(t, dtype=torch.long) for t in shard["tokens"]]
+    shard["loss_masks"] = [torch.tensor(m, dtype=torch.int) for m in shard["loss_masks"]]
+    shard["rollout_log_probs"] = [torch.tensor(x, dtype=torch.float64) for x in shard["rollout_log_probs"]]
+    shard["advantages"] = data["advantages"]
+    batch = train_step.get_batch(
+        DataIterator(shard, micro_batch_size=len(samples)),
+        TRAIN_STEP_KEYS,
+        args.data_pad_size_multiplier,
+        args.qkv_format,
+        allgather_cp=args.allgather_cp,
+    )
+    out["batch_has_topk"] = all(batch.get(k) is not None for k in TOPK_KEYS)
+    g = torch.Generator().manual_seed(payload["seed"] + 1)
+    logits = 3 * torch.randn(1, batch["tokens"].shape[-1], payload["vocab"], generator=g, dtype=torch.float64)
+    out["loss"] = float(loss_function(args, batch, 1, logits, True)[0])
+    out["reference"] = float(_reference_loss(args, data, logits))
+    return out
+
+
+def _reference_loss(args, data, logits):
+    from kimi_rl_glue.losses.score_centering import score_centering_from_logits
+
+    ref, off = 0, 0
+    for i, (total, resp) in enumerate(zip(data["total_lengths"], data["response_lengths"], strict=True)):
+        rows = logits[0, off + total - resp - 1 : off + total - 1] / float(args.rollout_temperature)
+        off += total
+        per_token, _, _ = score_centering_from_logits(
+            rows,
+            data["tokens"][i][-resp:],
+            data["rollout_topk_token_ids"][i],
+            data["rollout_log_probs"][i].double(),
+            data["rollout_topk_log_probs"][i],
+            data["advantages"][i].double(),
+            importance=getattr(args, "score_centering_is", "none") or "none",
+        )
+        m = data["loss_masks"][i].double()
+        ref = ref + ((per_token * m).sum() if args.calculate_per_token_loss else (per_token * m).sum() / m.sum())
+    return ref

@@ -30,6 +30,7 @@ KEYS = [
     "loss_type",
     "custom_loss_function_path",
     "custom_generate_function_path",
+    "custom_convert_samples_to_train_data_path",
     "rollout_top_logprobs_num",
     "megatron_to_hf_mode",
     "model_name",
@@ -73,6 +74,9 @@ def test_k31_scripts_parse_in_miles(parsed, script):
     assert args["loss_type"] == "custom_loss"
     assert args["custom_loss_function_path"] == "kimi_rl_glue.miles.losses.score_centering_loss"
     assert args["custom_generate_function_path"] == "kimi_rl_glue.miles.topk_rollout.generate"
+    assert args["custom_convert_samples_to_train_data_path"] == (
+        "kimi_rl_glue.miles.topk_transport.convert_samples_to_train_data"
+    )
     assert args["rollout_top_logprobs_num"] == 128
     assert args["lora_provider_path"] == "kimi_rl_glue.miles.lora_provider"
     assert (args["model_name"], args["use_rollout_routing_replay"]) == ("kimi_k31", True)

@@ -8,6 +8,10 @@ step asks ``get_batch`` for, the batch has no ``rollout_topk_*`` and our loss st
 (docs/miles.md: PR #1792 carries no top-K into the train batch); with the two keys added, the loss and its
 logits gradient equal the plain per-sample loss (``score_centering_from_logits``) summed per token.
 
+Top-K transport: our ``--custom-convert-samples-to-train-data-path`` and the two ledgered wraps of
+``kimi_rl_glue.miles.topk_transport`` carry the producer's fields through miles' DP split and train-step
+``get_batch`` into the loss.
+
 Init and LoRA provider, in a gloo world of one, as miles' actor calls them:
 ``load_function(args.custom_megatron_init_path)(args)`` (``megatron_utils/initialize.py``) and
 ``resolve_lora_provider(args).wrap_model_provider_with_lora(get_model_provider_func(args, "actor"), args)``
@@ -50,6 +54,19 @@ def hooks(train_side):
 @pytest.fixture(scope="module")
 def dispatched(train_side):
     return train_side["loss"]
+
+
+def test_topk_fields_reach_the_loss_through_miles(train_side):
+    """kimi_rl_glue.miles.topk_transport: our conversion (miles' inside), miles' DP split and the train step's own
+    get_batch carry rollout_topk_* from the samples to the loss, which equals the plain per-sample float64 loss
+    (the fields travel as float32, like miles' rollout_log_probs)."""
+    out = train_side["transport"]
+    assert "ok" in out, out
+    out = out["ok"]
+    assert out["get_batch_wrapped"] is True
+    assert {"rollout_topk_token_ids", "rollout_topk_log_probs"} <= set(out["shard_keys"])
+    assert out["batch_has_topk"] is True
+    assert out["loss"] == pytest.approx(out["reference"], rel=1e-6)
 
 
 def test_train_step_keys_lack_topk(dispatched):
