@@ -74,9 +74,14 @@ class MissingRolloutField(KimiError, KeyError):
 
 
 # Where each field score centering reads is produced in miles' rollout.
+_TOPK_SOURCE = (
+    "--rollout-top-logprobs-num K (the sampler's top-K per generated token; on radixark/miles#1792 with "
+    "--custom-generate-function-path kimi_rl_glue.miles.topk_rollout.generate and "
+    "--custom-convert-samples-to-train-data-path kimi_rl_glue.miles.topk_transport.convert_samples_to_train_data)"
+)
 _ROLLOUT_FIELD_SOURCE = {
-    "rollout_topk_token_ids": "--rollout-top-logprobs-num K (the sampler's top-K per generated token)",
-    "rollout_topk_log_probs": "--rollout-top-logprobs-num K (the sampler's top-K per generated token)",
+    "rollout_topk_token_ids": _TOPK_SOURCE,
+    "rollout_topk_log_probs": _TOPK_SOURCE,
     "rollout_log_probs": "--use-rollout-logprobs",
     "advantages": "an --advantage-estimator (grpo)",
 }
@@ -87,9 +92,7 @@ def _require_rollout_fields(batch: dict) -> None:
         if batch.get(key) is None:
             raise MissingRolloutField(
                 f"kimi_rl_glue.miles.losses.score_centering_loss needs batch[{key!r}], which miles fills from "
-                f"{source}; run miles with --rollout-top-logprobs-num K and --use-rollout-logprobs. A miles "
-                "without --rollout-top-logprobs-num (radixark/miles main up to the native-LoRA PR #1792) records "
-                "no top-K: see docs/miles.md for the miles to use"
+                f"{source}; run miles with --rollout-top-logprobs-num K and --use-rollout-logprobs (docs/miles.md)"
             )
 
 
