@@ -132,9 +132,9 @@ $(P312_STAMP): pyproject.toml $(MEMBER_PYPROJECTS) Makefile
 	$(P312_PIP) install -q --no-deps $(P312_HOSTS); \
 	$(P312_PIP) install -q $(P312_DEPS); \
 	$(P312_PIP) install -q --no-deps $(EDITABLE_MEMBERS) -e .; \
-	$(P312_PIP) install -q --no-deps $(P312_MILES_HOSTS); \
-	$(P312_PIP) install -q $(P312_MILES_DEPS); \
-	$(P312_PY) tests/py312/miles_sources.py $(P312_MILES_SRC) || echo "venv-py312: tests/py312/test_miles_*.py will skip (no miles sources)"; \
+	if $(P312_PY) tests/py312/miles_sources.py $(P312_MILES_SRC); then \
+	  $(P312_PIP) install -q --no-deps $(P312_MILES_HOSTS) && $(P312_PIP) install -q $(P312_MILES_DEPS); \
+	else echo "venv-py312: tests/py312/test_miles_*.py will skip (no miles sources; SGLang and miles' imports not installed)"; fi; \
 	$(P312_PY) -c "import kimi_megatron_plugin.patches.te_stub as s; s.install(); import torch, skyrl, megatron.core, megatron.bridge; from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry; print('py312 venv ready: torch', torch.__version__, '| skyrl', skyrl.__version__, '| megatron-core', megatron.core.__version__)"; \
 	echo "py312 venv built in $$(( $$(date +%s) - start )) s, $$(du -sh $(P312_VENV) | cut -f1)"
 	touch $(P312_STAMP)
