@@ -5,13 +5,18 @@ the releases the test lanes run, why the range is what it is and what to install
 (:mod:`kimi_megatron_plugin.models`) call :func:`check_mcore_version` when they are imported, so a wrong
 install fails at the first import with the release found, the releases supported and what to install
 (:class:`kimi_core.errors.PluginError`). The patch ledger (:mod:`kimi_megatron_plugin.patches`) records
-its rows against the same ranges.
+its rows against the same ranges (:attr:`HostSupport.ledger_releases`: the range plus the accepted forks).
+
+A :class:`HostFork` is a source tree that reports a release outside the range (a development version) and is
+accepted only where its version string *and* a probe of the tree match: miles' Megatron-LM fork reports
+megatron-core 0.16.0rc0 and carries packages no megatron-core release has.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-from dataclasses import dataclass
+import importlib.util
+from dataclasses import dataclass, field
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -19,7 +24,10 @@ from packaging.version import Version
 from kimi_core.errors import PluginError
 
 __all__ = [
+    "HostFork",
     "HostSupport",
+    "MILES_MEGATRON_FORK",
+    "accepted_fork",
     "refusal_class",
     "MEGATRON_CORE",
     "MEGATRON_BRIDGE",
@@ -31,6 +39,34 @@ __all__ = [
 
 
 @dataclass(frozen=True)
+class HostFork:
+    """A host source tree accepted outside its distribution's release range.
+
+    :param name: the repository and branch (``"radixark/Megatron-LM miles-main"``).
+    :param reports: the exact release string the tree reports (``megatron.core.package_info.__version__``).
+    :param markers: modules the tree has and no release of the distribution has, found with
+        :func:`importlib.util.find_spec` (nothing is imported); all must be present.
+    :param checked: the commit the plugin's tests ran on, and where they ran.
+    :param why: what the fork is for.
+    """
+
+    name: str
+    reports: str
+    markers: tuple[str, ...]
+    checked: str
+    why: str
+
+    def matches(self, release: Version | str) -> bool:
+        """True when ``release`` is the string this fork reports and every marker module is importable here."""
+        if Version(str(release)) != Version(self.reports):
+            return False
+        try:
+            return all(importlib.util.find_spec(m) is not None for m in self.markers)
+        except (ImportError, ValueError):  # a marker's parent package is absent or broken
+            return False
+
+
+@dataclass(frozen=True)
 class HostSupport:
     """The supported releases of one host distribution.
 
@@ -39,6 +75,7 @@ class HostSupport:
     :param tested: the releases the test lanes run, with the Python they run on.
     :param why: what pins the range.
     :param install: what to install instead.
+    :param forks: source trees accepted outside ``releases`` by their version string and a probe.
     """
 
     distribution: str
@@ -46,15 +83,30 @@ class HostSupport:
     tested: tuple[str, ...]
     why: str
     install: str
+    forks: tuple[HostFork, ...] = field(default=())
 
     def accepts(self, release: Version | str) -> bool:
-        return Version(str(release)) in SpecifierSet(self.releases)
+        """True for a release in ``releases``, or for the installed tree of an accepted fork."""
+        v = Version(str(release))
+        return v in SpecifierSet(self.releases) or any(f.matches(v) for f in self.forks)
+
+    @property
+    def ledger_releases(self) -> str:
+        """One PEP 440 specifier covering ``releases`` and every fork's release (the patch ledger's
+        ``versions``): the lower bound drops to the lowest fork release, which, being a pre-release, admits
+        pre-releases. :meth:`accepts` is the stricter gate."""
+        if not self.forks:
+            return self.releases
+        low = min(Version(f.reports) for f in self.forks)
+        clauses = [c for c in self.releases.split(",") if not c.strip().startswith(">=")]
+        return ",".join([f">={low}", *clauses])
 
     def refusal(self, found: str) -> str:
         """The one message for a missing or unsupported release: found, supported, what to install."""
+        forks = "".join(f" or {f.name} (reports {f.reports})" for f in self.forks)
         return (
-            f"kimi_megatron_plugin supports {self.distribution} {self.releases} (tested: {', '.join(self.tested)}); "
-            f"found {found}. {self.install}"
+            f"kimi_megatron_plugin supports {self.distribution} {self.releases}{forks} "
+            f"(tested: {', '.join(self.tested)}); found {found}. {self.install}"
         )
 
 
@@ -78,14 +130,26 @@ def refusal_class(name: str, host: HostSupport, found: str) -> type:
     return _REFUSALS[key]
 
 
+MILES_MEGATRON_FORK = HostFork(
+    name="radixark/Megatron-LM miles-main",
+    reports="0.16.0rc0",
+    markers=("miles_megatron_plugins", "megatron.core.extensions.sglang"),
+    checked="2e64d788b67fe8155774200c87606e1e449c494b (the commit docs/miles.md pins; CPU / gloo in the py312 "
+    "lane's miles tests)",
+    why="miles' train.py runs on this fork, not on a megatron-core release; its megatron.core is a 0.16 "
+    "development tree (no megatron.core._rank_utils.safe_get_world_size, so Megatron-Bridge 0.6 does not import)",
+)
+
 MEGATRON_CORE = HostSupport(
     distribution="megatron-core",
     releases=">=0.16.1,<0.20",
-    tested=("0.16.1 on Python 3.11", "0.19.2 on Python 3.12"),
+    tested=("0.16.1 on Python 3.11", "0.19.2 on Python 3.12", "the miles fork on Python 3.12"),
     why="the layers subclass MLASelfAttention, MoELayer and TransformerLayer and rely on their constructor "
     "signatures; 0.16.1 is the newest wheel for Python 3.11",
     install="Install 'kimi-megatron-plugin[megatron]': megatron-core==0.16.1 (Python 3.11) or "
-    "megatron-core==0.19.2 (Python 3.12).",
+    "megatron-core==0.19.2 (Python 3.12), or run miles' Megatron-LM fork (radixark/Megatron-LM miles-main, "
+    "docs/miles.md) first on PYTHONPATH.",
+    forks=(MILES_MEGATRON_FORK,),
 )
 
 MEGATRON_BRIDGE = HostSupport(
@@ -121,6 +185,16 @@ def check_mcore_version(version: Version | str | None = None) -> Version:
     if not MEGATRON_CORE.accepts(v):
         raise PluginError(MEGATRON_CORE.refusal(f"megatron-core {v}"))
     return v
+
+
+def accepted_fork() -> HostFork | None:
+    """The accepted fork the installed megatron-core is (:data:`MILES_MEGATRON_FORK`), or None for a release
+    (or no megatron-core)."""
+    try:
+        v = mcore_version()
+    except PluginError:
+        return None
+    return next((f for f in MEGATRON_CORE.forks if f.matches(v)), None)
 
 
 def host_release(distribution: str) -> str | None:

@@ -123,6 +123,7 @@ def get_spec(args, config, vp_stage: int | None = None) -> TransformerBlockSubmo
             "describes the Kimi layers)"
         )
     kimi = load_config(path)
+    _own_latent_projections(config, kimi)
     mode = getattr(args, "kimi_expert_mode", None) or "w4a16"
     kw = {}
     if mode == "qat":
@@ -131,3 +132,25 @@ def get_spec(args, config, vp_stage: int | None = None) -> TransformerBlockSubmo
             "q_min": int(getattr(args, "kimi_qat_q_min", None) or -7),
         }
     return get_block_spec(kimi, config, vp_stage=vp_stage, expert_mode=mode, **kw)
+
+
+def _own_latent_projections(config, kimi: KimiConfig) -> None:
+    """Align miles' ``config`` (built from its command line) with config.json where our layers read it.
+
+    ``moe_latent_size`` (``--moe-latent-size``) is checked against config.json and cleared: K3's latent
+    projections are :class:`KimiMoELayer`'s own modules, and megatron's ``MoELayer`` would build TransformerEngine
+    ones (it asserts TE when the field is set). The RoPE fields (``rope_type``, base, YaRN scaling, mscale: what
+    MLA's rotary table and softmax scale read) are set from config.json as our provider sets them; the
+    command line has no flag for K3's NoPE.
+    """
+    from kimi_megatron_plugin.models.provider import _rope_kwargs  # provider imports this module
+
+    got = getattr(config, "moe_latent_size", None)
+    if got and got != kimi.routed_expert_hidden_size:
+        raise ValueError(
+            f"--moe-latent-size {got} != config.json routed_expert_hidden_size {kimi.routed_expert_hidden_size}"
+        )
+    if got:
+        config.moe_latent_size = None
+    for name, value in _rope_kwargs(kimi).items():
+        setattr(config, name, value)

@@ -30,7 +30,7 @@ ENTRY = PatchEntry(
     name="cpu_current_device",
     target="torch.cuda.current_device",
     host=MEGATRON_CORE.distribution,
-    versions=MEGATRON_CORE.releases,
+    versions=MEGATRON_CORE.ledger_releases,
     why="TopKRouter and (YaRN) RotaryEmbedding allocate on torch.cuda.current_device(); a CPU has no CUDA",
     how="replace torch.cuda.current_device by a function returning 'cpu', only when CUDA is absent; "
     "cpu_current_device.remove() undoes it",

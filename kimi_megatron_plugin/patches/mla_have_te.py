@@ -21,7 +21,7 @@ ENTRY = PatchEntry(
     name="mla_have_te",
     target="megatron.core.transformer.multi_latent_attention.HAVE_TE",
     host=MEGATRON_CORE.distribution,
-    versions=MEGATRON_CORE.releases,
+    versions=MEGATRON_CORE.ledger_releases,
     why="HAVE_TE is True without TE (mock classes), so MLA's isinstance(linear_proj, TELinear) raises",
     how="set HAVE_TE = False when TELinear is not a class",
     upstream="NVIDIA/Megatron-LM#6270 (avoid MCore CUDA assumptions in CPU-only model conversion)",

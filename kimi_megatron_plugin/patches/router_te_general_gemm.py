@@ -19,7 +19,7 @@ ENTRY = PatchEntry(
     name="router_te_general_gemm",
     target="megatron.core.transformer.moe.moe_utils.RouterGatingLinearFunction.forward",
     host=MEGATRON_CORE.distribution,
-    versions=MEGATRON_CORE.releases,
+    versions=MEGATRON_CORE.ledger_releases,
     why="forward tests te_general_gemm, a name bound only when TE imports: NameError without TE",
     how="bind moe_utils.te_general_gemm = None when absent (megatron takes its torch matmul path)",
     upstream="NVIDIA/Megatron-LM#6270 (avoid MCore CUDA assumptions in CPU-only model conversion)",

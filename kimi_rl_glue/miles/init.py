@@ -17,9 +17,10 @@ What :func:`init` does, each step idempotent:
 1. no GPU: :func:`kimi_megatron_plugin.patches.apply_cpu_shims` (nothing on a GPU);
 2. imports :mod:`kimi_megatron_plugin.spec`, which checks the megatron-core version and fixes its
    TransformerEngine-absent flags, so a wrong install fails here with the version named;
-3. :func:`kimi_megatron_plugin.bridge.register` when ``megatron.bridge`` is importable, else one
-   log line (raw mode needs no Bridge: the model comes from ``--spec kimi_megatron_plugin.spec
-   get_spec``, checkpoints from :mod:`kimi_megatron_plugin.checkpoint`);
+3. :func:`kimi_megatron_plugin.bridge.register` when ``megatron.bridge`` is installed and imports on
+   this megatron-core, else one log line saying why (raw mode needs no Bridge: the model comes from
+   ``--spec kimi_megatron_plugin.spec get_spec``, checkpoints from :mod:`kimi_megatron_plugin.checkpoint`;
+   on miles' Megatron-LM fork Megatron-Bridge 0.6 does not import);
 4. imports the model modules that installed ``kimi_rl.plugins`` offer for host ``megatron``
    (hook ``kimi_rl_models``), so their bridges register on import in this process too.
 
@@ -36,12 +37,17 @@ __all__ = ["init"]
 
 log = logging.getLogger(__name__)
 
+#: the module of our Bridge classes (what ``kimi_rl.plugins`` names for host ``megatron``)
+_BRIDGE_PACKAGE = "kimi_megatron_plugin.bridge"
+
 
 def init(args) -> dict:
     """``--custom-megatron-init-path`` hook; returns what was done (miles ignores the value).
 
     :returns: ``{"topk_transport": bool, "cpu_shims": bool, "bridge": {architecture: model_type} | None,
-        "plugin_models": [architecture, ...]}``.
+        "plugin_models": [architecture, ...]}``, plus ``"bridge_skipped"`` (the reason) where Megatron-Bridge is
+        installed but does not import on this megatron-core, with ``"plugin_models_skipped"`` (the architectures
+        whose model classes are our Bridge classes).
     """
     import torch
 
@@ -56,7 +62,10 @@ def init(args) -> dict:
         log.info("kimi_rl_glue.miles.init: no GPU, megatron-core CPU shims applied")
     import kimi_megatron_plugin.spec  # noqa: F401  (megatron-core version check, no-TE shims)
 
-    if bridge.bridge_available():
+    if bridge.bridge_available() and (why := _bridge_import_error(bridge)) is not None:
+        done["bridge_skipped"] = why
+        log.warning("kimi_rl_glue.miles.init: %s", why)
+    elif bridge.bridge_available():
         done["bridge"] = bridge.register()
         log.info("kimi_rl_glue.miles.init: Megatron-Bridge architectures registered: %s", sorted(done["bridge"]))
     else:
@@ -67,6 +76,26 @@ def init(args) -> dict:
     from kimi_rl_glue import plugins
 
     for arch, target in plugins.models("megatron").items():
+        if "bridge_skipped" in done and target.startswith(_BRIDGE_PACKAGE):
+            done.setdefault("plugin_models_skipped", []).append(arch)  # Bridge classes: they need Megatron-Bridge
+            continue
         plugins.resolve(target)  # ImportError names the target
         done["plugin_models"].append(arch)
     return done
+
+
+def _bridge_import_error(bridge) -> str | None:
+    """None when Megatron-Bridge imports on this megatron-core, else the one line saying why registration is
+    skipped (Megatron-Bridge 0.6 imports ``megatron.core._rank_utils.safe_get_world_size``, which miles'
+    Megatron-LM fork lacks)."""
+    from kimi_megatron_plugin.host_support import host_release
+
+    try:
+        bridge.import_bridge()
+    except ImportError as e:
+        return (
+            f"Megatron-Bridge {host_release('megatron-bridge')} does not import on megatron-core "
+            f"{host_release('megatron-core')} ({type(e).__name__}: {e}); Bridge registration skipped: raw mode "
+            "(--spec kimi_megatron_plugin.spec get_spec, the LoRA provider, kimi_megatron_plugin.checkpoint) needs none"
+        )
+    return None

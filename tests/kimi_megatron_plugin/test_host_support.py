@@ -33,3 +33,41 @@ def test_absent_host_has_no_release():
     from kimi_megatron_plugin.host_support import host_release
 
     assert host_release("kimi-no-such-distribution") is None
+
+
+def test_fork_release_string_alone_is_refused():
+    """0.16.0rc0 without the fork's tree (this lane's megatron-core is a release) is refused, and the message names
+    the fork that is accepted."""
+    from kimi_megatron_plugin.host_support import check_mcore_version
+
+    with pytest.raises(
+        PluginError, match=r"radixark/Megatron-LM miles-main \(reports 0\.16\.0rc0\).*found megatron-core"
+    ):
+        check_mcore_version("0.16.0rc0")
+
+
+def test_fork_needs_its_version_and_every_marker(monkeypatch):
+    """MILES_MEGATRON_FORK matches only its exact release string with all marker modules findable."""
+    import importlib.util
+
+    from kimi_megatron_plugin import host_support as hs
+
+    fork = hs.MILES_MEGATRON_FORK
+    present = set(fork.markers)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name in present else None)
+    assert fork.matches("0.16.0rc0") and hs.MEGATRON_CORE.accepts("0.16.0rc0")
+    assert str(hs.check_mcore_version("0.16.0rc0")) == "0.16.0rc0"
+    assert not fork.matches("0.16.0rc1") and not fork.matches("0.16.0")
+    present.discard(fork.markers[0])
+    assert not fork.matches("0.16.0rc0")
+
+
+def test_ledger_range_covers_releases_and_fork():
+    """The patch ledger's range holds the supported releases and the fork's, and not what lies outside."""
+    from packaging.specifiers import SpecifierSet
+
+    from kimi_megatron_plugin.host_support import MEGATRON_CORE
+
+    rng = SpecifierSet(MEGATRON_CORE.ledger_releases)
+    assert all(v in rng for v in ("0.16.0rc0", "0.16.1", "0.19.2"))
+    assert "0.20.0" not in rng and "0.15.3" not in rng

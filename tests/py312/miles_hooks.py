@@ -130,7 +130,10 @@ def _outcome(fn):
     try:
         return {"ok": fn()}
     except Exception as e:
-        return {"error": f"{type(e).__name__}: {e}"}
+        import traceback
+
+        where = traceback.format_exception(e)[-9:-1]  # the innermost frames, for the test's failure message
+        return {"error": f"{type(e).__name__}: {e}", "where": "".join(where)}
 
 
 def check_train_hooks(payload: dict) -> dict:
@@ -144,6 +147,11 @@ def check_train_hooks(payload: dict) -> dict:
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(1, 1)
+    # miles' initialize seeds the model-parallel CUDA RNG (model_parallel_cuda_manual_seed); a CPU has none, so
+    # megatron-core's no-op tracker stands in for it
+    from kimi_megatron_plugin.cpu_parallel import cpu_rng_tracker
+
+    cpu_rng_tracker()
     from miles.utils.misc import load_function
 
     out = {"init_target": None}
@@ -151,20 +159,92 @@ def check_train_hooks(payload: dict) -> dict:
     out["init_target"] = f"{init.__module__}.{init.__qualname__}"
     out["init"] = _outcome(lambda: _jsonable(init(args)))
 
-    def build():
-        from miles.backends.megatron_utils.lora_utils import resolve_lora_provider
-        from miles.backends.megatron_utils.model_provider import get_model_provider_func
-
-        module = resolve_lora_provider(args)
-        provider = module.wrap_model_provider_with_lora(get_model_provider_func(args, "actor"), args)
-        model = provider(pre_process=True, post_process=True, vp_stage=None)
-        lora = [n for n, p in model.named_parameters() if p.requires_grad]
-        return {"provider": module.__name__, "model": type(model).__name__, "trainable": len(lora)}
-
     from miles.backends.megatron_utils.lora_utils import resolve_lora_provider
 
     out["lora_provider_module"] = _outcome(lambda: resolve_lora_provider(args).__name__)
-    out["provider"] = _outcome(build)
+    builds = payload.get("builds") or [{"family": "k31", "checkpoint": args.hf_checkpoint}]
+    out["builds"] = {}
+    for build in builds:
+        b_args = args if "argv" not in build else _parsed(build)
+        out["builds"][build["family"]] = _outcome(lambda a=b_args, b=build: _build_forward_backward(a, b, payload))
+    return out
+
+
+def _parsed(build: dict):
+    saved = dict(os.environ)
+    os.environ.update(build["env"])
+    try:
+        return parse_miles_args(build["argv"])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _cpu_fp32(args) -> None:
+    """The parsed arguments this CPU check changes, each for a CPU reason: the alltoall dispatcher allocates a CUDA
+    stream when it is built, so the allgather one (the same routing at EP 1), which refuses variable sequence
+    lengths (one fixed micro-batch here); no activation recompute (megatron's CheckpointFunction saves the CUDA RNG
+    state); fp32 parameters against the fp32 / float64 oracle (the GPU runs bf16)."""
+    args.recompute_granularity = args.recompute_method = args.recompute_num_layers = None
+    args.moe_token_dispatcher_type = "allgather"
+    args.variable_seq_lengths = False
+    args.bf16 = False
+    args.params_dtype = torch.float32
+
+
+def _build_forward_backward(args, build: dict, payload: dict) -> dict:
+    """miles' actor model provider (``--spec``) wrapped by the LoRA provider miles resolves, called as ``get_model``
+    calls it; our HF loader fills the base (raw mode), a random adapter goes in through the provider's
+    ``load_lora_adapter_hf``; one forward and backward of the next-token cross-entropy on seeded tokens, against
+    kimi_core.reference in float64 with the same adapter file."""
+    import tempfile
+
+    from miles.backends.megatron_utils.lora_utils import resolve_lora_provider
+    from miles.backends.megatron_utils.model_provider import get_model_provider_func
+
+    from kimi_core.lora import random_adapter
+    from kimi_core.reference import load_reference_model
+    from kimi_megatron_plugin.checkpoint import load_hf_checkpoint
+    from kimi_megatron_plugin.lora.attach import lora_of
+
+    _cpu_fp32(args)
+    module = resolve_lora_provider(args)
+    provider = module.wrap_model_provider_with_lora(get_model_provider_func(args, "actor"), args)
+    model = provider(pre_process=True, post_process=True, vp_stage=None)
+    out = {"provider": module.__name__, "model": type(model).__name__}
+    out["trainable"] = sum(1 for p in model.parameters() if p.requires_grad)
+    load_hf_checkpoint(model, build["checkpoint"])
+    kimi, spec = model.kimi_config, lora_of(model).spec
+    experts = [m for n, m in model.named_modules() if n.endswith(".mlp.experts")]
+    out["expert_modes"] = sorted({getattr(e, "mode", "?") for e in experts})
+    out["experts_packed_uint8"] = all(e.gate_packed.dtype == torch.uint8 for e in experts)
+    out["expert_parameters"] = sum(1 for n, _ in model.named_parameters() if ".mlp.experts." in n)
+    with tempfile.TemporaryDirectory() as adapter_dir:
+        random_adapter(kimi, spec, seed=payload["seed"], layout=spec.expert_layout).save(adapter_dir)
+        out["adapter_tensors_loaded"] = module.load_lora_adapter_hf([model], adapter_dir)
+        g = torch.Generator().manual_seed(payload["seed"])
+        ids = torch.randint(0, kimi.vocab_size, (2, 9), generator=g)
+        pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+        logits = model(ids, pos, attention_mask=None)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+        with torch.no_grad():
+            ref = load_reference_model(build["checkpoint"], dtype=torch.float64)
+            ref_logits = ref(ids, adapter=adapter_dir)
+            ref_base = ref(ids)
+    ref_loss = torch.nn.functional.cross_entropy(ref_logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    rms = lambda a, b: float((a.double() - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    out.update(
+        loss=float(loss),
+        reference_loss=float(ref_loss),
+        logits_rel_rms=rms(logits.detach(), ref_logits),
+        adapter_moves_logits_rel_rms=rms(ref_logits, ref_base),
+        lora_grads=len(grads),
+        lora_grads_nonzero=sum(1 for g in grads if g is not None and bool(g.abs().sum() > 0)),
+        lora_grads_finite=all(g is not None and bool(torch.isfinite(g).all()) for g in grads),
+        base_grads=sum(1 for p in model.parameters() if not p.requires_grad and p.grad is not None),
+    )
     return out
 
 
@@ -229,8 +309,11 @@ def check_loss_dispatch(payload: dict) -> dict:
     (``score_centering_from_logits``) on the same float64 logits, value and logits gradient."""
     os.environ.update(payload["env"])
     args = payload.get("args") or parse_miles_args(payload["argv"])
-    # no GPU here: miles' get_batch puts cu_seqlens on the current CUDA device
-    torch.cuda.current_device = lambda: "cpu"
+    # no GPU here: miles' get_batch puts cu_seqlens on the current CUDA device (our init's CPU shim answers
+    # "cpu" where it ran; Tensor.cuda stays the identity for this process)
+    from kimi_megatron_plugin import patches
+
+    patches.apply_cpu_shims()
     torch.Tensor.cuda = lambda self, *a, **k: self
     from miles.backends.training_utils.data import DataIterator, get_batch
     from miles.backends.training_utils.loss import loss_function

@@ -38,7 +38,10 @@ def test_rows_use_the_supported_host_ranges():
     from kimi_megatron_plugin.host_support import MEGATRON_BRIDGE, MEGATRON_CORE
 
     for name in MCORE_ROWS:
-        assert (patches.LEDGER[name].host, patches.LEDGER[name].versions) == ("megatron-core", MEGATRON_CORE.releases)
+        assert (patches.LEDGER[name].host, patches.LEDGER[name].versions) == (
+            "megatron-core",
+            MEGATRON_CORE.ledger_releases,
+        )
     te = patches.LEDGER["te_stub"]
     assert (te.host, te.versions) == ("megatron-bridge", MEGATRON_BRIDGE.releases)
 
