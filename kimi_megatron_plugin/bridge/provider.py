@@ -34,6 +34,9 @@ class KimiBridgeProvider(KimiModelProvider, ModelProviderMixin):
     expert_model_parallel_size: int = 1
     params_dtype: torch.dtype = torch.float32
     perform_initialization: bool = True
+    # Bridge's get_model reads and sets these (its bf16 / fp16 arguments) before it sets params_dtype
+    fp16: bool = False
+    bf16: bool = False
 
     def __post_init__(self):
         pass  # deferred to finalize()

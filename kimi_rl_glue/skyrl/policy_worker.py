@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from inspect import signature
 
 import torch
 
@@ -30,9 +31,6 @@ class KimiMegatronPolicyWorker(MegatronPolicyWorkerBase):
     """SkyRL's Megatron policy worker building the Kimi model (see :mod:`kimi_rl_glue.skyrl.worker`)."""
 
     def init_model(self, model_path, num_training_steps: int = 1e9):
-        from kimi_megatron_plugin import bridge
-
-        bridge.register(force=True)
         out = super().init_model(model_path, num_training_steps)
         params = [p for chunk in self.actor_module for p in chunk.parameters()]
         say(
@@ -46,8 +44,10 @@ class KimiMegatronPolicyWorker(MegatronPolicyWorkerBase):
 
     def init_configs(self, model_path, *args, **kwargs):
         from kimi_core.config import load_config
+        from kimi_megatron_plugin import bridge
         from kimi_megatron_plugin.bridge.model_bridge import KimiBridge
 
+        bridge.register(force=True)  # after SkyRL's own registrations, before its AutoBridge lookup
         super().init_configs(model_path, *args, **kwargs)
         source = kwargs.get("bridge_weights_path") or model_path
         chosen = self.bridge._model_bridge
@@ -67,7 +67,18 @@ class KimiMegatronPolicyWorker(MegatronPolicyWorkerBase):
         self.provider.expert_mode, self.provider.expert_kwargs = mode, kw
         say(self._rank, "bridge %s, experts %s%s", type(chosen).__name__, mode, f" {kw}" if kw else "")
 
-    def make_megatron_module(self, wrap_with_ddp=True, ddp_config=None, lora_config=None, lora_type="lora", bf16=True):
+    def make_megatron_module(
+        self,
+        wrap_with_ddp=True,
+        ddp_config=None,
+        lora_config=None,
+        lora_type="lora",
+        experts_shared_outer_loras=None,
+        bf16=True,
+    ):
+        """SkyRL's model build with Kimi LoRA attached as the pre-wrap hook instead of Bridge PEFT.
+
+        ``experts_shared_outer_loras``: skyrl 0.4.0 passes it (SkyRL main has no such argument, ``None`` here)."""
         from kimi_megatron_plugin.lora.attach import attach_lora, needs_ep_reduction
 
         if lora_config is not None:
@@ -76,7 +87,9 @@ class KimiMegatronPolicyWorker(MegatronPolicyWorkerBase):
                     f"trainer.policy.megatron_config.lora_config.lora_type={lora_type!r}: Kimi LoRA is 'lora'"
                 )
             theirs = getattr(self.cfg.policy.megatron_config.lora_config, "normalize_moe_lora", None)
-            spec = lora_spec_of(lora_config, self.cfg.policy.model, self.cfg.policy.model.path, theirs)
+            spec = lora_spec_of(
+                lora_config, self.cfg.policy.model, self.cfg.policy.model.path, theirs, bool(experts_shared_outer_loras)
+            )
             seed = int(self.cfg.seed)
             rank = self._rank
 
@@ -102,8 +115,17 @@ class KimiMegatronPolicyWorker(MegatronPolicyWorkerBase):
 
             self.provider.register_pre_wrap_hook(kimi_lora_hook)
             self.kimi_lora_spec = spec
-        return super().make_megatron_module(
-            wrap_with_ddp=wrap_with_ddp, ddp_config=ddp_config, lora_config=None, lora_type=lora_type, bf16=bf16
+        base = super().make_megatron_module
+        release_kw = (
+            {"experts_shared_outer_loras": False} if "experts_shared_outer_loras" in signature(base).parameters else {}
+        )
+        return base(
+            wrap_with_ddp=wrap_with_ddp,
+            ddp_config=ddp_config,
+            lora_config=None,
+            lora_type=lora_type,
+            bf16=bf16,
+            **release_kw,
         )
 
     async def broadcast_to_inference_engines(self, inference_engine_client, inference_engine_cfg, model_id=None):

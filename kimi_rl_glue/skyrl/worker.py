@@ -72,13 +72,17 @@ def _names(value) -> list[str]:
     return target_names(value)
 
 
-def lora_spec_of(lora_cfg, model_cfg, base_path: str, skyrl_normalize: bool | None = None) -> LoraSpec:
+def lora_spec_of(
+    lora_cfg, model_cfg, base_path: str, skyrl_normalize: bool | None = None, shared_outer: bool = False
+) -> LoraSpec:
     """The :class:`~kimi_core.lora.LoraSpec` of SkyRL's ``trainer.policy.model.lora`` (+ our ``kimi`` options).
 
     ``target_modules`` / ``exclude_modules`` take Megatron leaves (``linear_proj``, ``linear_fc1``, ...) as SkyRL's
     Megatron path does, or HF leaves; ``all-linear`` is every Kimi LoRA target. Routed experts train at rank
     ``rank // top_k`` with ``kimi.normalize_moe_lora``; ``skyrl_normalize`` is SkyRL's own
     ``megatron_config.lora_config.normalize_moe_lora`` where the release has it (``None`` where not): they must agree.
+    ``shared_outer``: SkyRL's ``megatron_config.lora_config.experts_shared_outer_loras`` (skyrl 0.4.0): routed experts
+    share gate/up's A and down's B per layer (``expert_layout="shared_outer"``); the adapter is still served per expert.
 
     :raises PluginError: dropout (Kimi LoRA has none), a non-``kaiming`` / ``normal`` init, or disagreeing flags.
     """
@@ -98,6 +102,7 @@ def lora_spec_of(lora_cfg, model_cfg, base_path: str, skyrl_normalize: bool | No
         alpha=float(lora_cfg.alpha),
         target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else hf_leaves(targets),
         exclude_modules=hf_leaves(_names(getattr(lora_cfg, "exclude_modules", None))),
+        expert_layout="shared_outer" if shared_outer else "per_expert",
         normalize_moe_lora=ours,
         base_model_name_or_path=base_path,
     )

@@ -38,6 +38,8 @@ def test_lora_spec_from_skyrl_names():
     assert lora_spec_of(_lora("['linear_proj']"), _model(), "/c").target_modules == ("o_proj",)
     assert lora_spec_of(_lora(), _model(), "/c").target_modules == ALL_LINEAR
     assert lora_spec_of(_lora(exclude="linear_kv_up_proj"), _model(), "/c").exclude_modules == ("kv_b_proj",)
+    assert lora_spec_of(_lora(), _model(), "/c").expert_layout == "per_expert"
+    assert lora_spec_of(_lora(), _model(), "/c", shared_outer=True).expert_layout == "shared_outer"
 
 
 def test_lora_spec_refusals_name_the_key():
