@@ -121,8 +121,10 @@ def score_centering_loss_sharded(
     :param sum_of_sample_mean: miles' reducer for this rank: it takes the flat per-token values of the
         local response tokens (in :func:`~kimi_rl_glue.miles.responses.iter_local_responses` order).
     Batch keys: ``unconcat_tokens``, ``total_lengths``, ``response_lengths``, ``loss_masks``,
-    ``advantages``, ``rollout_log_probs`` (full ``[resp]`` each) and ``rollout_topk_token_ids`` /
-    ``rollout_topk_log_probs`` (full ``[resp, K]`` each, padding id -1 / log-prob -inf).
+    ``advantages``, ``rollout_log_probs`` (``[resp]`` each) and ``rollout_topk_token_ids`` /
+    ``rollout_topk_log_probs`` (``[resp, K]`` each, padding id -1 / log-prob -inf); under CP each may instead
+    hold this rank's rows in miles' zigzag order (``[C_i]`` / ``[C_i, K]``: what miles' ``get_rollout_data`` and
+    advantage step leave, and what :mod:`kimi_rl_glue.miles.topk_transport` slices the top-K to).
     Metrics: ``loss``, ``pg_loss``, the ``sc_*`` metrics, ``train_rollout_logprob_abs_diff``,
     ``train_rollout_kl``.
 
@@ -139,17 +141,21 @@ def score_centering_loss_sharded(
     for i, (chunk, tokens, rows) in enumerate(iter_local_responses(args, batch, logits, layout)):
         sample_ids = torch.as_tensor(batch["rollout_topk_token_ids"][i]).to(dev).long()
         resp = int(batch["response_lengths"][i])
-        if sample_ids.dim() != 2 or sample_ids.shape[0] != resp:
+        if sample_ids.dim() != 2 or sample_ids.shape[0] not in (resp, rows.numel()):
             raise ValueError(
                 f"sample {i}: rollout_topk_token_ids has shape {tuple(sample_ids.shape)}, expected [{resp}, K] "
-                "(one row of candidates per response token)"
+                f"(one row of candidates per response token) or this CP rank's [{rows.numel()}, K]"
             )
+
+        def local(key, value):
+            return _local_rows(key, i, value, rows, resp, layout)
+
         chunks.append(chunk)
-        ids.append(torch.cat([tokens[:, None], sample_ids[rows]], dim=1))
-        head.append(torch.as_tensor(batch["rollout_topk_log_probs"][i]).to(dev, dt)[rows])
-        rollout_lp.append(torch.as_tensor(batch["rollout_log_probs"][i]).to(dev, dt)[rows])
-        adv.append(torch.as_tensor(batch["advantages"][i]).to(dev, dt)[rows])
-        active.append(torch.as_tensor(batch["loss_masks"][i]).to(dev)[rows].bool())
+        ids.append(torch.cat([tokens[:, None], local("rollout_topk_token_ids", sample_ids)], dim=1))
+        head.append(local("rollout_topk_log_probs", torch.as_tensor(batch["rollout_topk_log_probs"][i]).to(dev, dt)))
+        rollout_lp.append(local("rollout_log_probs", torch.as_tensor(batch["rollout_log_probs"][i]).to(dev, dt)))
+        adv.append(local("advantages", torch.as_tensor(batch["advantages"][i]).to(dev, dt)))
+        active.append(local("loss_masks", torch.as_tensor(batch["loss_masks"][i]).to(dev)).bool())
     n_local = sum(c.shape[0] for c in chunks)
     if n_local == 0:  # no response token on this rank: keep the graph connected, report nothing
         zero = 0 * logits.sum()
@@ -179,6 +185,27 @@ def score_centering_loss_sharded(
     metrics.update(_mismatch(lp, torch.cat(rollout_lp), act, sum_of_sample_mean))
     metrics.update(loss=pg_loss.detach(), pg_loss=pg_loss.detach())
     return pg_loss, metrics
+
+
+def _local_rows(key: str, i: int, value: torch.Tensor, rows: torch.Tensor, resp: int, layout: ShardLayout):
+    """This rank's rows of sample ``i``'s per-token ``value``: a full ``[resp, *]`` field is indexed with ``rows``;
+    a field of ``rows.numel()`` rows is already this CP rank's slice in miles' zigzag order (what miles hands the
+    loss for ``rollout_log_probs`` and the advantages under CP, and ``topk_transport`` for the top-K fields), the
+    order of ``rows``. Both agree where the rank holds the whole response."""
+    n = rows.numel()
+    if value.shape[0] == resp:
+        return value[rows]
+    if value.shape[0] == n and layout.cp_size > 1:
+        if layout.allgather_cp:
+            raise ValueError(
+                f"sample {i}: {key} has this CP rank's {n} rows (miles' zigzag slice) but --allgather-cp lays the "
+                "logits out contiguously; score centering reads CP-sliced fields only in the zigzag layout "
+                "(drop --allgather-cp)"
+            )
+        return value
+    raise ValueError(
+        f"sample {i}: {key} has {value.shape[0]} rows; expected the response's {resp} or this CP rank's {n}"
+    )
 
 
 def _log_probs(args, batch: dict, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,8 +13,11 @@
    ``miles/backends/megatron_utils/model.py`` calls with a fixed key list asks also for the two fields
    when the rollout data has them.
 
-The fields stay full ``[resp, K]`` rows on every CP rank (miles CP-slices only the keys it knows);
-``score_centering_loss`` picks each rank's rows itself. Ray's object store (miles' default) carries any
+Context parallelism: miles hands the train step ``rollout_log_probs`` (``get_rollout_data``) and the
+advantages it computes from them as this CP rank's response rows (``slice_log_prob_with_cp`` in
+``miles/backends/training_utils/cp_utils.py``: the zigzag chunks ``r`` and ``2 cp - 1 - r``, in that order,
+also under ``--allgather-cp``). The wrapped ``get_batch`` slices the two top-K fields with that same function,
+so every per-token field the loss reads has this rank's ``[C_i]`` rows (``[C_i, K]``) in one order. Ray's object store (miles' default) carries any
 key; the Mooncake store's typed field schemas do not know these two.
 
 The custom conversion replaces miles' call, which also passes the rollout metadata: a run with
@@ -37,6 +40,7 @@ __all__ = [
     "convert_samples_to_train_data",
     "install_rollout_side",
     "install_train_side",
+    "slice_per_cp_rank",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,7 +67,8 @@ PATCHES = (
         host="miles",
         versions=">=0.1.0",
         why="the train step asks get_batch for a fixed key list without rollout_topk_*",
-        how="wrap the name model.py calls: add rollout_topk_* to the keys when the rollout data has them",
+        how="wrap the name model.py calls: add rollout_topk_* to the keys when the rollout data has them, and "
+        "slice them per CP rank as miles slices rollout_log_probs (slice_log_prob_with_cp)",
         upstream=_UPSTREAM,
         remove_when=_REMOVE,
         expect="reads:get_parallel_state",
@@ -119,11 +124,38 @@ def install_train_side() -> bool:
         def get_batch(data_iterator, keys, *args, **kwargs):
             data = getattr(data_iterator, "rollout_data", None) or {}
             extra = [k for k in TOPK_KEYS if k in data and k not in keys]
-            return original(data_iterator, [*keys, *extra], *args, **kwargs)
+            batch = original(data_iterator, [*keys, *extra], *args, **kwargs)
+            qkv_format = kwargs.get("qkv_format", args[1] if len(args) > 1 else "thd")
+            for key in extra:
+                if batch.get(key) is not None:
+                    batch[key] = slice_per_cp_rank(batch, batch[key], qkv_format)
+            return batch
 
         return get_batch
 
     return _wrap(PATCHES[1], make)
+
+
+def slice_per_cp_rank(batch: dict, rows: list, qkv_format: str) -> list:
+    """This CP rank's response rows of each sample's ``[resp, K]`` array, as miles' ``get_rollout_data`` slices
+    ``rollout_log_probs`` (``slice_log_prob_with_cp``, zigzag order; the rows unchanged at CP 1).
+
+    :param batch: the micro-batch (``total_lengths``, ``response_lengths``; ``max_seq_lens`` for bshd).
+    :param rows: one ``[resp, K]`` array (numpy or torch) per sample.
+    :returns: one ``[C_i, K]`` tensor per sample.
+    """
+    import torch
+    from miles.backends.training_utils.cp_utils import slice_log_prob_with_cp
+
+    max_lens = batch.get("max_seq_lens") if qkv_format == "bshd" else None
+    return [
+        slice_log_prob_with_cp(
+            torch.as_tensor(value), int(total), int(resp), qkv_format, int(max_lens[i]) if max_lens else None
+        )
+        for i, (value, total, resp) in enumerate(
+            zip(rows, batch["total_lengths"], batch["response_lengths"], strict=True)
+        )
+    ]
 
 
 def convert_samples_to_train_data(args, samples):

@@ -377,7 +377,10 @@ def check_train_side(payload: dict) -> dict:
     (miles imported and the arguments parsed once)."""
     os.environ.update(payload["env"])
     payload = {**payload, "args": parse_miles_args(payload["argv"])}
-    out = {"loss": check_loss_dispatch(payload), "hooks": check_train_hooks(payload)}
+    out = {"loss": check_loss_dispatch(payload)}
+    if payload.get("cp"):  # forks its ranks: before this process joins a process group
+        out["cp"] = _outcome(lambda: check_cp_loss(payload))
+    out["hooks"] = check_train_hooks(payload)
     out["transport"] = _outcome(lambda: check_topk_transport(payload))
     return out
 
@@ -455,3 +458,121 @@ def _reference_loss(args, data, logits):
         m = data["loss_masks"][i].double()
         ref = ref + ((per_token * m).sum() if args.calculate_per_token_loss else (per_token * m).sum() / m.sum())
     return ref
+
+
+def _cp_rank_loss(args, payload: dict, rank: int, cp: int, queue) -> None:
+    """One CP rank (forked, gloo world of ``cp``): the per-token fields as miles hands them to the train step
+    (``rollout_log_probs`` and the advantages sliced by ``slice_log_prob_with_cp``, as ``get_rollout_data`` and
+    its GRPO step leave them; the top-K full, as the conversion carries them), the micro-batch from the train
+    step's (wrapped) ``get_batch``, this rank's zigzag rows of the global logits, miles' ``loss_function``."""
+    torch.set_num_threads(1)  # the parent's OpenMP pool does not survive the fork
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(payload["cp_port"]))
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=cp)
+        queue.put((rank, _cp_loss(args, payload, rank, cp, torch.distributed.group.WORLD)))
+    except Exception as e:  # the parent reports it
+        queue.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+
+
+def _cp_loss(args, payload: dict, rank: int, cp: int, group) -> dict:
+    from miles.backends.training_utils.cp_utils import slice_log_prob_with_cp
+    from miles.backends.training_utils.data import DataIterator
+    from miles.backends.training_utils.loss import loss_function
+    from miles.backends.training_utils.parallel import ParallelState, set_parallel_state
+    from miles.utils.ft_utils.process_group_utils import GroupInfo
+
+    from kimi_megatron_plugin import patches
+    from kimi_rl_glue.miles import topk_transport
+
+    patches.apply_cpu_shims()  # no GPU: miles' get_batch puts cu_seqlens on the current CUDA device
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    one = GroupInfo(rank=0, size=1, group=None)
+    cpg = GroupInfo(rank=rank, size=cp, group=group) if cp > 1 else one
+    set_parallel_state(ParallelState(one, cpg, cpg, one, one, one, one, one))
+    topk_transport.install_train_side()
+    from miles.backends.megatron_utils import model as train_step
+
+    data = _score_centering_data(payload["vocab"], payload["seed"])
+    for key in ("rollout_log_probs", "advantages"):
+        data[key] = [
+            slice_log_prob_with_cp(v, t, r, args.qkv_format)
+            for v, t, r in zip(data[key], data["total_lengths"], data["response_lengths"], strict=True)
+        ]
+    batch = train_step.get_batch(
+        DataIterator(data, micro_batch_size=len(data["tokens"])),
+        TRAIN_STEP_KEYS,
+        args.data_pad_size_multiplier,
+        args.qkv_format,
+        allgather_cp=False,
+    )
+    # the global logits of each sample over its zigzag-padded length 2 cp * chunk (seeded, the same in every rank)
+    g = torch.Generator().manual_seed(payload["seed"] + 2)
+    glob = []
+    for total in data["total_lengths"]:
+        chunk = -(-total // (2 * payload["cp"]))
+        glob.append(3 * torch.randn(2 * payload["cp"] * chunk, payload["vocab"], generator=g, dtype=torch.float64))
+    pieces, where = [], []  # where: (sample, global row) of each local row
+    for i, (total, logits) in enumerate(zip(data["total_lengths"], glob, strict=True)):
+        if cp == 1:
+            pieces.append(logits[:total])
+            where += [(i, p) for p in range(total)]
+            continue
+        chunk = logits.shape[0] // (2 * cp)
+        for c in (rank, 2 * cp - 1 - rank):
+            pieces.append(logits[c * chunk : (c + 1) * chunk])
+            where += [(i, p) for p in range(c * chunk, (c + 1) * chunk)]
+    n = batch["tokens"].shape[-1]
+    local = torch.cat(pieces)
+    local = torch.cat([local, local.new_zeros(n - local.shape[0], local.shape[1])])[None].requires_grad_(True)
+    loss, _normalizer, _log = loss_function(args, batch, 1, local, True)
+    loss.backward()
+    grads = [torch.zeros_like(x) for x in glob]
+    for row, (i, p) in enumerate(where):
+        grads[i][p] = local.grad[0, row]
+    return {
+        "loss": float(loss),
+        "topk_rows": [int(x.shape[0]) for x in batch["rollout_topk_token_ids"]],
+        "rollout_rows": [int(x.shape[0]) for x in batch["rollout_log_probs"]],
+        "grads": [x.tolist() for x in grads],
+    }
+
+
+def check_cp_loss(payload: dict) -> dict:
+    """Score centering at CP ``payload["cp"]`` (forked ranks, gloo) through miles' slicing, the wrapped
+    ``get_batch`` and ``loss_function``, against CP 1 in this process: miles scales the per-token loss by the CP
+    size and Megatron averages the gradients over CP, so the mean over ranks of the returned loss and of the
+    logits gradient equal CP 1's."""
+    import multiprocessing
+
+    args = payload["args"]
+    cp = payload["cp"]
+    ctx = multiprocessing.get_context("fork")  # miles is imported; no process group exists yet
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_cp_rank_loss, args=(args, payload, r, cp, queue)) for r in range(cp)]
+    for p in procs:
+        p.start()
+    ranks = dict(queue.get(timeout=240) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    errors = {r: v["error"] for r, v in ranks.items() if "error" in v}
+    if errors:
+        return {"errors": errors}
+    one = _cp_loss(args, payload, 0, 1, None)
+    mean_grad = [torch.tensor(g) for g in ranks[0]["grads"]]
+    for r in range(1, cp):
+        mean_grad = [a + torch.tensor(b) for a, b in zip(mean_grad, ranks[r]["grads"], strict=True)]
+    mean_grad = [g / cp for g in mean_grad]
+    ref_grad = [torch.tensor(g) for g in one["grads"]]
+    return {
+        "loss_cp": sum(ranks[r]["loss"] for r in range(cp)) / cp,
+        "loss_cp1": one["loss"],
+        "rank_losses": [ranks[r]["loss"] for r in range(cp)],
+        "topk_rows": [ranks[r]["topk_rows"] for r in range(cp)],
+        "rollout_rows": [ranks[r]["rollout_rows"] for r in range(cp)],
+        "response_lengths": _score_centering_data(payload["vocab"], payload["seed"])["response_lengths"],
+        "grad_max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(mean_grad, ref_grad, strict=True)),
+        "grad_max_abs": max(float(b.abs().max()) for b in ref_grad),
+    }
+
+
+CHECKS["cp_loss"] = check_cp_loss

@@ -12,6 +12,9 @@ Top-K transport: our ``--custom-convert-samples-to-train-data-path`` and the two
 ``kimi_rl_glue.miles.topk_transport`` carry the producer's fields through miles' DP split and train-step
 ``get_batch`` into the loss.
 
+Context parallelism: CP 2 (two forked ranks) through miles' own per-rank slicing and ``loss_function`` equals
+CP 1.
+
 Init and LoRA provider, in a gloo world of one, as miles' actor calls them, on miles' own Megatron-LM fork
 (megatron-core 0.16.0rc0, accepted by kimi_megatron_plugin as ``MILES_MEGATRON_FORK``):
 ``load_function(args.custom_megatron_init_path)(args)`` (``megatron_utils/initialize.py``) runs our init (Bridge
@@ -52,10 +55,13 @@ def train_side(tmp_path_factory):
     argv, env = script_command(K31, Path(k31), ONE_GPU)
     argv3, env3 = script_command(K3, Path(k3), ONE_GPU)
     builds = [{"family": "k31", "checkpoint": k31}, {"family": "k3", "checkpoint": k3, "argv": argv3, "env": env3}]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    payload = {"argv": argv, "env": env, "port": port, "vocab": 64, "seed": 3, "builds": builds}
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    payload = {"argv": argv, "env": env, "port": ports[0], "vocab": 64, "seed": 3, "builds": builds}
+    payload.update(cp=2, cp_port=ports[1])
     return run_check("train_side", payload)
 
 
@@ -82,6 +88,23 @@ def test_topk_fields_reach_the_loss_through_miles(train_side):
     assert out["loss"] == pytest.approx(out["reference"], rel=1e-6)
 
 
+def test_cp2_through_miles_slicing_equals_cp1(train_side):
+    """CP 2 (two forked ranks, gloo): rollout_log_probs and the advantages sliced per rank by miles'
+    slice_log_prob_with_cp (as get_rollout_data and its GRPO step leave them), the top-K sliced the same way by
+    the wrapped get_batch, each rank's zigzag rows of the logits, miles' loss_function: the mean over ranks of
+    the returned loss (miles scales the per-token loss by the CP size) and of the logits gradient (Megatron's
+    average over CP) equal CP 1's, float64. One sample's whole response lies on one rank (the other holds none)."""
+    out = train_side["cp"]
+    assert "ok" in out, out
+    out = out["ok"]
+    assert "errors" not in out, out
+    assert out["topk_rows"] == out["rollout_rows"]
+    assert [a + b for a, b in zip(*out["topk_rows"], strict=True)] == out["response_lengths"]
+    assert 0 in out["topk_rows"][0] + out["topk_rows"][1]
+    assert out["loss_cp"] == pytest.approx(out["loss_cp1"], rel=1e-12, abs=1e-12)
+    assert out["grad_max_abs_diff"] <= 1e-12 * max(1.0, out["grad_max_abs"])
+
+
 def test_train_step_keys_lack_topk(dispatched):
     """miles' own get_batch key list: our loss raises MissingRolloutField naming rollout_topk_token_ids."""
     err = dispatched["train_step_keys"]["error"]
@@ -96,12 +119,11 @@ def test_loss_and_grad_equal_plain_per_sample_loss(dispatched):
 
 
 def test_init_runs_on_the_fork(hooks):
-    """--custom-megatron-init-path resolves to our init, which runs on the fork: top-K transport installed, CPU shims,
-    and the Bridge registration skipped with one line naming the release pair and the import that fails."""
+    """--custom-megatron-init-path resolves to our init, which runs on the fork: CPU shims, and the Bridge registration skipped with one line naming the release pair and the import that fails."""
     assert hooks["init_target"] == "kimi_rl_glue.miles.init.init"
     assert "ok" in hooks["init"], hooks["init"]
     done = hooks["init"]["ok"]
-    assert done["topk_transport"] is True and done["cpu_shims"] is True and done["bridge"] is None
+    assert done["cpu_shims"] is True and done["bridge"] is None  # (the get_batch wrap: the transport test)
     why = done["bridge_skipped"]
     assert "megatron-core 0.16.0rc0" in why and "safe_get_world_size" in why and "raw mode" in why, why
     assert "KimiK3ForConditionalGeneration" in done["plugin_models_skipped"]
