@@ -127,6 +127,10 @@ def test_skyrl_builds_our_model_with_kimi_lora(expert_weights, quant, tiny_ckpt,
     with torch.no_grad():
         got = model(ids, pos, attention_mask=None)
     assert_close(f"k2 {expert_weights} via SkyRL's build", load_reference_model(path)(ids), got, 1e-4)
+    adapter = worker._export_adapter()  # what broadcast_to_inference_engines writes for vLLM
+    k = model.kimi_config
+    expert_keys = [n for n in adapter.tensors if ".experts." in n and ".shared_experts." not in n]
+    assert len(expert_keys) == (k.num_hidden_layers - k.first_k_dense_replace) * k.n_routed_experts * 3 * 2
 
 
 def test_shared_outer_flag_of_skyrl_040_reaches_the_spec_and_exports_per_expert(tiny_ckpt, mcore_world):
