@@ -123,7 +123,7 @@ def get_spec(args, config, vp_stage: int | None = None) -> TransformerBlockSubmo
             "describes the Kimi layers)"
         )
     kimi = load_config(path)
-    _own_latent_projections(config, kimi)
+    _align_config_with_checkpoint(config, kimi)
     mode = getattr(args, "kimi_expert_mode", None) or "w4a16"
     kw = {}
     if mode == "qat":
@@ -134,7 +134,7 @@ def get_spec(args, config, vp_stage: int | None = None) -> TransformerBlockSubmo
     return get_block_spec(kimi, config, vp_stage=vp_stage, expert_mode=mode, **kw)
 
 
-def _own_latent_projections(config, kimi: KimiConfig) -> None:
+def _align_config_with_checkpoint(config, kimi: KimiConfig) -> None:
     """Align miles' ``config`` (built from its command line) with config.json where our layers read it.
 
     ``moe_latent_size`` (``--moe-latent-size``) is checked against config.json and cleared: K3's latent
