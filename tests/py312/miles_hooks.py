@@ -340,24 +340,8 @@ def check_loss_dispatch(payload: dict) -> dict:
     loss, normalizer, _log = loss_function(args, batch_for(TRAIN_STEP_KEYS + TOPK_KEYS), 1, logits, True)
     loss.backward()
 
-    from kimi_rl_glue.losses.score_centering import score_centering_from_logits
-
     ref_logits = base.clone().requires_grad_(True)
-    ref, off = 0, 0
-    for i, (total, resp) in enumerate(zip(data["total_lengths"], data["response_lengths"], strict=True)):
-        rows = ref_logits[0, off + total - resp - 1 : off + total - 1] / float(args.rollout_temperature)
-        off += total
-        per_token, _, _ = score_centering_from_logits(
-            rows,
-            data["tokens"][i][-resp:],
-            data["rollout_topk_token_ids"][i],
-            data["rollout_log_probs"][i].double(),
-            data["rollout_topk_log_probs"][i],
-            data["advantages"][i].double(),
-            importance=getattr(args, "score_centering_is", "none") or "none",
-        )
-        m = data["loss_masks"][i].double()
-        ref = ref + ((per_token * m).sum() if args.calculate_per_token_loss else (per_token * m).sum() / m.sum())
+    ref = _reference_loss(args, data, ref_logits)
     ref.backward()
     out.update(
         loss=float(loss),
