@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterable
 
@@ -72,9 +73,15 @@ def save_shard(tensors: dict[str, torch.Tensor], path: str, metadata: dict | Non
     os.replace(tmp, path)
 
 
+#: safetensors (0.8) writes a file through Rust's ``tempfile`` crate: ``.tmp`` and six random letters or digits in
+#: the target's folder, renamed when complete; a process killed mid-write leaves it behind
+_SAFETENSORS_TEMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+
+
 def is_temporary(name: str) -> bool:
-    """Whether ``name`` is a temporary file of :func:`save_shard` / :func:`atomic_write_text` (a crash's leftover)."""
-    return name.startswith(".") and ".tmp." in name
+    """Whether ``name`` is a temporary file of :func:`save_shard` / :func:`atomic_write_text` or of the safetensors
+    writer under them (a crash's leftover)."""
+    return (name.startswith(".") and ".tmp." in name) or _SAFETENSORS_TEMP.fullmatch(name) is not None
 
 
 def replace_directory(path: str, fill: Callable[[str], object]) -> None:

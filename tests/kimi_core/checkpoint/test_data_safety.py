@@ -106,3 +106,18 @@ def test_dequantize_killed_midway_is_finished_by_the_rerun(tmp_path):
     assert rb.keys() == rc.keys()
     for k in rc.keys():
         assert torch.equal(rb.get(k), rc.get(k)), k
+
+
+def test_leftovers_of_a_killed_writer_are_recognised(tmp_path):
+    """A kill inside safetensors' own write leaves its Rust ``tempfile`` (``.tmp`` + six characters) beside our
+    ``.<name>.tmp.<pid>``: the rerun's clean-up knows both, and nothing a checkpoint holds."""
+    from safetensors.torch import save_file
+
+    from kimi_core.checkpoint.writer import is_temporary
+
+    save_file({"a": torch.zeros(4)}, str(tmp_path / "probe.safetensors"))
+    assert os.listdir(tmp_path) == ["probe.safetensors"]  # the writer renamed its temporary file
+    for name in (".tmpiuEMRV", ".tmp0aZ9xQ", ".model-00001-of-00002.safetensors.tmp.4242", ".config.json.tmp.7"):
+        assert is_temporary(name), name
+    for name in ("model-00001-of-00002.safetensors", "config.json", ".tmpiuEMRVx", "tmpiuEMRV", ".tmp", ".gitkeep"):
+        assert not is_temporary(name), name
